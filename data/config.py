@@ -256,6 +256,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         return value
     if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "2e-3" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if tp is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -1,0 +1,84 @@
+"""The config system: strict keys, dotted overrides, resolved config in the run folder."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eagle3ft.data.config import REPO_ROOT, Config, ConfigError, load_config, parse_cli
+
+SHIPPED = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_file_values(tmp_path):
+    cfg = load_config(write(tmp_path, "run_name: x\ntrain:\n  lr: 3.0e-4\n  ttt_steps: 5\n"))
+    assert isinstance(cfg, Config)
+    assert cfg.run_name == "x" and cfg.train.lr == 3e-4 and cfg.train.ttt_steps == 5
+    assert cfg.train.step_decay == 0.8  # untouched default
+
+
+def test_unknown_key_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.learning_rate"):
+        load_config(write(tmp_path, "train:\n  learning_rate: 1\n"))
+    with pytest.raises(ConfigError, match=r"'bogus'"):
+        load_config(write(tmp_path, "bogus: 1\n"))
+
+
+def test_unknown_key_in_list_item_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"harvest\.sources\[0\]\.lmit"):
+        load_config(write(tmp_path, "harvest:\n  sources:\n    - kind: sharegpt\n      lmit: 3\n"))
+
+
+def test_dotted_overrides_parse_yaml_values(tmp_path):
+    p = write(tmp_path, "train:\n  lr: 1.0e-4\n")
+    cfg = load_config(p, ["train.lr=2e-3", "train.max_steps=7", "harvest.sources=[{kind: mtbench, limit: 2}]", "train.resume=auto"])
+    assert cfg.train.lr == 2e-3 and cfg.train.max_steps == 7 and cfg.train.resume == "auto"
+    assert cfg.harvest.sources[0].kind == "mtbench" and cfg.harvest.sources[0].limit == 2
+    with pytest.raises(ConfigError, match=r"train\.nope"):
+        load_config(p, ["train.nope=1"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(p, ["train.lr"])
+
+
+def test_wrong_types_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.ttt_steps"):
+        load_config(write(tmp_path, "train:\n  ttt_steps: seven\n"))
+    with pytest.raises(ConfigError, match=r"harvest\.regenerate"):
+        load_config(write(tmp_path, "harvest:\n  regenerate: 1\n"))
+
+
+def test_missing_file_is_clear(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_parse_cli_writes_resolved_config_with_code_version(tmp_path):
+    p = write(tmp_path, "run_name: cli\n")
+    run = tmp_path / "run"
+    cfg, run_dir, _ = parse_cli("t", "harvest", ["--config", str(p), "--run-dir", str(run), "--set", "seed=5"])
+    assert cfg.seed == 5 and run_dir == run
+    parse_cli("t", "train", ["--config", str(p), "--run-dir", str(run)])
+    doc = yaml.safe_load((run / "config.yaml").read_text())
+    assert set(doc["stages"]) == {"harvest", "train"}
+    assert doc["stages"]["harvest"]["config"]["seed"] == 5
+    assert doc["stages"]["harvest"]["code_version"].startswith("0.")
+
+
+def test_parse_cli_bad_override_exits_with_message(tmp_path, capsys):
+    p = write(tmp_path, "run_name: cli\n")
+    with pytest.raises(SystemExit) as e:
+        parse_cli("t", "harvest", ["--config", str(p), "--run-dir", str(tmp_path / "r"), "--set", "train.zzz=1"])
+    assert e.value.code == 2
+    assert "train.zzz" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert (REPO_ROOT / cfg.drafter.config).is_file()
