@@ -1,0 +1,349 @@
+"""The EAGLE-3 drafter in SGLang's ``LlamaForCausalLMEagle3`` layout.
+
+Parameter names are SGLang's checkpoint keys (``fc.weight``, ``midlayer.*``, ``norm.weight``,
+``lm_head.weight``, buffers ``d2t``/``t2d``), so ``state_dict()`` minus ``embed_tokens`` is the
+exported checkpoint. No I/O, no distributed code: training (train/ttt.py) and inference
+(eval/speculate.py) both drive the same pieces.
+
+Shapes: B batch, T new tokens, S cached tokens, H drafter hidden, Ht target hidden,
+nh / nkv attention / key-value heads, hd head dim, V target vocab, Vd draft vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class Eagle3Config:
+    """The drafter architecture, read from / written to SGLang's config.json form."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int | None = None  # defaults to hidden_size
+    head_dim: int | None = None  # defaults to hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters (rope_type + its fields)
+    max_position_embeddings: int = 4096
+    aux_layer_ids: list[int] | None = None  # eagle_config.eagle_aux_hidden_state_layer_ids
+    hidden_act: str = "silu"
+    extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, kept on export
+
+    def __post_init__(self) -> None:
+        self.target_hidden_size = self.target_hidden_size or self.hidden_size
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        if self.hidden_act != "silu":
+            raise ValueError(f"drafter hidden_act '{self.hidden_act}' is not supported (only silu)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+    _KNOWN = (
+        "hidden_size num_attention_heads num_key_value_heads intermediate_size vocab_size draft_vocab_size "
+        "target_hidden_size head_dim rms_norm_eps rope_theta rope_scaling rope_parameters max_position_embeddings "
+        "eagle_config hidden_act num_hidden_layers architectures tie_word_embeddings"
+    ).split()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Eagle3Config":
+        if d.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"drafter num_hidden_layers is {d['num_hidden_layers']}; only 1 (SGLang's midlayer) is supported")
+        if d.get("tie_word_embeddings"):
+            raise ValueError("drafter tie_word_embeddings is true; an EAGLE-3 drafter has its own lm_head over the draft vocab")
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+        theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        rope.pop("rope_theta", None)
+        if rope.get("rope_type", rope.get("type", "default")) == "default":
+            rope = {}
+        return cls(
+            hidden_size=d["hidden_size"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            intermediate_size=d["intermediate_size"],
+            vocab_size=d["vocab_size"],
+            draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+            target_hidden_size=d.get("target_hidden_size"),
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope or None,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            aux_layer_ids=(d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+            hidden_act=d.get("hidden_act", "silu"),
+            extra={k: v for k, v in d.items() if k not in cls._KNOWN},
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "Eagle3Config":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def to_hf_dict(self) -> dict:
+        """SGLang's config.json for LlamaForCausalLMEagle3."""
+        d = {
+            **self.extra,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": self.extra.get("model_type", "llama"),
+            "hidden_size": self.hidden_size,
+            "target_hidden_size": self.target_hidden_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": False,
+        }
+        if self.rope_scaling:
+            d["rope_scaling"] = dict(self.rope_scaling)
+        if self.aux_layer_ids is not None:
+            d["eagle_config"] = {**self.extra.get("eagle_config", {}), "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+        return d
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
+    """(inv_freq (hd/2,), attention scale on cos/sin) for the config's rope type."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        return inv_freq.float(), 1.0
+    factor = float(rs["factor"])
+    if kind == "linear":
+        return (inv_freq / factor).float(), 1.0
+    if kind == "llama3":
+        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_len = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled).float(), 1.0
+    # yarn
+    old_len = rs.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo if hi != lo else 1e-3)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1 keeps the original frequency (high frequencies)
+    inv = inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+    return inv.float(), float(attention_factor)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x (B, heads, T, hd); cos/sin (B, T, hd)
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H concatenation [input_layernorm(emb), hidden_norm(h)]."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape  # x (B, T, 2H)
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = o.shape  # o (B, nh, T, hd)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # (B, T, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """SGLang's Eagle3 LlamaDecoderLayer, split at the attention core so TTT can supply its own."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def attention_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # emb, hidden (B, T, H) -> (B, T, 2H)
+        return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # attn (B, nh, T, hd) attention output; residual (B, T, H) the un-normed input hidden
+        h = residual + self.self_attn.out(attn)  # (B, T, H)
+        return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H), pre-norm output
+
+
+@dataclass
+class DraftCache:
+    """The drafter's key/value cache for inference: (B, nkv, S, hd) each, grown by `step`."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, n: int) -> None:
+        """Roll back to the first n entries."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} entries to {n}")
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # the target's, frozen (as SGLang: H wide)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target = draft + d2t[draft]
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
+        inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (hd/2,)
+
+    # -- pieces shared by training and inference
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux_hidden)  # (B, T, 3Ht) -> (B, T, H)
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.float()  # (B, T, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, hd)
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+
+    def qkv(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """Roped q (B, nh, T, hd), k and v (B, nkv, T, hd) for tokens `input_ids` (B, T) and hidden (B, T, H)."""
+        emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
+        x = self.midlayer.attention_input(emb, hidden)  # (B, T, 2H)
+        cos, sin = self.rope(position_ids, x.dtype)
+        return self.midlayer.self_attn.qkv(x, cos, sin)
+
+    def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden_out))  # (B, T, H) -> (B, T, Vd)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- inference
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DraftCache,
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter forward over T new tokens; appends their keys/values to `cache`.
+
+        input_ids (B, T), hidden (B, T, H) (fused target features or the drafter's own previous
+        output), position_ids (B, T); attn_mask bool (B, 1, T, S + T), True = attend (default:
+        all of the cache plus causal among the new tokens).
+        Returns (hidden_out (B, T, H) pre-norm, logits (B, T, Vd)).
+        """
+        past = cache.length
+        q, k, v = self.qkv(input_ids, hidden, position_ids)
+        k, v = cache.append(k, v)  # (B, nkv, S + T, hd)
+        T = q.shape[2]
+        if attn_mask is None and T > 1:
+            attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)[None, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.config.num_key_value_heads != self.config.num_attention_heads)
+        out = self.midlayer.finish(o, hidden)  # (B, T, H)
+        return out, self.logits(out)
+
+
+def export_keys() -> list[str]:
+    """The checkpoint keys SGLang's LlamaForCausalLMEagle3.load_weights maps onto parameters, plus d2t/t2d."""
+    mid = ["input_layernorm", "hidden_norm", "post_attention_layernorm"]
+    return (
+        ["fc.weight"]
+        + [f"midlayer.{n}.weight" for n in mid]
+        + [f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"]
+        + [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        + ["norm.weight", "lm_head.weight", "d2t", "t2d"]
+    )
