@@ -1,0 +1,143 @@
+"""TTT: hand-computed values, and the efficient unroll against a plain explicit-mask reference."""
+
+import math
+
+import pytest
+import torch
+
+from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.ttt import head_cross_entropy, shift, target_to_draft_map, topk_to_draft, ttt_forward
+
+CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=40, draft_vocab_size=12, rope_theta=10000.0)
+
+
+def drafter(seed=0, **kw) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    m = Eagle3Drafter(Eagle3Config(**{**CFG, **kw}))
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_()
+        for n in (m.norm, m.midlayer.input_layernorm, m.midlayer.hidden_norm, m.midlayer.post_attention_layernorm):
+            n.weight.uniform_(0.5, 1.5)
+        draft_to_target = torch.randperm(CFG["vocab_size"])[: CFG["draft_vocab_size"]].sort().values
+        m.d2t.copy_(draft_to_target - torch.arange(CFG["draft_vocab_size"]))
+        m.t2d[draft_to_target] = True
+    return m
+
+
+def batch(B=2, T=10, K=5, seed=1, H=32, V=40) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g) * 3
+    lp, tk = torch.log_softmax(logits, -1).topk(K, dim=-1)
+    loss_mask = (torch.rand(B, T, generator=g) > 0.3).long()
+    return {
+        "input_ids": torch.randint(0, V, (B, T), generator=g),
+        "loss_mask": loss_mask,
+        "aux_hidden": torch.randn(B, T, 3 * H, generator=g),
+        "topk_ids": tk,
+        "topk_logprobs": lp,
+        "attention_mask": torch.ones(B, T, dtype=torch.long),
+    }
+
+
+def test_topk_to_draft_hand_values():
+    d2t = torch.tensor([1, 2, 2])  # draft ids 0, 1, 2 -> target ids 1, 3, 4
+    m = target_to_draft_map(d2t, 6)
+    assert m.tolist() == [-1, 0, -1, 1, 2, -1]
+    ids, p, has = topk_to_draft(torch.tensor([[3, 2, 1]]), torch.tensor([[0.5, 0.3, 0.2]]).log(), m)
+    assert ids.tolist() == [[1, 0, 0]]
+    torch.testing.assert_close(p, torch.tensor([[0.5 / 0.7, 0.0, 0.2 / 0.7]]))
+    assert has.tolist() == [True]
+    _, _, has = topk_to_draft(torch.tensor([[2, 5]]), torch.tensor([[0.6, 0.4]]).log(), m)
+    assert has.tolist() == [False]
+
+
+def test_uniform_drafter_hand_values():
+    """lm_head = 0: q is uniform, CE = log(Vd) on every valid position, argmax is draft id 0."""
+    m = drafter()
+    with torch.no_grad():
+        m.lm_head.weight.zero_()
+    b = batch(B=1, T=6)
+    b["loss_mask"] = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    hit = int(m.draft_to_target(torch.tensor(0)))  # the target id of draft id 0
+    # target argmax per position (over token t+1); positions 1, 2, 4 hit the uniform argmax
+    b["topk_ids"][0, :, 0] = torch.tensor([7, hit, hit, 7 if hit != 7 else 8, hit, 7 if hit != 7 else 8])
+    b["topk_ids"][0, :, 1:] = hit  # some mass inside the draft vocab everywhere
+    out = ttt_forward(m, b, steps=3, decay=0.8)
+    # step k, row t is valid when token t+2+k has loss_mask 1: step 0 rows 0..3, step 1 rows 0..2, step 2 rows 0..1
+    assert out.valid.tolist() == [4, 3, 2]
+    # step k row t matches when topk_ids[t+1+k, 0] == hit, i.e. position t+1+k in {1, 2, 4}
+    # step 0 rows 0..3 -> positions 1..4: hits 1, 2, 4 -> 3 ; step 1 rows 0..2 -> positions 2..4: 2, 4 -> 2
+    # step 2 rows 0..1 -> positions 3..4: 4 -> 1
+    assert out.correct.tolist() == [3, 2, 1]
+    # chains (row t visits positions t+1, t+2, ...): row 0 hits 1, 2 then misses 3; row 1 hits 2, misses 3;
+    # row 2 misses 3. Step 1 is reached by rows 0, 1 (row 0 hits); step 2 by row 0 (misses).
+    assert out.chain_valid.tolist() == [4, 2, 1]
+    assert out.chain_correct.tolist() == [3, 1, 0]
+    expected = sum(0.8**k * math.log(CFG["draft_vocab_size"]) for k in range(3))
+    assert out.loss.item() == pytest.approx(expected, rel=1e-6)
+    torch.testing.assert_close(out.step_loss, torch.full((3,), math.log(CFG["draft_vocab_size"])))
+
+
+def reference_ttt(m: Eagle3Drafter, b: dict, steps: int, decay: float) -> torch.Tensor:
+    """The unroll written plainly: concatenated keys, an explicit (T, (k+1)T) mask, full logits."""
+    ids, aux = b["input_ids"], b["aux_hidden"]
+    B, T = ids.shape
+    rep = CFG["num_attention_heads"] // CFG["num_key_value_heads"]
+    hidden = m.fuse(aux)
+    pos = torch.arange(T).expand(B, T)
+    draft_ids, p_k, has = topk_to_draft(b["topk_ids"], b["topk_logprobs"], target_to_draft_map(m.d2t, CFG["vocab_size"]))
+    p = torch.zeros(B, T, CFG["draft_vocab_size"]).scatter_add_(-1, draft_ids, p_k)
+    keys, values, loss = [], [], 0.0
+    for k in range(steps):
+        q, kk, vv = m.qkv(shift(ids, 1 + k), hidden, pos + k)
+        keys.append(kk.repeat_interleave(rep, 1))
+        values.append(vv.repeat_interleave(rep, 1))
+        kall, vall = torch.cat(keys, 2), torch.cat(values, 2)  # (B, nh, (k+1)T, hd)
+        mask = torch.cat([torch.ones(T, T).tril().bool()] + [torch.eye(T, dtype=torch.bool)] * k, dim=1)
+        s = (q @ kall.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        o = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ vall
+        out = m.midlayer.finish(o, hidden)
+        logq = torch.log_softmax(m.logits(out), -1)
+        valid = shift(b["loss_mask"].bool(), 2 + k) & shift(has, 1 + k)
+        ce = -(shift(p, 1 + k) * logq).sum(-1)
+        loss = loss + decay**k * (ce * valid).sum() / valid.sum()
+        hidden = out
+    return loss
+
+
+def test_ttt_matches_explicit_mask_reference():
+    m = drafter(seed=3)
+    b = batch(seed=4)
+    out = ttt_forward(m, b, steps=4, decay=0.8)
+    grads = torch.autograd.grad(out.loss, [p for p in m.parameters() if p.requires_grad])
+    ref = reference_ttt(m, b, steps=4, decay=0.8)
+    ref_grads = torch.autograd.grad(ref, [p for p in m.parameters() if p.requires_grad])
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_fused_head_cross_entropy_matches_autograd(sparse):
+    torch.manual_seed(0)
+    x = torch.randn(7, 16, requires_grad=True)
+    w = torch.randn(11, 16, requires_grad=True)
+    if sparse:
+        ids = torch.randint(0, 11, (7, 3))
+        p = torch.softmax(torch.randn(7, 3), -1)
+        dense = torch.zeros(7, 11).scatter_add_(1, ids, p)
+    else:
+        ids, p = None, torch.softmax(torch.randn(7, 11), -1)
+        dense = p
+    g = torch.randn(7)
+    ce, pred = head_cross_entropy(x, w, ids, p, 3)  # chunks of 3 rows
+    (ce * g).sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    logits = x @ w.t()
+    ref = -(dense * torch.log_softmax(logits, -1)).sum(-1)
+    (ref * g).sum().backward()
+    torch.testing.assert_close(ce, ref)
+    assert pred.tolist() == logits.argmax(-1).tolist()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
