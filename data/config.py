@@ -138,6 +138,10 @@ class TrainConfig:
     num_workers: int = 0
     wandb_project: str = "eagle3ft"
     wandb_mode: str = "offline"  # offline | online | disabled
+    deepspeed: str = "configs/deepspeed/zero2.json"  # ZeRO stage + precision; configs/deepspeed/zero3.json for stage 3
+    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32; fills the DeepSpeed json's "auto"
+    target_source: str = "auto"  # auto (last_hidden when stored, else top-k) | topk | last_hidden
+    stop_after: int | None = None  # end this invocation after this many optimizer steps (a job time limit); resume continues
 
 
 @dataclass
