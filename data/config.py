@@ -91,6 +91,7 @@ class SGLangClientConfig:
     timeout_s: float = 600.0
     retries: int = 3
     backoff_s: float = 1.0
+    capture: str = "auto"  # auto | one_request | two_pass (generate, then capture prompt+answer): data/targets/sglang.py
 
 
 @dataclass

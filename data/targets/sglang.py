@@ -1,0 +1,487 @@
+"""The SGLang target: harvest through running SGLang servers over HTTP.
+
+It implements the ``Target`` protocol (base.py), so the harvest job treats it
+like the embedded backend. One ``/generate`` call per sample where the server
+allows it:
+
+    {"input_ids": prompt, "sampling_params": {...},
+     "return_hidden_states": true,                      # server: --enable-return-hidden-states
+     "return_logprob": true, "logprob_start_len": 0, "top_logprobs_num": K}
+
+and the answer's ``meta_info`` holds
+
+- ``hidden_states``: a first block of one row per prompt token, then one row per
+  generated token that was fed back (the last generated token never is). On a
+  plain server the rows are the final-norm output (H); on an EAGLE3 server, or a
+  server started with aux capture (SGLang >= 0.5.23), they are the aux layers
+  concatenated (3H).
+- ``input_top_logprobs``: per prompt token, K ``[logprob, id, null]`` for the
+  distribution that predicted it (the first entry is null);
+  ``output_top_logprobs``: the same for every generated token.
+  Our rows are indexed by the position that predicts, so row t is entry t+1.
+
+Capture strategies (``harvest.sglang.capture``):
+
+- ``one_request``: generation and capture in one call. The server has no row
+  for the final token (it is never fed back), so row T-1 of aux_hidden,
+  last_hidden and top-k repeats row T-2 (row T-1 is never a training input).
+- ``two_pass``: generate, then capture prompt+completion with one more token
+  requested, so every row is the server's own. ``logprob_start_len: 0`` also
+  keeps the radix cache from skipping the prefix. The default on speculative
+  servers, whose per-token rows during verify were wrong in some releases
+  (sgl-project/sglang#26163).
+- ``auto``: two_pass on speculative servers, one_request otherwise.
+
+Hidden states arrive as JSON floats (~16 KB/token at 3x576, ~200 KB/token at
+3x7168). The body is streamed: ``HiddenStream`` parses the hidden-state numbers
+chunk by chunk into one growing float32 array while the rest of the body is
+parsed with ``json`` afterwards, so neither the whole body nor a Python list of
+floats is ever held. Requests run concurrently (``concurrency`` per server),
+sharded over every server URL, with timeouts and retries with backoff; a batch
+either completes or raises ``SGLangError`` naming the request, server and cause.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import requests
+import torch
+
+from eagle3ft.data.targets.base import Features, Request, Result, Sampling, TargetInfo
+
+log = logging.getLogger(__name__)
+
+AUX_CAPTURE_MIN_VERSION = (0, 5, 23)  # --enable-return-aux-hidden-states
+
+
+class SGLangError(RuntimeError):
+    """A request that failed for good (after retries), or a server that does not fit."""
+
+
+class RetryableError(SGLangError):
+    """A failure worth another attempt: timeout, refused connection, 5xx, truncated body."""
+
+
+# --------------------------------------------------------------------------- server identity
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """'0.5.17' -> (0, 5, 17); '0.5.23rc1' or '0.5.23.post2' -> (0, 5, 23)."""
+    parts = []
+    for p in str(text).split(".")[:3]:
+        m = re.match(r"\d+", p)
+        if not m:
+            break
+        parts.append(int(m.group()))
+    if not parts:
+        raise SGLangError(f"cannot parse an SGLang version from {text!r}")
+    return tuple(parts)
+
+
+@dataclass
+class ServerInfo:
+    """What a running server says about itself (GET /server_info, or /get_server_info before it existed)."""
+
+    url: str
+    version: tuple[int, ...]
+    raw: dict = field(repr=False)
+
+    @property
+    def speculative(self) -> bool:
+        return bool(self.raw.get("speculative_algorithm"))
+
+    @property
+    def aux_capture_ids(self) -> list[int] | None:
+        """Layer ids of a server started with aux capture and no draft model (SGLang >= 0.5.23)."""
+        if not self.raw.get("enable_return_aux_hidden_states"):
+            return None
+        ids = self.raw.get("return_aux_hidden_state_layer_ids")
+        return [int(i) for i in ids] if ids is not None else None
+
+    @property
+    def returns_aux(self) -> bool:
+        """True when meta_info.hidden_states rows are the 3 aux layers, False when they are the last layer."""
+        return self.raw.get("speculative_algorithm") in ("EAGLE3",) or bool(self.raw.get("enable_return_aux_hidden_states"))
+
+    @property
+    def avg_spec_accept_length(self) -> float | None:
+        states = self.raw.get("internal_states") or [{}]
+        v = states[0].get("avg_spec_accept_length")
+        return float(v) if v is not None else None
+
+
+# --------------------------------------------------------------------------- streaming decode
+
+
+_KEY = b'"hidden_states":'
+_DELETE = b"[] \n\r\t"
+
+
+def _parse_floats(seg: bytes) -> np.ndarray:
+    """Comma-separated decimal numbers (no brackets) -> float32; raises on anything else (null, NaN)."""
+    if not seg:
+        return np.empty(0, np.float32)
+    try:
+        out = np.fromstring(seg, dtype=np.float32, sep=",")
+    except ValueError:
+        out = None
+    if out is None or out.size != seg.count(b",") + 1:
+        raise SGLangError(f"hidden_states hold a value that is not a number near {seg[:80]!r}")
+    return out
+
+
+class HiddenStream:
+    """Incremental decoder for one /generate body.
+
+    ``feed(chunk)`` as bytes arrive, ``finish()`` at the end: returns the body as a
+    dict whose ``meta_info.hidden_states`` is None, plus the hidden-state rows as
+    float32 [rows, width] (None when the body had none). The hidden-state value
+    of SGLang's answer is nested lists of numbers only; it ends at the first
+    ``]`` followed by ``,"`` or ``}``, which cannot occur inside it.
+    """
+
+    def __init__(self, width: int, rows_hint: int = 64):
+        self.width = width
+        self._pre = bytearray()
+        self._post = bytearray()
+        self._carry = b""
+        self._state = 0  # 0 before the key, 1 inside the value, 2 after it
+        self._buf = np.empty(max(rows_hint, 1) * width, np.float32)
+        self._n = 0
+        self.bytes = 0
+
+    def _append(self, vals: np.ndarray) -> None:
+        need = self._n + vals.size
+        if need > self._buf.size:
+            grown = np.empty(max(need, 2 * self._buf.size), np.float32)
+            grown[: self._n] = self._buf[: self._n]
+            self._buf = grown
+        self._buf[self._n : need] = vals
+        self._n = need
+
+    def feed(self, chunk: bytes) -> None:
+        self.bytes += len(chunk)
+        if self._state == 0:
+            start = max(0, len(self._pre) - len(_KEY))
+            self._pre += chunk
+            k = self._pre.find(_KEY, start)
+            if k < 0:
+                return
+            rest = bytes(self._pre[k + len(_KEY) :])
+            del self._pre[k + len(_KEY) :]
+            self._state = 1
+            self._feed_value(rest)
+        elif self._state == 1:
+            self._feed_value(chunk)
+        else:
+            self._post += chunk
+
+    def _feed_value(self, chunk: bytes) -> None:
+        data = self._carry + chunk
+        ends = [e for e in (data.find(b'],"'), data.find(b"]}")) if e >= 0]
+        if ends:
+            end = min(ends) + 1
+            self._append(_parse_floats(data[:end].translate(None, _DELETE)))
+            self._carry = b""
+            self._state = 2
+            self._post += data[end:]
+            return
+        cut = data.rfind(b",", 0, len(data) - 1)  # a final comma may open the '],"' that ends the value
+        if cut < 0:
+            self._carry = data
+            return
+        self._append(_parse_floats(data[:cut].translate(None, _DELETE)))
+        self._carry = data[cut + 1 :]
+
+    def finish(self) -> tuple[dict, np.ndarray | None]:
+        if self._state == 1:
+            raise RetryableError("body ended inside meta_info.hidden_states (truncated)")
+        try:
+            if self._state == 0:
+                return json.loads(bytes(self._pre)), None
+            body = json.loads(bytes(self._pre) + b"null" + bytes(self._post))
+        except json.JSONDecodeError as e:
+            raise RetryableError(f"body is not complete JSON ({e})") from None
+        if self._n % self.width:
+            raise SGLangError(f"hidden_states hold {self._n} numbers, not a multiple of the row width {self.width}")
+        return body, self._buf[: self._n].reshape(-1, self.width)
+
+
+def topk_arrays(entries: list, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """SGLang top-logprob entries (each K [logprob, id, text|null]) -> ids int32 [n, K], logprobs float32 [n, K], sorted descending."""
+    n = len(entries)
+    ids = np.empty((n, k), np.int32)
+    lps = np.empty((n, k), np.float32)
+    for i, e in enumerate(entries):
+        if e is None or len(e) < k:
+            raise SGLangError(f"top-logprob entry {i} has {0 if e is None else len(e)} candidates, expected {k}")
+        lps[i] = [c[0] for c in e[:k]]
+        ids[i] = [c[1] for c in e[:k]]
+    order = np.argsort(-lps, axis=1, kind="stable")
+    if not (order == np.arange(k)).all():
+        lps = np.take_along_axis(lps, order, 1)
+        ids = np.take_along_axis(ids, order, 1)
+    return ids, lps
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+_local = threading.local()
+
+
+def _session() -> requests.Session:
+    s = getattr(_local, "session", None)
+    if s is None:
+        s = _local.session = requests.Session()
+    return s
+
+
+@dataclass
+class HTTPPolicy:
+    timeout_s: float = 600.0  # whole request, body included
+    connect_timeout_s: float = 10.0
+    retries: int = 3  # further attempts after the first
+    backoff_s: float = 1.0  # before retry i: backoff_s * 2**i
+    chunk_bytes: int = 1 << 20
+
+    @classmethod
+    def of(cls, client_cfg) -> "HTTPPolicy":
+        return cls(timeout_s=client_cfg.timeout_s, retries=client_cfg.retries, backoff_s=client_cfg.backoff_s)
+
+
+def _attempt(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: int | None):
+    t0 = time.monotonic()
+    try:
+        if payload is None:
+            resp = _session().get(url + path, timeout=(policy.connect_timeout_s, policy.timeout_s), stream=True)
+        else:
+            resp = _session().post(url + path, json=payload, timeout=(policy.connect_timeout_s, policy.timeout_s), stream=True)
+    except requests.Timeout as e:
+        raise RetryableError(f"timed out after {policy.timeout_s:.0f} s ({type(e).__name__})") from None
+    except requests.ConnectionError as e:
+        raise RetryableError(f"connection failed: {e}") from None
+    with resp:
+        if resp.status_code >= 500 or resp.status_code == 429:
+            raise RetryableError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+        if resp.status_code >= 400:
+            raise SGLangError(f"HTTP {resp.status_code} from {url}{path}: {resp.text[:500]}")
+        stream = HiddenStream(width or 1)
+        try:
+            for chunk in resp.iter_content(chunk_size=policy.chunk_bytes):
+                stream.feed(chunk)
+                if time.monotonic() - t0 > policy.timeout_s:
+                    raise RetryableError(f"body still arriving after {policy.timeout_s:.0f} s")
+        except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError, requests.Timeout) as e:
+            raise RetryableError(f"body broken off after {stream.bytes} bytes: {type(e).__name__}") from None
+        body, hidden = stream.finish()
+    return body, hidden, stream.bytes, time.monotonic() - t0
+
+
+def call(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: int | None = None, what: str = "") -> tuple[Any, np.ndarray | None, dict]:
+    """One HTTP exchange with retries. Returns (json body, hidden rows or None, stats).
+
+    Bounded: at most 1 + policy.retries attempts, each limited by policy.timeout_s.
+    """
+    last = None
+    for attempt in range(policy.retries + 1):
+        if attempt:
+            time.sleep(policy.backoff_s * 2 ** (attempt - 1))
+        try:
+            body, hidden, nbytes, secs = _attempt(url, path, payload, policy, width)
+            return body, hidden, {"bytes": nbytes, "seconds": secs, "attempts": attempt + 1}
+        except RetryableError as e:
+            last = e
+            log.warning("%s %s%s attempt %d/%d: %s", what, url, path, attempt + 1, policy.retries + 1, e)
+    raise SGLangError(f"{what or path} failed at {url} after {policy.retries + 1} attempts: {last}")
+
+
+def get_json(url: str, path: str, policy: HTTPPolicy) -> Any:
+    return call(url, path, None, policy, what=f"GET {path}")[0]
+
+
+def server_info(url: str, policy: HTTPPolicy | None = None) -> ServerInfo:
+    """GET /server_info (SGLang 0.5.x), falling back to /get_server_info on servers that predate it."""
+    policy = policy or HTTPPolicy(timeout_s=30.0, retries=1, backoff_s=0.5)
+    url = url.rstrip("/")
+    try:
+        raw = get_json(url, "/server_info", policy)
+    except SGLangError as e:
+        if "HTTP 404" not in str(e):
+            raise
+        raw = get_json(url, "/get_server_info", policy)
+    if "version" not in raw:
+        raise SGLangError(f"{url}: server info has no 'version' (keys: {sorted(raw)[:12]}...)")
+    return ServerInfo(url=url, version=parse_version(raw["version"]), raw=raw)
+
+
+# --------------------------------------------------------------------------- the target
+
+
+def sampling_params(max_new_tokens: int, sampling: Sampling, stop_ids) -> dict:
+    sp = {"max_new_tokens": int(max_new_tokens), "temperature": float(sampling.temperature), "top_p": float(sampling.top_p)}
+    if stop_ids:
+        sp["stop_token_ids"] = [int(i) for i in stop_ids]
+    return sp
+
+
+@dataclass
+class CallStats:
+    """Totals over the life of a target: requests, bytes, seconds spent receiving+decoding."""
+
+    requests: int = 0
+    retries: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+
+    def add(self, st: dict, tokens: int) -> None:
+        self.requests += 1
+        self.retries += st["attempts"] - 1
+        self.bytes += st["bytes"]
+        self.seconds += st["seconds"]
+        self.tokens += tokens
+
+
+class SGLangTarget:
+    """Target protocol over one or more SGLang servers (one per node at scale)."""
+
+    def __init__(self, info: TargetInfo, urls: list[str], concurrency: int = 4, policy: HTTPPolicy | None = None, capture: str = "auto"):
+        if not urls:
+            raise SGLangError("harvest.sglang.urls is empty")
+        if capture not in ("auto", "one_request", "two_pass"):
+            raise SGLangError(f"harvest.sglang.capture must be auto, one_request or two_pass, not {capture!r}")
+        self.info = info
+        self.urls = [u.rstrip("/") for u in urls]
+        self.concurrency = max(1, int(concurrency))
+        self.policy = policy or HTTPPolicy()
+        self.capture = capture
+        self.stats = CallStats()
+        self._lock = threading.Lock()
+        self.servers = {u: self._check_server(u) for u in self.urls}
+
+    @classmethod
+    def from_config(cls, cfg, info: TargetInfo) -> "SGLangTarget":
+        c = cfg.harvest.sglang
+        return cls(info, list(c.urls), c.concurrency, HTTPPolicy.of(c), c.capture)
+
+    def _check_server(self, url: str) -> ServerInfo:
+        si = server_info(url, HTTPPolicy(timeout_s=min(30.0, self.policy.timeout_s), retries=self.policy.retries, backoff_s=self.policy.backoff_s))
+        if not si.raw.get("enable_return_hidden_states"):
+            raise SGLangError(f"{url}: start the server with --enable-return-hidden-states")
+        if not si.returns_aux:
+            raise SGLangError(
+                f"{url}: a plain server returns the last layer only; harvest needs the aux layers {list(self.info.aux_layer_ids)}: "
+                "start it with --speculative-algorithm EAGLE3 --speculative-draft-model-path <drafter with those ids>, "
+                "or (SGLang >= 0.5.23) --enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids"
+            )
+        ids = si.aux_capture_ids
+        if ids is not None and list(ids) != list(self.info.aux_layer_ids):
+            raise SGLangError(f"{url}: server captures layers {ids}, the drafter needs {list(self.info.aux_layer_ids)}")
+        return si
+
+    def _strategy(self, url: str) -> str:
+        if self.capture != "auto":
+            return self.capture
+        return "two_pass" if self.servers[url].speculative else "one_request"
+
+    # ------------------------------------------------------------------ one request
+
+    def _generate(self, url: str, ids: list[int], max_new: int, sampling: Sampling, stop_ids, capture: bool, what: str):
+        payload: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling_params(max_new, sampling, stop_ids)}
+        width = None
+        if capture:
+            width = 3 * self.info.hidden_size
+            payload.update(return_hidden_states=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=int(sampling.topk))
+        body, hidden, st = call(url, "/generate", payload, self.policy, width=width, what=what)
+        out = body.get("output_ids") if isinstance(body, dict) else None
+        if out is None:
+            raise SGLangError(f"{what} at {url}: answer has no output_ids: {str(body)[:300]}")
+        with self._lock:
+            self.stats.add(st, len(ids) + len(out))
+        return body, hidden, [int(t) for t in out]
+
+    def _features(self, body: dict, hidden: np.ndarray | None, total: int, k: int, what: str) -> Features:
+        """Rows for `total` tokens from a capture answer; a missing final row repeats the one before (see module doc)."""
+        meta = body["meta_info"]
+        if hidden is None:
+            raise SGLangError(f"{what}: answer has no meta_info.hidden_states (server started without --enable-return-hidden-states?)")
+        rows = hidden.shape[0]
+        if rows not in (total, total - 1):
+            raise SGLangError(
+                f"{what}: {rows} hidden-state rows for {total} tokens (expected {total - 1} or {total}); "
+                "speculative servers of some versions drop rows during verify: use harvest.sglang.capture=two_pass"
+            )
+        inp = meta.get("input_top_logprobs") or []
+        outp = meta.get("output_top_logprobs") or []
+        entries = inp[1:] + outp
+        if len(entries) < total - 1:
+            raise SGLangError(f"{what}: {len(entries)} top-logprob rows for {total} tokens")
+        ids, lps = topk_arrays(entries[:total], k)
+        if ids.shape[0] == total - 1:
+            ids, lps = np.concatenate([ids, ids[-1:]]), np.concatenate([lps, lps[-1:]])
+        aux = torch.from_numpy(hidden[:total]).to(torch.bfloat16)
+        if rows == total - 1:
+            aux = torch.cat([aux, aux[-1:]])
+        return Features(aux_hidden=aux, topk_ids=torch.from_numpy(ids), topk_logprobs=torch.from_numpy(lps))
+
+    def _one(self, url: str, i: int, r: Request, sampling: Sampling) -> Result:
+        what = f"request {i}"
+        if not r.capture:
+            _, _, out = self._generate(url, r.prompt_ids, r.max_new_tokens, sampling, r.stop_ids, False, what)
+            return Result(completion_ids=out[: r.max_new_tokens], features=None)
+        if r.max_new_tokens == 0 or self._strategy(url) == "two_pass":
+            completion: list[int] = []
+            if r.max_new_tokens > 0:
+                _, _, completion = self._generate(url, r.prompt_ids, r.max_new_tokens, sampling, r.stop_ids, False, what + " (generate)")
+            seq = list(r.prompt_ids) + completion
+            greedy = Sampling(temperature=0.0, top_p=1.0, topk=sampling.topk, last_hidden=sampling.last_hidden)
+            body, hidden, _ = self._generate(url, seq, 1, greedy, (), True, what + " (capture)")
+            return Result(completion_ids=completion, features=self._features(body, hidden, len(seq), sampling.topk, what))
+        body, hidden, completion = self._generate(url, r.prompt_ids, r.max_new_tokens, sampling, r.stop_ids, True, what)
+        total = len(r.prompt_ids) + len(completion)
+        return Result(completion_ids=completion, features=self._features(body, hidden, total, sampling.topk, what))
+
+    # ------------------------------------------------------------------ the protocol
+
+    def process(self, requests_: list[Request], sampling: Sampling) -> list[Result]:
+        """All requests concurrently: `concurrency` workers per server pull from one queue."""
+        if sampling.last_hidden:
+            raise SGLangError("harvest.store_last_hidden with SGLang: a server returns either the last layer or the aux layers, not both")
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(len(requests_)):
+            todo.put(i)
+        results: list[Result | None] = [None] * len(requests_)
+        failures: list[str] = []
+        stop = threading.Event()
+
+        def worker(url: str) -> None:
+            while not stop.is_set():
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    results[i] = self._one(url, i, requests_[i], sampling)
+                except Exception as e:  # noqa: BLE001 - reported below with its request and server
+                    failures.append(f"{url}: {e}")
+                    stop.set()
+                    return
+
+        threads = [threading.Thread(target=worker, args=(u,), daemon=True) for u in self.urls for _ in range(self.concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failures:
+            raise SGLangError(f"{len(failures)} request(s) failed; first: {failures[0]}")
+        return results  # type: ignore[return-value]

@@ -1,0 +1,398 @@
+"""A protocol double of an SGLang server, computed by the real embedded model.
+
+SGLang cannot serve on CPU, so the client and the bench are tested against this:
+a loopback HTTP server that answers the endpoints they call with the JSON shapes
+SGLang returns, computed with a transformers model (and, for an EAGLE3 server,
+the embedded speculative decoder of eval/speculate.py). The shapes mirror
+/work/shared/sglang-h200/README.md (measured on SGLang 0.5.17) and SGLang's
+sources (http_server.py, tokenizer_manager.py, scheduler output processing):
+
+- ``POST /generate`` -> ``{"text", "output_ids", "meta_info"}``; meta_info has
+  ``id, finish_reason {type: length|stop, length|matched}, prompt_tokens,
+  weight_version, total_retractions, completion_tokens, cached_tokens, e2e_latency``;
+  with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs``
+  (``[logprob, id, null]``, the first prompt entry's logprob null) and, with
+  ``top_logprobs_num`` K > 0, ``input_top_logprobs`` (the first entry null) /
+  ``output_top_logprobs`` (K ``[logprob, id, null]``, sorted descending); with
+  ``return_hidden_states``: ``hidden_states`` = one block of a row per prompt token,
+  then one ``[1, W]`` entry per generated token that was fed back (README). Rows are
+  the final-norm output on a plain server, the aux layers concatenated on an EAGLE3
+  server (the draft's ``eagle_aux_hidden_state_layer_ids``) or on a server started
+  with aux capture (``--enable-return-aux-hidden-states``, SGLang >= 0.5.23). Values
+  are bf16, as the served model computes them. A finished request on a speculative
+  server adds ``spec_verify_ct, spec_accept_length (= completion_tokens / verify_ct),
+  spec_accept_rate, spec_num_correct_drafts, spec_num_proposed_drafts (= verify_ct *
+  (num_draft_tokens - 1)), spec_accept_histogram`` (verify steps by drafts accepted).
+- ``GET /server_info`` and ``/get_server_info``: the server args (SGLang's names),
+  scheduler info, ``internal_states[0].avg_spec_accept_length`` (lifetime) and
+  ``version``. ``GET /health``, ``/health_generate``, ``/get_model_info``; ``/flush_cache``.
+- Errors: ``{"object": "error", "message", "type", "param", "code"}`` with 400.
+
+What it does not mirror is refused with a 400 naming it (streaming, tree drafting,
+``max_new_tokens: 0`` on a speculative server), never made up.
+Faults for the retry tests are queued in-process: ``double.faults.append("500")``.
+
+Run it alone with SGLang's launch flags (the launcher's tests do):
+    python tests/sglang_double.py --double-config configs/tiny.yaml --model-path X --port 30000 \
+        --enable-return-hidden-states [--speculative-algorithm EAGLE3 --speculative-draft-model-path D ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import threading
+import time
+import uuid
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+VERSIONS = ("0.5.17", "0.5.23")
+AUX_CAPTURE_FROM = (0, 5, 23)
+
+
+def _vt(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split("."))
+
+
+def _bf16_rows(x: torch.Tensor) -> list:
+    return x.to(torch.bfloat16).float().tolist()
+
+
+def _top(logprobs: torch.Tensor, k: int) -> list:
+    """(T, V) log-probabilities -> per position K [logprob, id, null], sorted descending."""
+    v, i = logprobs.topk(k, dim=-1)
+    return [[[lp, tid, None] for lp, tid in zip(vr, ir)] for vr, ir in zip(v.tolist(), i.tolist())]
+
+
+class DoubleEngine:
+    """The model side: generation, hidden states, logprobs, speculative counters."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        aux_layer_ids: list[int] | None = None,
+        drafter=None,
+        spec_steps: int = 3,
+        spec_topk: int = 1,
+        spec_num_draft_tokens: int = 4,
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.drafter = drafter
+        self.aux_layer_ids = list(drafter.config.aux_layer_ids) if drafter is not None else (list(aux_layer_ids) if aux_layer_ids else None)
+        if drafter is not None:
+            if spec_topk != 1 or spec_num_draft_tokens != spec_steps + 1:
+                raise ValueError(f"the double mirrors chain drafting only (topk 1, num_draft_tokens = steps + 1), got {spec_steps}/{spec_topk}/{spec_num_draft_tokens}")
+            if self.aux_layer_ids is None:
+                raise ValueError("the draft model's config names no eagle_aux_hidden_state_layer_ids")
+        self.spec = (spec_steps, spec_topk, spec_num_draft_tokens)
+        eos = tokenizer.eos_token_id
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.model_eos = {int(e) for e in ([eos] if eos is not None else []) + (list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else [])}
+        self.lock = threading.Lock()
+        self.spec_tokens = 0
+        self.spec_verifies = 0
+
+    @property
+    def speculative(self) -> bool:
+        return self.drafter is not None
+
+    def _generate(self, ids: list[int], sp: dict):
+        from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+
+        max_new = int(sp.get("max_new_tokens", 128))
+        temperature = float(sp.get("temperature", 1.0))
+        stops = set(int(i) for i in sp.get("stop_token_ids") or []) | (set() if sp.get("ignore_eos") else self.model_eos)
+        gen = torch.Generator().manual_seed(int(sp.get("sampling_seed", 0)))
+        if max_new == 0:
+            return [], None
+        if self.drafter is None:
+            return greedy_decode(self.model, ids, max_new, stops, temperature, gen).tokens, None
+        steps = self.spec[0]
+        g = SpeculativeDecoder(self.model, self.drafter, self.aux_layer_ids, steps, temperature, stops, gen).generate(ids, max_new)
+        return g.tokens, g
+
+    @torch.no_grad()
+    def generate(self, req: dict) -> dict:
+        t0 = time.time()
+        if req.get("stream"):
+            raise BadRequest("the double does not mirror streaming (stream: true)")
+        ids = req.get("input_ids")
+        if ids is None:
+            if req.get("text") is None:
+                raise BadRequest("Either text or input_ids should be provided.")
+            ids = self.tokenizer.encode(req["text"])
+        if isinstance(ids[0], list):
+            raise BadRequest("the double does not mirror batched /generate")
+        ids = [int(i) for i in ids]
+        sp = dict(req.get("sampling_params") or {})
+        if self.speculative and int(sp.get("max_new_tokens", 128)) == 0:
+            raise BadRequest("the double does not mirror max_new_tokens 0 on a speculative server")
+        with self.lock:
+            tokens, spec = self._generate(ids, sp)
+            fed = ids + tokens[:-1]  # the last generated token is never fed back
+            out = self.model(input_ids=torch.tensor([fed]), output_hidden_states=True, use_cache=False)
+            logits = out.logits[0].float()
+            temperature = float(sp.get("temperature", 1.0))
+            logprobs_in = torch.log_softmax(logits, dim=-1)
+            logprobs_out = torch.log_softmax(logits / temperature, dim=-1) if temperature > 0 else logprobs_in
+            if self.aux_layer_ids is not None:
+                rows = torch.cat([out.hidden_states[i + 1][0] for i in self.aux_layer_ids], dim=-1)
+            else:
+                rows = out.hidden_states[-1][0]  # transformers' last entry is the final-norm output
+            if spec is not None:
+                self.spec_tokens += len(tokens)
+                self.spec_verifies += spec.verify_count
+        P, N = len(ids), len(tokens)
+        finished_by_stop = N > 0 and (tokens[-1] in (set(int(i) for i in sp.get("stop_token_ids") or []) | self.model_eos)) and not sp.get("ignore_eos")
+        meta: dict[str, Any] = {
+            "id": req.get("rid") or uuid.uuid4().hex,
+            "finish_reason": {"type": "stop", "matched": tokens[-1]} if finished_by_stop else {"type": "length", "length": N},
+            "prompt_tokens": P,
+            "weight_version": "default",
+            "total_retractions": 0,
+        }
+        if req.get("return_logprob"):
+            start = int(req.get("logprob_start_len", -1))
+            start = P - 1 if start < 0 else start
+            tok_in = [[None if t == 0 else logprobs_in[t - 1, ids[t]].item(), ids[t], None] for t in range(start, P)]
+            tok_out = [[logprobs_out[P - 1 + j, tokens[j]].item(), tokens[j], None] for j in range(N)]
+            meta["input_token_logprobs"] = tok_in
+            meta["output_token_logprobs"] = tok_out
+            k = int(req.get("top_logprobs_num") or 0)
+            if k > 0:
+                top_in = _top(logprobs_in[max(start - 1, 0) : P - 1], k)
+                meta["input_top_logprobs"] = ([None] if start == 0 else []) + top_in
+                meta["output_top_logprobs"] = _top(logprobs_out[P - 1 : P - 1 + N], k)
+        meta["completion_tokens"] = N
+        meta["cached_tokens"] = 0
+        if req.get("return_hidden_states"):
+            meta["hidden_states"] = [_bf16_rows(rows[:P])] + [[r] for r in _bf16_rows(rows[P:])]
+        if spec is not None:
+            steps, _, ndt = self.spec
+            hist = [0] * ndt
+            for a in spec.accept_lengths:
+                hist[a - 1] += 1
+            correct = sum(a - 1 for a in spec.accept_lengths)
+            proposed = spec.verify_count * (ndt - 1)
+            meta.update(
+                spec_verify_ct=spec.verify_count,
+                spec_accept_length=N / spec.verify_count if spec.verify_count else 0,
+                spec_accept_rate=correct / proposed if proposed else 0.0,
+                spec_num_correct_drafts=correct,
+                spec_num_proposed_drafts=proposed,
+                spec_accept_histogram=hist,
+            )
+        meta["e2e_latency"] = time.time() - t0
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return {"text": text, "output_ids": tokens, "meta_info": meta}
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class SGLangDouble:
+    """The HTTP side: a ThreadingHTTPServer on 127.0.0.1, ephemeral port unless given."""
+
+    def __init__(self, engine: DoubleEngine, version: str = "0.5.17", server_args: dict | None = None, port: int = 0, server_info_paths=("/server_info", "/get_server_info")):
+        if version not in VERSIONS:
+            raise ValueError(f"double version {version!r}: one of {VERSIONS}")
+        self.engine, self.version = engine, version
+        self.server_info_paths = tuple(server_info_paths)
+        self.faults: deque[str] = deque()  # consumed one per /generate: "500", "timeout", "close", "truncate"
+        self.fault_sleep_s = 3.0
+        self.requests = 0
+        self.busy = 0  # /generate calls in flight
+        self.busy_lock = threading.Lock()
+        args = {
+            "model_path": "double",
+            "tokenizer_path": "double",
+            "tp_size": 1,
+            "dp_size": 1,
+            "host": "127.0.0.1",
+            "port": port,
+            "enable_return_hidden_states": True,
+            "speculative_algorithm": "EAGLE3" if engine.speculative else None,
+            "speculative_draft_model_path": None,
+            "speculative_num_steps": engine.spec[0] if engine.speculative else None,
+            "speculative_eagle_topk": engine.spec[1] if engine.speculative else None,
+            "speculative_num_draft_tokens": engine.spec[2] if engine.speculative else None,
+        }
+        if _vt(version) >= AUX_CAPTURE_FROM:
+            aux_only = engine.aux_layer_ids is not None and not engine.speculative
+            args["enable_return_aux_hidden_states"] = aux_only
+            args["return_aux_hidden_state_layer_ids"] = engine.aux_layer_ids if aux_only else None
+        elif engine.aux_layer_ids is not None and not engine.speculative:
+            raise ValueError(f"aux capture without a draft model needs SGLang >= {AUX_CAPTURE_FROM}, the double plays {version}")
+        args.update(server_args or {})
+        self.server_args = args
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.server_args["port"] = self.port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread: threading.Thread | None = None
+
+    def server_info(self) -> dict:
+        e = self.engine
+        state = {"last_gen_throughput": 0.0}
+        if e.speculative:
+            state["avg_spec_accept_length"] = e.spec_tokens / e.spec_verifies if e.spec_verifies else 0.0
+        return {**self.server_args, "max_total_num_tokens": 1 << 16, "max_req_input_len": 1 << 15, "internal_states": [state], "version": self.version}
+
+    def _handler(self):
+        double = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code: int, body: bytes, ctype: str = "application/json", length: int | None = None) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body) if length is None else length))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _json(self, code: int, obj) -> None:
+                self._send(code, json.dumps(obj, separators=(",", ":")).encode())
+
+            def _error(self, code: int, message: str) -> None:
+                self._json(code, {"object": "error", "message": message, "type": "BadRequest" if code == 400 else "InternalServerError", "param": None, "code": code})
+
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                if path in ("/health", "/health_generate"):
+                    self._send(200, b"", "text/plain")
+                elif path in double.server_info_paths:
+                    self._json(200, double.server_info())
+                elif path == "/get_model_info":
+                    self._json(200, {"model_path": double.server_args["model_path"], "tokenizer_path": double.server_args["tokenizer_path"], "is_generation": True, "preferred_sampling_params": None, "weight_version": "default"})
+                elif path == "/flush_cache":
+                    self._send(200, b"Cache flushed.\n", "text/plain")
+                else:
+                    self._json(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                path = self.path.split("?")[0]
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if path == "/flush_cache":
+                    return self._send(200, b"Cache flushed.\n", "text/plain")
+                if path != "/generate":
+                    return self._json(404, {"detail": "Not Found"})
+                with double.busy_lock:
+                    double.requests += 1
+                    double.busy += 1
+                try:
+                    self._generate(body)
+                finally:
+                    with double.busy_lock:
+                        double.busy -= 1
+
+            def _generate(self, body: bytes) -> None:
+                fault = double.faults.popleft() if double.faults else None
+                if fault == "500":
+                    return self._error(500, "double: injected internal error")
+                if fault == "timeout":
+                    time.sleep(double.fault_sleep_s)
+                if fault == "close":
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                try:
+                    out = double.engine.generate(json.loads(body))
+                except BadRequest as e:
+                    return self._error(400, str(e))
+                data = json.dumps(out, separators=(",", ":")).encode()
+                if fault == "truncate":
+                    self.close_connection = True
+                    return self._send(200, data[: len(data) // 2], length=len(data))
+                self._send(200, data)
+
+        return Handler
+
+    def start(self) -> "SGLangDouble":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        deadline = time.monotonic() + 30
+        while self.busy and time.monotonic() < deadline:  # let in-flight answers finish before the model goes
+            time.sleep(0.02)
+        self.httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "SGLangDouble":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve the double in the foreground with SGLang's launch flags (those the launcher emits)."""
+    ap = argparse.ArgumentParser(description="SGLang protocol double")
+    ap.add_argument("--double-config", required=True, help="eagle3ft config whose target the double serves")
+    ap.add_argument("--double-version", default="0.5.17", choices=VERSIONS)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--tokenizer-path")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--tp-size", "--tp", type=int, default=1)
+    ap.add_argument("--dp-size", type=int, default=1)
+    ap.add_argument("--mem-fraction-static", type=float)
+    ap.add_argument("--attention-backend")
+    ap.add_argument("--sampling-backend")
+    ap.add_argument("--chat-template")
+    ap.add_argument("--context-length", type=int)
+    ap.add_argument("--trust-remote-code", action="store_true")
+    ap.add_argument("--enable-return-hidden-states", action="store_true")
+    ap.add_argument("--speculative-algorithm")
+    ap.add_argument("--speculative-draft-model-path")
+    ap.add_argument("--speculative-num-steps", type=int, default=3)
+    ap.add_argument("--speculative-eagle-topk", type=int, default=1)
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    ap.add_argument("--enable-return-aux-hidden-states", action="store_true")
+    ap.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+")
+    ap.add_argument("--log-level")
+    args = ap.parse_args(argv)
+    if args.host not in ("127.0.0.1", "localhost"):
+        ap.error("the double serves on loopback only")
+    if args.enable_return_aux_hidden_states and _vt(args.double_version) < AUX_CAPTURE_FROM:
+        ap.error(f"unrecognized arguments: --enable-return-aux-hidden-states (SGLang {args.double_version})")
+
+    from eagle3ft.data.config import load_config
+    from eagle3ft.data.targets.hf import load_target
+
+    cfg = load_config(args.double_config)
+    model, tok = load_target(cfg.target)
+    drafter = None
+    if args.speculative_algorithm:
+        if args.speculative_algorithm != "EAGLE3" or not args.speculative_draft_model_path:
+            ap.error("the double mirrors --speculative-algorithm EAGLE3 with --speculative-draft-model-path")
+        from eagle3ft.data.targets.hf import load_input_embedding
+        from eagle3ft.train.checkpoint import load_drafter
+
+        drafter = load_drafter(args.speculative_draft_model_path, load_input_embedding(cfg.target)).eval()
+    engine = DoubleEngine(model, tok, args.return_aux_hidden_state_layer_ids, drafter, args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    names = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path, "tp_size": args.tp_size, "speculative_draft_model_path": args.speculative_draft_model_path, "enable_return_hidden_states": args.enable_return_hidden_states}
+    double = SGLangDouble(engine, args.double_version, names, port=args.port)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=double.httpd.shutdown, daemon=True).start())
+    print(f"double serving {double.url} (SGLang {args.double_version})", flush=True)
+    double.httpd.serve_forever(poll_interval=0.05)
+    double.httpd.server_close()
+
+
+if __name__ == "__main__":
+    main()
