@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3ft.data.config import REPO_ROOT, load_config
+from eagle3ft.data.config import REPO_ROOT, SGLangClientConfig, load_config
 from eagle3ft.data.drafter_spec import DrafterSpec
 from eagle3ft.data.targets.base import Request, Sampling
 from eagle3ft.data.targets.hf import HFTarget, load_target
-from eagle3ft.data.targets.sglang import HiddenStream, HTTPPolicy, RetryableError, SGLangError, SGLangTarget, server_info, topk_arrays
+from eagle3ft.data.targets.sglang import HiddenStream, RetryableError, SGLangError, SGLangTarget, server_info, topk_arrays
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -52,6 +52,11 @@ def drafter(tiny):
     return d.eval()
 
 
+def make_target(tiny, urls: list[str], **client) -> SGLangTarget:
+    cfg, _, _, _ = tiny
+    return SGLangTarget(cfg.target, SGLangClientConfig(urls=urls, **client), DrafterSpec.from_json(REPO_ROOT / cfg.drafter.config))
+
+
 def requests_for(tok, max_new: int = 12) -> list[Request]:
     reqs = [Request(tok.encode(p), max_new, (tok.eos_token_id,), True) for p in PROMPTS]
     reqs.append(Request(tok.encode("a prompt captured as it is"), 0, (tok.eos_token_id,), True))
@@ -81,7 +86,7 @@ def test_aux_capture_server_one_request_matches_embedded(tiny, embedded):
     reqs = requests_for(tok)
     ref = embedded.process(reqs, SAMPLING)
     with SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=ids), version="0.5.23") as d:
-        target = SGLangTarget(embedded.info, [d.url], concurrency=3, capture="auto")
+        target = make_target(tiny, [d.url], concurrency=3, capture="auto")
         assert target._strategy(d.url) == "one_request"
         got = target.process(reqs, SAMPLING)
         assert d.requests == len(reqs)  # one request per sample
@@ -93,7 +98,7 @@ def test_eagle3_server_two_pass_matches_embedded_exactly(tiny, embedded, drafter
     reqs = requests_for(tok)
     ref = embedded.process(reqs, SAMPLING)
     with SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d1, SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d2:
-        target = SGLangTarget(embedded.info, [d1.url, d2.url], concurrency=2, capture="auto")
+        target = make_target(tiny, [d1.url, d2.url], concurrency=2, capture="auto")
         assert target._strategy(d1.url) == "two_pass"
         got = target.process(reqs, SAMPLING)
         assert d1.requests > 0 and d2.requests > 0  # sharded over both servers
@@ -104,13 +109,13 @@ def test_server_that_cannot_give_aux_states_is_refused(tiny, embedded):
     cfg, model, tok, ids = tiny
     with SGLangDouble(DoubleEngine(model, tok), version="0.5.17") as plain:
         with pytest.raises(SGLangError, match="last layer only"):
-            SGLangTarget(embedded.info, [plain.url])
+            make_target(tiny, [plain.url])
     with SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=[0, 1, 1]), version="0.5.23") as wrong:
         with pytest.raises(SGLangError, match=r"captures layers \[0, 1, 1\]"):
-            SGLangTarget(embedded.info, [wrong.url])
+            make_target(tiny, [wrong.url])
     with SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=ids), version="0.5.23", server_args={"enable_return_hidden_states": False}) as off:
         with pytest.raises(SGLangError, match="--enable-return-hidden-states"):
-            SGLangTarget(embedded.info, [off.url])
+            make_target(tiny, [off.url])
 
 
 def test_version_from_server_info_or_the_older_get_server_info(tiny):
@@ -125,7 +130,7 @@ def test_version_from_server_info_or_the_older_get_server_info(tiny):
 
 # --------------------------------------------------------------------------- faults
 
-FAST = HTTPPolicy(timeout_s=1.0, connect_timeout_s=1.0, retries=2, backoff_s=0.01)
+FAST = {"timeout_s": 1.0, "retries": 2, "backoff_s": 0.01}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +146,7 @@ def aux_double(tiny):
 def test_faults_are_retried(tiny, embedded, aux_double, fault):
     _, _, tok, _ = tiny
     reqs = requests_for(tok)[:1]
-    target = SGLangTarget(embedded.info, [aux_double.url], concurrency=1, policy=FAST)
+    target = make_target(tiny, [aux_double.url], concurrency=1, **FAST)
     aux_double.faults.clear()
     aux_double.faults.append(fault)
     got = target.process(reqs, SAMPLING)
@@ -152,9 +157,9 @@ def test_faults_are_retried(tiny, embedded, aux_double, fault):
 @pytest.mark.parametrize("fault", ["500", "timeout", "close", "truncate"])
 def test_persistent_faults_fail_clearly(tiny, embedded, aux_double, fault):
     _, _, tok, _ = tiny
-    target = SGLangTarget(embedded.info, [aux_double.url], concurrency=1, policy=FAST)
+    target = make_target(tiny, [aux_double.url], concurrency=1, **FAST)
     aux_double.faults.clear()
-    aux_double.faults.extend([fault] * (FAST.retries + 1))
+    aux_double.faults.extend([fault] * (FAST["retries"] + 1))
     with pytest.raises(SGLangError, match=r"request 0 failed at http://127\.0\.0\.1:\d+ after 3 attempts"):
         target.process(requests_for(tok)[:1], SAMPLING)
     assert not aux_double.faults
@@ -162,7 +167,7 @@ def test_persistent_faults_fail_clearly(tiny, embedded, aux_double, fault):
 
 def test_refused_connection_fails_clearly(tiny, embedded, aux_double):
     _, _, tok, _ = tiny
-    target = SGLangTarget(embedded.info, [aux_double.url], concurrency=1, policy=FAST)
+    target = make_target(tiny, [aux_double.url], concurrency=1, **FAST)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: connections are refused
@@ -177,7 +182,7 @@ def test_refused_connection_fails_clearly(tiny, embedded, aux_double):
 def test_bad_request_is_not_retried(tiny, embedded, drafter):
     cfg, model, tok, ids = tiny
     with SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d:
-        target = SGLangTarget(embedded.info, [d.url], concurrency=1, policy=FAST, capture="one_request")
+        target = make_target(tiny, [d.url], concurrency=1, capture="one_request", **FAST)
         with pytest.raises(SGLangError, match="HTTP 400"):
             target._generate(d.url, tok.encode("x"), 0, SAMPLING, (), True, "request 0")
         assert d.requests == 1

@@ -256,7 +256,8 @@ class HTTPPolicy:
 
     @classmethod
     def of(cls, client_cfg) -> "HTTPPolicy":
-        return cls(timeout_s=client_cfg.timeout_s, retries=client_cfg.retries, backoff_s=client_cfg.backoff_s)
+        t = float(client_cfg.timeout_s)
+        return cls(timeout_s=t, connect_timeout_s=min(10.0, t), retries=client_cfg.retries, backoff_s=client_cfg.backoff_s)
 
 
 def _attempt(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: int | None):
@@ -352,27 +353,55 @@ class CallStats:
         self.tokens += tokens
 
 
-class SGLangTarget:
-    """Target protocol over one or more SGLang servers (one per node at scale)."""
+def target_identity(target_cfg, client_cfg) -> tuple[int, int, int]:
+    """(hidden_size, vocab_size, num_layers) of the served model, without loading it.
 
-    def __init__(self, info: TargetInfo, urls: list[str], concurrency: int = 4, policy: HTTPPolicy | None = None, capture: str = "auto"):
-        if not urls:
+    From ``harvest.sglang.hidden_size/vocab_size/num_layers`` when set (a node without
+    the model folder), else the model folder's config.json (``text_config`` for
+    multimodal wrappers such as Kimi-K2.5), else the tiny test target's config.
+    """
+    given = (client_cfg.hidden_size, client_cfg.vocab_size, client_cfg.num_layers)
+    if all(v is not None for v in given):
+        return given  # type: ignore[return-value]
+    if target_cfg.kind == "tiny":
+        from eagle3ft.data.targets.hf import load_tokenizer
+
+        t = target_cfg.tiny
+        return t.hidden_size, len(load_tokenizer(target_cfg)), t.num_hidden_layers
+    from eagle3ft.data.config import resolve_path
+
+    path = resolve_path(target_cfg.path) if target_cfg.path else None
+    cfg_file = path / "config.json" if path is not None else None
+    if cfg_file is None or not cfg_file.is_file():
+        raise SGLangError(f"the target's identity is unknown here: set harvest.sglang.hidden_size, vocab_size and num_layers, or target.path to a folder with config.json (got {path})")
+    raw = json.loads(cfg_file.read_text())
+    raw = raw.get("text_config", raw)
+    return int(raw["hidden_size"]), int(raw["vocab_size"]), int(raw["num_hidden_layers"])
+
+
+class SGLangTarget:
+    """Target protocol over one or more SGLang servers (one per node at scale).
+
+    ``SGLangTarget(cfg.target, cfg.harvest.sglang, drafter_spec)``: the identity comes
+    from ``target_identity``, the aux layer ids from the drafter; every server is
+    checked (version, hidden-state kind, layer ids) before anything is harvested.
+    """
+
+    def __init__(self, target_cfg, client_cfg, spec):
+        hidden, vocab, layers = target_identity(target_cfg, client_cfg)
+        ids = spec.check_target(hidden, vocab, layers)
+        if not client_cfg.urls:
             raise SGLangError("harvest.sglang.urls is empty")
-        if capture not in ("auto", "one_request", "two_pass"):
-            raise SGLangError(f"harvest.sglang.capture must be auto, one_request or two_pass, not {capture!r}")
-        self.info = info
-        self.urls = [u.rstrip("/") for u in urls]
-        self.concurrency = max(1, int(concurrency))
-        self.policy = policy or HTTPPolicy()
-        self.capture = capture
+        if client_cfg.capture not in ("auto", "one_request", "two_pass"):
+            raise SGLangError(f"harvest.sglang.capture must be auto, one_request or two_pass, not {client_cfg.capture!r}")
+        self.info = TargetInfo(target_cfg.name, hidden, vocab, layers, tuple(ids))
+        self.urls = [u.rstrip("/") for u in client_cfg.urls]
+        self.concurrency = max(1, int(client_cfg.concurrency))
+        self.policy = HTTPPolicy.of(client_cfg)
+        self.capture = client_cfg.capture
         self.stats = CallStats()
         self._lock = threading.Lock()
         self.servers = {u: self._check_server(u) for u in self.urls}
-
-    @classmethod
-    def from_config(cls, cfg, info: TargetInfo) -> "SGLangTarget":
-        c = cfg.harvest.sglang
-        return cls(info, list(c.urls), c.concurrency, HTTPPolicy.of(c), c.capture)
 
     def _check_server(self, url: str) -> ServerInfo:
         si = server_info(url, HTTPPolicy(timeout_s=min(30.0, self.policy.timeout_s), retries=self.policy.retries, backoff_s=self.policy.backoff_s))
