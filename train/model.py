@@ -283,8 +283,8 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target = draft + d2t[draft]
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
-        inv_freq, self.rope_scale = rope_inv_freq(cfg)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (hd/2,)
+        # (hd/2,) float32, kept off the buffers so that casting the module to bf16 cannot round it
+        self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
 
     # -- pieces shared by training and inference
 
@@ -292,7 +292,7 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux_hidden)  # (B, T, 3Ht) -> (B, T, H)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.float()  # (B, T, hd/2)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # (B, T, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, hd)
         return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 

@@ -241,3 +241,15 @@ def ttt_forward(
             chain_ok = chain_valid & match
         hidden = out
     return TTTOutput(loss, *stats)
+
+
+class TTTObjective(torch.nn.Module):
+    """The drafter plus its TTT loss as one module, so that a distributed engine runs `forward(batch)`."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, target_head: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.drafter, self.steps, self.decay = drafter, steps, decay
+        self.register_buffer("target_head", target_head, persistent=False)  # (Vd, Ht) or None
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
+        return ttt_forward(self.drafter, batch, self.steps, self.decay, self.target_head)
