@@ -202,6 +202,14 @@ class ServeConfig:
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 1800.0
+    launch_cmd: list[str] = field(default_factory=lambda: ["-m", "sglang.launch_server"])  # after `python`
+    harvest_capture: str = "eagle3"  # eagle3: a draft model makes the server return its aux layers (any version) | aux_flag: SGLang >= 0.5.23, no draft
+    harvest_draft: str | None = None  # drafter folder (SGLang form) for harvest_capture=eagle3; default drafter.init
+    harvest_setting: BenchSetting = field(default_factory=lambda: BenchSetting(1, 1, 2))  # the cheapest speculation while harvesting
+    aux_capture_args: list[str] = field(default_factory=lambda: ["--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids"])  # harvest_capture=aux_flag; the ids follow the last one
+    harvest_env: dict[str, str] = field(default_factory=lambda: {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})  # logprobs before temperature, as the store wants
+    log_dir: str | None = None  # server logs; default <run-dir>/serve
+    stop_grace_s: float = 30.0  # SIGTERM, then SIGKILL after this long
 
 
 @dataclass

@@ -1,0 +1,263 @@
+"""Start, wait for and stop SGLang servers, every flag from the config (section ``serve``).
+
+Three roles, one command builder:
+
+- ``harvest``: the target with ``--enable-return-hidden-states`` and a way to make the
+  hidden states the drafter's aux layers: ``serve.harvest_capture: eagle3`` loads a draft
+  model (its ``eagle_aux_hidden_state_layer_ids`` pick the layers; works on every SGLang
+  with EAGLE3) at the cheapest setting ``serve.harvest_setting``; ``aux_flag`` passes
+  ``serve.aux_capture_args`` plus the ids (SGLang >= 0.5.23, no draft model).
+- ``baseline``: plain serving, for the live benchmark.
+- ``speculative``: EAGLE3 with the exported drafter and one steps/topk/draft-tokens setting.
+
+    python -m eagle3ft.data.targets.sglang_server --config CFG --run-dir RUN --role speculative \
+        --drafter RUN/export --setting 3/1/4 [--port 30001] [--print]
+
+runs one server in the foreground until SIGINT/SIGTERM (``--print`` only prints the
+command). ``SGLangServer`` does the same from Python (the bench's ``bench.launch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from eagle3ft.data.config import BenchSetting, Config, build_parser, parse_cli, resolve_path
+from eagle3ft.data.drafter_spec import DrafterSpec
+
+ROLES = ("harvest", "baseline", "speculative")
+
+
+class LaunchError(RuntimeError):
+    """A server that could not be built, started or stopped as configured."""
+
+
+@dataclass
+class ServerCommand:
+    argv: list[str]
+    env: dict[str, str]  # added to the inherited environment
+    url: str
+    role: str
+
+    def shell(self) -> str:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+def parse_setting(text: str) -> BenchSetting:
+    """'3/1/4' -> steps 3, topk 1, num_draft_tokens 4."""
+    try:
+        steps, topk, ndt = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise LaunchError(f"setting {text!r}: expected steps/topk/num_draft_tokens, e.g. 3/1/4") from None
+    return BenchSetting(steps, topk, ndt)
+
+
+def check_setting(s: BenchSetting) -> None:
+    """Settings SGLang refuses: a chain (topk 1) verifies at most steps + 1 tokens."""
+    if s.steps < 1 or s.topk < 1 or s.num_draft_tokens < 2:
+        raise LaunchError(f"speculative setting {s}: steps and topk >= 1, num_draft_tokens >= 2")
+    if s.topk == 1 and s.num_draft_tokens > s.steps + 1:
+        raise LaunchError(f"speculative setting {s}: with topk 1, num_draft_tokens is at most steps + 1 = {s.steps + 1}")
+
+
+def drafter_aux_ids(folder: str | Path, num_layers: int | None = None) -> list[int]:
+    """The aux layer ids a drafter folder makes SGLang capture (its config.json, else SGLang's default)."""
+    spec = DrafterSpec.from_json(Path(folder) / "config.json")
+    if spec.aux_layer_ids is not None:
+        return list(spec.aux_layer_ids)
+    if num_layers is None:
+        raise LaunchError(f"{folder}: config.json names no eagle_aux_hidden_state_layer_ids")
+    from eagle3ft.data.drafter_spec import default_aux_layer_ids
+
+    return default_aux_layer_ids(num_layers)
+
+
+def _speculative_args(drafter: str | Path, s: BenchSetting) -> list[str]:
+    check_setting(s)
+    return [
+        "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", str(drafter),
+        "--speculative-num-steps", str(s.steps),
+        "--speculative-eagle-topk", str(s.topk),
+        "--speculative-num-draft-tokens", str(s.num_draft_tokens),
+    ]  # fmt: skip
+
+
+def build_command(cfg: Config, role: str, port: int | None = None, drafter: str | Path | None = None, setting: BenchSetting | None = None) -> ServerCommand:
+    """The server's argv and extra environment for one role; raises LaunchError on a config that cannot serve it."""
+    sv = cfg.serve
+    if role not in ROLES:
+        raise LaunchError(f"role {role!r}: one of {', '.join(ROLES)}")
+    if not sv.model_path:
+        raise LaunchError("serve.model_path is not set (an HF folder SGLang can load)")
+    port = sv.port if port is None else port
+    argv = [sv.python, *sv.launch_cmd, "--model-path", str(resolve_path(sv.model_path)), "--host", sv.host, "--port", str(port)]
+    argv += ["--tp-size", str(sv.tp), "--mem-fraction-static", str(sv.mem_fraction_static)]
+    if sv.attention_backend:
+        argv += ["--attention-backend", sv.attention_backend]
+    if sv.sampling_backend:
+        argv += ["--sampling-backend", sv.sampling_backend]
+    if sv.chat_template:
+        argv += ["--chat-template", sv.chat_template]
+    if sv.trust_remote_code:
+        argv += ["--trust-remote-code"]
+    env = dict(sv.env)
+    if role == "harvest":
+        argv += ["--enable-return-hidden-states"]
+        env.update(sv.harvest_env)
+        if sv.harvest_capture == "eagle3":
+            draft = drafter or sv.harvest_draft or cfg.drafter.init
+            if not draft:
+                raise LaunchError("harvest_capture eagle3 needs a draft model folder: serve.harvest_draft or drafter.init (SGLang reads the aux layer ids from its config.json)")
+            draft = resolve_path(str(draft))
+            want = DrafterSpec.from_json(resolve_path(cfg.drafter.config)).aux_layer_ids
+            have = drafter_aux_ids(draft)
+            if want is not None and list(want) != have:
+                raise LaunchError(f"harvest draft {draft} captures layers {have}, drafter.config {cfg.drafter.config} needs {list(want)}")
+            argv += _speculative_args(draft, sv.harvest_setting)
+        elif sv.harvest_capture == "aux_flag":
+            spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config))
+            if spec.aux_layer_ids is None:
+                raise LaunchError(f"{cfg.drafter.config} names no eagle_aux_hidden_state_layer_ids to pass to {sv.aux_capture_args[-1]}")
+            argv += list(sv.aux_capture_args) + [str(i) for i in spec.aux_layer_ids]
+        else:
+            raise LaunchError(f"serve.harvest_capture {sv.harvest_capture!r}: eagle3 or aux_flag")
+    elif role == "speculative":
+        if drafter is None:
+            raise LaunchError("role speculative needs the exported drafter folder")
+        argv += _speculative_args(resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else BenchSetting()))
+    argv += list(sv.extra_args)
+    host = "127.0.0.1" if sv.host in ("0.0.0.0", "::") else sv.host
+    return ServerCommand(argv=argv, env=env, url=f"http://{host}:{port}", role=role)
+
+
+def health(url: str, timeout_s: float = 5.0) -> bool:
+    try:
+        return requests.get(url + "/health", timeout=timeout_s).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+class SGLangServer:
+    """One server process: start, wait for /health, stop (SIGTERM to its process group, then SIGKILL)."""
+
+    def __init__(self, command: ServerCommand, log_file: str | Path, startup_timeout_s: float = 1800.0, stop_grace_s: float = 30.0):
+        self.command = command
+        self.log_file = Path(log_file)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return self.command.url
+
+    def start(self) -> "SGLangServer":
+        if health(self.url, 2.0):
+            raise LaunchError(f"{self.url} already answers /health: another server holds the port")
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_file, "ab")
+        log.write(f"$ {self.command.shell()}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(self.command.argv, env={**os.environ, **self.command.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        return self
+
+    def wait_healthy(self) -> "SGLangServer":
+        """Poll /health until 200; raise with the log's tail if the process exits or time runs out."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        delay = 0.2
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise LaunchError(f"{self.command.role} server exited with {self.proc.returncode} before answering /health; log {self.log_file}:\n{self.log_tail()}")
+            if health(self.url):
+                return self
+            time.sleep(delay)
+            delay = min(delay * 1.5, 5.0)
+        self.stop()
+        raise LaunchError(f"{self.command.role} server at {self.url} not healthy after {self.startup_timeout_s:.0f} s; log {self.log_file}:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> int | None:
+        """Stop the whole process group (SGLang forks scheduler and detokenizer processes)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        pgid = os.getpgid(self.proc.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=self.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # children that outlived the leader
+        except ProcessLookupError:
+            pass
+        return self.proc.returncode
+
+    def __enter__(self) -> "SGLangServer":
+        self.start()
+        try:
+            return self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def server_for(cfg: Config, run_dir: str | Path, role: str, port: int | None = None, drafter=None, setting: BenchSetting | None = None) -> SGLangServer:
+    cmd = build_command(cfg, role, port, drafter, setting)
+    log_dir = resolve_path(cfg.serve.log_dir) if cfg.serve.log_dir else Path(run_dir) / "serve"
+    suffix = f"-{setting.steps}-{setting.topk}-{setting.num_draft_tokens}" if setting is not None and role == "speculative" else ""
+    return SGLangServer(cmd, log_dir / f"{role}{suffix}-{cmd.url.rsplit(':', 1)[-1]}.log", cfg.serve.startup_timeout_s, cfg.serve.stop_grace_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser("Run one SGLang server (harvest, baseline or speculative) from the config.")
+    ap.add_argument("--role", required=True, choices=ROLES)
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--drafter", help="drafter folder (SGLang form): the export for speculative, the draft for harvest")
+    ap.add_argument("--setting", help="steps/topk/num_draft_tokens for speculative (default bench.settings[0])")
+    ap.add_argument("--print", action="store_true", help="print the command and exit")
+    cfg, run_dir, args = parse_cli("", stage="serve", argv=argv, parser=ap)
+    try:
+        server = server_for(cfg, run_dir, args.role, args.port, args.drafter, parse_setting(args.setting) if args.setting else None)
+    except (LaunchError, ValueError, FileNotFoundError) as e:
+        ap.exit(2, f"{ap.prog}: {e}\n")
+    if args.print:
+        print(server.command.shell())
+        return
+    stop = {"now": False}
+
+    def on_signal(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with server:
+        print(json.dumps({"role": args.role, "url": server.url, "pid": server.proc.pid, "log": str(server.log_file)}), flush=True)
+        while not stop["now"] and server.proc.poll() is None:
+            time.sleep(0.5)
+    if server.proc.returncode not in (0, -signal.SIGTERM, None) and not stop["now"]:
+        raise SystemExit(f"server exited with {server.proc.returncode}; log {server.log_file}")
+
+
+if __name__ == "__main__":
+    main()

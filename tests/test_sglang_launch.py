@@ -1,0 +1,138 @@
+"""The SGLang launcher: flags from the config, start/health/stop, and the Kimi-K2.5 flagship without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3ft.data.chat import TEMPLATES
+from eagle3ft.data.config import REPO_ROOT, BenchSetting, load_config
+from eagle3ft.data.drafter_spec import DrafterSpec
+from eagle3ft.data.targets.sglang import server_info, target_identity
+from eagle3ft.data.targets.sglang_server import LaunchError, build_command, health, main, parse_setting, server_for
+
+KIMI = REPO_ROOT / "configs/kimi-k25-8gpu.yaml"
+DOUBLE = Path(__file__).parent / "sglang_double.py"
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def kimi_draft(tmp_path: Path, ids=None) -> Path:
+    """A folder standing in for the AQ-MedAI download: its documented config.json (weights are not read)."""
+    d = tmp_path / "Kimi-K2-Instruct-eagle3"
+    d.mkdir()
+    raw = json.loads((REPO_ROOT / "configs/drafters/kimi-k2.json").read_text())
+    if ids is not None:
+        raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = ids
+    (d / "config.json").write_text(json.dumps(raw))
+    return d
+
+
+def test_kimi_flagship_validates_without_a_gpu(tmp_path):
+    cfg = load_config(KIMI)
+    spec = DrafterSpec.from_json(REPO_ROOT / cfg.drafter.config)
+    hidden, vocab, layers = target_identity(cfg.target, cfg.harvest.sglang)
+    assert (hidden, vocab, layers) == (7168, 163840, 61)
+    assert spec.check_target(hidden, vocab, layers) == [2, 30, 58]
+    assert cfg.target.chat_template in TEMPLATES and cfg.harvest.backend == "sglang" and cfg.bench.backend == "sglang"
+
+    base = build_command(cfg, "baseline")
+    assert flag(base.argv, "--tp-size") == "8" and "--trust-remote-code" in base.argv and "--speculative-algorithm" not in base.argv
+    assert flag(base.argv, "--model-path") == "/models/Kimi-K2.5" and base.env["NCCL_DEBUG"] == "WARN"
+
+    spec_cmd = build_command(cfg, "speculative", port=30001, drafter=tmp_path / "export", setting=cfg.bench.settings[0])
+    assert [flag(spec_cmd.argv, f"--speculative-{n}") for n in ("algorithm", "num-steps", "eagle-topk", "num-draft-tokens")] == ["EAGLE3", "3", "1", "4"]
+    assert spec_cmd.url == "http://127.0.0.1:30001" and "--enable-return-hidden-states" not in spec_cmd.argv
+
+    harvest = build_command(cfg, "harvest", drafter=kimi_draft(tmp_path))
+    assert "--enable-return-hidden-states" in harvest.argv and harvest.env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    assert flag(harvest.argv, "--speculative-num-draft-tokens") == "2" and flag(harvest.argv, "--cuda-graph-max-bs") == "64"
+
+
+def test_harvest_draft_must_capture_the_drafters_layers(tmp_path):
+    cfg = load_config(KIMI)
+    with pytest.raises(LaunchError, match=r"captures layers \[1, 29, 57\].*needs \[2, 30, 58\]"):
+        build_command(cfg, "harvest", drafter=kimi_draft(tmp_path, ids=[1, 29, 57]))
+    cfg.drafter.init = None
+    with pytest.raises(LaunchError, match="needs a draft model folder"):
+        build_command(cfg, "harvest")
+    cfg.serve.harvest_capture = "aux_flag"
+    argv = build_command(cfg, "harvest").argv
+    i = argv.index("--enable-return-aux-hidden-states")
+    assert argv[i + 1 : i + 5] == ["--return-aux-hidden-state-layer-ids", "2", "30", "58"] and "--speculative-algorithm" not in argv
+
+
+def test_settings_sglang_refuses_are_refused():
+    cfg = load_config(KIMI)
+    assert parse_setting("5/1/6") == BenchSetting(5, 1, 6)
+    with pytest.raises(LaunchError, match="at most steps \\+ 1"):
+        build_command(cfg, "speculative", drafter="/x", setting=BenchSetting(3, 1, 5))
+    with pytest.raises(LaunchError, match="steps/topk/num_draft_tokens"):
+        parse_setting("3-1-4")
+    cfg.serve.model_path = None
+    with pytest.raises(LaunchError, match="serve.model_path"):
+        build_command(cfg, "baseline")
+
+
+def test_target_identity_from_the_model_folder(tmp_path):
+    cfg = load_config(KIMI)
+    cfg.harvest.sglang.hidden_size = None
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {"hidden_size": 7168, "vocab_size": 163840, "num_hidden_layers": 61}}))
+    cfg.target.path = str(tmp_path)
+    assert target_identity(cfg.target, cfg.harvest.sglang) == (7168, 163840, 61)
+    cfg.target.path = str(tmp_path / "absent")
+    with pytest.raises(RuntimeError, match="set harvest.sglang.hidden_size"):
+        target_identity(cfg.target, cfg.harvest.sglang)
+
+
+def test_print_shows_the_command(tmp_path, capsys):
+    main(["--config", str(KIMI), "--run-dir", str(tmp_path), "--role", "speculative", "--drafter", "/d", "--setting", "2/1/3", "--print"])
+    out = capsys.readouterr().out
+    assert "NCCL_DEBUG=WARN" in out and "--speculative-num-draft-tokens 3" in out and "--tp-size 8" in out
+
+
+def _double_config(tmp_path: Path, extra: list[str]):
+    cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg.serve.python = sys.executable
+    cfg.serve.launch_cmd = [str(DOUBLE)]
+    cfg.serve.model_path = str(tmp_path / "model")
+    cfg.serve.port = port
+    cfg.serve.harvest_capture = "aux_flag"
+    cfg.serve.extra_args = ["--double-config", str(REPO_ROOT / "configs/tiny.yaml"), "--double-version", "0.5.23"] + extra
+    cfg.serve.startup_timeout_s = 120.0
+    cfg.serve.stop_grace_s = 10.0
+    return cfg
+
+
+@pytest.mark.slow
+def test_launch_wait_and_stop_a_server_process(tmp_path):
+    """The launcher runs the double as it would run SGLang: the same flags, /health, SIGTERM to the group."""
+    cfg = _double_config(tmp_path, [])
+    server = server_for(cfg, tmp_path, "harvest")
+    with server:
+        si = server_info(server.url)
+        assert si.aux_capture_ids == [0, 1, 2] and si.version == (0, 5, 23)
+        assert si.raw["model_path"] == cfg.serve.model_path
+        pid = server.proc.pid
+    assert server.proc.returncode is not None and not health(server.url, 1.0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert "--enable-return-aux-hidden-states" in server.log_file.read_text()
+
+
+def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
+    cfg = _double_config(tmp_path, ["--no-such-flag"])
+    with pytest.raises(LaunchError, match="(?s)exited with 2 before answering /health.*unrecognized arguments: --no-such-flag"):
+        with server_for(cfg, tmp_path, "baseline"):
+            pass
+
