@@ -7,6 +7,8 @@ own greedy continuations so that drafts are accepted often enough to exercise ev
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -79,3 +81,10 @@ def fitted_drafter(target, items: list[dict], steps: int = 200, seed: int = 0) -
         loss.backward()
         opt.step()
     return d.eval()
+
+
+@functools.cache
+def tiny_pair() -> tuple[LlamaForCausalLM, Eagle3Drafter]:
+    """The shared (target, fitted drafter): fitted once per test session on the seed-1 prompts."""
+    target = tiny_target()
+    return target, fitted_drafter(target, greedy_items(target, prompts(6, seed=1), 40), steps=120)

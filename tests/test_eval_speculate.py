@@ -2,16 +2,14 @@
 
 import pytest
 import torch
-from _eval_tiny import AUX, fitted_drafter, greedy_items, prompts, tiny_target
+from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode, verify_greedy, verify_sampled
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_target()
-    drafter = fitted_drafter(target, greedy_items(target, prompts(8, seed=1), 48), steps=150)
-    return target, drafter
+    return tiny_pair()
 
 
 @pytest.mark.parametrize("steps", [1, 3, 5])
@@ -19,7 +17,7 @@ def test_greedy_speculation_equals_plain_greedy(pair, steps):
     target, drafter = pair
     dec = SpeculativeDecoder(target, drafter, AUX, steps=steps)
     lengths = []
-    for p in prompts(5, seed=7) + prompts(2, seed=1):
+    for p in prompts(3, seed=7) + prompts(2, seed=1):
         spec, plain = dec.generate(p, 40), greedy_decode(target, p, 40)
         assert spec.tokens == plain.tokens
         assert len(spec.tokens) == 40

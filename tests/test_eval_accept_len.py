@@ -1,0 +1,83 @@
+"""Offline accept length: the count math by hand, and the unroll against real drafting + verification."""
+
+import pytest
+import torch
+from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
+
+from eagle3ft.eval.accept_len import ChainCounts, SampleInputs, chain_acceptance, evaluate, tree_accept
+from eagle3ft.eval.speculate import SpeculativeDecoder
+
+STEPS = 3
+
+
+def test_counts_by_hand():
+    # 4 roots, depth 3. Root 3 has only depth 1 (the sequence ends), root 2 depths 1-2.
+    alpha = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 1], [0, 1, 1]], dtype=torch.float64)
+    valid = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    c = ChainCounts.from_alpha(alpha, valid)
+    assert c.attempts == [4, 3, 1] and c.accepts == [3, 2, 0]
+    assert c.conditional() == pytest.approx([3 / 4, 2 / 3, 0.0])
+    assert c.tau() == pytest.approx(1 + 3 / 4 + 3 / 4 * 2 / 3)
+    assert c.tau(1) == pytest.approx(1.75)
+    # unconditional per-depth rate is a different number
+    assert c.unconditional() == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    # counts are summed before the ratio: two halves add to the whole
+    both = ChainCounts.from_alpha(alpha[:2], valid[:2]) + ChainCounts.from_alpha(alpha[2:], valid[2:])
+    assert both.tau() == pytest.approx(c.tau())
+    # sampled (fractional) acceptance: expected counts
+    s = ChainCounts.from_alpha(torch.tensor([[0.5, 0.4], [1.0, 0.5]], dtype=torch.float64), torch.ones(2, 2, dtype=torch.bool))
+    assert s.attempts == pytest.approx([2.0, 1.5]) and s.accepts == pytest.approx([1.5, 0.7])
+    assert s.tau() == pytest.approx(1 + 0.75 + 0.75 * 0.7 / 1.5)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, drafter = tiny_pair()
+    # two sequences the drafter was fitted on (long accepted runs) and two it never saw (mostly rejections)
+    return target, drafter, greedy_items(target, prompts(2, seed=1) + prompts(2, seed=7), 30)
+
+
+def test_offline_chain_equals_brute_force_drafting(setup):
+    """For every root of every held-out greedy sequence: one real draft+verify cycle from that prefix
+    accepts exactly what the unroll says; so tau from counts equals the brute-force tau."""
+    target, drafter, heldout = setup
+    dec = SpeculativeDecoder(target, drafter, AUX, steps=STEPS)
+    offline, brute, counts = [], [], ChainCounts.zeros(STEPS)
+    for item in heldout:
+        s = SampleInputs.of(item)
+        res = chain_acceptance(drafter, s, STEPS)
+        full = res.greedy_valid[:, -1]  # roots with every depth inside the response
+        counts = counts + ChainCounts.from_alpha(res.greedy_alpha[full], res.greedy_valid[full])
+        ids = s.input_ids.tolist()
+        for row in torch.nonzero(full).flatten().tolist():
+            r = row + 1
+            live = dec.generate(ids[:r], max_new_tokens=2)
+            assert live.tokens[0] == ids[r]
+            brute.append(live.accept_lengths[0])
+            offline.append(1 + int(torch.cumprod(res.greedy_alpha[row], 0).sum()))
+    assert len(brute) > 60
+    assert offline == brute
+    assert counts.tau() == pytest.approx(sum(brute) / len(brute), abs=1e-12)
+    assert 1.3 < counts.tau() < STEPS + 1  # the drafter is accepted sometimes, not always
+
+
+def test_tree_topk1_is_the_chain(setup):
+    _, drafter, heldout = setup
+    for item in heldout:
+        s = SampleInputs.of(item)
+        res = chain_acceptance(drafter, s, STEPS)
+        acc, valid = tree_accept(drafter, s, STEPS, topk=1, num_draft_tokens=STEPS + 1)
+        chain = 1 + torch.cumprod(res.greedy_alpha, 1).sum(1).long()
+        assert torch.equal(acc[valid], chain[valid])
+
+
+def test_evaluate_report(setup):
+    _, drafter, heldout = setup
+    rep = evaluate(drafter, heldout, steps=STEPS, topk=2, num_draft_tokens=6)
+    assert rep.samples == 4 and rep.roots > 60
+    assert [r["depth"] for r in rep.greedy["per_depth"]] == [1, 2, 3]
+    assert rep.settings["1/1/2"]["tau"] <= rep.settings["2/1/3"]["tau"] <= rep.settings["3/1/4"]["tau"] == pytest.approx(rep.greedy["tau"])
+    # a bigger tree accepts at least as often as the chain of the same depth on this data
+    assert rep.tree["tau"] >= 1.0 and rep.headline == "tree (greedy)"
+    # sampled acceptance at T=1 is a probability-weighted rate, between 0 and 1 per depth
+    assert all(0 <= r["a_k"] <= 1 for r in rep.sampled["per_depth"])
