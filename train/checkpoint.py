@@ -1,0 +1,154 @@
+"""Drafter checkpoints in SGLang's form, and resumable training checkpoints.
+
+SGLang form (what `--speculative-draft-model-path` loads): `config.json` + `model.safetensors` with
+exactly the keys of `model.export_keys()`; SGLang's loader skips unknown keys silently, so every
+write checks the key set. `ckpt/step-N/` adds `trainer_state.json` (step, data position, metrics,
+resolved config) and `state/` (optimizer, scheduler, engine, every rank's RNG). Folders are written
+under a temporary name and renamed, so a reader never sees half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3ft.train.model import Eagle3Config, Eagle3Drafter, export_keys
+
+CONFIG, WEIGHTS, TRAINER_STATE, STATE_DIR = "config.json", "model.safetensors", "trainer_state.json", "state"
+IGNORED_KEYS = ("embed_tokens.weight",)  # filled from the target by SGLang and by `load_drafter`
+
+
+def check_keys(keys, where: str) -> None:
+    """Raise ValueError unless `keys` is exactly the set SGLang's LlamaForCausalLMEagle3 loader reads."""
+    want = set(export_keys())
+    missing, unexpected = sorted(want - set(keys)), sorted(set(keys) - want)
+    if missing or unexpected:
+        raise ValueError(f"{where}: drafter keys differ from SGLang's LlamaForCausalLMEagle3 (missing {missing}, unexpected {unexpected})")
+
+
+def drafter_tensors(state_dict: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The exportable tensors of a (possibly wrapped) drafter state dict, keys without `prefix`."""
+    out = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    out = {k: v.detach().cpu().contiguous() for k, v in out.items() if k not in IGNORED_KEYS}
+    check_keys(out, "export")
+    return out
+
+
+@contextmanager
+def atomic_dir(final: Path):
+    """Yield a temporary sibling folder; on success it replaces `final` in one rename."""
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_drafter(folder: Path, cfg: Eagle3Config, tensors: dict[str, torch.Tensor]) -> None:
+    check_keys(tensors, str(folder))
+    (folder / CONFIG).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+
+
+def export_drafter(model: Eagle3Drafter, folder: str | Path) -> Path:
+    """Write `model` in SGLang's form (no embed_tokens), atomically; returns the folder."""
+    folder = Path(folder)
+    with atomic_dir(folder) as tmp:
+        write_drafter(tmp, model.config, drafter_tensors(model.state_dict()))
+    return folder
+
+
+def read_drafter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a drafter folder's *.safetensors files, without a leading `model.` and embed_tokens."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors drafter weights")
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():
+                out[k.removeprefix("model.")] = h.get_tensor(k)
+    return {k: v for k, v in out.items() if k not in IGNORED_KEYS}
+
+
+def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A drafter from SGLang's form; `embedding` (V, H) is the target's input embedding."""
+    folder = Path(folder)
+    if not (folder / CONFIG).is_file():
+        raise FileNotFoundError(f"{folder}: no {CONFIG} (expected a drafter in SGLang's form)")
+    cfg = Eagle3Config.from_json(folder / CONFIG)
+    tensors = read_drafter_tensors(folder)
+    check_keys(tensors, str(folder))
+    model = Eagle3Drafter(cfg)
+    dtype = next(iter(v for k, v in tensors.items() if k.endswith(".weight"))).dtype
+    model.to(dtype)
+    if embedding is not None:
+        if tuple(embedding.shape) != tuple(model.embed_tokens.weight.shape):
+            raise ValueError(f"target embedding shape {tuple(embedding.shape)} != drafter's (vocab_size, hidden_size) {tuple(model.embed_tokens.weight.shape)}")
+        tensors = {**tensors, "embed_tokens.weight": embedding}
+    model.load_state_dict(tensors, strict=False)  # keys checked above; embed_tokens stays as built without `embedding`
+    return model
+
+
+# --------------------------------------------------------------------------- training checkpoints
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete ckpt/step-N folders, oldest first."""
+    found = [p for p in (Path(run_dir) / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+", p.name) and (p / TRAINER_STATE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def resume_path(run_dir: Path, resume: str | None) -> Path | None:
+    """None, the newest checkpoint for 'auto' (None when there is none), or the named folder."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        found = checkpoints(run_dir)
+        return found[-1] if found else None
+    p = Path(resume)
+    if not (p / TRAINER_STATE).is_file():
+        raise FileNotFoundError(f"train.resume: {p} is not a checkpoint (no {TRAINER_STATE})")
+    return p
+
+
+def save_checkpoint(dist, module, cfg: Eagle3Config, run_dir: Path, step: int, trainer_state: dict, keep: int) -> Path:
+    """Collective: every rank calls it. Writes ckpt/step-N atomically and keeps the newest `keep`."""
+    root = Path(run_dir) / "ckpt"
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.tmp"
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist.save_state(tmp / STATE_DIR)
+    state = dist.full_state_dict(module)
+    if dist.is_main:
+        write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(dist, path: Path) -> dict:
+    """Restore optimizer/scheduler/engine/RNG from `path`; return its trainer_state."""
+    dist.load_state(Path(path) / STATE_DIR)
+    return json.loads((Path(path) / TRAINER_STATE).read_text())

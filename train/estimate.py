@@ -1,0 +1,110 @@
+"""Parameter count and per-GPU memory of drafter training, from the config alone (meta device).
+
+    python -m eagle3ft.train.estimate --drafter configs/drafters/kimi-k2.json --gpus 8 --seq 2048 --micro-batch 1
+
+Model states follow the ZeRO paper's accounting for bf16 training with AdamW: bf16 weights (2 B),
+bf16 gradients (2 B), fp32 master weights + two moments (12 B) per trainable parameter; the frozen
+embedding has weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and
+replicates the weights; ZeRO-3 partitions all three and gathers one module at a time (the largest
+module, the embedding, bounds that transient). Activations are what autograd keeps per token and
+per TTT step (no recomputation), counted tensor by tensor in `activation_bytes_per_token_step`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from eagle3ft.data.config import resolve_path
+from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+
+GIB = 2**30
+
+
+@dataclass
+class Estimate:
+    trainable_params: int
+    frozen_params: int
+    largest_param: int  # elements of the largest single weight (gathered whole under ZeRO-3)
+    activation_bytes_per_token_step: int
+    gpus: int
+    tokens_per_gpu: int  # micro batch x sequence length
+    ttt_steps: int
+    zero2_gib: dict
+    zero3_gib: dict
+
+
+def activation_bytes_per_token_step(cfg: Eagle3Config, act_bytes: int = 2) -> int:
+    """Bytes autograd saves per token for one TTT step of train/ttt.py (bf16 activations, fp32 where the code upcasts)."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    saved = (
+        2 * H  # input_layernorm and hidden_norm inputs
+        + 2 * H  # their concatenation, read by q/k/v
+        + 2 * (q + 2 * kv)  # q/k/v before and after RoPE
+        + q + 2 * q  # SDPA output; log-sum-exp surrogate (q and SDPA(k) output)
+        + q  # o_proj input
+        + 2 * H  # residual sum, post_attention_layernorm input
+        + 4 * I  # gate, up, silu(gate), product
+        + 2 * H  # step output, final norm input/output rows for the head
+    ) * act_bytes
+    fp32 = 4 * (3 * q)  # the merge of causal and diagonal terms runs in fp32
+    return saved + fp32
+
+
+def estimate(cfg: Eagle3Config, gpus: int, seq: int, micro_batch: int, ttt_steps: int, zero2_bucket: int = 200_000_000) -> Estimate:
+    with torch.device("meta"):
+        model = Eagle3Drafter(cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    largest = max(p.numel() for p in model.parameters())
+    tokens = micro_batch * seq
+    act = activation_bytes_per_token_step(cfg) * tokens * ttt_steps
+    head = 4 * 1024 * cfg.draft_vocab_size * 3  # fused head CE: one fp32 chunk of logits, softmax and grad
+    z2 = {
+        "weights": 2 * (trainable + frozen) / GIB,
+        "gradients": 2 * trainable / gpus / GIB + 2 * 2 * zero2_bucket / GIB,  # partitioned + reduce buckets
+        "optimizer": 12 * trainable / gpus / GIB,
+        "activations": (act + head) / GIB,
+    }
+    z3 = {
+        "weights": 2 * (trainable + frozen) / gpus / GIB + 2 * largest / GIB,  # shard + the largest gathered module
+        "gradients": 2 * trainable / gpus / GIB,
+        "optimizer": 12 * trainable / gpus / GIB,
+        "activations": (act + head) / GIB,
+    }
+    z2["total"], z3["total"] = sum(z2.values()), sum(z3.values())
+    return Estimate(trainable, frozen, largest, activation_bytes_per_token_step(cfg), gpus, tokens, ttt_steps, z2, z3)
+
+
+def report(e: Estimate) -> str:
+    lines = [
+        f"parameters: {e.trainable_params / 1e9:.3f}B trainable + {e.frozen_params / 1e9:.3f}B frozen embedding",
+        f"activations: {e.activation_bytes_per_token_step / 1024:.0f} KiB per token per TTT step; "
+        f"{e.tokens_per_gpu} tokens x {e.ttt_steps} steps per GPU",
+        f"per-GPU memory on {e.gpus} GPUs (GiB):   weights  grads  optim  activ  total",
+    ]
+    for name, z in (("ZeRO-2", e.zero2_gib), ("ZeRO-3", e.zero3_gib)):
+        lines.append(f"  {name}                        {z['weights']:7.2f} {z['gradients']:6.2f} {z['optimizer']:6.2f} {z['activations']:6.2f} {z['total']:6.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> Estimate:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", default="configs/drafters/kimi-k2.json", help="drafter config.json (SGLang form)")
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    a = ap.parse_args(argv)
+    e = estimate(Eagle3Config.from_json(resolve_path(a.drafter)), a.gpus, a.seq, a.micro_batch, a.ttt_steps)
+    print(json.dumps(asdict(e), indent=1) if a.json else report(e))
+    return e
+
+
+if __name__ == "__main__":
+    main()
