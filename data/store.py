@@ -1,0 +1,276 @@
+"""The feature store: the schema between harvest and training.
+
+``features/`` holds ``manifest.json`` and shards ``{split}-{NNNNN}.safetensors``
+(NNNNN = the chunk of the deterministic sample order that the shard holds).
+Each shard concatenates its samples along the token axis:
+
+    input_ids      int32   [N_tok]
+    loss_mask      uint8   [N_tok]        1 on assistant tokens (end-of-turn included)
+    aux_hidden     bf16    [N_tok, 3*Ht]  aux layers' outputs at token t
+    topk_ids       int32   [N_tok, K]     target's top-K next-token ids at position t (over token t+1)
+    topk_logprobs  float32 [N_tok, K]     their log-probs (temperature 1, sorted descending)
+    last_hidden    bf16    [N_tok, Ht]    optional, final-norm output
+    offsets        int64   [N+1]          sample i = rows offsets[i]:offsets[i+1]
+    sample_ids     int64   [N]
+
+Writes are atomic (tmp file, fsync, os.replace, then the manifest), and a
+chunk is recorded as done only with its shard, so a killed harvest resumes
+at the first chunk not done, with nothing lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+
+SCHEMA_VERSION = 1
+SPLITS = ("train", "heldout")
+MANIFEST = "manifest.json"
+TOKEN_COUNTS = "token_counts.safetensors"
+KEYS = ("input_ids", "loss_mask", "aux_hidden", "topk_ids", "topk_logprobs", "last_hidden")
+DTYPES = {
+    "input_ids": torch.int32,
+    "loss_mask": torch.uint8,
+    "aux_hidden": torch.bfloat16,
+    "topk_ids": torch.int32,
+    "topk_logprobs": torch.float32,
+    "last_hidden": torch.bfloat16,
+}
+
+
+class StoreError(RuntimeError):
+    """A feature store that is missing, empty, of another schema, corrupt, or of another harvest."""
+
+
+@dataclass
+class Sample:
+    """One harvested sequence; tensors have T rows."""
+
+    sample_id: int
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    aux_hidden: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_logprobs: torch.Tensor
+    last_hidden: torch.Tensor | None = None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def shard_name(split: str, chunk: int) -> str:
+    return f"{split}-{chunk:05d}.safetensors"
+
+
+class FeatureWriter:
+    """Commits whole shards and keeps the manifest; reopening the same folder resumes.
+
+    `identity` (target, topk, sample order fingerprint, ...) must match the
+    manifest of an existing folder, or the writer refuses to mix harvests.
+    """
+
+    def __init__(self, features_dir: str | Path, target: dict, topk: int, has_last_hidden: bool, fingerprint: str):
+        self.dir = Path(features_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fresh = {
+            "schema_version": SCHEMA_VERSION,
+            "target": target,
+            "topk": topk,
+            "has_last_hidden": has_last_hidden,
+            "fingerprint": fingerprint,
+            "shards": [],
+            "chunks_done": {s: [] for s in SPLITS},
+            "counts": {s: {"samples": 0, "tokens": 0, "loss_tokens": 0} for s in SPLITS},
+            "chunk_skips": {},  # skips inside committed chunks (the harvest adds prompt-level skips at the end)
+            "skips": {},
+            "token_counts": None,
+            "complete": False,
+        }
+        path = self.dir / MANIFEST
+        if path.exists():
+            old = json.loads(path.read_text())
+            for k in ("schema_version", "target", "topk", "has_last_hidden", "fingerprint"):
+                if old.get(k) != fresh[k]:
+                    raise StoreError(
+                        f"{self.dir} holds a harvest with another {k} ({old.get(k)!r} != {fresh[k]!r}); use a new run dir"
+                    )
+            self.manifest = old
+        else:
+            self.manifest = fresh
+
+    def done(self, split: str) -> set[int]:
+        return set(self.manifest["chunks_done"][split])
+
+    def commit(self, split: str, chunk: int, samples: list[Sample], skips: dict[str, int]) -> None:
+        """Write one chunk's shard (if it kept any sample) and record the chunk as done."""
+        m = self.manifest
+        if chunk in m["chunks_done"][split]:
+            raise StoreError(f"chunk {split}/{chunk} is already committed")
+        if samples:
+            tensors = pack(samples, m["has_last_hidden"])
+            data = save(tensors, metadata={"schema_version": str(SCHEMA_VERSION), "split": split, "chunk": str(chunk)})
+            name = shard_name(split, chunk)
+            _write_atomic(self.dir / name, data)
+            n_tok = int(tensors["input_ids"].numel())
+            m["shards"].append(
+                {"file": name, "split": split, "chunk": chunk, "samples": len(samples), "tokens": n_tok, "sha256": hashlib.sha256(data).hexdigest()}
+            )
+            c = m["counts"][split]
+            c["samples"] += len(samples)
+            c["tokens"] += n_tok
+            c["loss_tokens"] += int(tensors["loss_mask"].sum())
+        for reason, n in skips.items():
+            m["chunk_skips"][reason] = m["chunk_skips"].get(reason, 0) + n
+        m["chunks_done"][split].append(chunk)
+        self._save()
+
+    def finish(self, token_counts: torch.Tensor, extra: dict | None = None) -> None:
+        _write_atomic(self.dir / TOKEN_COUNTS, save({"token_counts": token_counts.to(torch.int64)}))
+        self.manifest["token_counts"] = TOKEN_COUNTS
+        self.manifest["complete"] = True
+        self.manifest.update(extra or {})
+        self._save()
+
+    def _save(self) -> None:
+        self.manifest["shards"].sort(key=lambda s: (SPLITS.index(s["split"]), s["chunk"]))
+        _write_atomic(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
+
+
+def pack(samples: list[Sample], has_last_hidden: bool) -> dict[str, torch.Tensor]:
+    """Concatenate samples along the token axis in the schema's dtypes."""
+    keys = [k for k in KEYS if k != "last_hidden" or has_last_hidden]
+    out = {k: torch.cat([getattr(s, k) for s in samples]).to(DTYPES[k]).contiguous() for k in keys}
+    lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
+    out["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    out["sample_ids"] = torch.tensor([s.sample_id for s in samples], dtype=torch.int64)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class FeatureStore:
+    """Reader. Checks schema and checksums on open (verify=False skips the hashing)."""
+
+    def __init__(self, features_dir: str | Path, verify: bool = True):
+        self.dir = Path(features_dir)
+        path = self.dir / MANIFEST
+        if not path.is_file():
+            raise StoreError(f"no feature store at {self.dir} (missing {MANIFEST})")
+        self.manifest = json.loads(path.read_text())
+        version = self.manifest.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise StoreError(f"{path}: schema_version {version} != {SCHEMA_VERSION} (this code)")
+        if not self.manifest["shards"]:
+            raise StoreError(f"{self.dir}: the store has no shards")
+        for s in self.manifest["shards"]:
+            f = self.dir / s["file"]
+            if not f.is_file():
+                raise StoreError(f"{self.dir}: shard {s['file']} is missing")
+            if verify and _sha256(f) != s["sha256"]:
+                raise StoreError(f"{self.dir}: shard {s['file']} fails its sha256 check")
+
+    @property
+    def target(self) -> dict:
+        return self.manifest["target"]
+
+    @property
+    def topk(self) -> int:
+        return self.manifest["topk"]
+
+    def shards(self, split: str) -> list[Path]:
+        return [self.dir / s["file"] for s in self.manifest["shards"] if s["split"] == split]
+
+    def token_counts(self) -> torch.Tensor:
+        name = self.manifest.get("token_counts")
+        if not name:
+            raise StoreError(f"{self.dir}: the harvest did not finish (no token counts)")
+        return load_file(self.dir / name)["token_counts"]
+
+    def dataset(self, split: str = "train") -> "FeatureDataset":
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r} not in {SPLITS}")
+        return FeatureDataset(self.shards(split), self.manifest["has_last_hidden"])
+
+
+class FeatureDataset(torch.utils.data.Dataset):
+    """Samples of one split, sliced from memory-mapped shards on demand."""
+
+    def __init__(self, shards: list[Path], has_last_hidden: bool):
+        self.shards = shards
+        self.keys = [k for k in KEYS if k != "last_hidden" or has_last_hidden]
+        self.index: list[tuple[int, int, int, int]] = []  # (shard, start, end, sample_id)
+        for si, path in enumerate(shards):
+            with safe_open(path, framework="pt") as f:
+                offsets = f.get_tensor("offsets").tolist()
+                ids = f.get_tensor("sample_ids").tolist()
+            self.index += [(si, offsets[i], offsets[i + 1], ids[i]) for i in range(len(ids))]
+        self._open: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _handle(self, si: int):
+        if si not in self._open:  # opened lazily, so each DataLoader worker maps its own
+            self._open[si] = safe_open(self.shards[si], framework="pt")
+        return self._open[si]
+
+    def __getstate__(self):
+        return {**self.__dict__, "_open": {}}
+
+    def __getitem__(self, i: int) -> dict:
+        si, a, b, sid = self.index[i]
+        f = self._handle(si)
+        item = {k: f.get_slice(k)[a:b] for k in self.keys}
+        for k in ("input_ids", "loss_mask", "topk_ids"):
+            item[k] = item[k].long()
+        item["sample_id"] = sid
+        return item
+
+
+def collate(items: list[dict], max_len: int | None = None) -> dict:
+    """Pad to (B, T, ...) on the right, truncating to max_len; adds attention_mask.
+
+    Padding rows are zeros (loss_mask 0, attention_mask 0).
+    """
+    T = max(len(it["input_ids"]) for it in items)
+    if max_len is not None:
+        T = min(T, max_len)
+    out = {}
+    for k in items[0]:
+        if k == "sample_id":
+            continue
+        first = items[0][k]
+        buf = torch.zeros((len(items), T, *first.shape[1:]), dtype=first.dtype)
+        for b, it in enumerate(items):
+            x = it[k][:T]
+            buf[b, : len(x)] = x
+        out[k] = buf
+    out["attention_mask"] = torch.zeros((len(items), T), dtype=torch.long)
+    for b, it in enumerate(items):
+        out["attention_mask"][b, : min(T, len(it["input_ids"]))] = 1
+    out["sample_id"] = torch.tensor([it["sample_id"] for it in items], dtype=torch.long)
+    return out
