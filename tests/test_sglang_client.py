@@ -15,6 +15,7 @@ from eagle3ft.data.config import REPO_ROOT, SGLangClientConfig, load_config
 from eagle3ft.data.drafter_spec import DrafterSpec
 from eagle3ft.data.targets.base import Request, Sampling
 from eagle3ft.data.targets.hf import HFTarget, load_target
+from eagle3ft.data.targets import sglang as sglang_client
 from eagle3ft.data.targets.sglang import HiddenStream, RetryableError, SGLangError, SGLangTarget, server_info, topk_arrays
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
@@ -199,11 +200,13 @@ def _body(rows: np.ndarray, flat_decode_rows: bool, prompt_rows: int) -> bytes:
 
 
 @pytest.mark.parametrize("flat", [False, True])
-@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
-def test_hidden_stream_any_chunking(flat, chunk):
-    rows = torch.randn(9, 6).to(torch.bfloat16).float().numpy()
+@pytest.mark.parametrize("chunk,n,width", [(1, 9, 6), (7, 9, 6), (64, 9, 6), (1 << 20, 9, 6), (1 << 20, 300, 192)])
+def test_hidden_stream_any_chunking(flat, chunk, n, width):
+    rows = torch.randn(n, width).to(torch.bfloat16).float().numpy()
+    if n * width * 8 > sglang_client.ARROW_MIN_BYTES:
+        assert sglang_client._pa is not None  # the large case goes through pyarrow's parser
     body = _body(rows, flat, 6)
-    s = HiddenStream(width=6, rows_hint=2)
+    s = HiddenStream(width=width, rows_hint=2)
     for a in range(0, len(body), chunk):
         s.feed(body[a : a + chunk])
     doc, hidden = s.finish()
@@ -225,6 +228,9 @@ def test_hidden_stream_rejects_truncation_and_non_numbers():
     s = HiddenStream(width=4)
     with pytest.raises(SGLangError, match="not a number"):
         s.feed(body.replace(b"[[[1.0,", b"[[[null,"))
+    big = _body(np.ones((4000, 4), np.float32), False, 2).replace(b"[[[1.0,", b"[[[null,")
+    with pytest.raises(SGLangError, match="not a number"):
+        HiddenStream(width=4).feed(big)
     s = HiddenStream(width=5)
     s.feed(body)
     with pytest.raises(SGLangError, match="multiple of the row width 5"):
