@@ -48,7 +48,11 @@ def atomic_dir(final: Path):
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    yield tmp
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     old = final.with_name(f".{final.name}.old")
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)

@@ -12,7 +12,7 @@ import sys
 
 from eagle3ft.data.config import build_parser, parse_cli, save_resolved
 from eagle3ft.data.store import StoreError
-from eagle3ft.train.loop import NonFiniteLoss, main
+from eagle3ft.train.loop import NonFiniteLoss, OutOfMemoryHint, main
 
 DESCRIPTION = "Fine-tune an EAGLE-3 drafter on a run's feature store."
 
@@ -26,7 +26,7 @@ def cli(argv: list[str] | None = None) -> int:
         save_resolved(cfg, run_dir, "train")
     try:
         main(cfg, run_dir)
-    except (StoreError, NonFiniteLoss, ValueError, FileNotFoundError) as e:
+    except (StoreError, NonFiniteLoss, OutOfMemoryHint, ValueError, FileNotFoundError) as e:
         print(f"finetune: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -29,11 +30,24 @@ class NonFiniteLoss(RuntimeError):
     """The loss became NaN or inf; names the step and the samples of the batch."""
 
 
+class OutOfMemoryHint(RuntimeError):
+    """Device out of memory, re-raised with what to change."""
+
+
 OOM_HINT = (
     "CUDA out of memory during drafter training. Lower train.micro_batch_size or train.max_len, "
     "use fewer train.ttt_steps, or shard more with --set train.deepspeed=configs/deepspeed/zero3.json; "
     "`python -m eagle3ft.train.estimate` prints the expected per-GPU memory."
 )
+
+
+@contextmanager
+def oom_hint():
+    """Turn a CUDA out-of-memory error into OutOfMemoryHint (the original chained)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        raise OutOfMemoryHint(f"{OOM_HINT}\n({str(e).splitlines()[0]})") from e
 
 
 # --------------------------------------------------------------------------- setup
@@ -184,19 +198,16 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
             sample_ids = batch.pop("sample_id").tolist()
             step_samples += sample_ids
             batch = {k: v.to(dist.device) for k, v in batch.items()}
-            try:
-                with dist.accumulate(engine):
-                    out = engine(batch)
-                    if dist.any(not bool(torch.isfinite(out.loss))):
-                        bad = dist.gather_ints(sample_ids if not torch.isfinite(out.loss) else [])
-                        raise NonFiniteLoss(f"non-finite loss at step {step + 1} (epoch {epoch}, micro-batch {batch_in_epoch}); sample ids per rank: {bad}")
-                    lr = scheduler.get_last_lr()[0]  # the rate this step applies
-                    dist.backward(out.loss)
-                    optimizer.step()
-                    scheduler.step()
-                    optimizer.zero_grad()
-            except torch.OutOfMemoryError as e:
-                raise RuntimeError(OOM_HINT) from e
+            with oom_hint(), dist.accumulate(engine):
+                out = engine(batch)
+                if dist.any(not bool(torch.isfinite(out.loss))):
+                    bad = dist.gather_ints(sample_ids if not torch.isfinite(out.loss) else [])
+                    raise NonFiniteLoss(f"non-finite loss at step {step + 1} (epoch {epoch}, micro-batch {batch_in_epoch}); sample ids per rank: {bad}")
+                lr = scheduler.get_last_lr()[0]  # the rate this step applies
+                dist.backward(out.loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
             stats += torch.stack([out.step_loss, out.correct, out.valid, out.chain_correct, out.chain_valid]).detach()
             tokens += int(batch["attention_mask"].sum())
             micro += 1

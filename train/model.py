@@ -58,7 +58,7 @@ class Eagle3Config:
     _KNOWN = (
         "hidden_size num_attention_heads num_key_value_heads intermediate_size vocab_size draft_vocab_size "
         "target_hidden_size head_dim rms_norm_eps rope_theta rope_scaling rope_parameters max_position_embeddings "
-        "eagle_config hidden_act num_hidden_layers architectures tie_word_embeddings"
+        "hidden_act num_hidden_layers architectures tie_word_embeddings"
     ).split()
 
     @classmethod

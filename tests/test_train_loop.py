@@ -1,0 +1,147 @@
+"""The training loop through the real entry point: rank split, resume, warm start, export, bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3ft.data.config import load_config
+from eagle3ft.data.store import FeatureWriter, StoreError
+from eagle3ft.train.loop import OutOfMemoryHint, main, oom_hint
+from eagle3ft.train.model import export_keys
+from test_train_checkpoint import write_k2_like
+from train_fixtures import REPO, TINY_TARGET, launch, write_store
+
+TINY = REPO / "configs/tiny.yaml"
+COMMON = ("train.warmup_steps=2", "train.lr=3e-3", "train.save_every=2", "train.keep_checkpoints=2", "train.ttt_steps=3")
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def ok(r) -> None:
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+# --------------------------------------------------------------------------- bad input (in-process, before any process group)
+
+
+def test_missing_and_empty_store_are_refused(tmp_path):
+    cfg = load_config(TINY)
+    with pytest.raises(StoreError, match="no feature store"):
+        main(cfg, tmp_path)
+    FeatureWriter(tmp_path / "features", TINY_TARGET, 4, False, "x").finish(torch.zeros(49152, dtype=torch.int64))
+    with pytest.raises(StoreError, match="has no shards"):
+        main(cfg, tmp_path)
+
+
+def test_schema_mismatch_and_empty_train_split_are_refused(tmp_path):
+    write_store(tmp_path, n_train=0, n_heldout=2)
+    with pytest.raises(StoreError, match="train split is empty"):
+        main(load_config(TINY), tmp_path)
+    manifest = tmp_path / "features" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**m, "schema_version": 99}))
+    with pytest.raises(StoreError, match="schema_version 99"):
+        main(load_config(TINY), tmp_path)
+
+
+def test_missing_vocab_names_the_harvest(tmp_path):
+    write_store(tmp_path, n_train=2, n_heldout=0)
+    (tmp_path / "vocab.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="harvest"):
+        main(load_config(TINY), tmp_path)
+
+
+def test_out_of_memory_gets_a_hint():
+    with pytest.raises(OutOfMemoryHint, match="micro_batch_size.*zero3.json") as e:
+        with oom_hint():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert "Tried to allocate 2.00 GiB" in str(e.value)
+
+
+# --------------------------------------------------------------------------- real launches (2 CPU processes, DeepSpeed ZeRO-2)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = tmp_path_factory.mktemp("straight")
+    write_store(run)
+    ok(launch(run, "train.max_steps=6", *COMMON))
+    return run
+
+
+@pytest.mark.slow
+def test_two_ranks_split_the_data_and_a_run_leaves_checkpoints_and_export(straight):
+    rows = metrics(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    seen = []
+    for r in rows:
+        rank0, rank1 = r["samples"]
+        assert len(rank0) == len(rank1) == 1 and rank0 != rank1, r["samples"]  # micro batch 1 per rank
+        seen += rank0 + rank1
+    assert len(set(seen)) == 12 and set(seen) <= set(range(16))  # 6 steps x 2 ranks: 12 of the 16 training samples, none twice
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert sorted(p.name for p in (straight / "ckpt").iterdir()) == ["step-4", "step-6"]  # keep 2
+    state = json.loads((straight / "ckpt" / "step-6" / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["config"]["train"]["max_steps"] == 6
+    exported = load_file(straight / "export" / "model.safetensors")
+    assert set(exported) == set(export_keys())
+    ckpt = load_file(straight / "ckpt" / "step-6" / "model.safetensors")
+    assert all(torch.equal(exported[k], ckpt[k]) for k in exported)
+
+
+@pytest.mark.slow
+def test_resume_gives_the_same_losses_as_a_straight_run(straight, tmp_path):
+    write_store(tmp_path)
+    ok(launch(tmp_path, "train.max_steps=6", "train.stop_after=4", *COMMON))
+    assert not (tmp_path / "export").exists()  # stopped early: checkpoint only
+    ok(launch(tmp_path, "train.max_steps=6", *COMMON, extra=("--resume", "auto")))
+    resumed, ref = metrics(tmp_path), metrics(straight)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(resumed, ref):
+        assert a["samples"] == b["samples"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a["step"], a["loss"], b["loss"])
+        assert a["lr"] == pytest.approx(b["lr"])
+    assert "resume: auto" in (tmp_path / "config.yaml").read_text()
+    a, b = load_file(tmp_path / "export" / "model.safetensors"), load_file(straight / "export" / "model.safetensors")
+    for k in a:  # the final weights also depend on the restored optimizer state of steps 5 and 6
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_warm_start_keeps_the_drafters_vocab_and_exports_every_key(tmp_path):
+    write_store(tmp_path)
+    init = write_k2_like(tmp_path / "k2")
+    ok(launch(tmp_path, f"drafter.init={tmp_path / 'k2'}", "train.max_steps=2", *COMMON, procs=1))
+    out = load_file(tmp_path / "export" / "model.safetensors")
+    assert set(out) == set(init) == set(export_keys())
+    assert torch.equal(out["d2t"], init["d2t"]) and torch.equal(out["t2d"], init["t2d"])
+    run_vocab = load_file(tmp_path / "vocab.safetensors")
+    assert run_vocab["d2t"].shape != init["d2t"].shape  # the run's own vocab (512) was not used
+    for k in init:
+        assert out[k].shape == init[k].shape, k
+    assert not torch.equal(out["lm_head.weight"].float(), init["lm_head.weight"].float())  # it trained
+    cfg = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 256 and cfg["rope_scaling"]["type"] == "yarn"
+
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_naming_step_and_sample(tmp_path):
+    write_store(tmp_path, n_train=4, n_heldout=0)
+    shard = tmp_path / "features" / "train-00000.safetensors"
+    t = load_file(shard)
+    t["aux_hidden"][t["offsets"][2] : t["offsets"][3]] = float("nan")  # sample id 2
+    from eagle3ft.data.store import _sha256
+    from safetensors.torch import save_file
+
+    save_file(t, str(shard))
+    manifest = json.loads((tmp_path / "features" / "manifest.json").read_text())
+    manifest["shards"][0]["sha256"] = _sha256(shard)
+    (tmp_path / "features" / "manifest.json").write_text(json.dumps(manifest))
+    r = launch(tmp_path, "train.max_steps=4", *COMMON, procs=1)
+    assert r.returncode != 0
+    assert "non-finite loss at step" in r.stderr and "[[2]]" in r.stderr, r.stderr[-3000:]
