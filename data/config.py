@@ -180,6 +180,7 @@ class BenchConfig:
     temperature: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1])
     settings: list[BenchSetting] = field(default_factory=lambda: [BenchSetting()])
+    threads: int | None = None  # embedded: torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
     baseline_url: str | None = None  # sglang: an already-running plain server
     speculative_url: str | None = None  # sglang: an already-running EAGLE3 server
     launch: bool = False  # sglang: start/stop the servers with launch/ recipes
