@@ -144,6 +144,8 @@ class EmbeddedBackend:
         from eagle3ft.train.checkpoint import load_drafter
 
         self.cfg = cfg
+        if cfg.bench.threads:
+            torch.set_num_threads(cfg.bench.threads)
         self.model, self.tokenizer = load_target(cfg.target)
         self.device = next(self.model.parameters()).device
         ckpt = resolve_path(cfg.eval.checkpoint, base=run_dir)
