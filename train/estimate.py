@@ -51,7 +51,7 @@ def activation_bytes_per_token_step(cfg: Eagle3Config, act_bytes: int = 2) -> in
         + 4 * I  # gate, up, silu(gate), product
         + 2 * H  # step output, final norm input/output rows for the head
     ) * act_bytes
-    fp32 = 4 * (3 * q)  # the merge of causal and diagonal terms runs in fp32
+    fp32 = 4 * (q + 4 * cfg.num_attention_heads)  # fp32 per head: log-sum-exp, diagonal scores, mixing weights
     return saved + fp32
 
 

@@ -172,10 +172,11 @@ def ttt_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tens
     m = torch.maximum(lse, d.max(0).values).detach()  # (B, nh, T)
     w_c, w_d = (lse - m).exp(), (d - m).exp()  # (B, nh, T), (k, B, nh, T)
     z = w_c + w_d.sum(0)
-    out = (w_c / z)[..., None] * causal.float()
+    # mix in the activation dtype (weights from fp32), so autograd keeps no fp32 copy of any value tensor
+    out = (w_c / z).to(q.dtype)[..., None] * causal
     for wj, vj in zip(w_d, diag_v):
-        out = out + (wj / z)[..., None] * heads(vj).float()
-    return out.to(q.dtype)
+        out = out + (wj / z).to(q.dtype)[..., None] * heads(vj)
+    return out
 
 
 # --------------------------------------------------------------------------- the unroll
