@@ -3,7 +3,8 @@
     python -m eagle3ft.train.estimate --drafter configs/drafters/kimi-k2.json --gpus 8 --seq 2048 --micro-batch 1
 
 Model states follow the ZeRO paper's accounting for bf16 training with AdamW: bf16 weights (2 B),
-bf16 gradients (2 B), fp32 master weights + two moments (12 B) per trainable parameter; the frozen
+bf16 gradients (2 B), fp32 master weights + two moments + the fp32 gradient DeepSpeed builds for the
+step (16 B) per trainable parameter; the frozen
 embedding has weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and
 replicates the weights; ZeRO-3 partitions all three and gathers one module at a time (the largest
 module, the embedding, bounds that transient). Activations are what autograd keeps per token and
@@ -67,13 +68,13 @@ def estimate(cfg: Eagle3Config, gpus: int, seq: int, micro_batch: int, ttt_steps
     z2 = {
         "weights": 2 * (trainable + frozen) / GIB,
         "gradients": 2 * trainable / gpus / GIB + 2 * 2 * zero2_bucket / GIB,  # partitioned + reduce buckets
-        "optimizer": 12 * trainable / gpus / GIB,
+        "optimizer": 16 * trainable / gpus / GIB,
         "activations": (act + head) / GIB,
     }
     z3 = {
         "weights": 2 * (trainable + frozen) / gpus / GIB + 2 * largest / GIB,  # shard + the largest gathered module
         "gradients": 2 * trainable / gpus / GIB,
-        "optimizer": 12 * trainable / gpus / GIB,
+        "optimizer": 16 * trainable / gpus / GIB,
         "activations": (act + head) / GIB,
     }
     z2["total"], z3["total"] = sum(z2.values()), sum(z3.values())
