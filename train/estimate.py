@@ -3,9 +3,8 @@
     python -m eagle3ft.train.estimate --drafter configs/drafters/kimi-k2.json --gpus 8 --seq 2048 --micro-batch 1
 
 Model states follow the ZeRO paper's accounting for bf16 training with AdamW: bf16 weights (2 B),
-bf16 gradients (2 B), fp32 master weights + two moments + the fp32 gradient DeepSpeed builds for the
-step (16 B) per trainable parameter; the frozen
-embedding has weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and
+bf16 gradients (2 B), fp32 master weights + two moments + the fp32 gradient DeepSpeed builds for
+the step (16 B) per trainable parameter; the frozen embedding has weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and
 replicates the weights; ZeRO-3 partitions all three and gathers one module at a time (the largest
 module, the embedding, bounds that transient). Activations are what autograd keeps per token and
 per TTT step (no recomputation), counted tensor by tensor in `activation_bytes_per_token_step`.
