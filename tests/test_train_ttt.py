@@ -78,7 +78,7 @@ def test_uniform_drafter_hand_values():
     torch.testing.assert_close(out.step_loss, torch.full((3,), math.log(CFG["draft_vocab_size"])))
 
 
-def reference_ttt(m: Eagle3Drafter, b: dict, steps: int, decay: float) -> torch.Tensor:
+def reference_ttt(m: Eagle3Drafter, b: dict, steps: int, decay: float, target_head: torch.Tensor | None = None) -> torch.Tensor:
     """The unroll written plainly: concatenated keys, an explicit (T, (k+1)T) mask, full logits."""
     ids, aux = b["input_ids"], b["aux_hidden"]
     B, T = ids.shape
@@ -87,6 +87,8 @@ def reference_ttt(m: Eagle3Drafter, b: dict, steps: int, decay: float) -> torch.
     pos = torch.arange(T).expand(B, T)
     draft_ids, p_k, has = topk_to_draft(b["topk_ids"], b["topk_logprobs"], target_to_draft_map(m.d2t, CFG["vocab_size"]))
     p = torch.zeros(B, T, CFG["draft_vocab_size"]).scatter_add_(-1, draft_ids, p_k)
+    if target_head is not None:  # the exact draft-vocab softmax of the target's logits
+        p, has = torch.softmax(b["last_hidden"] @ target_head.t(), -1), torch.ones_like(has)
     keys, values, loss = [], [], 0.0
     for k in range(steps):
         q, kk, vv = m.qkv(shift(ids, 1 + k), hidden, pos + k)
@@ -141,3 +143,13 @@ def test_fused_head_cross_entropy_matches_autograd(sparse):
     assert pred.tolist() == logits.argmax(-1).tolist()
     torch.testing.assert_close(gx, x.grad)
     torch.testing.assert_close(gw, w.grad)
+
+
+def test_last_hidden_teacher_matches_reference():
+    m = drafter(seed=5)
+    b = batch(seed=6)
+    b["last_hidden"] = torch.randn(2, 10, 32)
+    head = torch.randn(CFG["vocab_size"], 32)[torch.arange(CFG["draft_vocab_size"]) + m.d2t]  # the draft-vocab rows
+    out = ttt_forward(m, b, steps=3, decay=0.8, target_head=head)
+    torch.testing.assert_close(out.loss, reference_ttt(m, b, 3, 0.8, target_head=head), rtol=1e-5, atol=1e-6)
+    assert out.valid.tolist() == [(shift(b["loss_mask"].bool(), 2 + k)).sum().item() for k in range(3)]
