@@ -1,0 +1,87 @@
+"""Live benchmark harness on the tiny target with an exported (random) drafter, then the report."""
+
+import json
+
+import pytest
+import torch
+
+from eagle3ft.data.config import load_config
+from eagle3ft.eval import bench, report
+from eagle3ft.eval.economics import Setting
+from eagle3ft.train.checkpoint import export_drafter
+from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("bench")
+    torch.manual_seed(0)
+    export_drafter(Eagle3Drafter(Eagle3Config.from_json("configs/drafters/tiny.json")), run / "export")
+    cfg = load_config(
+        "configs/tiny.yaml",
+        ["bench.prompts.limit=2", "bench.max_new_tokens=6", "bench.repetitions=2",
+         "bench.settings=[{steps: 1, topk: 1, num_draft_tokens: 2}, {steps: 3, topk: 1, num_draft_tokens: 4}]"],
+    )
+    backend = bench.make_backend(cfg, run)
+    summary = bench.run(cfg, run, backend=backend, log=lambda *a: None)
+    return run, cfg, backend, summary
+
+
+def test_runs_are_interleaved_and_complete(bench_run):
+    run, _, backend, _ = bench_run
+    assert isinstance(backend, bench.BenchBackend)
+    rows = [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 3 * 2  # repetitions x (baseline + 2 settings) x prompts
+    order = [(r["repetition"], r["mode"], r["setting"]) for r in rows[::2]]
+    assert order == [(rep, m, s) for rep in range(2) for m, s in [("baseline", None), ("speculative", "1/1/2"), ("speculative", "3/1/4")]]
+    for r in rows:
+        assert r["new_tokens"] <= 6 and r["decode_s"] > 0
+        if r["mode"] == "speculative":
+            assert r["verify_count"] == len(r["accept_lengths"]) == len(r["verify_s"])
+
+
+def test_summary(bench_run):
+    _, _, _, s = bench_run
+    env = s["environment"]
+    for k in ("device", "cpu_model", "torch", "transformers", "torch_threads", "code_version"):
+        assert env[k]
+    b = s["baseline"]["tok_s"]
+    assert b["min"] <= b["median"] <= b["max"] and len(b["per_repetition"]) == 2
+    for row in s["speculative"]:
+        assert row["outputs_match_baseline"] == 1.0  # greedy speculation reproduces plain greedy
+        assert 1.0 <= row["tau"] <= row["setting"]["steps"] + 1
+        assert row["verify_ms_mean"] > 0 and row["draft_forward_ms_mean"] > 0
+    assert sorted(int(k) for k in s["costs"]["verify_s"]) == [1, 2, 3, 4, 5, 6]
+
+
+def test_embedded_backend_refuses_trees(bench_run):
+    _, _, backend, _ = bench_run
+    with pytest.raises(ValueError, match="chains only"):
+        backend.run_speculative([[1, 2, 3]], Setting(3, 2, 6), 4)
+
+
+def test_summarize_without_verify_curve_uses_cycles():
+    def row(rep, mode, key, decode_s, accepts):
+        return {"repetition": rep, "mode": mode, "setting": key, "prompt_index": 0, "prompt_tokens": 5, "new_tokens": 11,
+                "prefill_s": 0.1, "decode_s": decode_s, "output_ids": None, "verify_count": len(accepts) if accepts else None,
+                "accept_lengths": accepts, "verify_s": None, "draft_forward_s": None, "cycle_s": None}
+
+    runs = [row(0, "baseline", None, 1.0, None), row(0, "speculative", "3/1/4", 0.5, [2, 3, 2, 3]),
+            row(1, "baseline", None, 2.0, None), row(1, "speculative", "3/1/4", 0.4, [2, 3, 2, 3])]
+    s = bench.summarize(runs, [Setting(3, 1, 4)], None)
+    assert s["baseline"]["tok_s"]["per_repetition"] == [10.0, 5.0]
+    assert s["costs"]["baseline_s_per_token"] == pytest.approx(0.15)  # median of 0.1 and 0.2
+    sp = s["speculative"][0]
+    assert sp["tau"] == 2.5 and sp["cycle_s"] == pytest.approx(0.9 / 8)
+    assert s["costs"]["verify_s"] == {"4": pytest.approx(0.9 / 8)} and s["costs"]["draft_forward_s"] == 0.0
+
+
+def test_report_joins_everything(bench_run):
+    run, _, _, _ = bench_run
+    rep = report.build(run)
+    assert set(rep["plots"]) == {"tau_offline_vs_live", "tok_s_vs_draft_tokens"}
+    for name in rep["plots"].values():
+        assert (run / "eval" / name).stat().st_size > 10_000
+    md = (run / "eval" / "report.md").read_text()
+    assert "tau live" in md and "no train/metrics.jsonl" in md and "no eval/accept_len.json" in md
+    assert rep["headline"]["baseline_tok_s"] == rep["bench"]["baseline"]["tok_s_median"]
