@@ -250,7 +250,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
         else:
             epoch, batch_in_epoch = epoch + 1, 0
     bar.close()
-    if step >= total:
+    if step >= total and (step > start_step or not (run_dir / "export").exists()):
         state = dist.full_state_dict(engine)
         if dist.is_main:
             with atomic_dir(run_dir / "export") as tmp:
