@@ -116,6 +116,8 @@ class Economics:
     settings: list[SettingEconomics] = field(default_factory=list)
     best_setting: str | None = None
     best_basis: str | None = None  # which tau chose the best setting: live or offline
+    # every setting with an offline tau (benchmarked or not), priced with the measured costs
+    offline_predictions: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -164,7 +166,14 @@ def analyse(summary: dict, offline_tau: dict[str, float] | None = None) -> Econo
         if scored:
             best, basis = max(scored)[1], b
             break
+    offline_rows = []
+    for key, tau in sorted(offline_tau.items()):
+        st = Setting(*map(int, key.split("/")))
+        offline_rows.append(
+            {"setting": key, "tau_offline": tau, "cycle_ms": 1e3 * cm.cycle_s(st), "break_even_tau": cm.break_even_tau(st), "predicted_tok_s": cm.tok_per_s(tau, st)}
+        )
     return Economics(
+        offline_predictions=offline_rows,
         baseline_tok_s=cm.baseline_tok_s,
         baseline_ms_per_token=1e3 * cm.baseline_s_per_token,
         verify_ms={k: 1e3 * v for k, v in sorted(cm.verify_s.items())},
@@ -196,6 +205,13 @@ def format_table(ec: Economics) -> str:
         )
     if ec.best_setting:
         lines.append(f"best measured setting by predicted tok/s ({ec.best_basis} tau): {ec.best_setting}")
+    if ec.offline_predictions:
+        best = max(ec.offline_predictions, key=lambda r: r["predicted_tok_s"])
+        lines.append(
+            "offline tau priced with these costs: "
+            + ", ".join(f"{r['setting']} {r['predicted_tok_s']:.1f}" for r in ec.offline_predictions)
+            + f" tok/s (best {best['setting']})"
+        )
     return "\n".join(lines)
 
 

@@ -46,3 +46,6 @@ def test_analyse_picks_best_and_reports_predictions():
     assert by["5/1/6"].break_even_tau == pytest.approx(3.0)
     assert ec.best_setting == "3/1/4" and ec.best_basis == "live"
     assert "3/1/4" in format_table(ec)
+    # an offline tau for a setting never benchmarked is priced with the interpolated verify cost
+    (off,) = [r for r in analyse(summary, {"4/1/5": 3.0}).offline_predictions]
+    assert off["cycle_ms"] == pytest.approx(4 * 2 + 16.5) and off["predicted_tok_s"] == pytest.approx(3.0 / 0.0245)
