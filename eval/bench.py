@@ -273,7 +273,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
     base_tok_s = [_pass_tok_s(v) for _, v in sorted(base.items())]
     base_s_per_token = statistics.median(sum(r.decode_s for r in v) / sum(r.new_tokens - 1 for r in v) for v in base.values())
     baseline_outputs = {(r.prompt_index): r.output_ids for v in base.values() for r in v}
-    spec_rows, draft_fwd, overheads = [], [], []
+    spec_rows, draft_fwd, overheads, run_verify = [], [], [], {}
     for st in settings:
         sp = passes("speculative", st.key)
         if not sp:
@@ -305,10 +305,13 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         spec_rows.append(row)
         if draft_s:
             draft_fwd += draft_s
+        if verify_s:
+            run_verify.setdefault(st.num_draft_tokens, []).extend(verify_s)
         if cycle_s and verify_s and draft_s:
             overheads.append(_mean(cycle_s) - _mean(verify_s) - st.steps * _mean(draft_s))
-    if verify_curve:
-        verify_costs, source = dict(verify_curve), "verify forward timed per size (backend.verify_costs)"
+    if verify_curve or run_verify:
+        verify_costs = {**(verify_curve or {}), **{n: _mean(v) for n, v in run_verify.items()}}
+        source = "verify forwards timed inside the benchmark runs, other sizes from backend.verify_costs"
         draft_forward_s = _mean(draft_fwd) or 0.0
         overhead_s = max(0.0, _mean(overheads) or 0.0)
     else:

@@ -259,6 +259,13 @@ def markdown(r: dict) -> str:
             + f"; draft forward {e['draft_forward_ms']:.2f} ms; cycle overhead {e['overhead_ms']:.2f} ms. "
             f"Best measured setting by predicted tok/s: {e['best_setting']} ({e['best_basis']} tau).",
             "",
+        ]
+        if e["offline_predictions"]:
+            L += ["Offline tau priced with the measured costs (settings not benchmarked included):", "",
+                  "| setting | tau offline | cycle ms | break-even tau | predicted tok/s |", "|---|---:|---:|---:|---:|"]
+            L += [f"| {o['setting']} | {o['tau_offline']:.2f} | {o['cycle_ms']:.2f} | {o['break_even_tau']:.2f} | {o['predicted_tok_s']:.1f} |" for o in e["offline_predictions"]]
+            L += [""]
+        L += [
             "![tau](tau_offline_vs_live.png)",
             "",
             "![tok/s](tok_s_vs_draft_tokens.png)",
