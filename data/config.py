@@ -211,6 +211,7 @@ class ServeConfig:
     harvest_env: dict[str, str] = field(default_factory=lambda: {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})  # logprobs before temperature, as the store wants
     log_dir: str | None = None  # server logs; default <run-dir>/serve
     stop_grace_s: float = 30.0  # SIGTERM, then SIGKILL after this long
+    max_servers: int = 0  # bench.launch: servers up at once (0 = all; 1 when one server fills the node)
 
 
 @dataclass

@@ -28,8 +28,14 @@ sources (http_server.py, tokenizer_manager.py, scheduler output processing):
   ``version``. ``GET /health``, ``/health_generate``, ``/get_model_info``; ``/flush_cache``.
 - Errors: ``{"object": "error", "message", "type", "param", "code"}`` with 400.
 
-What it does not mirror is refused with a 400 naming it (streaming, tree drafting,
-``max_new_tokens: 0`` on a speculative server), never made up.
+- ``"stream": true``: server-sent events ``data: {json}`` per decode step (per verify cycle on a
+  speculative server), cumulative ``text``/``output_ids``/``completion_tokens``, ``finish_reason``
+  null until the last event (which carries the ``spec_*`` fields), then ``data: [DONE]``. The
+  events are paced by the embedded decoder's measured step times, so decode tok/s seen by a
+  client is the embedded decoder's.
+
+What it does not mirror is refused with a 400 naming it (streamed hidden states or logprobs,
+tree drafting, ``max_new_tokens: 0`` on a speculative server), never made up.
 Faults for the retry tests are queued in-process: ``double.faults.append("500")``.
 
 Run it alone with SGLang's launch flags (the launcher's tests do):
@@ -97,6 +103,7 @@ class DoubleEngine:
         self.lock = threading.Lock()
         self.spec_tokens = 0
         self.spec_verifies = 0
+        self._last_decode_s = 0.0
 
     @property
     def speculative(self) -> bool:
@@ -112,16 +119,20 @@ class DoubleEngine:
         if max_new == 0:
             return [], None
         if self.drafter is None:
-            return greedy_decode(self.model, ids, max_new, stops, temperature, gen).tokens, None
+            g = greedy_decode(self.model, ids, max_new, stops, temperature, gen)
+            self._last_decode_s = g.decode_s
+            return g.tokens, None
         steps = self.spec[0]
         g = SpeculativeDecoder(self.model, self.drafter, self.aux_layer_ids, steps, temperature, stops, gen).generate(ids, max_new)
         return g.tokens, g
 
     @torch.no_grad()
-    def generate(self, req: dict) -> dict:
+    def generate(self, req: dict) -> tuple[dict, list[tuple[float, int]]]:
+        """(the answer, its stream timeline): chunks of (seconds after the previous chunk, new tokens),
+        replaying the embedded decoder's measured decode (per verify cycle, or per token when plain)."""
         t0 = time.time()
-        if req.get("stream"):
-            raise BadRequest("the double does not mirror streaming (stream: true)")
+        if req.get("stream") and (req.get("return_hidden_states") or req.get("return_logprob")):
+            raise BadRequest("the double does not mirror streamed hidden states or logprobs")
         ids = req.get("input_ids")
         if ids is None:
             if req.get("text") is None:
@@ -190,7 +201,17 @@ class DoubleEngine:
             )
         meta["e2e_latency"] = time.time() - t0
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return {"text": text, "output_ids": tokens, "meta_info": meta}
+        timeline: list[tuple[float, int]] = [(0.0, 1)] if N else []
+        if spec is not None:
+            left = N - 1
+            for n, cycle in zip(spec.accept_lengths, spec.cycle_s):
+                if left <= 0:
+                    break
+                timeline.append((cycle, min(n, left)))
+                left -= n
+        elif N > 1:
+            timeline += [(self._last_decode_s / (N - 1), 1)] * (N - 1)
+        return {"text": text, "output_ids": tokens, "meta_info": meta}, timeline
 
 
 class BadRequest(ValueError):
@@ -307,15 +328,43 @@ class SGLangDouble:
                     self.close_connection = True
                     self.connection.shutdown(2)
                     return
+                req = json.loads(body)
                 try:
-                    out = double.engine.generate(json.loads(body))
+                    out, timeline = double.engine.generate(req)
                 except BadRequest as e:
                     return self._error(400, str(e))
+                if req.get("stream"):
+                    return self._stream(out, timeline)
                 data = json.dumps(out, separators=(",", ":")).encode()
                 if fault == "truncate":
                     self.close_connection = True
                     return self._send(200, data[: len(data) // 2], length=len(data))
                 self._send(200, data)
+
+            def _stream(self, out: dict, timeline: list[tuple[float, int]]) -> None:
+                """SSE as SGLang's /generate streams it: `data: {json}` per step, cumulative text and
+                output_ids, finish_reason null until the last, then `data: [DONE]`."""
+                self.close_connection = True
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                meta, ids = out["meta_info"], out["output_ids"]
+                base = {k: meta[k] for k in ("id", "prompt_tokens", "weight_version", "total_retractions")}
+                n = 0
+                for i, (delay, k) in enumerate(timeline):
+                    time.sleep(delay)
+                    n += k
+                    if i < len(timeline) - 1:
+                        chunk = {"text": double.engine.tokenizer.decode(ids[:n], skip_special_tokens=True), "output_ids": ids[:n], "meta_info": {**base, "finish_reason": None, "completion_tokens": n, "cached_tokens": 0}}
+                    else:
+                        chunk = out
+                    self.wfile.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+                    self.wfile.flush()
+                if not timeline:
+                    self.wfile.write(b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n")
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
 
         return Handler
 

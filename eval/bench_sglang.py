@@ -1,0 +1,319 @@
+"""The `sglang` backend of eval/bench.py: live SGLang servers, baseline against EAGLE3.
+
+Servers come from the config: ``bench.baseline_url`` / ``bench.speculative_url`` (already
+running; the speculative one serves the one setting it was started with, read from its
+``/server_info``), or ``bench.launch: true`` (the baseline and one EAGLE3 server per setting,
+started from ``serve`` with the exported drafter ``eval.checkpoint``; at most
+``serve.max_servers`` at once, the least recently used stopped first; all stopped by ``close()``
+or at exit).
+
+Per request (batch 1, as the harness runs them): ``POST /generate`` with ``"stream": true``.
+The first event with a token ends the prefill; decode_s runs from it to the last event, so
+tok/s = (new_tokens - 1) / decode_s as for the embedded backend. The last event's
+``spec_verify_ct`` and ``spec_accept_histogram`` (verify steps by drafts accepted) give the
+verify count and the tokens per verify (bonus included); without a histogram the tokens after
+the first are spread over the verifies. Every request's ``meta_info`` spec fields go to
+RUN/bench/sglang_requests.jsonl, and after each speculative pass the server's own
+``internal_states[0].avg_spec_accept_length`` is recorded: both taus land in the environment.
+The cache is flushed before each pass.
+
+Throughput at concurrency (``bench.concurrency`` levels above 1): ``run_concurrency`` sends
+the prompts with that many requests in flight, baseline and each setting interleaved per
+repetition, and writes RUN/bench/concurrency.json (output tok/s = all new tokens / wall time).
+
+    python eval/bench_sglang.py --config CFG --run-dir RUN   # eval/bench.py's run(), then the concurrency sweep
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from eagle3ft.data.config import BenchSetting, resolve_path
+from eagle3ft.data.targets.sglang import HTTPPolicy, SGLangError, call, server_info, sampling_params
+from eagle3ft.data.targets.sglang_server import SGLangServer, server_for
+from eagle3ft.eval.bench import RequestResult, base_environment, gpu_clocks
+from eagle3ft.eval.economics import Setting
+
+ENV_PREFIXES = ("NCCL_", "SGLANG_", "CUDA_", "TORCH_", "NVIDIA_", "PYTORCH_")
+SERVER_ARGS_KEPT = (
+    "model_path", "tp_size", "dp_size", "ep_size", "dtype", "quantization", "kv_cache_dtype", "context_length",
+    "mem_fraction_static", "max_running_requests", "chunked_prefill_size", "attention_backend", "sampling_backend",
+    "disable_cuda_graph", "cuda_graph_max_bs", "disable_radix_cache", "enable_return_hidden_states",
+    "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
+    "speculative_num_draft_tokens", "trust_remote_code", "chat_template",
+)  # fmt: skip
+
+
+def accept_lengths_from(meta: dict, new_tokens: int) -> list[int] | None:
+    """Tokens emitted per verify (bonus included) from a finished request's spec fields."""
+    verifies = int(meta.get("spec_verify_ct") or 0)
+    if verifies <= 0:
+        return None
+    hist = meta.get("spec_accept_histogram") or meta.get("spec_correct_drafts_histogram")
+    if hist and sum(hist) == verifies:
+        return [k + 1 for k, n in enumerate(hist) for _ in range(int(n))]
+    per, extra = divmod(max(new_tokens - 1, verifies), verifies)
+    return [per + (i < extra) for i in range(verifies)]
+
+
+def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tuple[dict, list[int], float, float]:
+    """One streamed /generate: (final meta_info, output ids, seconds to the first token, seconds first -> last token)."""
+    t0 = time.perf_counter()
+    first = last = None
+    meta: dict = {}
+    out: list[int] = []
+    try:
+        resp = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True}, stream=True, timeout=(10.0, timeout_s))
+    except requests.RequestException as e:
+        raise SGLangError(f"{url}/generate: {e}") from None
+    with resp:
+        if resp.status_code != 200:
+            raise SGLangError(f"{url}/generate: HTTP {resp.status_code}: {resp.text[:300]}")
+        done = False
+        for line in resp.iter_lines():
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            ev = json.loads(data)
+            if "error" in ev:
+                raise SGLangError(f"{url}/generate: {ev['error']}")
+            now = time.perf_counter()
+            meta = ev["meta_info"]
+            got = ev.get("output_ids") or []
+            n = int(meta.get("completion_tokens", len(got)))
+            out = list(got) if len(got) == n else out + list(got)  # cumulative (default) or incremental (--stream-output)
+            if n > 0:
+                first = now if first is None else first
+                last = now
+        if not done:
+            raise SGLangError(f"{url}/generate: the stream ended without [DONE]")
+    if first is None:
+        return meta, out, time.perf_counter() - t0, 0.0
+    return meta, out, first - t0, last - first
+
+
+class SGLangBackend:
+    name = "sglang"
+
+    def __init__(self, cfg, run_dir: Path):
+        from eagle3ft.data.chat import ChatFormat
+        from eagle3ft.data.targets.hf import load_tokenizer
+
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.eos_ids = list(ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template).stop_ids)
+        self.timeout_s = float(cfg.harvest.sglang.timeout_s)
+        self.launched: dict[str, SGLangServer] = {}  # key -> server, least recently used first
+        self._ports: dict[str, int] = {}
+        self.infos: dict[str, dict] = {}
+        self.server_tau: dict[str, list[float]] = {}
+        self.request_tau: dict[str, list[float]] = {}
+        (self.run_dir / "bench").mkdir(parents=True, exist_ok=True)
+        self._log = open(self.run_dir / "bench" / "sglang_requests.jsonl", "a")
+        self._lock = threading.Lock()
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------------ servers
+
+    def _sp(self, max_new_tokens: int) -> dict:
+        return {"max_new_tokens": int(max_new_tokens), "temperature": float(self.cfg.bench.temperature), "stop_token_ids": self.eos_ids}
+
+    def url(self, setting: Setting | None) -> str:
+        """The server for the baseline (None) or one speculative setting, started when bench.launch."""
+        bc = self.cfg.bench
+        key = "baseline" if setting is None else setting.key
+        given = bc.baseline_url if setting is None else bc.speculative_url
+        if given:
+            url = given.rstrip("/")
+            si = self._info(key, url)
+            if setting is None and si.speculative:
+                raise SGLangError(f"bench.baseline_url {url} runs {si.raw.get('speculative_algorithm')}: the baseline must be plain")
+            if setting is not None:
+                have = (si.raw.get("speculative_num_steps"), si.raw.get("speculative_eagle_topk"), si.raw.get("speculative_num_draft_tokens"))
+                if si.raw.get("speculative_algorithm") != "EAGLE3" or have != (setting.steps, setting.topk, setting.num_draft_tokens):
+                    if not bc.launch:
+                        raise SGLangError(f"bench.speculative_url {url} serves {si.raw.get('speculative_algorithm')} {'/'.join(map(str, have))}, not EAGLE3 {setting.key}; set bench.launch to start the others")
+                    return self._launch(key, setting)
+            return url
+        if not bc.launch:
+            raise SGLangError(f"no server for {key}: set bench.{'baseline' if setting is None else 'speculative'}_url or bench.launch: true")
+        return self._launch(key, setting)
+
+    def _info(self, key: str, url: str):
+        si = server_info(url)
+        self.infos[key] = si.raw
+        return si
+
+    def _launch(self, key: str, setting: Setting | None) -> str:
+        if key in self.launched:
+            self.launched[key] = self.launched.pop(key)  # most recently used last
+            return self.launched[key].url
+        limit = self.cfg.serve.max_servers
+        while limit and len(self.launched) >= limit:
+            self.launched.pop(next(iter(self.launched))).stop()
+        port = self._ports.setdefault(key, self.cfg.serve.port + len(self._ports))
+        if setting is None:
+            server = server_for(self.cfg, self.run_dir, "baseline", port)
+        else:
+            drafter = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
+            server = server_for(self.cfg, self.run_dir, "speculative", port, drafter, BenchSetting(setting.steps, setting.topk, setting.num_draft_tokens))
+        server.start()
+        try:
+            server.wait_healthy()
+        except BaseException:
+            server.stop()
+            raise
+        self.launched[key] = server
+        self._info(key, server.url)
+        return server.url
+
+    def close(self) -> None:
+        for s in self.launched.values():
+            s.stop()
+        self.launched.clear()
+        if not self._log.closed:
+            self._log.close()
+
+    def flush_cache(self, url: str) -> None:
+        try:
+            requests.post(url + "/flush_cache", timeout=30)
+        except requests.RequestException:
+            pass
+
+    # ------------------------------------------------------------------ passes
+
+    def _one(self, url: str, i: int, ids: list[int], max_new: int, key: str) -> RequestResult:
+        meta, out, prefill_s, decode_s = stream_generate(url, ids, self._sp(max_new), self.timeout_s)
+        n = int(meta.get("completion_tokens", len(out)))
+        acc = accept_lengths_from(meta, n)
+        spec = {k: v for k, v in meta.items() if k.startswith("spec_")}
+        with self._lock:
+            self._log.write(json.dumps({"setting": key, "prompt_index": i, "completion_tokens": n, "prefill_s": prefill_s, "decode_s": decode_s, "e2e_latency": meta.get("e2e_latency"), **spec}) + "\n")
+            if "spec_accept_length" in spec:
+                self.request_tau.setdefault(key, []).append(float(spec["spec_accept_length"]))
+        return RequestResult(
+            prompt_index=i,
+            prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
+            new_tokens=n,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            output_ids=out,
+            verify_count=int(meta["spec_verify_ct"]) if acc is not None else None,
+            accept_lengths=acc,
+        )
+
+    def _pass(self, setting: Setting | None, prompts: list[list[int]], max_new: int) -> list[RequestResult]:
+        url = self.url(setting)
+        key = "baseline" if setting is None else setting.key
+        self.flush_cache(url)
+        results = [self._one(url, i, p, max_new, key) for i, p in enumerate(prompts)]
+        self._log.flush()
+        if setting is not None:
+            tau = server_info(url).avg_spec_accept_length
+            if tau is not None:
+                self.server_tau.setdefault(key, []).append(tau)
+        return results
+
+    def run_baseline(self, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]:
+        return self._pass(None, prompts, max_new_tokens)
+
+    def run_speculative(self, prompts: list[list[int]], setting: Setting, max_new_tokens: int) -> list[RequestResult]:
+        return self._pass(setting, prompts, max_new_tokens)
+
+    def throughput(self, setting: Setting | None, prompts: list[list[int]], max_new: int, concurrency: int) -> dict:
+        """All prompts with `concurrency` requests in flight: output tok/s over the wall time."""
+        url = self.url(setting)
+        self.flush_cache(url)
+        policy = HTTPPolicy(timeout_s=self.timeout_s, retries=0)
+        metas: list[dict] = []
+
+        def one(ids):
+            body, _, _ = call(url, "/generate", {"input_ids": ids, "sampling_params": self._sp(max_new)}, policy, what="bench request")
+            return body["meta_info"]
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            metas = list(pool.map(one, prompts))
+        wall = time.perf_counter() - t0
+        tokens = sum(int(m["completion_tokens"]) for m in metas)
+        verifies = sum(int(m.get("spec_verify_ct") or 0) for m in metas)
+        return {"wall_s": wall, "new_tokens": tokens, "tok_s": tokens / wall, "tau": tokens / verifies if verifies else None}
+
+    # ------------------------------------------------------------------ environment
+
+    def environment(self) -> dict:
+        servers = {}
+        for key, raw in self.infos.items():
+            servers[key] = {"version": raw.get("version"), **{k: raw[k] for k in SERVER_ARGS_KEPT if k in raw}}
+        taus = {}
+        for key in sorted(set(self.server_tau) | set(self.request_tau)):
+            req = self.request_tau.get(key, [])
+            taus[key] = {"server_avg_spec_accept_length": self.server_tau.get(key), "request_spec_accept_length_mean": statistics.mean(req) if req else None}
+        return {
+            **base_environment(),
+            "backend": self.name,
+            "nvidia_smi": gpu_clocks(),
+            "servers": servers,
+            "sglang_tau": taus,
+            "launch_env": {k: v for k, v in {**os.environ, **self.cfg.serve.env}.items() if k.startswith(ENV_PREFIXES)},
+            "launched": {k: s.command.shell() for k, s in self.launched.items()},
+        }
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "per_repetition": xs}
+
+
+def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[list[int]], log=print) -> dict | None:
+    """bench.concurrency levels above 1: baseline and every setting interleaved per repetition."""
+    levels = sorted({c for c in cfg.bench.concurrency if c > 1})
+    if not levels:
+        return None
+    settings = [Setting.of(s) for s in cfg.bench.settings]
+    out: dict = {"levels": {}}
+    for c in levels:
+        rows: dict[str, list[dict]] = {}
+        for rep in range(cfg.bench.repetitions):
+            for s in [None, *settings]:
+                key = "baseline" if s is None else s.key
+                r = backend.throughput(s, prompts, cfg.bench.max_new_tokens, c)
+                rows.setdefault(key, []).append(r)
+                log(f"  concurrency {c} rep {rep} {key:<11} {r['tok_s']:8.1f} tok/s")
+        base = statistics.median(r["tok_s"] for r in rows["baseline"])
+        out["levels"][str(c)] = {
+            key: {"tok_s": _spread([r["tok_s"] for r in rs]), "speedup_median": statistics.median(r["tok_s"] for r in rs) / base, "tau": rs[-1]["tau"], "runs": rs}
+            for key, rs in rows.items()
+        }
+    path = Path(run_dir) / "bench" / "concurrency.json"
+    path.write_text(json.dumps(out, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from eagle3ft.data.config import parse_cli
+    from eagle3ft.eval import bench
+
+    cfg, run_dir, _ = parse_cli("Live benchmark on SGLang servers: batch 1 (eval/bench.py), then the concurrency levels.", stage="bench", argv=argv)
+    if cfg.bench.backend != "sglang":
+        raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
+    backend = SGLangBackend(cfg, run_dir)
+    try:
+        print(bench.format_summary(bench.run(cfg, run_dir, backend)))
+        run_concurrency(cfg, run_dir, backend, bench.load_prompts(cfg))
+    finally:
+        backend.close()
+
+
+if __name__ == "__main__":
+    main()

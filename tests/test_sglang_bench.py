@@ -1,0 +1,151 @@
+"""The live bench's sglang backend against protocol doubles: tau and tok/s from the servers' metadata."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3ft.data.config import REPO_ROOT, load_config
+from eagle3ft.data.targets.hf import load_target
+from eagle3ft.data.targets.sglang import SGLangError
+from eagle3ft.eval import bench
+from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
+from eagle3ft.eval.economics import Setting
+from eagle3ft.eval.speculate import SpeculativeDecoder
+from eagle3ft.train.checkpoint import export_drafter
+from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
+
+BENCH = ["bench.backend=sglang", "bench.prompts={kind: mtbench, limit: 2}", "bench.max_new_tokens=16", "bench.repetitions=2", "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
+    model, tok = load_target(cfg.target)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        d = Eagle3Drafter(Eagle3Config.from_json(REPO_ROOT / cfg.drafter.config))
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+        common = torch.arange(d.config.draft_vocab_size)  # draft id i -> target id i: the tokenizer's first ids
+        d.d2t.zero_()
+        d.t2d.zero_()
+        d.t2d[common] = True
+    return cfg, model, tok, d.eval()
+
+
+@pytest.fixture(scope="module")
+def doubles(tiny):
+    _, model, tok, drafter = tiny
+    base = SGLangDouble(DoubleEngine(model, tok), version="0.5.17").start()
+    spec = SGLangDouble(DoubleEngine(model, tok, drafter=drafter, spec_steps=3, spec_topk=1, spec_num_draft_tokens=4), version="0.5.17").start()
+    yield base, spec
+    base.stop()
+    spec.stop()
+
+
+@pytest.mark.slow
+def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
+    cfg0, model, tok, drafter = tiny
+    base, spec = doubles
+    cfg = load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}", "bench.concurrency=[1, 2]"])
+    backend = SGLangBackend(cfg, tmp_path)
+    summary = bench.run(cfg, tmp_path, backend, log=lambda *_: None)
+    prompts = bench.load_prompts(cfg)
+
+    # tau: the same greedy decodes by the embedded speculative decoder, counted the same way
+    dec = SpeculativeDecoder(model, drafter, drafter.config.aux_layer_ids, 3, 0.0, backend.eos_ids)
+    gens = [dec.generate(p, cfg.bench.max_new_tokens) for p in prompts]
+    (row,) = summary["speculative"]
+    assert row["verify_count"] == cfg.bench.repetitions * sum(g.verify_count for g in gens)
+    assert row["tau"] == pytest.approx(sum(sum(g.accept_lengths) for g in gens) / sum(g.verify_count for g in gens))
+    assert row["outputs_match_baseline"] == 1.0  # greedy speculation returns the plain greedy tokens
+    assert row["tok_s_median"] > 0 and summary["baseline"]["tok_s_median"] > 0
+
+    runs = [json.loads(line) for line in (tmp_path / "bench/runs.jsonl").read_text().splitlines()]
+    for r in runs:
+        assert r["tok_s"] == pytest.approx((r["new_tokens"] - 1) / r["decode_s"]) if r["decode_s"] > 0 else r["new_tokens"] <= 1
+    spec_runs = [r for r in runs if r["mode"] == "speculative"]
+    assert [r["output_ids"] for r in spec_runs[: len(gens)]] == [g.tokens for g in gens]
+
+    env = summary["environment"]
+    taus = env["sglang_tau"]["3/1/4"]
+    served = spec.engine.spec_tokens / spec.engine.spec_verifies  # the double's lifetime average, as SGLang's
+    assert taus["server_avg_spec_accept_length"][-1] == pytest.approx(served)
+    assert env["servers"]["3/1/4"]["speculative_num_draft_tokens"] == 4 and env["servers"]["baseline"]["version"] == "0.5.17"
+    requests_log = [json.loads(line) for line in (tmp_path / "bench/sglang_requests.jsonl").read_text().splitlines()]
+    assert {r["setting"] for r in requests_log} == {"baseline", "3/1/4"} and all("spec_accept_histogram" in r for r in requests_log if r["setting"] != "baseline")
+
+    econ = json.loads((tmp_path / "bench/economics.json").read_text())
+    assert econ and summary["costs"]["verify_s"]["4"] > 0  # cycle time measured from the server per setting
+
+    conc = run_concurrency(cfg, tmp_path, backend, prompts, log=lambda *_: None)
+    level = conc["levels"]["2"]
+    assert level["baseline"]["tok_s"]["median"] > 0 and level["3/1/4"]["tau"] == pytest.approx(
+        sum(len(g.tokens) for g in gens) / sum(g.verify_count for g in gens)
+    )
+    assert json.loads((tmp_path / "bench/concurrency.json").read_text())["levels"]["2"]["3/1/4"]["runs"]
+    backend.close()
+
+
+def test_speculative_url_serves_only_its_setting(tiny, doubles, tmp_path):
+    base, spec = doubles
+    cfg = load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}"])
+    backend = SGLangBackend(cfg, tmp_path)
+    with pytest.raises(SGLangError, match="serves EAGLE3 3/1/4, not EAGLE3 2/1/3"):
+        backend.url(Setting(2, 1, 3))
+    cfg.bench.baseline_url = spec.url
+    with pytest.raises(SGLangError, match="the baseline must be plain"):
+        backend.url(None)
+    backend.close()
+
+
+def test_accept_lengths_from_histogram_or_counts():
+    assert accept_lengths_from({"spec_verify_ct": 3, "spec_accept_histogram": [1, 0, 2, 0]}, 8) == [1, 3, 3]
+    assert sorted(accept_lengths_from({"spec_verify_ct": 3}, 8)) == [2, 2, 3]
+    assert accept_lengths_from({"spec_verify_ct": 0}, 8) is None and accept_lengths_from({}, 8) is None
+
+
+@pytest.mark.slow
+def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
+    """bench.launch: baseline and EAGLE3 servers started from serve (the double as the server program), one at a time."""
+    cfg0, model, tok, drafter = tiny
+    export_drafter(drafter, tmp_path / "export")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = load_config(
+        REPO_ROOT / "configs/tiny.yaml",
+        BENCH
+        + [
+            "bench.launch=true",
+            f"serve.python={sys.executable}",
+            f"serve.launch_cmd=[{Path(__file__).parent / 'sglang_double.py'}]",
+            f"serve.model_path={tmp_path / 'model'}",
+            f"serve.port={port}",
+            "serve.max_servers=1",
+            "serve.startup_timeout_s=120",
+            f"serve.extra_args=[--double-config, {REPO_ROOT / 'configs/tiny.yaml'}]",
+        ],
+    )
+    backend = SGLangBackend(cfg, tmp_path)
+    prompt = bench.load_prompts(cfg)[:1]
+    (b,) = backend.run_baseline(prompt, 8)
+    baseline = backend.launched["baseline"]
+    (r,) = backend.run_speculative(prompt, Setting(3, 1, 4), 8)
+    assert baseline.proc.poll() is not None and list(backend.launched) == ["3/1/4"]  # max_servers 1: the baseline was stopped
+    assert r.output_ids == b.output_ids and r.verify_count >= 1 and sum(r.accept_lengths) >= r.new_tokens - 1
+    env = backend.environment()
+    assert "--speculative-num-draft-tokens 4" in env["launched"]["3/1/4"] and env["servers"]["3/1/4"]["speculative_draft_model_path"] == str(tmp_path / "export")
+    server = backend.launched["3/1/4"]
+    backend.close()
+    assert server.proc.poll() is not None and not backend.launched
+    assert sorted(p.name for p in (tmp_path / "serve").iterdir()) == [f"baseline-{port}.log", f"speculative-3-1-4-{port + 1}.log"]
