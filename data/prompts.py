@@ -25,7 +25,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable, Iterator
 
 from eagle3ft.data.config import SourceConfig, resolve_path
 
@@ -62,33 +62,40 @@ class Skip(Exception):
 # --------------------------------------------------------------------------- readers
 
 
-def iter_json_array(path: Path, skips: Counter, chunk_chars: int = 1 << 20) -> Iterator[object]:
-    """Items of a (possibly truncated) top-level JSON array, streamed: reads only as far as consumed."""
+def iter_json_array(f: BinaryIO, skips: Counter, chunk_bytes: int = 1 << 20) -> Iterator[object]:
+    """Items of a (possibly truncated) top-level JSON array in binary file `f`, read only as far as consumed.
+
+    Undecodable bytes become lone surrogates, which normalize() skips as invalid_utf8.
+    """
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    buf, pos, eof, opened = "", 0, False, False
+    while True:
+        while pos < len(buf) and (buf[pos].isspace() or buf[pos] == "," or (buf[pos] == "[" and not opened)):
+            opened = opened or buf[pos] == "["
+            pos += 1
+        if pos < len(buf) and buf[pos] == "]":
+            return
+        if pos < len(buf):
+            try:
+                item, pos = decoder.raw_decode(buf, pos)
+                yield item
+                continue
+            except json.JSONDecodeError:
+                if eof:
+                    skips["truncated_tail"] += 1
+                    return
+        elif eof:
+            return
+        data = f.read(chunk_bytes)
+        eof = not data
+        buf = buf[pos:] + utf8.decode(data, final=eof)
+        pos = 0
+
+
+def _iter_json_array_file(path: Path, skips: Counter) -> Iterator[object]:
     with open(path, "rb") as f:
-        buf, pos, eof, opened = "", 0, False, False
-        while True:
-            while pos < len(buf) and (buf[pos].isspace() or buf[pos] == "," or (buf[pos] == "[" and not opened)):
-                opened = opened or buf[pos] == "["
-                pos += 1
-            if pos < len(buf) and buf[pos] == "]":
-                return
-            if pos < len(buf):
-                try:
-                    item, pos = decoder.raw_decode(buf, pos)
-                    yield item
-                    continue
-                except json.JSONDecodeError:
-                    if eof:
-                        skips["truncated_tail"] += 1
-                        return
-            elif eof:
-                return
-            data = f.read(chunk_chars)
-            eof = not data
-            buf = buf[pos:] + utf8.decode(data, final=eof)
-            pos = 0
+        yield from iter_json_array(f, skips)
 
 
 def iter_jsonl(path: Path, skips: Counter) -> Iterator[object]:
@@ -163,7 +170,7 @@ def iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
     if path.suffix == ".jsonl":
         return iter_jsonl(path, skips)
     if path.suffix == ".json" and src.kind == "sharegpt":
-        return iter_json_array(path, skips)
+        return _iter_json_array_file(path, skips)
     return iter_datasets(path)
 
 

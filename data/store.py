@@ -126,7 +126,7 @@ class FeatureWriter:
             raise StoreError(f"chunk {split}/{chunk} is already committed")
         if samples:
             tensors = pack(samples, m["has_last_hidden"])
-            data = save(tensors, metadata={"schema_version": str(SCHEMA_VERSION), "split": split, "chunk": str(chunk)})
+            data = save(tensors, metadata={"schema_version": str(SCHEMA_VERSION)})  # one key: the header is byte-stable
             name = shard_name(split, chunk)
             _write_atomic(self.dir / name, data)
             n_tok = int(tensors["input_ids"].numel())
