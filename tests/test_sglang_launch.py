@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eagle3ft.data.chat import TEMPLATES
-from eagle3ft.data.config import REPO_ROOT, BenchSetting, load_config
+from eagle3ft.data.config import REPO_ROOT, BenchSetting, load_config, to_dict
 from eagle3ft.data.drafter_spec import DrafterSpec
-from eagle3ft.data.targets.sglang import server_info, target_identity
+from eagle3ft.data.targets.sglang import target_identity
 from eagle3ft.data.targets.sglang_server import LaunchError, build_command, health, main, parse_setting, server_for
 
 KIMI = REPO_ROOT / "configs/kimi-k25-8gpu.yaml"
@@ -115,19 +115,22 @@ def _double_config(tmp_path: Path, extra: list[str]):
 
 
 @pytest.mark.slow
-def test_launch_wait_and_stop_a_server_process(tmp_path):
-    """The launcher runs the double as it would run SGLang: the same flags, /health, SIGTERM to the group."""
+def test_launch_run_a_command_against_the_server_then_stop_it(tmp_path):
+    """The launcher runs the double as it would run SGLang (same flags, /health, SIGTERM to the group),
+    runs a command against it (the harvest recipe's form) and passes on the command's status."""
     cfg = _double_config(tmp_path, [])
-    server = server_for(cfg, tmp_path, "harvest")
-    with server:
-        si = server_info(server.url)
-        assert si.aux_capture_ids == [0, 1, 2] and si.version == (0, 5, 23)
-        assert si.raw["model_path"] == cfg.serve.model_path
-        pid = server.proc.pid
-    assert server.proc.returncode is not None and not health(server.url, 1.0)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
-    assert "--enable-return-aux-hidden-states" in server.log_file.read_text()
+    config = tmp_path / "double.yaml"
+    config.write_text(yaml.safe_dump(to_dict(cfg)))
+    url = f"http://127.0.0.1:{cfg.serve.port}"
+    probe = "import json, sys, urllib.request; open(sys.argv[1], 'w').write(urllib.request.urlopen(sys.argv[2] + '/server_info').read().decode()); sys.exit(3)"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--config", str(config), "--run-dir", str(tmp_path), "--role", "harvest", "--", sys.executable, "-c", probe, str(tmp_path / "info.json"), url])
+    assert exit_.value.code == 3  # the command's status
+    info = json.loads((tmp_path / "info.json").read_text())
+    assert info["return_aux_hidden_state_layer_ids"] == [0, 1, 2] and info["version"] == "0.5.23" and info["model_path"] == cfg.serve.model_path
+    assert not health(url, 1.0)  # stopped
+    log = next((tmp_path / "serve").glob("harvest-*.log")).read_text()
+    assert "--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids 0 1 2" in log
 
 
 def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):

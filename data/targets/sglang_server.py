@@ -11,10 +11,12 @@ Three roles, one command builder:
 - ``speculative``: EAGLE3 with the exported drafter and one steps/topk/draft-tokens setting.
 
     python -m eagle3ft.data.targets.sglang_server --config CFG --run-dir RUN --role speculative \
-        --drafter RUN/export --setting 3/1/4 [--port 30001] [--print]
+        --drafter RUN/export --setting 3/1/4 [--port 30001] [--print] [-- COMMAND ...]
 
-runs one server in the foreground until SIGINT/SIGTERM (``--print`` only prints the
-command). ``SGLangServer`` does the same from Python (the bench's ``bench.launch``).
+runs one server in the foreground until SIGINT/SIGTERM; with ``-- COMMAND``, runs the command
+once the server is healthy, then stops the server and exits with the command's status (the
+harvest recipe); ``--print`` only prints the server command. ``SGLangServer`` does the same
+from Python (the bench's ``bench.launch``).
 """
 
 from __future__ import annotations
@@ -173,11 +175,13 @@ class SGLangServer:
         log.close()
         return self
 
-    def wait_healthy(self) -> "SGLangServer":
-        """Poll /health until 200; raise with the log's tail if the process exits or time runs out."""
+    def wait_healthy(self, cancelled=lambda: False) -> "SGLangServer":
+        """Poll /health until 200; raise with the log's tail if the process exits, time runs out or `cancelled()`."""
         deadline = time.monotonic() + self.startup_timeout_s
         delay = 0.2
         while time.monotonic() < deadline:
+            if cancelled():
+                raise LaunchError(f"{self.command.role} server start cancelled")
             if self.proc is not None and self.proc.poll() is not None:
                 raise LaunchError(f"{self.command.role} server exited with {self.proc.returncode} before answering /health; log {self.log_file}:\n{self.log_tail()}")
             if health(self.url):
@@ -236,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafter", help="drafter folder (SGLang form): the export for speculative, the draft for harvest")
     ap.add_argument("--setting", help="steps/topk/num_draft_tokens for speculative (default bench.settings[0])")
     ap.add_argument("--print", action="store_true", help="print the command and exit")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND: run it against the healthy server, then stop the server")
     cfg, run_dir, args = parse_cli("", stage="serve", argv=argv, parser=ap)
     try:
         server = server_for(cfg, run_dir, args.role, args.port, args.drafter, parse_setting(args.setting) if args.setting else None)
@@ -249,14 +254,43 @@ def main(argv: list[str] | None = None) -> None:
     def on_signal(*_):
         stop["now"] = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    with server:
+    saved = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code, died = _serve(server, args, stop)
+    except LaunchError as e:
+        ap.exit(1, f"{ap.prog}: {e}\n")
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    if died is not None:
+        raise SystemExit(f"{args.role} server exited with {died} while in use; log {server.log_file}")
+    if code:
+        raise SystemExit(code)
+
+
+def _serve(server: SGLangServer, args, stop: dict) -> tuple[int, int | None]:
+    """Hold the server up (running `-- COMMAND` against it if given); (command status, server exit code if it died)."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    server.start()
+    try:
+        server.wait_healthy(lambda: stop["now"])
         print(json.dumps({"role": args.role, "url": server.url, "pid": server.proc.pid, "log": str(server.log_file)}), flush=True)
-        while not stop["now"] and server.proc.poll() is None:
-            time.sleep(0.5)
-    if server.proc.returncode not in (0, -signal.SIGTERM, None) and not stop["now"]:
-        raise SystemExit(f"server exited with {server.proc.returncode}; log {server.log_file}")
+        if command:
+            child = subprocess.Popen(command)
+            while child.poll() is None and not stop["now"] and server.proc.poll() is None:
+                time.sleep(0.5)
+            if child.poll() is None:
+                child.terminate()
+                child.wait()
+            code = child.returncode
+        else:
+            while not stop["now"] and server.proc.poll() is None:
+                time.sleep(0.5)
+            code = 0
+        died = server.proc.poll()  # before we stop it
+    finally:
+        server.stop()
+    return code, died
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Kimi-K2.5 on one 8-GPU node, SGLang for the target: harvest -> train -> offline eval -> live bench -> report.
+#   bash launch/kimi-k25-8gpu.sh [RUN_DIR] [--set k=v ...]     (default runs/kimi-k25)
+# Needs /models/Kimi-K2.5 and /models/Kimi-K2-Instruct-eagle3 (or --set target.path=... etc.) and an
+# SGLang interpreter in serve.python. Every stage resumes when rerun. docs/sglang.md has the details.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONFIG=${KIMI_CONFIG:-configs/kimi-k25-8gpu.yaml}
+RUN=${1:-runs/kimi-k25}
+shift $(( $# > 0 ? 1 : 0 ))
+stage() { printf '\n== %s\n' "$1"; }
+
+stage "harvest: the EAGLE3 harvest server (AQ-MedAI draft selects layers 2/30/58) regenerates the answers"
+bash launch/sglang_harvest.sh "$CONFIG" "$RUN" "$@"
+
+stage "train: TTT fine-tuning from the AQ-MedAI drafter on 8 GPUs"
+accelerate launch --config_file configs/accelerate/8gpu.yaml train/finetune.py --config "$CONFIG" --run-dir "$RUN" --resume auto "$@"
+
+stage "offline accept length"
+python eval/accept_len.py --config "$CONFIG" --run-dir "$RUN" "$@"
+
+stage "live benchmark on SGLang (servers started one at a time: serve.max_servers)"
+bash launch/sglang_bench.sh "$CONFIG" "$RUN" "$@"
+
+stage "report"
+python eval/report.py --config "$CONFIG" --run-dir "$RUN" "$@"
