@@ -6,6 +6,7 @@ from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 
 from eagle3ft.eval.accept_len import ChainCounts, SampleInputs, chain_acceptance, evaluate, tree_accept
 from eagle3ft.eval.speculate import SpeculativeDecoder
+from eagle3ft.train.model import DraftCache
 
 STEPS = 3
 
@@ -81,3 +82,52 @@ def test_evaluate_report(setup):
     assert rep.tree["tau"] >= 1.0 and rep.headline == "tree (greedy)"
     # sampled acceptance at T=1 is a probability-weighted rate, between 0 and 1 per depth
     assert all(0 <= r["a_k"] <= 1 for r in rep.sampled["per_depth"])
+
+
+def _naive_tree_accept(drafter, s, r: int, steps: int, topk: int, num_draft_tokens: int) -> int:
+    """SGLang's tree for root r built one node at a time: each node's distribution comes from running
+    the drafter down its own path from the prefix (the live chain computation), nothing batched."""
+    t = r - 1
+    cache = DraftCache()
+    h0, lg0 = drafter.step(s.input_ids[1 : t + 2][None], drafter.fuse(s.aux_hidden[: t + 1][None]), torch.arange(t + 1)[None], cache)
+    h0, lg0 = h0[:, -1:], lg0[0, -1]
+
+    def child_logp(path):
+        c = DraftCache(cache.k, cache.v)
+        h, lg = h0, lg0
+        for j, y in enumerate(path):
+            h, lgs = drafter.step(torch.tensor([[y]]), h, torch.tensor([[t + 1 + j]]), c)
+            lg = lgs[0, -1]
+        lp, ids = torch.log_softmax(lg.float(), -1).topk(topk)
+        return lp, drafter.draft_to_target(ids)
+
+    lp, ids = child_logp([])
+    nodes = [(float(a), (int(b),)) for a, b in zip(lp, ids)]  # (cumulative log prob, path of target ids)
+    frontier = list(nodes)
+    for _ in range(1, steps):
+        cands = []
+        for sc, path in frontier:
+            lp, ids = child_logp(list(path))
+            cands += [(sc + float(a), path + (int(b),)) for a, b in zip(lp, ids)]
+        nodes += cands
+        frontier = sorted(cands, key=lambda x: -x[0])[:topk]
+    kept = {path for _, path in sorted(nodes, key=lambda x: -x[0])[: num_draft_tokens - 1]}
+    greedy = tuple(int(s.topk_ids[r + d - 1, 0]) for d in range(1, steps + 1))
+    return 1 + max((d for d in range(1, steps + 1) if greedy[:d] in kept), default=0)
+
+
+def test_tree_equals_node_by_node_construction(setup):
+    _, drafter, heldout = setup
+    n = 0
+    trees = []
+    with torch.no_grad():
+        for item in (heldout[0], heldout[3]):
+            s = SampleInputs.of(item)
+            acc, valid = tree_accept(drafter, s, STEPS, topk=3, num_draft_tokens=8)
+            chain = chain_acceptance(drafter, s, STEPS)
+            for row in torch.nonzero(valid).flatten().tolist():
+                assert int(acc[row]) == _naive_tree_accept(drafter, s, row + 1, STEPS, 3, 8)
+                trees.append(int(acc[row]) - (1 + int(torch.cumprod(chain.greedy_alpha[row], 0).sum())))
+                n += 1
+    assert n > 40
+    assert any(d > 0 for d in trees)  # the tree accepted past a rejected top-1 draft somewhere
