@@ -113,6 +113,16 @@ def test_resume_gives_the_same_losses_as_a_straight_run(straight, tmp_path):
 
 
 @pytest.mark.slow
+def test_zero3_trains_like_zero2_and_exports_whole_weights(straight, tmp_path):
+    write_store(tmp_path)
+    ok(launch(tmp_path, "train.max_steps=6", *COMMON, "train.deepspeed=configs/deepspeed/zero3.json"))
+    for a, b in zip(metrics(tmp_path), metrics(straight)):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+    z3, z2 = load_file(tmp_path / "export" / "model.safetensors"), load_file(straight / "export" / "model.safetensors")
+    assert set(z3) == set(z2) and all(z3[k].shape == z2[k].shape for k in z2)
+
+
+@pytest.mark.slow
 def test_warm_start_keeps_the_drafters_vocab_and_exports_every_key(tmp_path):
     write_store(tmp_path)
     init = write_k2_like(tmp_path / "k2")

@@ -94,13 +94,7 @@ class Dist:
 
     def prepare(self, module, optimizer, scheduler):
         """Wrap the objective module, optimizer and scheduler in the DeepSpeed engine."""
-        module, optimizer, scheduler = self.acc.prepare(module, optimizer, scheduler)
-        if self.zero_stage == 3:
-            from deepspeed.zero import register_external_parameter
-
-            inner = self.acc.unwrap_model(module)
-            register_external_parameter(inner, inner.drafter.lm_head.weight)  # read by the fused head loss
-        return module, optimizer, scheduler
+        return self.acc.prepare(module, optimizer, scheduler)
 
     def prepare_loader(self, loader: torch.utils.data.DataLoader, skip_batches: int = 0):
         """Shard a DataLoader's batches over the ranks (rank r gets batches r, r+W, ...), skipping some on resume."""

@@ -247,6 +247,17 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H), pre-norm output
 
 
+class LMHead(nn.Linear):
+    """Linear(H -> Vd), no bias. `head(x, fn)` returns fn(x, weight) from inside the module call (training's
+    fused chunked loss), so an engine that shards parameters (ZeRO-3) gathers the weight for it."""
+
+    def __init__(self, hidden_size: int, draft_vocab_size: int) -> None:
+        super().__init__(hidden_size, draft_vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor, fn=None):
+        return super().forward(x) if fn is None else fn(x, self.weight)
+
+
 @dataclass
 class DraftCache:
     """The drafter's key/value cache for inference: (B, nkv, S, hd) each, grown by `step`."""
@@ -280,7 +291,7 @@ class Eagle3Drafter(nn.Module):
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target = draft + d2t[draft]
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
         # (hd/2,) float32, kept off the buffers so that casting the module to bf16 cannot round it

@@ -15,6 +15,7 @@ step k when the predicted token t+2+k has loss_mask 1 and p has mass in the draf
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -122,9 +123,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return gx, gw.to(weight.dtype), None, None, None
 
 
-def head_cross_entropy(x, weight, ids, p, chunk: int = HEAD_CHUNK):
+def head_cross_entropy(x, weight, ids, p, chunk: int | None = None):
     """(per-row CE (N,) float32, argmax draft id (N,)); see _HeadCrossEntropy."""
-    return _HeadCrossEntropy.apply(x, weight, ids, p, chunk)
+    return _HeadCrossEntropy.apply(x, weight, ids, p, chunk or HEAD_CHUNK)
 
 
 # --------------------------------------------------------------------------- attention
@@ -229,7 +230,7 @@ def ttt_forward(
         xn = model.norm(out[valid])  # (N, H)
         p = shift(p_all, 1 + k)[valid]  # (N, K) or (N, Vd)
         tid = shift(ids_all, 1 + k)[valid] if ids_all is not None else None
-        ce, pred = head_cross_entropy(xn, model.lm_head.weight, tid, p)  # (N,), (N,)
+        ce, pred = model.lm_head(xn, partial(head_cross_entropy, ids=tid, p=p))  # (N,), (N,)
         n = valid.sum()
         step_loss = ce.sum() / n.clamp(min=1)
         loss = loss + decay**k * step_loss
