@@ -283,6 +283,8 @@ class DraftCache:
 
 
 class Eagle3Drafter(nn.Module):
+    """embed_tokens (frozen target embedding) -> fc fuses 3 aux states -> midlayer -> norm -> lm_head over the draft vocab."""
+
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.config = cfg
