@@ -236,7 +236,9 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
                     with open(metrics_file, "a") as f:
                         f.write(json.dumps(last) + "\n")
                     if wandb_run is not None:
-                        wandb_run.log(last, step=step)
+                        flat = {k: v for k, v in last.items() if not isinstance(v, list)}
+                        flat.update({f"{name}/{k}": x for name in ("step_loss", "acc", "cond_acc") for k, x in enumerate(last[name])})
+                        wandb_run.log(flat, step=step)
                     bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
                 stats.zero_()
                 tokens, micro, t_log = 0, 0, time.perf_counter()
