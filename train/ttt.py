@@ -69,6 +69,11 @@ def topk_to_draft(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, t2d_map: 
     return ids.clamp(min=0), p / mass.clamp(min=1e-30), mass[..., 0] > 0
 
 
+def rows_ahead(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """x[b, t + n] for every (b, t) where rows (B, T) is True, without copying x; rows must be False for t >= T - n."""
+    return x[:, n:][rows[:, : x.shape[1] - n]]
+
+
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
     """x[:, t + n] at row t (zero past the end); x is (B, T, ...)."""
     if n == 0:
@@ -228,8 +233,8 @@ def ttt_forward(
         out = model.midlayer.finish(ttt_attention(q, k0, v0, diag_k, diag_v), hidden)  # (B, T, H) pre-norm
 
         xn = model.norm(out[valid])  # (N, H)
-        p = shift(p_all, 1 + k)[valid]  # (N, K) or (N, Vd)
-        tid = shift(ids_all, 1 + k)[valid] if ids_all is not None else None
+        p = rows_ahead(p_all, valid, 1 + k)  # (N, K) or (N, Vd): the target distribution stored at t+1+k
+        tid = rows_ahead(ids_all, valid, 1 + k) if ids_all is not None else None
         ce, pred = model.lm_head(xn, partial(head_cross_entropy, ids=tid, p=p))  # (N,), (N,)
         n = valid.sum()
         step_loss = ce.sum() / n.clamp(min=1)
@@ -237,7 +242,7 @@ def ttt_forward(
 
         with torch.no_grad():
             match = torch.zeros_like(valid)
-            match[valid] = model.draft_to_target(pred) == shift(target_argmax, 1 + k)[valid]
+            match[valid] = model.draft_to_target(pred) == rows_ahead(target_argmax, valid, 1 + k)
             chain_valid = chain_ok & valid
             stats[:, k] = torch.stack([step_loss.detach(), match.sum(), n, (chain_valid & match).sum(), chain_valid.sum()]).float()
             chain_ok = chain_valid & match
