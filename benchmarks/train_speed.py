@@ -352,6 +352,13 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
     for name in knobs:
         if not hasattr(ttt, name):
             raise SystemExit(f"train/ttt.py has no {name} any more; drop that variant option")
+    # head_cross_entropy reads HEAD_CHUNK at call time when its `chunk` default is None; if a version binds the
+    # constant as the default instead, that default is what must change
+    import inspect
+
+    chunk_param = inspect.signature(ttt.head_cross_entropy).parameters.get("chunk")
+    bind_default = ("HEAD_CHUNK" in knobs and chunk_param is not None and chunk_param.default is not None
+                    and list(inspect.signature(ttt.head_cross_entropy).parameters)[-1] == "chunk")
     params = [p for p in model.parameters() if p.requires_grad]
     adam = kv.get("adam", "master")
     adams = {"master": (MasterAdamW, False), "fused": (MasterAdamW, True), "bf16": (BF16AdamW, device.type == "cuda")}
@@ -370,8 +377,8 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         torch.backends.cuda.matmul.allow_tf32 = tf32 or prev_tf32
         for n, v in knobs.items():
             setattr(ttt, n, v)
-        if "HEAD_CHUNK" in knobs:  # head_cross_entropy binds HEAD_CHUNK as its default argument
-            ttt.head_cross_entropy.__defaults__ = (knobs["HEAD_CHUNK"],)
+        if bind_default:
+            ttt.head_cross_entropy.__defaults__ = saved_defaults[:-1] + (knobs["HEAD_CHUNK"],)
         try:
             out = ttt.ttt_forward(model, batch, steps=a.ttt, decay=a.decay, target_head=head)
             out.loss.backward()
