@@ -373,12 +373,12 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     """Load the exported drafter and the held-out features of `run_dir`, evaluate, write eval/accept_len.json."""
     from eagle3ft.data.config import resolve_path
     from eagle3ft.data.store import FeatureStore
-    from eagle3ft.data.targets.hf import load_input_embedding
+    from eagle3ft.data.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.checkpoint import load_drafter
 
     ec = cfg.eval
     ckpt = resolve_path(ec.checkpoint, base=run_dir)
-    device = "cuda" if cfg.target.device == "auto" and torch.cuda.is_available() else ("cpu" if cfg.target.device == "auto" else cfg.target.device)
+    device = pick_device(cfg.target)
     drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
     ds = FeatureStore(run_dir / "features").dataset("heldout")
     n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
