@@ -1,0 +1,1 @@
+"""The harvest stage: prompts -> target -> feature store."""

@@ -1,0 +1,1 @@
+"""The eval stage: offline accept length, embedded speculation, live benchmark, economics, report."""
