@@ -192,7 +192,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
     while not stop:
         loader = torch.utils.data.DataLoader(
             EpochOrder(train_set, cfg.seed, epoch), batch_size=tcfg.micro_batch_size, shuffle=False,
-            collate_fn=partial(collate, max_len=tcfg.max_len), num_workers=tcfg.num_workers,
+            collate_fn=partial(collate, max_len=tcfg.max_len), num_workers=tcfg.num_workers, pin_memory=torch.cuda.is_available(),
         )
         for batch in dist.prepare_loader(loader, skip_batches=batch_in_epoch):
             sample_ids = batch.pop("sample_id").tolist()
