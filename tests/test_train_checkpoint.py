@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3ft.data.config import load_config
-from eagle3ft.train.checkpoint import atomic_dir, checkpoints, drafter_tensors, export_drafter, load_drafter, resume_path
+from eagle3ft.train.checkpoint import atomic_dir, checkpoints, drafter_tensors, export_drafter, load_drafter, resume_path, sglang_target
 from eagle3ft.train.loop import build_drafter
 from eagle3ft.train.model import DraftCache, Eagle3Config, Eagle3Drafter, export_keys
 from train_fixtures import REPO, TINY_TARGET
@@ -71,11 +71,22 @@ def test_export_then_load_round_trips_every_key(tmp_path):
 
 def test_export_refuses_a_key_set_sglang_would_not_load():
     sd = Eagle3Drafter(Eagle3Config.from_dict(k2_like_config())).state_dict()
-    with pytest.raises(ValueError, match=r"unexpected \['midlayer.self_attn.qkv_proj.weight'\]"):
-        drafter_tensors({**sd, "midlayer.self_attn.qkv_proj.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"skipped silently: \['midlayer.mlp.fc1.weight'\]"):
+        drafter_tensors({**sd, "midlayer.mlp.fc1.weight": torch.zeros(1)})
+    no_k = {k: v for k, v in sd.items() if k != "midlayer.self_attn.k_proj.weight"}
+    with pytest.raises(ValueError, match=r"left unfilled: \['model.midlayer.self_attn.qkv_proj.weight\[k\]'\]"):
+        drafter_tensors(no_k)
     del sd["d2t"]
-    with pytest.raises(ValueError, match=r"missing \['d2t'\]"):
+    with pytest.raises(ValueError, match=r"missing: \['d2t'\]"):
         drafter_tensors(sd)
+
+
+def test_every_export_key_lands_in_an_sglang_parameter():
+    targets = {k: sglang_target(k) for k in export_keys() if k not in ("d2t", "t2d")}
+    assert targets["midlayer.self_attn.v_proj.weight"] == ("model.midlayer.self_attn.qkv_proj.weight", "v")
+    assert targets["midlayer.mlp.up_proj.weight"] == ("model.midlayer.mlp.gate_up_proj.weight", "1")
+    assert targets["lm_head.weight"] == ("lm_head.weight", "")
+    assert sglang_target("embed_tokens.weight") is None and sglang_target("model.layers.0.mlp.down_proj.weight") is None
 
 
 @pytest.mark.parametrize("over, message", [

@@ -25,12 +25,49 @@ CONFIG, WEIGHTS, TRAINER_STATE, STATE_DIR = "config.json", "model.safetensors", 
 IGNORED_KEYS = ("embed_tokens.weight",)  # filled from the target by SGLang and by `load_drafter`
 
 
+# SGLang's LlamaForCausalLMEagle3 parameters (embed_tokens aside, which it fills from the target) and the
+# shards its load_weights fills in each: q/k/v are stacked into qkv_proj, gate/up into gate_up_proj, and a
+# key is tried as written, then with "model." in front; d2t becomes hot_token_id, t2d is read and dropped.
+SGLANG_PARAMS = {
+    "model.fc.weight": {""},
+    "model.midlayer.self_attn.qkv_proj.weight": {"q", "k", "v"},
+    "model.midlayer.self_attn.o_proj.weight": {""},
+    "model.midlayer.mlp.gate_up_proj.weight": {"0", "1"},
+    "model.midlayer.mlp.down_proj.weight": {""},
+    "model.midlayer.input_layernorm.weight": {""},
+    "model.midlayer.hidden_norm.weight": {""},
+    "model.midlayer.post_attention_layernorm.weight": {""},
+    "model.norm.weight": {""},
+    "lm_head.weight": {""},
+}
+SGLANG_STACKED = ((".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"), (".gate_proj", ".gate_up_proj", "0"), (".up_proj", ".gate_up_proj", "1"))
+
+
+def sglang_target(key: str) -> tuple[str, str] | None:
+    """(SGLang parameter, shard) that SGLang's Eagle3 load_weights writes `key` into; None if it skips the key."""
+    shard = ""
+    for ours, theirs, sid in SGLANG_STACKED:
+        if ours in key:
+            key, shard = key.replace(ours, theirs), sid
+            break
+    for name in (key, f"model.{key}"):
+        if name in SGLANG_PARAMS:
+            return name, shard
+    return None
+
+
 def check_keys(keys, where: str) -> None:
-    """Raise ValueError unless `keys` is exactly the set SGLang's LlamaForCausalLMEagle3 loader reads."""
-    want = set(export_keys())
-    missing, unexpected = sorted(want - set(keys)), sorted(set(keys) - want)
-    if missing or unexpected:
-        raise ValueError(f"{where}: drafter keys differ from SGLang's LlamaForCausalLMEagle3 (missing {missing}, unexpected {unexpected})")
+    """Raise ValueError unless SGLang's loader reads every key, fills every parameter shard, and gets d2t/t2d."""
+    keys = set(keys)
+    filled = {sglang_target(k) for k in keys} - {None}
+    unread = sorted(k for k in keys - {"d2t", "t2d"} if sglang_target(k) is None)
+    unfilled = sorted(f"{p}[{s}]" if s else p for p, shards in SGLANG_PARAMS.items() for s in shards if (p, s) not in filled)
+    missing = sorted({"d2t", "t2d"} - keys)
+    if unread or unfilled or missing or keys != set(export_keys()):
+        raise ValueError(
+            f"{where}: drafter keys do not load into SGLang's LlamaForCausalLMEagle3 (skipped silently: {unread}; "
+            f"left unfilled: {unfilled}; missing: {missing}; expected exactly {sorted(export_keys())})"
+        )
 
 
 def drafter_tensors(state_dict: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
