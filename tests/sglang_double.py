@@ -38,8 +38,8 @@ What it does not mirror is refused with a 400 naming it (streamed hidden states 
 tree drafting, ``max_new_tokens: 0`` on a speculative server), never made up.
 Faults for the retry tests are queued in-process: ``double.faults.append("500")``.
 
-Run it alone with SGLang's launch flags (the launcher's tests do):
-    python tests/sglang_double.py --double-config configs/tiny.yaml --model-path X --port 30000 \
+Run it alone with SGLang's launch flags (the launcher's tests do), serving an HF folder or a config's target:
+    python tests/sglang_double.py [--double-config configs/tiny.yaml] --model-path HF_DIR --port 30000 \
         --enable-return-hidden-states [--speculative-algorithm EAGLE3 --speculative-draft-model-path D ...]
 """
 
@@ -392,7 +392,7 @@ class SGLangDouble:
 def main(argv: list[str] | None = None) -> None:
     """Serve the double in the foreground with SGLang's launch flags (those the launcher emits)."""
     ap = argparse.ArgumentParser(description="SGLang protocol double")
-    ap.add_argument("--double-config", required=True, help="eagle3ft config whose target the double serves")
+    ap.add_argument("--double-config", help="eagle3ft config whose target the double serves (default: the HF folder --model-path)")
     ap.add_argument("--double-version", default="0.5.17", choices=VERSIONS)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--tokenizer-path")
@@ -421,10 +421,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.enable_return_aux_hidden_states and _vt(args.double_version) < AUX_CAPTURE_FROM:
         ap.error(f"unrecognized arguments: --enable-return-aux-hidden-states (SGLang {args.double_version})")
 
-    from eagle3ft.data.config import load_config
+    from eagle3ft.data.config import Config, TargetConfig, load_config
     from eagle3ft.data.targets.hf import load_target
 
-    cfg = load_config(args.double_config)
+    cfg = load_config(args.double_config) if args.double_config else Config(target=TargetConfig(kind="hf", path=args.model_path, device="cpu", dtype="float32"))
     model, tok = load_target(cfg.target)
     drafter = None
     if args.speculative_algorithm:

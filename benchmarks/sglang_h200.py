@@ -1,0 +1,112 @@
+"""Helpers of benchmarks/sglang_h200.sh (real SGLang on a GPU against the embedded backend).
+
+    python benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml --out DIR
+        the configured target as an HF folder in bf16 that SGLang loads (no quantization_config)
+    python benchmarks/sglang_h200.py compare-stores RUN_A RUN_B [--out FILE] [--exclude-last]
+        two feature stores of the same harvest (e.g. embedded vs SGLang): token agreement,
+        aux_hidden error and cosine, top-k agreement; JSON to stdout (and FILE)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def export_hf(config: str, out: str) -> None:
+    from eagle3ft.data.config import load_config
+    from eagle3ft.data.targets.hf import load_target
+
+    cfg = load_config(config)
+    cfg.target.device, cfg.target.dtype = "cpu", "float32"
+    model, tok = load_target(cfg.target)
+    out_dir = Path(out)
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    conf = json.loads((out_dir / "config.json").read_text())
+    conf.pop("quantization_config", None)  # SGLang would treat the folder as GGUF-quantized
+    conf["torch_dtype"] = "bfloat16"
+    (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
+    print(json.dumps({"out": str(out_dir), "hidden_size": conf["hidden_size"], "num_hidden_layers": conf["num_hidden_layers"], "vocab_size": conf["vocab_size"]}))
+
+
+def compare_stores(run_a: str, run_b: str, exclude_last: bool = False) -> dict:
+    """exclude_last: leave each sample's final row out (one_request capture repeats row T-2 there)."""
+    from eagle3ft.data.store import SPLITS, FeatureStore
+
+    a, b = FeatureStore(Path(run_a) / "features"), FeatureStore(Path(run_b) / "features")
+    out: dict = {"a": run_a, "b": run_b, "target_a": a.target, "target_b": b.target, "splits": {}}
+    for split in SPLITS:
+        da, db = a.dataset(split), b.dataset(split)
+        by_id = {int(db[i]["sample_id"]): i for i in range(len(db))}
+        n = same_ids = common_prefix = tokens = 0
+        cos, rel, top1, topk_overlap, lp_err = [], [], [], [], []
+        for i in range(len(da)):
+            x = da[i]
+            j = by_id.get(int(x["sample_id"]))
+            if j is None:
+                continue
+            y = db[j]
+            n += 1
+            ia, ib = x["input_ids"], y["input_ids"]
+            m = min(len(ia), len(ib))
+            k = int((ia[:m] != ib[:m]).nonzero()[0]) if bool((ia[:m] != ib[:m]).any()) else m
+            same_ids += int(torch.equal(ia, ib))
+            common_prefix += k
+            tokens += max(len(ia), len(ib))
+            if exclude_last and k == m:
+                k -= 1
+            if k <= 0:
+                continue
+            ha, hb = x["aux_hidden"][:k].float(), y["aux_hidden"][:k].float()
+            cos.append(torch.nn.functional.cosine_similarity(ha, hb, dim=-1))
+            rel.append((ha - hb).norm(dim=-1) / ha.norm(dim=-1).clamp_min(1e-6))
+            ta, tb = x["topk_ids"][:k], y["topk_ids"][:k]
+            top1.append((ta[:, 0] == tb[:, 0]).float())
+            topk_overlap.append(torch.tensor([len(set(r.tolist()) & set(s.tolist())) / ta.shape[1] for r, s in zip(ta, tb)]))
+            same = ta[:, 0] == tb[:, 0]
+            lp_err.append((x["topk_logprobs"][:k, 0] - y["topk_logprobs"][:k, 0]).abs()[same])
+        cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
+        c, r, t1, ov, le = cat(cos), cat(rel), cat(top1), cat(topk_overlap), cat(lp_err)
+        out["splits"][split] = {
+            "samples": n,
+            "identical_token_ids": same_ids,
+            "common_prefix_token_share": round(common_prefix / max(tokens, 1), 4),
+            "aux_cosine_mean": round(float(c.mean()), 5) if c.numel() else None,
+            "aux_cosine_min": round(float(c.min()), 5) if c.numel() else None,
+            "aux_rel_err_median": round(float(r.median()), 5) if r.numel() else None,
+            "aux_rel_err_p99": round(float(r.quantile(0.99)), 5) if r.numel() > 1 else None,
+            "top1_agreement": round(float(t1.mean()), 5) if t1.numel() else None,
+            "topk_overlap_mean": round(float(ov.mean()), 5) if ov.numel() else None,
+            "top1_logprob_abs_err_median": round(float(le.median()), 5) if le.numel() else None,
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export-hf")
+    e.add_argument("--config", required=True)
+    e.add_argument("--out", required=True)
+    c = sub.add_parser("compare-stores")
+    c.add_argument("run_a")
+    c.add_argument("run_b")
+    c.add_argument("--out")
+    c.add_argument("--exclude-last", action="store_true", help="leave out each sample's final row (one_request capture)")
+    args = ap.parse_args()
+    if args.cmd == "export-hf":
+        export_hf(args.config, args.out)
+    else:
+        res = compare_stores(args.run_a, args.run_b, args.exclude_last)
+        text = json.dumps(res, indent=1)
+        if args.out:
+            Path(args.out).write_text(text)
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
