@@ -290,7 +290,8 @@ class MasterAdamW:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if not self.same:
-            torch._foreach_copy_(self.params, self.masters)
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
         return gn
 
 

@@ -21,13 +21,11 @@ mkdir -p "$OUT"
 
 ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "no wheels in $WHEELS: name it in the run's carry" >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
-# eagle3ft from this working tree, without a build: eagle3ft.{data,train,eval} are the repo's data/, train/, eval/
-PKGROOT=$(mktemp -d)
-mkdir "$PKGROOT/eagle3ft"
-ln -s "$PWD/eagle3ft/__init__.py" "$PKGROOT/eagle3ft/__init__.py"
-for d in data train eval; do ln -s "$PWD/$d" "$PKGROOT/eagle3ft/$d"; done
+# eagle3ft from this working tree (a plain, non-editable install beside the wheels)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . >/dev/null
+PKGROOT=/tmp/eagle3ft-site
 export PYTHONPATH="$SITE:$PKGROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1  # the repo root's eagle3ft/ must not shadow the installed package
 python3 -c "import specforge.algorithms.eagle3.model, eagle3ft.train.ttt; print('imports ok')"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total,driver_version --format=csv || true
 
