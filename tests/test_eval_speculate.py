@@ -18,10 +18,10 @@ def test_greedy_speculation_equals_plain_greedy(pair, steps):
     dec = SpeculativeDecoder(target, drafter, AUX, steps=steps)
     lengths = []
     for p in prompts(3, seed=7) + prompts(2, seed=1):
-        spec, plain = dec.generate(p, 40), greedy_decode(target, p, 40)
+        spec, plain = dec.generate(p, 32), greedy_decode(target, p, 32)
         assert spec.tokens == plain.tokens
-        assert len(spec.tokens) == 40
-        assert sum(spec.accept_lengths) >= 39  # every emitted token after the first came from a verify
+        assert len(spec.tokens) == 32
+        assert sum(spec.accept_lengths) >= 31  # every emitted token after the first came from a verify
         assert len(spec.verify_s) == spec.verify_count == len(spec.cycle_s)
         assert len(spec.draft_forward_s) == 1 + spec.verify_count * steps
         lengths += spec.accept_lengths
