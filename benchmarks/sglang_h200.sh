@@ -95,7 +95,7 @@ bench() {
   rm -rf "$OUT/bench"
   $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$OUT/bench" "${COMMON[@]}" \
     --set bench.backend=sglang --set bench.launch=true --set serve.max_servers=0 \
-    --set 'bench.prompts={kind: mtbench, limit: 8}' --set bench.max_new_tokens=256 --set bench.repetitions=3 \
+    --set "bench.prompts={kind: mtbench, limit: ${BENCH_PROMPTS:-8}}" --set "bench.max_new_tokens=${BENCH_TOKENS:-256}" --set bench.repetitions=3 \
     --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 2, topk: 1, num_draft_tokens: 3}]' \
     --set 'bench.concurrency=[1, 8]'
 }

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import statistics
 import threading
 import time
@@ -65,6 +66,17 @@ def accept_lengths_from(meta: dict, new_tokens: int) -> list[int] | None:
     return [per + (i < extra) for i in range(verifies)]
 
 
+def _lines(resp: requests.Response):
+    """Lines as their bytes arrive (chunk_size None: one read per HTTP chunk, as SGLang sends one per event)."""
+    pending = b""
+    for data in resp.iter_content(chunk_size=None):
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        yield from lines
+    if pending:
+        yield pending
+
+
 def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tuple[dict, list[int], float, float]:
     """One streamed /generate: (final meta_info, output ids, seconds to the first token, seconds first -> last token)."""
     t0 = time.perf_counter()
@@ -79,7 +91,7 @@ def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tup
         if resp.status_code != 200:
             raise SGLangError(f"{url}/generate: HTTP {resp.status_code}: {resp.text[:300]}")
         done = False
-        for line in resp.iter_lines():
+        for line in _lines(resp):
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
@@ -102,6 +114,10 @@ def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tup
     if first is None:
         return meta, out, time.perf_counter() - t0, 0.0
     return meta, out, first - t0, last - first
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 class SGLangBackend:
@@ -156,6 +172,8 @@ class SGLangBackend:
         return si
 
     def _launch(self, key: str, setting: Setting | None) -> str:
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)  # so close() runs (atexit) and stops the servers
         if key in self.launched:
             self.launched[key] = self.launched.pop(key)  # most recently used last
             return self.launched[key].url

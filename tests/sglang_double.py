@@ -344,11 +344,16 @@ class SGLangDouble:
             def _stream(self, out: dict, timeline: list[tuple[float, int]]) -> None:
                 """SSE as SGLang's /generate streams it: `data: {json}` per step, cumulative text and
                 output_ids, finish_reason null until the last, then `data: [DONE]`."""
-                self.close_connection = True
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Connection", "close")
+                self.send_header("Transfer-Encoding", "chunked")  # as uvicorn sends it: one HTTP chunk per event
                 self.end_headers()
+
+                def event(data: bytes) -> None:
+                    data = b"data: " + data + b"\n\n"
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+
                 meta, ids = out["meta_info"], out["output_ids"]
                 base = {k: meta[k] for k in ("id", "prompt_tokens", "weight_version", "total_retractions")}
                 n = 0
@@ -359,11 +364,11 @@ class SGLangDouble:
                         chunk = {"text": double.engine.tokenizer.decode(ids[:n], skip_special_tokens=True), "output_ids": ids[:n], "meta_info": {**base, "finish_reason": None, "completion_tokens": n, "cached_tokens": 0}}
                     else:
                         chunk = out
-                    self.wfile.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
-                    self.wfile.flush()
+                    event(json.dumps(chunk, separators=(",", ":")).encode())
                 if not timeline:
-                    self.wfile.write(b"data: " + json.dumps(out, separators=(",", ":")).encode() + b"\n\n")
-                self.wfile.write(b"data: [DONE]\n\n")
+                    event(json.dumps(out, separators=(",", ":")).encode())
+                event(b"[DONE]")
+                self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
 
         return Handler

@@ -143,6 +143,16 @@ def build_command(cfg: Config, role: str, port: int | None = None, drafter: str 
     return ServerCommand(argv=argv, env=env, url=f"http://{host}:{port}", role=role)
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the process that started the server dies (Linux), so no server outlives its owner."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def health(url: str, timeout_s: float = 5.0) -> bool:
     try:
         return requests.get(url + "/health", timeout=timeout_s).status_code == 200
@@ -171,7 +181,9 @@ class SGLangServer:
         log = open(self.log_file, "ab")
         log.write(f"$ {self.command.shell()}\n".encode())
         log.flush()
-        self.proc = subprocess.Popen(self.command.argv, env={**os.environ, **self.command.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command.argv, env={**os.environ, **self.command.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
         log.close()
         return self
 
