@@ -109,7 +109,10 @@ def test_eagle3_server_two_pass_matches_embedded_exactly(tiny, embedded, drafter
 def test_server_that_cannot_give_aux_states_is_refused(tiny, embedded):
     cfg, model, tok, ids = tiny
     with SGLangDouble(DoubleEngine(model, tok), version="0.5.17") as plain:
-        with pytest.raises(SGLangError, match="last layer only"):
+        with pytest.raises(SGLangError, match=r"last layer only.*0\.5\.17 can: --speculative-algorithm EAGLE3 .*eagle3\)$"):
+            make_target(tiny, [plain.url])
+    with SGLangDouble(DoubleEngine(model, tok), version="0.5.23") as plain:
+        with pytest.raises(SGLangError, match=r"0\.5\.23 can: .*or aux capture without a draft \(serve.harvest_capture: aux_flag\)"):
             make_target(tiny, [plain.url])
     with SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=[0, 1, 1]), version="0.5.23") as wrong:
         with pytest.raises(SGLangError, match=r"captures layers \[0, 1, 1\]"):

@@ -291,7 +291,7 @@ class HTTPPolicy:
         return cls(timeout_s=t, connect_timeout_s=min(10.0, t), retries=client_cfg.retries, backoff_s=client_cfg.backoff_s)
 
 
-def _attempt(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: int | None):
+def _attempt(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: int | None, rows_hint: int):
     t0 = time.monotonic()
     try:
         if payload is None:
@@ -307,7 +307,7 @@ def _attempt(url: str, path: str, payload: dict | None, policy: HTTPPolicy, widt
             raise RetryableError(f"HTTP {resp.status_code}: {resp.text[:300]}")
         if resp.status_code >= 400:
             raise SGLangError(f"HTTP {resp.status_code} from {url}{path}: {resp.text[:500]}")
-        stream = HiddenStream(width or 1)
+        stream = HiddenStream(width or 1, rows_hint if width else 1)
         try:
             for chunk in resp.iter_content(chunk_size=policy.chunk_bytes):
                 stream.feed(chunk)
@@ -319,9 +319,11 @@ def _attempt(url: str, path: str, payload: dict | None, policy: HTTPPolicy, widt
     return body, hidden, stream.bytes, time.monotonic() - t0
 
 
-def call(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: int | None = None, what: str = "") -> tuple[Any, np.ndarray | None, dict]:
+def call(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: int | None = None, what: str = "", rows_hint: int = 64) -> tuple[Any, np.ndarray | None, dict]:
     """One HTTP exchange with retries. Returns (json body, hidden rows or None, stats).
 
+    `width`: the hidden-state row width when the answer carries hidden states; `rows_hint`: the
+    rows expected, so the array is allocated once.
     Bounded: at most 1 + policy.retries attempts, each limited by policy.timeout_s.
     """
     last = None
@@ -329,7 +331,7 @@ def call(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: i
         if attempt:
             time.sleep(policy.backoff_s * 2 ** (attempt - 1))
         try:
-            body, hidden, nbytes, secs = _attempt(url, path, payload, policy, width)
+            body, hidden, nbytes, secs = _attempt(url, path, payload, policy, width, rows_hint)
             return body, hidden, {"bytes": nbytes, "seconds": secs, "attempts": attempt + 1}
         except RetryableError as e:
             last = e
@@ -439,10 +441,11 @@ class SGLangTarget:
         if not si.raw.get("enable_return_hidden_states"):
             raise SGLangError(f"{url}: start the server with --enable-return-hidden-states")
         if not si.returns_aux:
+            eagle3 = "--speculative-algorithm EAGLE3 --speculative-draft-model-path <a drafter with those ids> (serve.harvest_capture: eagle3)"
+            way = eagle3 if si.version < AUX_CAPTURE_MIN_VERSION else f"{eagle3}, or aux capture without a draft (serve.harvest_capture: aux_flag)"
             raise SGLangError(
-                f"{url}: a plain server returns the last layer only; harvest needs the aux layers {list(self.info.aux_layer_ids)}: "
-                "start it with --speculative-algorithm EAGLE3 --speculative-draft-model-path <drafter with those ids>, "
-                "or (SGLang >= 0.5.23) --enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids"
+                f"{url}: a plain server returns the last layer only; harvest needs the aux layers {list(self.info.aux_layer_ids)}. "
+                f"SGLang {'.'.join(map(str, si.version))} can: {way}"
             )
         ids = si.aux_capture_ids
         if ids is not None and list(ids) != list(self.info.aux_layer_ids):
@@ -462,7 +465,7 @@ class SGLangTarget:
         if capture:
             width = 3 * self.info.hidden_size
             payload.update(return_hidden_states=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=int(sampling.topk))
-        body, hidden, st = call(url, "/generate", payload, self.policy, width=width, what=what)
+        body, hidden, st = call(url, "/generate", payload, self.policy, width=width, what=what, rows_hint=len(ids) + max_new)
         out = body.get("output_ids") if isinstance(body, dict) else None
         if out is None:
             raise SGLangError(f"{what} at {url}: answer has no output_ids: {str(body)[:300]}")
