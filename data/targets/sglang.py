@@ -23,8 +23,8 @@ and the answer's ``meta_info`` holds
 Capture strategies (``harvest.sglang.capture``):
 
 - ``one_request``: generation and capture in one call. The server has no row
-  for the final token (it is never fed back), so row T-1 of aux_hidden,
-  last_hidden and top-k repeats row T-2 (row T-1 is never a training input).
+  for the final token (it is never fed back), so row T-1 of aux_hidden and
+  top-k repeats row T-2 (row T-1 is never a training input).
 - ``two_pass``: generate, then capture prompt+completion with one more token
   requested, so every row is the server's own. ``logprob_start_len: 0`` also
   keeps the radix cache from skipping the prefix. The default on speculative
@@ -34,9 +34,12 @@ Capture strategies (``harvest.sglang.capture``):
 
 Hidden states arrive as JSON floats (~16 KB/token at 3x576, ~200 KB/token at
 3x7168). The body is streamed: ``HiddenStream`` parses the hidden-state numbers
-chunk by chunk into one growing float32 array while the rest of the body is
-parsed with ``json`` afterwards, so neither the whole body nor a Python list of
-floats is ever held. Requests run concurrently (``concurrency`` per server),
+chunk by chunk (pyarrow's CSV parser, the GIL released; numpy without pyarrow)
+into one float32 array sized for prompt + max_new_tokens rows, while the rest of
+the body is parsed with ``json`` afterwards, so neither the whole body nor a
+Python list of floats is ever held (benchmarks/sglang_decode.py measures it).
+``last_hidden`` is not offered: a server returns the last layer or the aux
+layers, not both. Requests run concurrently (``concurrency`` per server),
 sharded over every server URL, with timeouts and retries with backoff; a batch
 either completes or raises ``SGLangError`` naming the request, server and cause.
 """
