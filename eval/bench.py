@@ -121,7 +121,7 @@ def base_environment(device: torch.device | str | None = None) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "code_version": code_version(),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
     if dev.type == "cuda":
         env["cuda"] = torch.version.cuda
