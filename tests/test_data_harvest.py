@@ -101,9 +101,12 @@ def test_warm_start_keeps_the_drafters_vocab(tmp_path):
     t2d = torch.zeros(49152, dtype=torch.bool)
     t2d[target_ids] = True
     save_file({"d2t": target_ids - torch.arange(512), "t2d": t2d}, str(ckpt / "model.safetensors"))
-    cfg = tiny_cfg(f"drafter.init={ckpt}", "harvest.sources=[{kind: sharegpt, limit: 2}]", "harvest.max_new_tokens=4", "harvest.max_turns=1")
+    cfg = tiny_cfg(f"drafter.init={ckpt}", "harvest.sources=[{kind: sharegpt, limit: 2}]", "harvest.max_new_tokens=4", "harvest.max_turns=1",
+                   "harvest.store_last_hidden=true")
     summary = run_harvest(cfg, tmp_path / "run")
     assert summary["draft_vocab"]["source"] == "drafter.init"
+    item = FeatureStore(tmp_path / "run" / "features").dataset("train")[0]
+    assert item["last_hidden"].shape == (len(item["input_ids"]), 64) and item["last_hidden"].dtype == torch.bfloat16
     d2t, got = load_vocab(tmp_path / "run" / "vocab.safetensors")
     assert torch.equal(got, t2d) and torch.equal(d2t, target_ids - torch.arange(512))
 

@@ -110,3 +110,19 @@ def test_drafter_spec_disagreements_are_named(cfg):
         spec.check_target(64, 49152, 2)
     smol = DrafterSpec.from_json(REPO / "configs" / "drafters" / "smollm2-135m.json")
     assert smol.aux_layer_ids == [1, 14, 26] and smol.draft_vocab_size == 8192
+
+
+def test_embedding_and_head_read_alone_from_a_safetensors_folder(tiny, tmp_path):
+    from dataclasses import replace
+
+    from safetensors import safe_open
+
+    model, tok = tiny
+    model.save_pretrained(tmp_path / "hf")
+    with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" in f.keys()
+    hf = replace(load_config(TINY).target, kind="hf", path=str(tmp_path / "hf"))
+    assert torch.equal(load_input_embedding(hf), model.model.embed_tokens.weight)
+    assert torch.equal(load_output_head(hf), model.lm_head.weight)
+    loaded, _ = load_target(hf)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))

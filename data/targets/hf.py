@@ -43,6 +43,8 @@ def resolve_location(path: str | None, gguf_file: str | None) -> tuple[Path, str
         if len(ggufs) == 1:
             gguf_file = ggufs[0]
     if gguf_file is not None and not (folder / gguf_file).is_file():
+        if (folder / "config.json").is_file():  # an HF folder (gguf_file names the tokenizer's GGUF)
+            return folder, None
         raise FileNotFoundError(f"GGUF file not found: {folder / gguf_file}")
     return folder, gguf_file
 
