@@ -1,6 +1,6 @@
 """Helpers of benchmarks/sglang_h200.sh (real SGLang on a GPU against the embedded backend).
 
-    python benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml --out DIR
+    python benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml [--set k=v] --out DIR
         the configured target as an HF folder in bf16 that SGLang loads (no quantization_config)
     python benchmarks/sglang_h200.py compare-stores RUN_A RUN_B [--out FILE] [--exclude-last]
         two feature stores of the same harvest (e.g. embedded vs SGLang): token agreement,
@@ -16,14 +16,19 @@ from pathlib import Path
 import torch
 
 
-def export_hf(config: str, out: str) -> None:
+def export_hf(config: str, out: str, overrides: list[str] | None = None) -> None:
     from eagle3ft.data.config import load_config
     from eagle3ft.data.targets.hf import load_target
 
-    cfg = load_config(config)
+    cfg = load_config(config, overrides)
     cfg.target.device, cfg.target.dtype = "cpu", "float32"
     model, tok = load_target(cfg.target)
     out_dir = Path(out)
+    # a GGUF load marks the model quantized, which save_pretrained refuses; the weights are dequantized already
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.to(torch.bfloat16).save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
     conf = json.loads((out_dir / "config.json").read_text())
@@ -92,6 +97,7 @@ def main() -> None:
     e = sub.add_parser("export-hf")
     e.add_argument("--config", required=True)
     e.add_argument("--out", required=True)
+    e.add_argument("--set", dest="overrides", action="append", default=[], help="dotted config override, repeatable")
     c = sub.add_parser("compare-stores")
     c.add_argument("run_a")
     c.add_argument("run_b")
@@ -99,7 +105,7 @@ def main() -> None:
     c.add_argument("--exclude-last", action="store_true", help="leave out each sample's final row (one_request capture)")
     args = ap.parse_args()
     if args.cmd == "export-hf":
-        export_hf(args.config, args.out)
+        export_hf(args.config, args.out, args.overrides)
     else:
         res = compare_stores(args.run_a, args.run_b, args.exclude_last)
         text = json.dumps(res, indent=1)

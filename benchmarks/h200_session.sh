@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One H200 lease, step by step (each device call carries < 64 MiB and /tmp lasts while the machine is warm).
+#   bash benchmarks/h200_session.sh stash DIR...   copy carried folders to /tmp/c (they vanish next call)
+#   bash benchmarks/h200_session.sh setup          install carried wheels + this repo, rebuild the GGUF,
+#                                                 export the target as an HF bf16 folder (/tmp/smol-hf)
+#   bash benchmarks/h200_session.sh sglang         install the SGLang 0.5.17 wheel set into /tmp/sgl
+#   source benchmarks/h200_session.sh env          the environment the other scripts run under
+# Carry layout (.carry/, ignored): p1 = GGUF part aa + deps wheels; p2 = GGUF part ab + prompt data;
+# sglang/part1, sglang/part2 = the wheel set of ../shared/sglang-h200/build-wheelset.sh.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+C=/tmp/c
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+session_env() {
+  export PYTHONPATH=/tmp/deps:/tmp/eagle3ft-site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+  export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+  export SGL_DIR=/tmp/sgl PYTHON=python3 MODEL=/tmp/smol-hf DATA=$C/p2/data
+}
+case ${1:-} in
+  stash)
+    shift; mkdir -p $C
+    for d in "$@"; do mkdir -p "$C/$(dirname "${d#.carry/}")"; cp -r "$d" "$C/$(dirname "${d#.carry/}")/"; done
+    du -sh $C/* ;;
+  setup)
+    session_env
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/deps $C/p1/deps/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . >/dev/null
+    mkdir -p /tmp/gguf && cat $C/p1/smol.gguf.part-aa $C/p2/smol.gguf.part-ab > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+    echo "$GGUF_SHA256  /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
+    [[ -f /tmp/smol-hf/config.json ]] || python3 benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml \
+      --set target.path=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/smol-hf ;;
+  sglang)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgl $C/sglang/part1/*.whl $C/sglang/part2/*.whl
+    mkdir -p /tmp/sgl/deep_gemm && cp ../shared/sglang-h200/deep_gemm_stub.py /tmp/sgl/deep_gemm/__init__.py 2>/dev/null \
+      || printf '%s\n' 'def __getattr__(name):' '    def _missing(*a, **k):' '        raise RuntimeError(f"deep_gemm.{name} is not installed")' '    return _missing' > /tmp/sgl/deep_gemm/__init__.py
+    PYTHONPATH=/tmp/sgl python3 -c "import sglang; print('sglang', sglang.__version__)" ;;
+  env) session_env ;;
+  *) echo "usage: $0 stash DIR... | setup | sglang | env" >&2; exit 2 ;;
+esac
