@@ -3,6 +3,7 @@
 # scratch, offline tau on held-out MT-Bench features, live embedded speculation vs plain decoding, report.
 #   bash benchmarks/h200_realrun.sh PHASE RUN_DIR      PHASE: harvest | train | accept | bench | report | all
 # MODEL (env): an HF bf16 folder of the target (benchmarks/sglang_h200.py export-hf makes one from the GGUF).
+# LIMIT, HELDOUT, EPOCHS, EXTRA (env): sizes for a dry run on a CPU.
 # DATA  (env): a folder with sharegpt-3000.json (the first 3000 ShareGPT records) and mtbench-questions.jsonl,
 #              because the device machine has neither package.
 set -euo pipefail
@@ -15,7 +16,7 @@ PY=${PYTHON:-python3}
 CONFIG=configs/smollm2-135m.yaml
 SETS=(
   --set "target.path=$MODEL" --set target.gguf_file=null
-  --set "harvest.sources=[{kind: sharegpt, path: $DATA/sharegpt-3000.json, limit: 2400}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout}]"
+  --set "harvest.sources=[{kind: sharegpt, path: $DATA/sharegpt-3000.json, limit: ${LIMIT:-2400}}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout, limit: ${HELDOUT:-80}}]"
   --set harvest.max_turns=1 --set harvest.max_prompt_tokens=512 --set harvest.max_total_tokens=1024
   --set harvest.max_new_tokens=384 --set harvest.batch_size=128 --set harvest.shard_samples=256
   --set train.micro_batch_size=16 --set train.epochs=${EPOCHS:-8} --set train.lr=2e-3 --set train.warmup_steps=40
@@ -23,12 +24,14 @@ SETS=(
   --set "bench.prompts={kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: 8}"
   --set bench.max_new_tokens=256 --set bench.repetitions=3
 )
+read -r -a EXTRA_SETS <<< "${EXTRA:-}"  # dry runs: e.g. EXTRA="--set harvest.max_new_tokens=16"
+SETS+=("${EXTRA_SETS[@]}")
 t0=$SECONDS
 say() { printf '\n== %s (%ds)\n' "$1" $((SECONDS - t0)); }
 run_phase() {
   case $1 in
     harvest) say harvest; $PY data/harvest.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;
-    train) say train; accelerate launch --config_file configs/accelerate/1gpu.yaml train/finetune.py \
+    train) say train; accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" train/finetune.py \
              --config $CONFIG --run-dir "$RUN" --resume auto "${SETS[@]}" ;;
     accept) say accept_len; $PY eval/accept_len.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;
     bench) say bench; $PY eval/bench.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;

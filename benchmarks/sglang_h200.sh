@@ -12,7 +12,7 @@
 #   harvest  the same samples harvested through SGLang and embedded (transformers on the GPU), both with
 #            the target's own answers and with the dataset's answers (identical tokens), compared
 #            (compare-*.json); plus the one-request capture on the EAGLE3 server (rows per verify)
-#   bench    baseline vs EAGLE3 (3/1/4 and 2/1/3) live, batch 1 and concurrency 8 (bench/summary.json,
+#   bench    baseline vs EAGLE3 (3/1/4, 2/1/3, 1/1/2) live, batch 1 and concurrency 8 (bench/summary.json,
 #            bench/concurrency.json, bench/economics.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,8 +40,11 @@ COMMON=(
   --set "serve.harvest_draft=$DRAFTER" --set serve.startup_timeout_s=900
   --set "eval.checkpoint=$DRAFTER"
 )
+# DATA (env): a folder with sharegpt-3000.json and mtbench-questions.jsonl where the packages are not installed
+SHAREGPT=${DATA:+, path: $DATA/sharegpt-3000.json}
+MTBENCH=${DATA:+, path: $DATA/mtbench-questions.jsonl}
 HARVEST=(
-  --set 'harvest.sources=[{kind: sharegpt, limit: 24}, {kind: mtbench, limit: 8, split: heldout}]'
+  --set "harvest.sources=[{kind: sharegpt, limit: 24$SHAREGPT}, {kind: mtbench, limit: 8, split: heldout$MTBENCH}]"
   --set harvest.max_turns=1 --set harvest.max_prompt_tokens=256 --set harvest.max_total_tokens=512
   --set harvest.max_new_tokens=96 --set harvest.batch_size=32 --set harvest.shard_samples=8 --set harvest.topk=16
   --set "harvest.sglang.urls=[$URL]" --set harvest.sglang.concurrency=8
@@ -95,8 +98,8 @@ bench() {
   rm -rf "$OUT/bench"
   $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$OUT/bench" "${COMMON[@]}" \
     --set bench.backend=sglang --set bench.launch=true --set serve.max_servers=0 \
-    --set "bench.prompts={kind: mtbench, limit: ${BENCH_PROMPTS:-8}}" --set "bench.max_new_tokens=${BENCH_TOKENS:-256}" --set bench.repetitions=3 \
-    --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 2, topk: 1, num_draft_tokens: 3}]' \
+    --set "bench.prompts={kind: mtbench, limit: ${BENCH_PROMPTS:-8}$MTBENCH}" --set "bench.max_new_tokens=${BENCH_TOKENS:-256}" --set bench.repetitions=3 \
+    --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 2, topk: 1, num_draft_tokens: 3}, {steps: 1, topk: 1, num_draft_tokens: 2}]' \
     --set 'bench.concurrency=[1, 8]'
 }
 

@@ -8,3 +8,4 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP workers starve subprocesses on 2 cores
