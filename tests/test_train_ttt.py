@@ -153,3 +153,79 @@ def test_last_hidden_teacher_matches_reference():
     out = ttt_forward(m, b, steps=3, decay=0.8, target_head=head)
     torch.testing.assert_close(out.loss, reference_ttt(m, b, 3, 0.8, target_head=head), rtol=1e-5, atol=1e-6)
     assert out.valid.tolist() == [(shift(b["loss_mask"].bool(), 2 + k)).sum().item() for k in range(3)]
+
+
+def explicit_attention(q, k0, v0, diag_k, diag_v):
+    """ttt_attention written plainly: concatenated keys [k0; k1..kj] and an explicit (T, (j+1)T) mask."""
+    T, rep = q.shape[2], q.shape[1] // k0.shape[1]
+    keys = torch.cat([k0, *diag_k], 2).repeat_interleave(rep, 1)
+    values = torch.cat([v0, *diag_v], 2).repeat_interleave(rep, 1)
+    mask = torch.cat([torch.ones(T, T).tril().bool()] + [torch.eye(T, dtype=torch.bool)] * len(diag_k), dim=1)
+    s = (q @ keys.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ values
+
+
+@pytest.mark.parametrize("attention", ["flash", "lse"])
+@pytest.mark.parametrize("nkv", [4, 2])
+@pytest.mark.parametrize("n_diag", [0, 1, 3])
+def test_ttt_attention_paths_match_explicit_mask(monkeypatch, attention, nkv, n_diag):
+    from eagle3ft.train import ttt
+
+    monkeypatch.setattr(ttt, "ATTENTION", attention)
+    g = torch.Generator().manual_seed(n_diag * 10 + nkv)
+    B, nh, T, hd = 2, 4, 9, 16
+    q = (torch.randn(B, nh, T, hd, generator=g) * 2).requires_grad_()
+    kv = [torch.randn(B, nkv, T, hd, generator=g).requires_grad_() for _ in range(2 * (1 + n_diag))]
+    k0, v0, dk, dv = kv[0], kv[1], kv[2::2], kv[3::2]
+    out = ttt.ttt_attention(q, k0, v0, dk, dv)
+    ref = explicit_attention(q, k0, v0, dk, dv)
+    w = torch.randn(ref.shape, generator=g)
+    grads = torch.autograd.grad((out * w).sum(), [q, *kv])
+    ref_grads = torch.autograd.grad((ref * w).sum(), [q, *kv])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["flash", "lse"])
+def test_ttt_attention_bf16_close_to_fp32(monkeypatch, attention):
+    """The flash path's in-place bf16 mixing and float32 weights: bf16 result within bf16 error of fp32."""
+    from eagle3ft.train import ttt
+
+    monkeypatch.setattr(ttt, "ATTENTION", attention)
+    g = torch.Generator().manual_seed(0)
+    q, k0, v0, k1, v1, k2, v2 = (torch.randn(1, 4, 32, 16, generator=g) for _ in range(7))
+    ref = explicit_attention(q, k0, v0, [k1, k2], [v1, v2])
+    half = [x.bfloat16().requires_grad_() for x in (q, k0, v0, k1, v1, k2, v2)]
+    out = ttt.ttt_attention(half[0], half[1], half[2], half[3::2], half[4::2])
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in half)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 4])
+def test_ttt_fast_paths_match_baseline(monkeypatch, chunk):
+    """The sync-free unroll, flash merge and saved-softmax head CE equal the pre-optimisation train/ttt.py."""
+    import importlib.util
+    from pathlib import Path
+
+    from eagle3ft.train import ttt
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ttt_baseline.py"
+    spec = importlib.util.spec_from_file_location("ttt_baseline", path)
+    base = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base)
+    monkeypatch.setattr(ttt, "HEAD_CHUNK", chunk)
+    m = drafter(seed=7)
+    b = batch(seed=8)
+    params = [p for p in m.parameters() if p.requires_grad]
+    out = ttt.ttt_forward(m, b, steps=5, decay=0.8)
+    grads = torch.autograd.grad(out.loss, params)
+    ref = base.ttt_forward(m, b, steps=5, decay=0.8)
+    ref_grads = torch.autograd.grad(ref.loss, params)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    for name in ("step_loss", "correct", "valid", "chain_correct", "chain_valid"):
+        torch.testing.assert_close(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)

@@ -298,6 +298,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
         # (hd/2,) float32, kept off the buffers so that casting the module to bf16 cannot round it
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copied once per device
 
     # -- pieces shared by training and inference
 
@@ -305,7 +306,10 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux_hidden)  # (B, T, 3Ht) -> (B, T, H)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # (B, T, hd/2)
+        inv_freq = self._inv_freq_on.get(position_ids.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_on[position_ids.device] = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * inv_freq  # (B, T, hd/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (B, T, hd)
         return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 

@@ -4,8 +4,9 @@ Step 0, row t: fc(aux[t]) and emb(token t+1) at position t predict token t+2, wh
 distribution is the one stored at position t+1. Step k feeds back step k-1's pre-norm output at the
 same row, with emb(token t+1+k) at position t+k, and predicts token t+2+k (stored at t+1+k).
 Attention at step k sees the step-0 keys 0..t (causal) and the row's own key of steps 1..k, as
-SGLang's draft decode does at inference. The causal part runs through SDPA (flash on GPU); the
-diagonal keys are merged with it through the causal part's log-sum-exp, so nothing O(k·T²) is built.
+SGLang's draft decode does at inference. The causal part runs through one flash-attention call; the
+diagonal keys are merged with it through the causal part's log-sum-exp, so nothing O(k·T²) is built,
+and the backward hands the merged output and log-sum-exp back to the flash backward.
 
 Loss = Σ_k decay^k · mean over valid positions of CE(p, q), where p is the target's distribution
 restricted to the draft vocabulary and renormalised, and q the drafter's. A position is valid at
@@ -22,8 +23,10 @@ import torch.nn.functional as F
 
 from eagle3ft.train.model import Eagle3Drafter
 
-LSE_CHUNK = 256  # query rows per chunk when computing the causal log-sum-exp
-HEAD_CHUNK = 1024  # rows per chunk in the fused lm_head + cross-entropy
+ATTENTION = "flash"  # "flash": _FlashTTTAttention where the flash kernel runs; "lse": causal SDPA + causal_lse
+LSE_CHUNK = 256  # query rows per chunk when computing the causal log-sum-exp ("lse" path)
+HEAD_CHUNK = None  # rows per chunk in the fused lm_head + cross-entropy; None: HEAD_CHUNK_BYTES of fp32 logits
+HEAD_CHUNK_BYTES = 1 << 30
 
 
 @dataclass
@@ -86,10 +89,11 @@ def shift(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """Per-row CE(p, softmax(x Wᵀ)) and argmax, over row chunks, recomputing logits in backward.
+    """Per-row CE(p, softmax(x Wᵀ)) and argmax over row chunks; forward keeps softmax - p for backward.
 
     x (N, H); weight (Vd, H); ids (N, K) with p (N, K) (sparse target), or ids None with p (N, Vd).
-    Never holds more than HEAD_CHUNK × Vd logits.
+    Holds at most `chunk` × Vd float32 logits at a time and saves d = softmax - p (N, Vd) in x's dtype,
+    so backward is two GEMMs, gx = g · (d W) and gw = dᵀ (g · x), and recomputes no logits.
     """
 
     @staticmethod
@@ -97,40 +101,36 @@ class _HeadCrossEntropy(torch.autograd.Function):
         n = x.shape[0]
         loss = torch.empty(n, dtype=torch.float32, device=x.device)
         pred = torch.empty(n, dtype=torch.long, device=x.device)
-        lse = torch.empty(n, dtype=torch.float32, device=x.device)
+        d = torch.empty(n, weight.shape[0], dtype=x.dtype, device=x.device)  # (N, Vd)
         for a in range(0, n, chunk):
-            logits = (x[a : a + chunk] @ weight.t()).float()  # (c, Vd)
-            lse[a : a + chunk] = torch.logsumexp(logits, dim=-1)
-            pl = logits.gather(1, ids[a : a + chunk]) if ids is not None else logits
-            loss[a : a + chunk] = lse[a : a + chunk] - (p[a : a + chunk] * pl).sum(-1)
-            pred[a : a + chunk] = logits.argmax(-1)
-        ctx.save_for_backward(x, weight, ids if ids is not None else torch.empty(0), p, lse)
-        ctx.sparse, ctx.chunk = ids is not None, chunk
+            b = min(a + chunk, n)
+            logits = x[a:b] @ weight.t()  # (c, Vd)
+            logq = torch.log_softmax(logits, -1, dtype=torch.float32)  # (c, Vd)
+            loss[a:b] = -(p[a:b] * (logq.gather(1, ids[a:b]) if ids is not None else logq)).sum(-1)
+            pred[a:b] = logits.argmax(-1)
+            g = logq.exp_()  # softmax (c, Vd)
+            if ids is not None:
+                g.scatter_add_(1, ids[a:b], -p[a:b])
+            else:
+                g -= p[a:b]
+            d[a:b] = g
+        ctx.save_for_backward(x, weight, d)
         ctx.mark_non_differentiable(pred)
         return loss, pred
 
     @staticmethod
     def backward(ctx, g_loss, _g_pred):
-        x, weight, ids, p, lse = ctx.saved_tensors
-        gx = torch.empty_like(x)
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for a in range(0, x.shape[0], ctx.chunk):
-            xc = x[a : a + ctx.chunk]
-            logits = (xc @ weight.t()).float()
-            g = (logits - lse[a : a + ctx.chunk, None]).exp()  # softmax (c, Vd)
-            if ctx.sparse:
-                g.scatter_add_(1, ids[a : a + ctx.chunk], -p[a : a + ctx.chunk])
-            else:
-                g -= p[a : a + ctx.chunk]
-            g = (g * g_loss[a : a + ctx.chunk, None]).to(x.dtype)
-            gx[a : a + ctx.chunk] = g @ weight
-            gw += (g.t() @ xc).float()
-        return gx, gw.to(weight.dtype), None, None, None
+        x, weight, d = ctx.saved_tensors
+        g = g_loss[:, None]  # (N, 1) float32
+        gx = torch.mul(d @ weight, g, out=torch.empty_like(x))  # (N, H)
+        gw = d.t() @ torch.mul(x, g, out=torch.empty_like(x))  # (Vd, H): one GEMM, fp32 accumulation inside
+        return gx, gw, None, None, None
 
 
 def head_cross_entropy(x, weight, ids, p, chunk: int | None = None):
     """(per-row CE (N,) float32, argmax draft id (N,)); see _HeadCrossEntropy."""
-    return _HeadCrossEntropy.apply(x, weight, ids, p, chunk or HEAD_CHUNK)
+    chunk = chunk or HEAD_CHUNK or max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
+    return _HeadCrossEntropy.apply(x, weight, ids, p, chunk)
 
 
 # --------------------------------------------------------------------------- attention
@@ -160,19 +160,94 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     return lse + surrogate - surrogate.detach()
 
 
+def _flash_forward(q, k, v, scale):
+    """Causal flash attention: (out (B, nh, T, hd), lse (B, nh, T) float32, what the backward op needs)."""
+    if q.is_cuda:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        return r[0], r[1], r[2:8]  # cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, ()
+
+
+def _flash_backward(g, q, k, v, out, lse, extra, scale):
+    """(dq, dk, dv) of causal attention given its output and log-sum-exp (which may include keys beyond k)."""
+    if q.is_cuda:
+        cq, ck, mq, mk, seed, offset = extra
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(g, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+def _weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (…, hd) times float32 weights w (…) per row, computed in float32, stored in x's dtype."""
+    return torch.mul(x, w[..., None], out=torch.empty_like(x))
+
+
+class _FlashTTTAttention(torch.autograd.Function):
+    """ttt_attention for nh == nkv in one flash call plus O(k·T·hd) elementwise work.
+
+    Forward: flash gives the causal output o_c and lse_c; the diagonal scores s_j = scale q·k_j are merged,
+    lse = logaddexp(lse_c, logsumexp_j s_j), out = exp(lse_c - lse) o_c + Σ_j exp(s_j - lse) v_j.
+    Backward: the flash backward given (out, lse) of the whole key set yields the exact causal-key gradients
+    (its probabilities exp(s - lse) and D = rowsum(dout · out) are those of the merged softmax); the diagonal
+    keys add p_j = exp(s_j - lse): dv_j = p_j dout, ds_j = p_j (dout·v_j - D), dq += scale ds_j k_j,
+    dk_j = scale ds_j q.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, *diag):
+        n = len(diag) // 2
+        diag_k, diag_v = diag[:n], diag[n:]
+        scale = q.shape[-1] ** -0.5
+        out, lse_c, extra = _flash_forward(q, k0, v0, scale)  # (B, nh, T, hd), (B, nh, T)
+        lse_c = lse_c[..., : q.shape[2]]
+        s = torch.stack([(q * kj).sum(-1, dtype=torch.float32) * scale for kj in diag_k])  # (n, B, nh, T)
+        lse = torch.logaddexp(lse_c, torch.logsumexp(s, 0)).contiguous()  # (B, nh, T)
+        out.mul_((lse_c - lse).exp()[..., None])
+        for sj, vj in zip(s, diag_v):
+            out.addcmul_(vj, (sj - lse).exp()[..., None])
+        ctx.save_for_backward(q, k0, v0, out, lse, s, *diag)
+        ctx.extra, ctx.scale, ctx.n = extra, scale, n
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k0, v0, out, lse, s, *diag = ctx.saved_tensors
+        diag_k, diag_v = diag[: ctx.n], diag[ctx.n :]
+        if g.stride(-1) != 1:
+            g = g.contiguous()
+        dq, dk0, dv0 = _flash_backward(g, q, k0, v0, out, lse, ctx.extra, ctx.scale)
+        D = (g * out).sum(-1, dtype=torch.float32)  # (B, nh, T)
+        dks, dvs = [], []
+        for sj, kj, vj in zip(s, diag_k, diag_v):
+            pj = (sj - lse).exp()  # (B, nh, T)
+            ds = pj * ((g * vj).sum(-1, dtype=torch.float32) - D) * ctx.scale  # (B, nh, T)
+            dq.addcmul_(kj, ds[..., None])
+            dks.append(_weighted(q, ds))
+            dvs.append(_weighted(g, pj))
+        return dq, dk0, dv0, *dks, *dvs
+
+
+def _flash_ok(q: torch.Tensor) -> bool:
+    if ATTENTION != "flash" or q.shape[-1] % 8 or q.shape[-1] > 256:
+        return False
+    return q.device.type == "cpu" or (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
+
+
 def ttt_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
     """Attention of q (B, nh, T, hd) over causal step-0 keys k0/v0 (B, nkv, T, hd) plus, for row t,
     the diagonal keys diag_k[j][:, :, t] (one per step 1..k). Returns (B, nh, T, hd)."""
     nh, nkv = q.shape[1], k0.shape[1]
     gqa = nh != nkv
-    causal = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hd)
-    if not diag_k:
-        return causal
-    scale = q.shape[-1] ** -0.5
 
     def heads(x: torch.Tensor) -> torch.Tensor:
         return x.repeat_interleave(nh // nkv, dim=1) if gqa else x  # (B, nkv, T, hd) -> (B, nh, T, hd)
 
+    if diag_k and _flash_ok(q):
+        return _FlashTTTAttention.apply(q, heads(k0), heads(v0), *map(heads, diag_k), *map(heads, diag_v))
+    causal = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hd)
+    if not diag_k:
+        return causal
+    scale = q.shape[-1] ** -0.5
     lse = causal_lse(q, k0, scale)  # (B, nh, T)
     d = torch.stack([scale * (q * heads(kj)).float().sum(-1) for kj in diag_k])  # (k, B, nh, T)
     m = torch.maximum(lse, d.max(0).values).detach()  # (B, nh, T)
@@ -215,15 +290,21 @@ def ttt_forward(
     else:
         ids_all, p_all, has_mass = topk_to_draft(batch["topk_ids"], batch["topk_logprobs"], target_to_draft_map(model.d2t, model.config.vocab_size))
 
+    # the valid rows of every step at once: one host sync per batch instead of several per step
+    valid = torch.stack([shift(loss_mask, 2 + k) & shift(has_mass, 1 + k) for k in range(steps)]).view(steps, B * T)  # token t+2+k is trained on
+    counts = valid.sum(1)  # (K,)
+    rows = valid.nonzero()[:, 1].split(counts.tolist())  # K × (N_k,) flat row indices b*T + t, ascending
+    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731  (B, T, …) -> (B*T, …)
+    p_flat, ids_flat, argmax_flat = flat(p_all), flat(ids_all) if ids_all is not None else None, flat(target_argmax)
+
     loss = hidden.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(5, steps, device=dev)  # step_loss, correct, valid, chain_correct, chain_valid
-    chain_ok = torch.ones(B, T, dtype=torch.bool, device=dev)
+    chain_ok = torch.ones(B * T, dtype=torch.bool, device=dev)
     k0 = v0 = None
     diag_k: list[torch.Tensor] = []
     diag_v: list[torch.Tensor] = []
     for k in range(steps):
         tokens = shift(ids, 1 + k)  # (B, T) token t+1+k
-        valid = shift(loss_mask, 2 + k) & shift(has_mass, 1 + k)  # (B, T) token t+2+k is trained on
         q, kk, vv = model.qkv(tokens, hidden, positions + k)  # q (B, nh, T, hd); kk, vv (B, nkv, T, hd)
         if k == 0:
             k0, v0 = kk, vv
@@ -232,18 +313,19 @@ def ttt_forward(
             diag_v.append(vv)
         out = model.midlayer.finish(ttt_attention(q, k0, v0, diag_k, diag_v), hidden)  # (B, T, H) pre-norm
 
-        xn = model.norm(out[valid])  # (N, H)
-        p = rows_ahead(p_all, valid, 1 + k)  # (N, K) or (N, Vd): the target distribution stored at t+1+k
-        tid = rows_ahead(ids_all, valid, 1 + k) if ids_all is not None else None
+        r, ahead = rows[k], rows[k] + 1 + k  # (N,) valid rows; the rows holding their targets (t+1+k)
+        xn = model.norm(flat(out).index_select(0, r))  # (N, H)
+        p = p_flat.index_select(0, ahead)  # (N, K) or (N, Vd): the target distribution stored at t+1+k
+        tid = ids_flat.index_select(0, ahead) if ids_flat is not None else None
         ce, pred = model.lm_head(xn, partial(head_cross_entropy, ids=tid, p=p))  # (N,), (N,)
-        n = valid.sum()
+        n = counts[k]
         step_loss = ce.sum() / n.clamp(min=1)
         loss = loss + decay**k * step_loss
 
         with torch.no_grad():
-            match = torch.zeros_like(valid)
-            match[valid] = model.draft_to_target(pred) == rows_ahead(target_argmax, valid, 1 + k)
-            chain_valid = chain_ok & valid
+            hit = model.draft_to_target(pred) == argmax_flat.index_select(0, ahead)  # (N,)
+            match = torch.zeros_like(chain_ok).scatter_(0, r, hit)  # (B*T,)
+            chain_valid = chain_ok & valid[k]
             stats[:, k] = torch.stack([step_loss.detach(), match.sum(), n, (chain_valid & match).sum(), chain_valid.sum()]).float()
             chain_ok = chain_valid & match
         hidden = out
