@@ -229,3 +229,18 @@ def test_ttt_fast_paths_match_baseline(monkeypatch, chunk):
         torch.testing.assert_close(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_blocks_match_eager():
+    """Eagle3Drafter.compile_blocks (train.compile) leaves the loss and gradients unchanged."""
+    m = drafter(seed=5)
+    b = batch(seed=6)
+    params = [p for p in m.parameters() if p.requires_grad]
+    ref = ttt_forward(m, b, steps=3, decay=0.8)
+    ref_grads = torch.autograd.grad(ref.loss, params)
+    m.compile_blocks()
+    out = ttt_forward(m, b, steps=3, decay=0.8)
+    grads = torch.autograd.grad(out.loss, params)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)

@@ -203,7 +203,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Roped q (B, nh, T, hd), k and v (B, nkv, T, hd); the attention core is the caller's."""
         B, T, _ = x.shape  # x (B, T, 2H)
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
@@ -318,13 +319,22 @@ class Eagle3Drafter(nn.Module):
         emb = self.embed_tokens(input_ids).to(hidden.dtype)  # (B, T, H)
         x = self.midlayer.attention_input(emb, hidden)  # (B, T, 2H)
         cos, sin = self.rope(position_ids, x.dtype)
-        return self.midlayer.self_attn.qkv(x, cos, sin)
+        return self.midlayer.self_attn(x, cos, sin)
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden_out))  # (B, T, H) -> (B, T, Vd)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def compile_blocks(self) -> None:
+        """torch.compile the elementwise-heavy blocks in place: the RMSNorms, q/k/v with rope, the SwiGLU MLP.
+
+        Training's TTT unroll and attention core stay eager; needs a backend that compiles (triton on CUDA).
+        """
+        mid = self.midlayer
+        for m in (self.norm, mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm, mid.self_attn, mid.mlp):
+            m.compile()
 
     # -- inference
 
