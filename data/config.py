@@ -145,6 +145,7 @@ class TrainConfig:
     deepspeed: str = "configs/deepspeed/zero2.json"  # ZeRO stage + precision; configs/deepspeed/zero3.json for stage 3
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32; fills the DeepSpeed json's "auto"
     target_source: str = "auto"  # auto (last_hidden when stored, else top-k) | topk | last_hidden
+    compile: bool = False  # torch.compile the drafter's norms, q/k/v + rope and MLP (needs triton on CUDA)
     stop_after: int | None = None  # end this invocation after this many optimizer steps (a job time limit); resume continues
 
 

@@ -149,6 +149,8 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
         raise StoreError(f"{store.dir}: no training samples (the train split is empty)")
     torch.manual_seed(cfg.seed)
     model = build_drafter(cfg, run_dir, store.target)
+    if tcfg.compile:
+        model.compile_blocks()
     objective = TTTObjective(model, tcfg.ttt_steps, tcfg.step_decay, target_head(cfg, store, model))
 
     dist = Dist(tcfg)
