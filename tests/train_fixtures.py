@@ -7,6 +7,7 @@ The next-token targets are a fixed function of the aux features, so a drafter ca
 from __future__ import annotations
 
 import math
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,10 @@ def write_store(run_dir: Path, n_train: int = 16, n_heldout: int = 2, seq: int =
 def launch(run_dir: Path, *overrides: str, procs: int = 2, config: str = "configs/tiny.yaml", extra: tuple = (), timeout: int = 600) -> subprocess.CompletedProcess:
     """`accelerate launch` train/finetune.py for real (procs CPU processes), wandb disabled."""
     acc = REPO / "configs/accelerate/cpu-2proc.yaml"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(acc), "--num_processes", str(procs), "--main_process_port", "0",
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(acc), "--num_processes", str(procs), "--main_process_port", str(port),
            str(REPO / "train/finetune.py"), "--config", str(REPO / config), "--run-dir", str(run_dir), "--set", "train.wandb_mode=disabled"]
     for o in overrides:
         cmd += ["--set", o]

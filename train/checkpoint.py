@@ -177,6 +177,7 @@ def save_checkpoint(dist, module, cfg: Eagle3Config, run_dir: Path, step: int, t
     dist.barrier()
     dist.save_state(tmp / STATE_DIR)
     state = dist.full_state_dict(module)
+    dist.barrier()  # every rank has written its part of state/ before the folder is renamed
     if dist.is_main:
         write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1) + "\n")
