@@ -72,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {v} (K2) / {TINY[k]} (tiny)")
     p.add_argument("--variant", action="append", default=None,
                    help="one of our variants, options joined by '+': topk|hidden (teacher form), adam=master|fused|bf16, compile "
-                        "(RMSNorm+MLP), tf32, lse_chunk=N, head_chunk=N; repeat for several "
+                        "(Eagle3Drafter.compile_blocks: norms, q/k/v + rope, MLP), baseline (benchmarks/ttt_baseline.py, the "
+                        "unroll before the speed work), attn=flash|lse, tf32, lse_chunk=N, head_chunk=N; repeat for several "
                         f"(default: {' and '.join(DEFAULT_VARIANTS)})")
     p.add_argument("--theirs", default=None,
                    help="comma list of SpecForge variants, options joined by '+': flex_attention|sdpa, compact; 'none' for "
@@ -309,14 +310,21 @@ class BF16AdamW:
 
 
 def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
-    from eagle3ft.train import ttt
     from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
-    known = {"topk", "hidden", "compile", "tf32"}
+    known = {"topk", "hidden", "compile", "tf32", "baseline"}
     kv = dict(o.split("=", 1) for o in opts if "=" in o)
     flags = {o for o in opts if "=" not in o}
-    if flags - known or set(kv) - {"adam", "lse_chunk", "head_chunk"}:
+    if flags - known or set(kv) - {"adam", "lse_chunk", "head_chunk", "attn"}:
         raise SystemExit(f"unknown ours option(s) in {opts}")
+    if "baseline" in flags:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("ttt_baseline", os.path.join(os.path.dirname(os.path.abspath(__file__)), "ttt_baseline.py"))
+        ttt = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ttt)
+    else:
+        from eagle3ft.train import ttt
     form = "hidden" if "hidden" in flags else "topk"
     cfg = Eagle3Config(hidden_size=a.hidden, target_hidden_size=a.target_hidden, num_attention_heads=a.heads,
                        num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.ffn,
@@ -340,16 +348,15 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
     model.embed_tokens.weight.requires_grad_(False)
     model.train()
     if "compile" in flags:
-        # compile the elementwise-heavy pieces (RMSNorm, SwiGLU MLP); the unroll itself keeps its data-dependent shapes
-        for m in model.modules():
-            if type(m).__name__ in ("RMSNorm", "MLP"):
-                m.compile()
+        model.compile_blocks()  # train.compile: the norms, q/k/v + rope, the MLP; the unroll stays eager
     # experiment knobs: module constants of train/ttt.py, set around this side's steps only
     knobs = {}
     if "lse_chunk" in kv:
         knobs["LSE_CHUNK"] = int(kv["lse_chunk"])
     if "head_chunk" in kv:
         knobs["HEAD_CHUNK"] = int(kv["head_chunk"])
+    if "attn" in kv:
+        knobs["ATTENTION"] = kv["attn"]
     for name in knobs:
         if not hasattr(ttt, name):
             raise SystemExit(f"train/ttt.py has no {name} any more; drop that variant option")
@@ -391,11 +398,11 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
             ttt.head_cross_entropy.__defaults__ = saved_defaults
         return out.loss.detach()
 
-    notes = (f"eagle3ft ttt_forward, teacher={form}"
+    notes = (("benchmarks/ttt_baseline.py" if "baseline" in flags else "eagle3ft") + f" ttt_forward, teacher={form}"
              + (f" (top-{a.topk})" if form == "topk" else " (target head rows of the draft vocab)")
              + {"master": ", AdamW(foreach) on fp32 masters", "fused": ", fused AdamW on fp32 masters",
                 "bf16": ", fused AdamW on the bf16 params"}[adam]
-             + (", compiled RMSNorm/MLP" if "compile" in flags else "") + (", tf32" if tf32 else "")
+             + (", compile_blocks" if "compile" in flags else "") + (", tf32" if tf32 else "")
              + "".join(f", {n}={v}" for n, v in knobs.items()))
     extra = 2 * a.target_hidden * a.draft_vocab if form == "hidden" else 0
     return step, notes, extra
