@@ -581,6 +581,11 @@ def main(argv=None) -> int:
                 side.losses.append(float(loss))
         except torch.OutOfMemoryError as e:  # keep the other sides' results
             failed[spec] = f"out of memory while building/warming up: {str(e).splitlines()[0]}"
+        except Exception as e:  # a variant that fails on this device must not cost the others' results
+            import traceback
+
+            traceback.print_exc()
+            failed[spec] = f"{type(e).__name__} while building/warming up: {(str(e).splitlines() or [''])[0]}"
         if spec in failed:
             print(f"# {spec}: {failed[spec]}")
             side = None
