@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Drafter train-step speed on the H200: eagle3ft against SpecForge 0.2.0 (benchmarks/train_speed.py).
 #
-# Device call (one H200, ~6-8 min; see benchmarks/NOTES-train-speed.md):
-#   run(command="bash benchmarks/train_speed.sh", carry=[".whl-specforge"], timeout_s=600)
-# Two processes, each with the GPU to itself:
-#   a  headline: ours (top-k and last-hidden teacher) vs SpecForge (flex_attention = its default, and sdpa)
-#   b  our variants: optimizer, fused-CE chunk, log-sum-exp chunk, tf32, torch.compile
+# Device call (one H200, ~2 x 2.5 min; see benchmarks/NOTES-train-speed.md):
+#   run(command="bash benchmarks/train_speed.sh", carry=[".whl-specforge"], timeout_s=420)
+# Two processes, each with the GPU to itself (RUNS=a or RUNS=b for one of them, <= 150 s each):
+#   a  headline: ours (fused AdamW; the attn=lse side is the fallback should the flash path fail on the device)
+#      vs SpecForge flex_attention (its default)
+#   b  our variants: the pre-speed-work unroll (baseline) vs the new default, minus the flash merge (attn=lse),
+#      plus fused AdamW, plus torch.compile (train.compile)
 # Files back in $OUT: train_speed_{a,b}.json, train_speed_{a,b}.log, profile_{a,b}.txt.
 # Arguments replace run b's variants (e.g. --variant topk --variant topk+head_chunk=4096); RUNS=a runs a alone;
 # A_ARGS replaces run a's sides; COMMON is added to both (the CPU check: COMMON="--tiny" A_ARGS="--theirs sdpa").
@@ -15,32 +17,34 @@ WHEELS=${WHEELS:-.whl-specforge}
 SITE=${SITE:-/tmp/site}
 OUT=${OUT:-benchmarks/out}
 RUNS=${RUNS:-a b}
-A_ARGS=${A_ARGS:---variant topk --variant hidden --theirs flex_attention,sdpa}
+A_ARGS=${A_ARGS:---variant topk+adam=fused --variant topk+adam=fused+attn=lse --theirs flex_attention}
 COMMON=${COMMON:-}
 mkdir -p "$OUT"
 
 ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "no wheels in $WHEELS: name it in the run's carry" >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
-# eagle3ft from this working tree (a plain, non-editable install beside the wheels)
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . >/dev/null
+# eagle3ft from this working tree (a plain, non-editable install beside the wheels); a warm machine may still hold
+# an earlier tree's copy, which pip --target would keep
 PKGROOT=/tmp/eagle3ft-site
+rm -rf "$PKGROOT"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$PKGROOT" . >/dev/null
 export PYTHONPATH="$SITE:$PKGROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1  # the repo root's eagle3ft/ must not shadow the installed package
-python3 -c "import specforge.algorithms.eagle3.model, eagle3ft.train.ttt; print('imports ok')"
+python3 -c "import specforge.algorithms.eagle3.model, eagle3ft.train.ttt as t; print('imports ok:', t.__file__, 'ATTENTION =', t.ATTENTION)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total,driver_version --format=csv || true
 
 if [[ " $RUNS " == *" a "* ]]; then
   # shellcheck disable=SC2086
-  python3 benchmarks/train_speed.py --tag a --out "$OUT" --profile --budget-s 270 $A_ARGS $COMMON 2>&1 \
+  python3 benchmarks/train_speed.py --tag a --out "$OUT" --profile --budget-s 100 $A_ARGS $COMMON 2>&1 \
     | tee "$OUT/train_speed_a.log" \
     || echo "run a failed (exit ${PIPESTATUS[0]})"
 fi
 if [[ " $RUNS " == *" b "* ]]; then
   if [[ $# -gt 0 ]]; then args=("$@"); else
-    args=(--variant topk --variant topk+adam=fused --variant topk+head_chunk=8192
-          --variant topk+lse_chunk=1024+tf32 --variant topk+compile)
+    args=(--variant topk+baseline --variant topk --variant topk+attn=lse --variant topk+adam=fused
+          --variant topk+adam=fused+compile)
   fi
   # shellcheck disable=SC2086
-  python3 benchmarks/train_speed.py --tag b --out "$OUT" --profile --budget-s 180 --theirs none "${args[@]}" $COMMON 2>&1 \
+  python3 benchmarks/train_speed.py --tag b --out "$OUT" --profile --budget-s 90 --theirs none "${args[@]}" $COMMON 2>&1 \
     | tee "$OUT/train_speed_b.log" || echo "run b failed (exit ${PIPESTATUS[0]})"
 fi
