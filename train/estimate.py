@@ -20,6 +20,7 @@ import torch
 
 from eagle3ft.data.config import resolve_path
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.ttt import HEAD_CHUNK_BYTES
 
 GIB = 2**30
 
@@ -45,13 +46,14 @@ def activation_bytes_per_token_step(cfg: Eagle3Config, act_bytes: int = 2) -> in
         2 * H  # input_layernorm and hidden_norm inputs
         + 2 * H  # their concatenation, read by q/k/v
         + 2 * (q + 2 * kv)  # q/k/v before and after RoPE
-        + q + 2 * q  # SDPA output; log-sum-exp surrogate (q and SDPA(k) output)
+        + q  # attention output (flash output merged with the diagonal keys)
         + q  # o_proj input
         + 2 * H  # residual sum, post_attention_layernorm input
         + 4 * I  # gate, up, silu(gate), product
         + 2 * H  # step output, final norm input/output rows for the head
+        + cfg.draft_vocab_size  # the fused head CE's softmax - p rows, kept for its backward
     ) * act_bytes
-    fp32 = 4 * (q + 4 * cfg.num_attention_heads)  # fp32 per head: log-sum-exp, diagonal scores, mixing weights
+    fp32 = 4 * (q + 4 * cfg.num_attention_heads)  # fp32: per head log-sum-exp and diagonal scores; index and mask tensors
     return saved + fp32
 
 
@@ -63,7 +65,7 @@ def estimate(cfg: Eagle3Config, gpus: int, seq: int, micro_batch: int, ttt_steps
     largest = max(p.numel() for p in model.parameters())
     tokens = micro_batch * seq
     act = activation_bytes_per_token_step(cfg) * tokens * ttt_steps
-    head = 4 * 1024 * cfg.draft_vocab_size * 3  # fused head CE: one fp32 chunk of logits, softmax and grad
+    head = min(tokens, HEAD_CHUNK_BYTES // (4 * cfg.draft_vocab_size)) * cfg.draft_vocab_size * (2 + 4 + 4)  # fused head CE: one chunk of bf16 logits, fp32 log-softmax and p·log q
     z2 = {
         "weights": 2 * (trainable + frozen) / GIB,
         "gradients": 2 * trainable / gpus / GIB + 2 * 2 * zero2_bucket / GIB,  # partitioned + reduce buckets
