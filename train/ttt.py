@@ -294,7 +294,10 @@ def ttt_forward(
     valid = torch.stack([shift(loss_mask, 2 + k) & shift(has_mass, 1 + k) for k in range(steps)]).view(steps, B * T)  # token t+2+k is trained on
     counts = valid.sum(1)  # (K,)
     rows = valid.nonzero()[:, 1].split(counts.tolist())  # K × (N_k,) flat row indices b*T + t, ascending
-    flat = lambda x: x.reshape(B * T, *x.shape[2:])  # noqa: E731  (B, T, …) -> (B*T, …)
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(B * T, *x.shape[2:])  # (B, T, …) -> (B*T, …)
+
     p_flat, ids_flat, argmax_flat = flat(p_all), flat(ids_all) if ids_all is not None else None, flat(target_argmax)
 
     loss = hidden.new_zeros((), dtype=torch.float32)
