@@ -25,7 +25,9 @@ from typing import Any
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+_CHECKOUT = Path(__file__).resolve().parent.parent
+# Config paths are relative to the checkout; an installed (non-editable) copy resolves them from the cwd.
+REPO_ROOT = _CHECKOUT if (_CHECKOUT / "configs").is_dir() else Path.cwd()
 
 
 class ConfigError(ValueError):
@@ -349,7 +351,7 @@ def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str) -> Path:
     doc = yaml.safe_load(out.read_text()) if out.exists() else {}
     doc = doc if isinstance(doc, dict) else {}
     doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg)}
-    tmp = out.with_suffix(".yaml.tmp")
+    tmp = out.with_suffix(f".yaml.{os.getpid()}.tmp")  # ranks of one launch may write at once
     tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
     os.replace(tmp, out)
     return out
