@@ -62,6 +62,7 @@ class TargetConfig:
     dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU
     device: str = "auto"  # auto = cuda if available else cpu
     chat_template: str = "auto"  # auto (the tokenizer's own), or a name in data/chat.py
+    trust_remote_code: bool = False  # custom tokenizer/model code in the folder (Kimi-K2's tiktoken tokenizer)
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
 
 

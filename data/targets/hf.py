@@ -50,16 +50,17 @@ def resolve_location(path: str | None, gguf_file: str | None) -> tuple[Path, str
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer_at(folder: str, gguf_file: str | None):
+def _tokenizer_at(folder: str, gguf_file: str | None, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
 
 
 def load_tokenizer(cfg: TargetConfig):
     """The target's tokenizer, cached per process (a GGUF tokenizer takes ~5 s to build)."""
     folder, gguf = resolve_location(cfg.tokenizer or cfg.path, cfg.gguf_file)
-    return _tokenizer_at(str(folder), gguf)
+    return _tokenizer_at(str(folder), gguf, cfg.trust_remote_code)
 
 
 def pick_device(cfg: TargetConfig) -> torch.device:
@@ -107,7 +108,7 @@ def load_target(cfg: TargetConfig):
     elif cfg.kind == "hf":
         folder, gguf = resolve_location(cfg.path, cfg.gguf_file)
         kwargs = {"gguf_file": gguf} if gguf else {}
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs)
     else:
         raise ValueError(f"target.kind {cfg.kind!r}: expected hf or tiny")
     return model.to(device=device, dtype=dtype).eval(), tokenizer
