@@ -332,9 +332,20 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
 
 
 def run(cfg, run_dir: Path, backend: BenchBackend | None = None, log=print) -> dict:
+    """The benchmark on `backend`, or on the configured one, which is closed (servers stopped) at the end."""
+    if backend is not None:
+        return _run(cfg, run_dir, backend, log)
+    backend = make_backend(cfg, run_dir)
+    try:
+        return _run(cfg, run_dir, backend, log)
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()
+
+
+def _run(cfg, run_dir: Path, backend: BenchBackend, log) -> dict:
     bc = cfg.bench
     settings = [Setting.of(s) for s in bc.settings]
-    backend = backend or make_backend(cfg, run_dir)
     prompts = load_prompts(cfg)
     out = run_dir / "bench"
     out.mkdir(parents=True, exist_ok=True)
