@@ -8,9 +8,13 @@ fact by fact on the same kind of server:
     python benchmarks/sglang_probe.py --double plain|eagle3|aux --hidden-size 64   # the double, tiny model
     python benchmarks/sglang_probe.py --compare real.json double.json                # differing facts, exit 1 if any
 
+The first file of --compare is the reference: its facts are compared, and a fact only the second
+has (one added to the probe after the reference was recorded) is listed, not counted as a difference.
+Recorded real facts: tests/fixtures/sglang-0.5.17/ (tests/test_sglang_fixtures.py holds the double to them).
+
 Requests sent: the client's capture request (hidden states + top-k logprobs from position 0),
 prefill-only (max_new_tokens 0), a streamed generation, /server_info, /get_server_info,
-/health, /flush_cache.
+/health, /flush_cache, then /server_info again (its internal state after requests).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ def facts(url: str, hidden_size: int) -> dict:
             states = info.get("internal_states") or [{}]
             f["internal_states_has_avg_spec_accept_length"] = "avg_spec_accept_length" in states[0]
             speculative = bool(info.get("speculative_algorithm"))
+    info_path = next((p for p in ("/server_info", "/get_server_info") if f[f"{p}_status"] == 200), None)
     f["flush_cache_status"] = requests.post(url + "/flush_cache", timeout=30).status_code
 
     req = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0}, "return_hidden_states": True, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": K}
@@ -106,6 +111,7 @@ def facts(url: str, hidden_size: int) -> dict:
         f["prefill_only_completion_tokens"] = m0["completion_tokens"]
         f["prefill_only_hidden_entries"] = len(m0.get("hidden_states") or [])
         f["prefill_only_output_top_len"] = len(m0.get("output_top_logprobs") or [])
+        f["prefill_only_output_token_len"] = len(m0.get("output_token_logprobs") or [])
     events, cumulative, final_spec = [], True, False
     with requests.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0}, "stream": True}, stream=True, timeout=300) as rs:
         f["stream_status"] = rs.status_code
@@ -122,6 +128,9 @@ def facts(url: str, hidden_size: int) -> dict:
         final_spec = any(k.startswith("spec_") for k in parsed[-1]["meta_info"])
         f["stream_last_event_has_spec_fields"] = final_spec
         f["stream_events_minus_completion_tokens_when_plain"] = (len(parsed) - parsed[-1]["meta_info"]["completion_tokens"]) if not speculative else None
+    if info_path:
+        states = _get(url, info_path)[1].json().get("internal_states") or [{}]
+        f["internal_states_has_avg_spec_accept_length_after_requests"] = "avg_spec_accept_length" in states[0]
     return f
 
 
@@ -151,8 +160,30 @@ def double_facts(kind: str, hidden_size_check: int) -> dict:
         return facts(double.url, model.config.hidden_size)
 
 
-def compare(a: dict, b: dict) -> list[str]:
-    return [f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in sorted(set(a) | set(b)) if k not in ("version",) and a.get(k) != b.get(k)]
+FINISH_REASON_SHAPES = (["length", "type"], ["matched", "type"])
+
+
+def model_independent(f: dict) -> dict:
+    """The facts as compared. finish_reason's keys depend on the model: {type: stop, matched} when
+    it emitted a stop token within NEW tokens (SmolLM2-135M did on the H200), {type: length, length}
+    when it did not (the tiny test model does not); what does not depend on it is that the keys are
+    one of these two shapes."""
+    g = dict(f)
+    keys = g.get("finish_reason_keys")
+    if keys in FINISH_REASON_SHAPES:
+        g["finish_reason_keys"] = "one of " + " | ".join(map(str, FINISH_REASON_SHAPES))
+    return g
+
+
+def compare(ref: dict, other: dict) -> list[str]:
+    """Facts of the reference `ref` that `other` differs on (or lacks); the version is not a fact."""
+    a, b = model_independent(ref), model_independent(other)
+    return [f"{k}: {a.get(k)!r} != {b.get(k)!r}" for k in sorted(a) if k != "version" and a.get(k) != b.get(k)]
+
+
+def unrecorded(ref: dict, other: dict) -> list[str]:
+    """Facts `other` has that the reference was recorded without."""
+    return sorted(set(other) - set(ref))
 
 
 def main() -> None:
@@ -164,8 +195,11 @@ def main() -> None:
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
     args = ap.parse_args()
     if args.compare:
-        diff = compare(*(json.loads(Path(p).read_text()) for p in args.compare))
+        ref, other = (json.loads(Path(p).read_text()) for p in args.compare)
+        diff = compare(ref, other)
         print("\n".join(diff) if diff else "all facts agree")
+        for k in unrecorded(ref, other):
+            print(f"not in the reference (not compared): {k} = {other[k]!r}")
         raise SystemExit(1 if diff else 0)
     if not args.hidden_size or not (args.url or args.double):
         ap.error("--hidden-size and one of --url / --double")
