@@ -9,23 +9,37 @@ sources (http_server.py, tokenizer_manager.py, scheduler output processing):
 
 - ``POST /generate`` -> ``{"text", "output_ids", "meta_info"}``; meta_info has
   ``id, finish_reason {type: length|stop, length|matched}, prompt_tokens,
-  weight_version, total_retractions, completion_tokens, cached_tokens, e2e_latency``;
+  weight_version, num_retractions, completion_tokens, cached_tokens,
+  cached_tokens_details, reasoning_tokens, dp_rank, response_sent_to_client_ts, e2e_latency``
+  (the key set a real 0.5.17 server returned, tests/fixtures/sglang-0.5.17; the values of
+  cached_tokens_details and dp_rank were not recorded, the double sends null);
   with ``return_logprob``: ``input_token_logprobs`` / ``output_token_logprobs``
-  (``[logprob, id, null]``, the first prompt entry's logprob null) and, with
+  (``[logprob, id, null]``, the first prompt entry's logprob null), ``output_token_logprobs_length`` and, with
   ``top_logprobs_num`` K > 0, ``input_top_logprobs`` (the first entry null) /
   ``output_top_logprobs`` (K ``[logprob, id, null]``, sorted descending); with
   ``return_hidden_states``: ``hidden_states`` = one block of a row per prompt token,
-  then one ``[1, W]`` entry per generated token that was fed back (README). Rows are
+  then one flat ``[W]`` row per generated token that was fed back (the layout the real
+  server returned, tests/fixtures/sglang-0.5.17). Rows are
   the final-norm output on a plain server, the aux layers concatenated on an EAGLE3
   server (the draft's ``eagle_aux_hidden_state_layer_ids``) or on a server started
   with aux capture (``--enable-return-aux-hidden-states``, SGLang >= 0.5.23). Values
   are bf16, as the served model computes them. A finished request on a speculative
   server adds ``spec_verify_ct, spec_accept_length (= completion_tokens / verify_ct),
   spec_accept_rate, spec_num_correct_drafts, spec_num_proposed_drafts (= verify_ct *
-  (num_draft_tokens - 1)), spec_accept_histogram`` (verify steps by drafts accepted).
+  (num_draft_tokens - 1)), spec_accept_histogram`` (verify steps by drafts accepted, as long as
+  the most drafts accepted + 1) and their 0.5.17 twins ``spec_accepted_drafts,
+  spec_proposed_drafts, spec_correct_drafts_histogram`` (equal values in the real server's
+  answers, benchmarks/results/h200_session2/sglres/bench/bench/sglang_requests.jsonl).
+- ``max_new_tokens: 0`` (prefill only), on a plain or a speculative server: completion_tokens 0,
+  no hidden-state entry, and one ``output_top_logprobs`` entry (the next-token distribution
+  the prefill computed), as the real 0.5.17 server answered; ``output_token_logprobs`` is
+  empty (its length was not recorded).
 - ``GET /server_info`` and ``/get_server_info``: the server args (SGLang's names),
-  scheduler info, ``internal_states[0].avg_spec_accept_length`` (lifetime) and
-  ``version``. ``GET /health``, ``/health_generate``, ``/get_model_info``; ``/flush_cache``.
+  scheduler info, ``internal_states[0].avg_spec_accept_length`` (lifetime; only once a
+  speculative request has been verified, as SGLang's Scheduler.get_internal_state adds it
+  only when cum_spec_accept_count > 0 and the real server had none before its first request)
+  and ``version``. Where 0.5.23's answers are unrecorded, the 0.5.23 double answers as 0.5.17.
+  ``GET /health``, ``/health_generate``, ``/get_model_info``; ``/flush_cache``.
 - Errors: ``{"object": "error", "message", "type", "param", "code"}`` with 400.
 
 - ``"stream": true``: server-sent events ``data: {json}`` per decode step (per verify cycle on a
@@ -35,7 +49,7 @@ sources (http_server.py, tokenizer_manager.py, scheduler output processing):
   client is the embedded decoder's.
 
 What it does not mirror is refused with a 400 naming it (streamed hidden states or logprobs,
-tree drafting, ``max_new_tokens: 0`` on a speculative server), never made up.
+tree drafting), never made up.
 Faults for the retry tests are queued in-process: ``double.faults.append("500")``.
 
 Run it alone with SGLang's launch flags (the launcher's tests do), serving an HF folder or a config's target:
@@ -142,8 +156,6 @@ class DoubleEngine:
             raise BadRequest("the double does not mirror batched /generate")
         ids = [int(i) for i in ids]
         sp = dict(req.get("sampling_params") or {})
-        if self.speculative and int(sp.get("max_new_tokens", 128)) == 0:
-            raise BadRequest("the double does not mirror max_new_tokens 0 on a speculative server")
         with self.lock:
             tokens, spec = self._generate(ids, sp)
             fed = ids + tokens[:-1]  # the last generated token is never fed back
@@ -166,7 +178,9 @@ class DoubleEngine:
             "finish_reason": {"type": "stop", "matched": tokens[-1]} if finished_by_stop else {"type": "length", "length": N},
             "prompt_tokens": P,
             "weight_version": "default",
-            "total_retractions": 0,
+            "num_retractions": 0,
+            "reasoning_tokens": 0,
+            "dp_rank": None,
         }
         if req.get("return_logprob"):
             start = int(req.get("logprob_start_len", -1))
@@ -175,18 +189,20 @@ class DoubleEngine:
             tok_out = [[logprobs_out[P - 1 + j, tokens[j]].item(), tokens[j], None] for j in range(N)]
             meta["input_token_logprobs"] = tok_in
             meta["output_token_logprobs"] = tok_out
+            meta["output_token_logprobs_length"] = len(tok_out)
             k = int(req.get("top_logprobs_num") or 0)
             if k > 0:
                 top_in = _top(logprobs_in[max(start - 1, 0) : P - 1], k)
                 meta["input_top_logprobs"] = ([None] if start == 0 else []) + top_in
-                meta["output_top_logprobs"] = _top(logprobs_out[P - 1 : P - 1 + N], k)
+                meta["output_top_logprobs"] = _top(logprobs_out[P - 1 : P - 1 + max(N, 1)], k)
         meta["completion_tokens"] = N
         meta["cached_tokens"] = 0
+        meta["cached_tokens_details"] = None
         if req.get("return_hidden_states"):
-            meta["hidden_states"] = [_bf16_rows(rows[:P])] + [[r] for r in _bf16_rows(rows[P:])]
+            meta["hidden_states"] = ([_bf16_rows(rows[:P])] + _bf16_rows(rows[P:])) if N else []
         if spec is not None:
             steps, _, ndt = self.spec
-            hist = [0] * ndt
+            hist = [0] * max(spec.accept_lengths, default=1)
             for a in spec.accept_lengths:
                 hist[a - 1] += 1
             correct = sum(a - 1 for a in spec.accept_lengths)
@@ -198,8 +214,12 @@ class DoubleEngine:
                 spec_num_correct_drafts=correct,
                 spec_num_proposed_drafts=proposed,
                 spec_accept_histogram=hist,
+                spec_accepted_drafts=correct,
+                spec_proposed_drafts=proposed,
+                spec_correct_drafts_histogram=list(hist),
             )
         meta["e2e_latency"] = time.time() - t0
+        meta["response_sent_to_client_ts"] = time.time()
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         timeline: list[tuple[float, int]] = [(0.0, 1)] if N else []
         if spec is not None:
@@ -263,8 +283,8 @@ class SGLangDouble:
     def server_info(self) -> dict:
         e = self.engine
         state = {"last_gen_throughput": 0.0}
-        if e.speculative:
-            state["avg_spec_accept_length"] = e.spec_tokens / e.spec_verifies if e.spec_verifies else 0.0
+        if e.speculative and e.spec_verifies:
+            state["avg_spec_accept_length"] = e.spec_tokens / e.spec_verifies
         return {**self.server_args, "max_total_num_tokens": 1 << 16, "max_req_input_len": 1 << 15, "internal_states": [state], "version": self.version}
 
     def _handler(self):
@@ -355,13 +375,13 @@ class SGLangDouble:
                     self.wfile.flush()
 
                 meta, ids = out["meta_info"], out["output_ids"]
-                base = {k: meta[k] for k in ("id", "prompt_tokens", "weight_version", "total_retractions")}
+                base = {k: meta[k] for k in ("id", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens", "dp_rank")}
                 n = 0
                 for i, (delay, k) in enumerate(timeline):
                     time.sleep(delay)
                     n += k
                     if i < len(timeline) - 1:
-                        chunk = {"text": double.engine.tokenizer.decode(ids[:n], skip_special_tokens=True), "output_ids": ids[:n], "meta_info": {**base, "finish_reason": None, "completion_tokens": n, "cached_tokens": 0}}
+                        chunk = {"text": double.engine.tokenizer.decode(ids[:n], skip_special_tokens=True), "output_ids": ids[:n], "meta_info": {**base, "finish_reason": None, "completion_tokens": n, "cached_tokens": 0, "cached_tokens_details": None}}
                     else:
                         chunk = out
                     event(json.dumps(chunk, separators=(",", ":")).encode())

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import torch
 
 from eagle3ft.data.config import REPO_ROOT, SGLangClientConfig, load_config
@@ -187,9 +188,24 @@ def test_bad_request_is_not_retried(tiny, embedded, drafter):
     cfg, model, tok, ids = tiny
     with SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d:
         target = make_target(tiny, [d.url], concurrency=1, capture="one_request", **FAST)
-        with pytest.raises(SGLangError, match="HTTP 400"):
-            target._generate(d.url, tok.encode("x"), 0, SAMPLING, (), True, "request 0")
+        with pytest.raises(SGLangError, match="HTTP 400.*Either text or input_ids"):
+            sglang_client.call(d.url, "/generate", {"sampling_params": {"max_new_tokens": 4}}, target.policy, what="request 0")
         assert d.requests == 1
+
+
+def test_client_reads_the_real_flat_decode_layout(tiny, embedded):
+    """The real 0.5.17 server sends each decode step's hidden row flat ([W], not [[W]]:
+    tests/fixtures/sglang-0.5.17); the double now does too, and the client's features match the embedded target's."""
+    cfg, model, tok, ids = tiny
+    reqs = requests_for(tok)[:1]
+    ref = embedded.process(reqs, SAMPLING)
+    with SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=ids), version="0.5.23") as d:
+        raw = requests.post(d.url + "/generate", json={"input_ids": reqs[0].prompt_ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}, "return_hidden_states": True}, timeout=60).json()
+        hs = raw["meta_info"]["hidden_states"]
+        assert len(hs) == 5 and len(hs[0]) == len(reqs[0].prompt_ids)
+        assert all(len(e) == 3 * model.config.hidden_size and all(isinstance(x, float) for x in e) for e in hs[1:])
+        got = make_target(tiny, [d.url], capture="one_request").process(reqs, SAMPLING)
+    assert_same(ref, got, last_row_repeats=True)
 
 
 # --------------------------------------------------------------------------- the decoder
