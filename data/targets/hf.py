@@ -256,8 +256,8 @@ class HFTarget:
             lp_chunks, id_chunks = [], []
             for a in range(0, n, HEAD_CHUNK_TOKENS):
                 logits = self.model.lm_head(last[b, a : min(n, a + HEAD_CHUNK_TOKENS)]).float()  # (t, V)
-                top = torch.log_softmax(logits, dim=-1).topk(sampling.topk, dim=-1)  # sorted descending
-                lp_chunks.append(top.values)
+                top = logits.topk(sampling.topk, dim=-1)  # sorted descending; log_softmax keeps the order
+                lp_chunks.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))  # no (t, V) log_softmax copy
                 id_chunks.append(top.indices)
             feats.append(
                 Features(
