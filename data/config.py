@@ -374,10 +374,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return ap
 
 
-def parse_cli(description: str, stage: str, argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None):
+def parse_cli(description: str, stage: str, argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None, record: bool = True):
     """Parse the three shared options (plus any the stage's parser adds), load, save.
 
-    Returns (config, run_dir, namespace). A bad config exits with a one-line message.
+    Returns (config, run_dir, namespace). A bad config exits with a one-line message. With
+    record=False the caller writes run_dir/config.yaml itself (save_resolved), e.g. on one rank only.
     """
     ap = parser or build_parser(description)
     args = ap.parse_args(argv)
@@ -386,5 +387,6 @@ def parse_cli(description: str, stage: str, argv: list[str] | None = None, parse
     except ConfigError as e:
         ap.exit(2, f"{ap.prog}: config error: {e}\n")
     run_dir = Path(args.run_dir)
-    save_resolved(cfg, run_dir, stage)
+    if record:
+        save_resolved(cfg, run_dir, stage)
     return cfg, run_dir, args

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-from eagle3ft.data.config import ConfigError, build_parser, load_config, save_resolved
+from eagle3ft.data.config import build_parser, parse_cli, save_resolved
 from eagle3ft.data.store import StoreError
 from eagle3ft.train.loop import NonFiniteLoss, OutOfMemoryHint, main
 
@@ -22,14 +21,9 @@ DESCRIPTION = "Fine-tune an EAGLE-3 drafter on a run's feature store."
 def cli(argv: list[str] | None = None) -> int:
     parser = build_parser(DESCRIPTION)
     parser.add_argument("--resume", default=None, metavar="auto|CKPT", help="continue from the newest checkpoint (auto) or a ckpt/step-N folder; sets train.resume")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        parser.exit(2, f"{parser.prog}: config error: {e}\n")
+    cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
     if args.resume is not None:
         cfg.train.resume = args.resume
-    run_dir = Path(args.run_dir)
     if int(os.environ.get("RANK", "0")) == 0:  # every rank parses the config; one records it in run_dir/config.yaml
         save_resolved(cfg, run_dir, "train")
     try:
