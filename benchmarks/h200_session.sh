@@ -5,7 +5,8 @@
 #                                                 export the target as an HF bf16 folder (/tmp/smol-hf)
 #   bash benchmarks/h200_session.sh sglang         install the SGLang 0.5.17 wheel set into /tmp/sgl
 #   source benchmarks/h200_session.sh env          the environment the other scripts run under
-# Carry layout (.carry/, ignored): p1 = GGUF part aa + deps wheels; p2 = GGUF part ab + prompt data;
+# Carry layout (.carry/, ignored): p1 = GGUF part aa + deps wheels; p2 = GGUF part ab + prompt data (sharegpt-3000.json,
+# MT-Bench, benchmarks/domain_sets.py's files; the big JSON files gzipped, unpacked by setup);
 # sglang/part1, sglang/part2 = the wheel set of ../shared/sglang-h200/build-wheelset.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -19,10 +20,14 @@ session_env() {
 case ${1:-} in
   stash)
     shift; mkdir -p $C
-    for d in "$@"; do mkdir -p "$C/$(dirname "${d#.carry/}")"; cp -r "$d" "$C/$(dirname "${d#.carry/}")/"; done
+    for d in "$@"; do  # whole or not at all: a background job may be waiting for it
+      dest=$C/${d#.carry/}
+      mkdir -p "$(dirname "$dest")" && rm -rf "$dest.partial" && cp -r "$d" "$dest.partial" && rm -rf "$dest" && mv "$dest.partial" "$dest"
+    done
     du -sh $C/* ;;
   setup)
     session_env
+    for f in "$C"/p2/data/*.gz; do [[ -e $f ]] && python3 -m gzip -d "$f" && rm "$f"; done
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/deps $C/p1/deps/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . >/dev/null
     mkdir -p /tmp/gguf && cat $C/p1/smol.gguf.part-aa $C/p2/smol.gguf.part-ab > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -33,7 +38,8 @@ case ${1:-} in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgl $C/sglang/part1/*.whl $C/sglang/part2/*.whl
     mkdir -p /tmp/sgl/deep_gemm && cp ../shared/sglang-h200/deep_gemm_stub.py /tmp/sgl/deep_gemm/__init__.py 2>/dev/null \
       || printf '%s\n' 'def __getattr__(name):' '    def _missing(*a, **k):' '        raise RuntimeError(f"deep_gemm.{name} is not installed")' '    return _missing' > /tmp/sgl/deep_gemm/__init__.py
-    PYTHONPATH=/tmp/sgl python3 -c "import sglang; print('sglang', sglang.__version__)" ;;
+    PYTHONPATH=/tmp/sgl python3 -c "import sglang; print('sglang', sglang.__version__)"
+    touch /tmp/sgl/.ready ;;
   env) session_env ;;
   *) echo "usage: $0 stash DIR... | setup | sglang | env" >&2; exit 2 ;;
 esac

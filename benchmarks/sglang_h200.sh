@@ -13,7 +13,8 @@
 #            the target's own answers and with the dataset's answers (identical tokens), compared
 #            (compare-*.json); plus the one-request capture on the EAGLE3 server (rows per verify)
 #   bench    baseline vs EAGLE3 (3/1/4, 2/1/3, 1/1/2) live, batch 1 and concurrency 8 (bench/summary.json,
-#            bench/concurrency.json, bench/economics.json)
+#            bench/concurrency.json, bench/economics.json); the four servers start at once and share the GPU
+#            (mem fraction 0.12 each); BENCH_MTBENCH, BENCH_PROMPTS, BENCH_TOKENS (env) pick the prompts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEP=$1
@@ -95,10 +96,13 @@ harvest() {
 }
 
 bench() {
+  local BENCH_SRC=${BENCH_MTBENCH:+, path: $BENCH_MTBENCH}
+  BENCH_SRC=${BENCH_SRC:-$MTBENCH}
   rm -rf "$OUT/bench"
   $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$OUT/bench" "${COMMON[@]}" \
     --set bench.backend=sglang --set bench.launch=true --set serve.max_servers=0 \
-    --set "bench.prompts={kind: mtbench, limit: ${BENCH_PROMPTS:-8}$MTBENCH}" --set "bench.max_new_tokens=${BENCH_TOKENS:-256}" --set bench.repetitions=3 \
+    --set "bench.prompts={kind: mtbench, limit: ${BENCH_PROMPTS:-8}$BENCH_SRC}" \
+    --set "bench.max_new_tokens=${BENCH_TOKENS:-256}" --set bench.repetitions=3 --set serve.mem_fraction_static=0.12 \
     --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 2, topk: 1, num_draft_tokens: 3}, {steps: 1, topk: 1, num_draft_tokens: 2}]' \
     --set 'bench.concurrency=[1, 8]'
 }

@@ -175,7 +175,8 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
     if dist.is_main:
         log_dir.mkdir(parents=True, exist_ok=True)
         n_train = sum(p.numel() for p in trainable)
-        dist.print(f"drafter: {n_train / 1e6:.1f}M trainable parameters; {len(train_set)} training samples; {total} optimizer steps")
+        start = f"warm start from {resolve_path(cfg.drafter.init)}" if cfg.drafter.init else "from scratch"
+        dist.print(f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(train_set)} training samples; {total} optimizer steps")
         if tcfg.wandb_mode != "disabled":
             import wandb
 
