@@ -13,8 +13,10 @@
 #            the target's own answers and with the dataset's answers (identical tokens), compared
 #            (compare-*.json); plus the one-request capture on the EAGLE3 server (rows per verify)
 #   bench    baseline vs EAGLE3 (3/1/4, 2/1/3, 1/1/2) live, batch 1 and concurrency 8 (bench/summary.json,
-#            bench/concurrency.json, bench/economics.json); the four servers start at once and share the GPU
-#            (mem fraction 0.12 each); BENCH_MTBENCH, BENCH_PROMPTS, BENCH_TOKENS (env) pick the prompts
+#            bench/concurrency.json, bench/economics.json); the four servers share the GPU and start one after
+#            another (SGLang sizes a KV pool from the memory free when its server starts: servers started at
+#            once each count the others' pools as theirs and fail); BENCH_MTBENCH, BENCH_PROMPTS, BENCH_TOKENS
+#            (env) pick the prompts
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEP=$1
@@ -102,7 +104,7 @@ bench() {
   $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$OUT/bench" "${COMMON[@]}" \
     --set bench.backend=sglang --set bench.launch=true --set serve.max_servers=0 \
     --set "bench.prompts={kind: mtbench, limit: ${BENCH_PROMPTS:-8}$BENCH_SRC}" \
-    --set "bench.max_new_tokens=${BENCH_TOKENS:-256}" --set bench.repetitions=3 --set serve.mem_fraction_static=0.12 \
+    --set "bench.max_new_tokens=${BENCH_TOKENS:-256}" --set bench.repetitions=3 --set serve.mem_fraction_static=0.2 \
     --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 2, topk: 1, num_draft_tokens: 3}, {steps: 1, topk: 1, num_draft_tokens: 2}]' \
     --set 'bench.concurrency=[1, 8]'
 }

@@ -180,9 +180,6 @@ class SGLangBackend:
         limit = self.cfg.serve.max_servers
         while limit and len(self.launched) >= limit:
             self.launched.pop(next(iter(self.launched))).stop()
-        return self._ready(key, self._start(key, setting))
-
-    def _start(self, key: str, setting: Setting | None) -> SGLangServer:
         port = self._ports.setdefault(key, self.cfg.serve.port + len(self._ports))
         if setting is None:
             server = server_for(self.cfg, self.run_dir, "baseline", port)
@@ -190,9 +187,6 @@ class SGLangBackend:
             drafter = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
             server = server_for(self.cfg, self.run_dir, "speculative", port, drafter, BenchSetting(setting.steps, setting.topk, setting.num_draft_tokens))
         server.start()
-        return server
-
-    def _ready(self, key: str, server: SGLangServer) -> str:
         try:
             server.wait_healthy()
         except BaseException:
@@ -201,30 +195,6 @@ class SGLangBackend:
         self.launched[key] = server
         self._info(key, server.url)
         return server.url
-
-    def prestart(self, settings: list[Setting]) -> None:
-        """Start the baseline and every setting's server at once, when bench.launch starts them all and no URL
-        is given: each start takes about a minute (weights, CUDA graphs, JIT), so one after another is minutes.
-
-        The servers share one GPU: serve.mem_fraction_static must leave room for all of them (SGLang sizes each
-        KV pool from the memory free when that server starts)."""
-        bc, limit = self.cfg.bench, self.cfg.serve.max_servers
-        if not bc.launch or bc.baseline_url or bc.speculative_url or (limit and limit < 1 + len(settings)):
-            return
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        pending: list[tuple[str, SGLangServer]] = []
-        try:
-            for s in [None, *settings]:
-                key = "baseline" if s is None else s.key
-                if key not in self.launched:
-                    pending.append((key, self._start(key, s)))
-            while pending:
-                key, server = pending.pop(0)
-                self._ready(key, server)
-        finally:
-            for _, server in pending:
-                server.stop()
 
     def close(self) -> None:
         for s in self.launched.values():
@@ -357,7 +327,6 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
     backend = SGLangBackend(cfg, run_dir)
     try:
-        backend.prestart([Setting.of(s) for s in cfg.bench.settings])
         print(bench.format_summary(bench.run(cfg, run_dir, backend)))
         run_concurrency(cfg, run_dir, backend, bench.load_prompts(cfg))
     finally:

@@ -249,7 +249,7 @@ def markdown(r: dict) -> str:
             tk = row["tok_s"]
             L.append(
                 f"| {row['key']} | {tk['median']:.1f} ({tk['min']:.1f}-{tk['max']:.1f}) | {row['speedup_median']:.2f} | {_f(row['tau'])} | {_f(x['tau_offline'])} | "
-                f"{x['break_even_tau']:.2f} | {_f(row['verify_ms_mean'])} | {_f(row['draft_forward_ms_mean'])} | {_f(x['measured_cycle_ms'])} | "
+                f"{x['break_even_tau']:.2f} | {_f(row['verify_ms'])} | {_f(row['draft_forward_ms'])} | {_f(x['measured_cycle_ms'])} | "
                 f"{_f(x['predicted_tok_s_live_tau'], '{:.1f}')} | {_f(row['outputs_match_baseline'])} |"
             )
         L += [

@@ -149,39 +149,3 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
     backend.close()
     assert server.proc.poll() is not None and not backend.launched
     assert sorted(p.name for p in (tmp_path / "serve").iterdir()) == [f"baseline-{port}.log", f"speculative-3-1-4-{port + 1}.log"]
-
-
-@pytest.mark.slow
-def test_prestart_starts_every_server_at_once(tiny, tmp_path):
-    """bench.launch with room for all: baseline and each setting are up before the first pass, on their own ports."""
-    cfg0, model, tok, drafter = tiny
-    export_drafter(drafter, tmp_path / "export")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    sets = [
-        "bench.launch=true",
-        f"serve.python={sys.executable}",
-        f"serve.launch_cmd=[{Path(__file__).parent / 'sglang_double.py'}]",
-        f"serve.model_path={tmp_path / 'model'}",
-        f"serve.port={port}",
-        "serve.startup_timeout_s=120",
-        f"serve.extra_args=[--double-config, {REPO_ROOT / 'configs/tiny.yaml'}]",
-    ]
-    settings = [Setting(3, 1, 4), Setting(1, 1, 2)]
-    one_at_a_time = SGLangBackend(load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + sets + ["serve.max_servers=1"]), tmp_path)
-    one_at_a_time.prestart(settings)
-    assert not one_at_a_time.launched
-    one_at_a_time.close()
-
-    backend = SGLangBackend(load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + sets), tmp_path)
-    backend.prestart(settings)
-    assert list(backend.launched) == ["baseline", "3/1/4", "1/1/2"]
-    assert [s.url for s in backend.launched.values()] == [f"http://127.0.0.1:{port + i}" for i in range(3)]
-    servers = dict(backend.launched)
-    prompt = bench.load_prompts(backend.cfg)[:1]
-    (b,) = backend.run_baseline(prompt, 8)
-    (r,) = backend.run_speculative(prompt, Setting(1, 1, 2), 8)
-    assert backend.launched == servers and r.output_ids == b.output_ids  # no server was started again
-    backend.close()
-    assert all(s.proc.poll() is not None for s in servers.values())

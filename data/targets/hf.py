@@ -19,8 +19,16 @@ import torch
 from eagle3ft.data.config import TargetConfig, resolve_path
 from eagle3ft.data.targets.base import Features, Request, Result, Sampling, TargetInfo
 
-CAPTURE_BATCH_TOKENS = 8192  # padded tokens per capture forward (bounds the memory of the hidden states)
+CAPTURE_BATCH_TOKENS = 8192  # padded tokens per capture forward on the CPU (bounds the memory of the hidden states)
+CUDA_HIDDEN_STATES_BYTES = 2 << 30  # on CUDA: every layer's hidden states of one capture forward, at most (bf16)
 HEAD_CHUNK_TOKENS = 2048  # tokens per lm_head + log_softmax chunk
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host; from CUDA an asynchronous copy into pinned memory (the caller waits once for all)."""
+    if t.device.type != "cuda":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def resolve_location(path: str | None, gguf_file: str | None) -> tuple[Path, str | None]:
@@ -229,10 +237,13 @@ class HFTarget:
 
     def _capture(self, seqs: list[list[int]], sampling: Sampling) -> list[Features]:
         feats: list[Features] = []
+        budget = CAPTURE_BATCH_TOKENS  # padded tokens per forward: a few large forwards are what a GPU wants
+        if self.device.type == "cuda":
+            budget = max(budget, CUDA_HIDDEN_STATES_BYTES // ((self.info.num_layers + 1) * self.info.hidden_size * 2))
         start = 0
-        while start < len(seqs):  # micro-batches of at most CAPTURE_BATCH_TOKENS padded tokens
+        while start < len(seqs):
             end, width = start, 0
-            while end < len(seqs) and (end == start or max(width, len(seqs[end])) * (end - start + 1) <= CAPTURE_BATCH_TOKENS):
+            while end < len(seqs) and (end == start or max(width, len(seqs[end])) * (end - start + 1) <= budget):
                 width = max(width, len(seqs[end]))
                 end += 1
             feats += self._capture_batch(seqs[start:end], sampling)
@@ -241,30 +252,28 @@ class HFTarget:
 
     @torch.inference_mode()
     def _capture_batch(self, seqs: list[list[int]], sampling: Sampling) -> list[Features]:
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        lens = [len(s) for s in seqs]
+        ids = torch.full((len(seqs), max(lens)), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for b, s in enumerate(seqs):  # right padding: real tokens never see the pads
             ids[b, : len(s)] = torch.tensor(s)
             mask[b, : len(s)] = 1
-        out = self.model.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True, use_cache=False)
-        aux = torch.cat([out.hidden_states[i + 1] for i in self.info.aux_layer_ids], dim=-1)  # (B, T, 3H)
-        last = out.last_hidden_state  # (B, T, H), after the final norm
-        feats = []
-        for b, s in enumerate(seqs):
-            n = len(s)
-            lp_chunks, id_chunks = [], []
-            for a in range(0, n, HEAD_CHUNK_TOKENS):
-                logits = self.model.lm_head(last[b, a : min(n, a + HEAD_CHUNK_TOKENS)]).float()  # (t, V)
-                top = logits.topk(sampling.topk, dim=-1)  # sorted descending; log_softmax keeps the order
-                lp_chunks.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))  # no (t, V) log_softmax copy
-                id_chunks.append(top.indices)
-            feats.append(
-                Features(
-                    aux_hidden=aux[b, :n].to(torch.bfloat16).cpu(),
-                    topk_ids=torch.cat(id_chunks).to(torch.int32).cpu(),
-                    topk_logprobs=torch.cat(lp_chunks).cpu(),
-                    last_hidden=last[b, :n].to(torch.bfloat16).cpu() if sampling.last_hidden else None,
-                )
-            )
-        return feats
+        mask = mask.to(self.device)
+        out = self.model.model(input_ids=ids.to(self.device), attention_mask=mask, output_hidden_states=True, use_cache=False)
+        real = mask.bool()  # (B, T); boolean indexing keeps the rows sample by sample: (N = sum(lens), ...)
+        aux = torch.cat([out.hidden_states[i + 1][real] for i in self.info.aux_layer_ids], dim=-1)  # (N, 3H)
+        last = out.last_hidden_state[real]  # (N, H), after the final norm
+        lps, top_ids = [], []
+        for a in range(0, last.shape[0], HEAD_CHUNK_TOKENS):
+            logits = self.model.lm_head(last[a : a + HEAD_CHUNK_TOKENS]).float()  # (t, V)
+            top = logits.topk(sampling.topk, dim=-1)  # sorted descending; log_softmax keeps the order
+            lps.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))  # no (t, V) log_softmax copy
+            top_ids.append(top.indices.to(torch.int32))
+        # one copy per tensor for the whole micro-batch, into pinned memory on CUDA, and one wait
+        host = [_to_host(t) for t in (aux.to(torch.bfloat16), torch.cat(top_ids), torch.cat(lps))]
+        host_last = _to_host(last.to(torch.bfloat16)) if sampling.last_hidden else None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        per_sample = [t.split(lens) for t in host]
+        lasts = host_last.split(lens) if host_last is not None else [None] * len(seqs)
+        return [Features(aux_hidden=a, topk_ids=i, topk_logprobs=lp, last_hidden=h) for a, i, lp, h in zip(*per_sample, lasts)]
