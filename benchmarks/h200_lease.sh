@@ -63,7 +63,7 @@ offline() {  # offline NAME FEATURES_RUN CHECKPOINT: offline tau of CHECKPOINT o
 }
 
 speed() {
-  need "$C/.whl-specforge" && OUT=$L/speed WHEELS=$C/.whl-specforge A_ARGS="--variant topk+adam=fused --theirs flex_attention" \
+  need "$C/.whl-specforge" && OUT=$L/speed WHEELS=$C/.whl-specforge A_ARGS="--variant topk+adam=fused --variant topk+adam=fused+compile --theirs flex_attention" \
     bash benchmarks/train_speed.sh
 }
 harvest() {

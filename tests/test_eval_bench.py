@@ -85,3 +85,25 @@ def test_report_joins_everything(bench_run):
     md = (run / "eval" / "report.md").read_text()
     assert "tau live" in md and "no train/metrics.jsonl" in md and "no eval/accept_len.json" in md
     assert rep["headline"]["baseline_tok_s"] == rep["bench"]["baseline"]["tok_s_median"]
+
+
+def test_costs_are_medians_so_a_slow_pass_does_not_move_them():
+    """One slow pass (a cold server, a collection pause) must not shift the cycle costs the economics use."""
+
+    def row(rep, mode, setting, decode_s, cycle=None, verifies=None):
+        n = 33
+        spec = mode == "speculative"
+        return {"repetition": rep, "mode": mode, "setting": setting, "prompt_index": 0, "prompt_tokens": 10, "new_tokens": n,
+                "prefill_s": 0.01, "decode_s": decode_s, "output_ids": None, "verify_count": verifies if spec else None,
+                "accept_lengths": [2] * verifies if spec and verifies else None,
+                "verify_s": [cycle * 0.8] * verifies if cycle else None, "draft_forward_s": [cycle * 0.05] * (3 * verifies) if cycle else None,
+                "cycle_s": [cycle] * verifies if cycle else None}
+
+    st = Setting(3, 1, 4)
+    timed = [row(r, "baseline", None, 0.32) for r in range(3)]
+    timed += [row(0, "speculative", st.key, 0.8, cycle=0.05, verifies=16)] + [row(r, "speculative", st.key, 0.16, cycle=0.01, verifies=16) for r in (1, 2)]
+    s = bench.summarize(timed, [st], None)
+    assert s["speculative"][0]["cycle_s"] == pytest.approx(0.01) and s["costs"]["verify_s"]["4"] == pytest.approx(0.008)
+    whole_cycle = [{**r, "verify_s": None, "draft_forward_s": None, "cycle_s": None} for r in timed]  # what SGLang gives
+    s = bench.summarize(whole_cycle, [st], None)
+    assert s["speculative"][0]["cycle_s"] == pytest.approx(0.16 / 16) and s["costs"]["verify_s"]["4"] == pytest.approx(0.01)
