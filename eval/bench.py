@@ -246,7 +246,7 @@ def load_prompts(cfg) -> list[list[int]]:
     return out
 
 
-def _spread(xs: list[float]) -> dict:
+def spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "per_repetition": xs}
 
 
@@ -290,7 +290,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         row = {
             "setting": asdict(st),
             "key": st.key,
-            "tok_s": _spread(tok_s),
+            "tok_s": spread(tok_s),
             "tok_s_median": statistics.median(tok_s),
             "speedup_median": statistics.median(tok_s) / statistics.median(base_tok_s),
             "tau": sum(acc) / verifies if verifies else None,
@@ -320,7 +320,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         source = "whole draft+verify cycle per setting (decode time / verify count, median over passes): draft cost folded into verify"
         draft_forward_s, overhead_s = 0.0, 0.0
     return {
-        "baseline": {"tok_s": _spread(base_tok_s), "tok_s_median": statistics.median(base_tok_s), "ms_per_token": 1e3 * base_s_per_token},
+        "baseline": {"tok_s": spread(base_tok_s), "tok_s_median": statistics.median(base_tok_s), "ms_per_token": 1e3 * base_s_per_token},
         "speculative": spec_rows,
         "costs": {
             "baseline_s_per_token": base_s_per_token,

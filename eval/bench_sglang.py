@@ -41,7 +41,7 @@ import requests
 from eagle3ft.data.config import BenchSetting, resolve_path
 from eagle3ft.data.targets.sglang import HTTPPolicy, SGLangError, call, server_info, sampling_params
 from eagle3ft.data.targets.sglang_server import SGLangServer, server_for
-from eagle3ft.eval.bench import RequestResult, base_environment, gpu_clocks
+from eagle3ft.eval.bench import RequestResult, spread, base_environment, gpu_clocks
 from eagle3ft.eval.economics import Setting
 
 ENV_PREFIXES = ("NCCL_", "SGLANG_", "CUDA_", "TORCH_", "NVIDIA_", "PYTORCH_")
@@ -289,10 +289,6 @@ class SGLangBackend:
         }
 
 
-def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "per_repetition": xs}
-
-
 def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[list[int]], log=print) -> dict | None:
     """bench.concurrency levels above 1: baseline and every setting interleaved per repetition."""
     levels = sorted({c for c in cfg.bench.concurrency if c > 1})
@@ -310,7 +306,7 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
                 log(f"  concurrency {c} rep {rep} {key:<11} {r['tok_s']:8.1f} tok/s")
         base = statistics.median(r["tok_s"] for r in rows["baseline"])
         out["levels"][str(c)] = {
-            key: {"tok_s": _spread([r["tok_s"] for r in rs]), "speedup_median": statistics.median(r["tok_s"] for r in rs) / base, "tau": rs[-1]["tau"], "runs": rs}
+            key: {"tok_s": spread([r["tok_s"] for r in rs]), "speedup_median": statistics.median(r["tok_s"] for r in rs) / base, "tau": rs[-1]["tau"], "runs": rs}
             for key, rs in rows.items()
         }
     path = Path(run_dir) / "bench" / "concurrency.json"

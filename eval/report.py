@@ -36,6 +36,13 @@ def read_metrics(p: Path) -> list[dict]:
     return [by_step[k] for k in sorted(by_step)]
 
 
+def _save(fig, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_train(metrics: list[dict], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [m["step"] for m in metrics]
@@ -52,10 +59,7 @@ def plot_train(metrics: list[dict], out: Path) -> Path:
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, loc="upper right")
     ax.set_title("Drafter training")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_accept(acc: dict, out: Path) -> Path:
@@ -74,10 +78,7 @@ def plot_accept(acc: dict, out: Path) -> Path:
     ax.legend(fontsize=8)
     ax.set_title(f"Offline acceptance per depth, {acc['roots']} roots; tau greedy {acc['greedy']['tau']:.2f}")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_tau(rows: list[dict], out: Path) -> Path:
@@ -97,10 +98,7 @@ def plot_tau(rows: list[dict], out: Path) -> Path:
     ax.legend(fontsize=8, loc="upper left", ncol=2)
     ax.set_title("Accept length: offline against live")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def plot_tok_s(summary: dict, econ: dict, out: Path) -> Path:
@@ -133,10 +131,7 @@ def plot_tok_s(summary: dict, econ: dict, out: Path) -> Path:
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
     ax2.set_title("Speculation pays where tau > break-even", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 def _f(x, fmt="{:.2f}") -> str:
