@@ -11,7 +11,8 @@
 #   harvest   three stores at once: general (ShareGPT train, MT-Bench's 60 non-code questions held out),
 #             code (benchmarks/domain_sets.py: code ShareGPT train and held out, MT-Bench coding+math held out),
 #             bench8 (the 8 bench prompts, held out, answers as long as the benches generate)
-#   overhead  benchmarks/harvest_overhead.py in bf16, and the general store's bytes/token (6.2)
+#   overhead  benchmarks/harvest_overhead.py in bf16 (the head variants and a profile at the first size), the general
+#             store's bytes/token if it exists; with PREV=TREE, the same for an earlier commit's source tree (6.2)
 #   train     the general drafter from scratch (6.3)
 #   domain    offline tau of the general drafter on general, bench8 and code; the code fine-tune warm-started
 #             from it, and a scratch drafter on the same code data and steps; offline tau after (6.3, 6.4)
@@ -20,7 +21,7 @@
 #   speed     benchmarks/train_speed.sh runs a and b: K2 dims, ours against SpecForge; each speed change (6.1)
 # Env: L (results, /tmp/L), C (carried files, /tmp/c), MODEL (HF folder of the target, /tmp/smol-hf), DATA
 # (sharegpt-3000.json), DOM (domain_sets.py's files), SGL_DIR; sizes for a CPU dry run: LIMIT, CODE_LIMIT,
-# EPOCHS, FT_EPOCHS, NEW, BENCH_TOKENS, BENCH_REPS, OVERHEAD, DTYPE, ACCEL, ACCEL_ARGS, EXTRA (more --set pairs for every stage).
+# EPOCHS, FT_EPOCHS, NEW, BENCH_TOKENS, BENCH_REPS, OVERHEAD, PREV, DTYPE, ACCEL, ACCEL_ARGS, EXTRA (more --set pairs for every stage).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 L=${L:-/tmp/L}
@@ -75,12 +76,21 @@ harvest() {
   wait
   for name in general code bench8; do echo "-- $name:"; tail -c 1500 "$L/harvest-$name.json"; echo; done
 }
-overhead() {
-  local size
-  for size in ${OVERHEAD:-16x512 64x512 16x1024 64x1024}; do  # batch x sequence
-    $PY benchmarks/harvest_overhead.py --config $CONFIG "${BASE[@]}" --set "target.dtype=${DTYPE:-bfloat16}" \
-      --mtbench "$DOM/mtbench-general.jsonl" --features "$L/general/features" --batch "${size%x*}" --seq "${size#*x}" --rounds 8 \
-      --out "$L/overhead-$size.json" | tail -4
+overhead() {  # with PREV (a source tree of an earlier commit), that tree's capture is measured the same way after ours
+  local size extra feats=() sizes=(${OVERHEAD:-16x512 64x512 16x1024 64x1024})  # batch x sequence
+  [[ -f $L/general/features/manifest.json ]] && feats=(--features "$L/general/features")
+  for size in "${sizes[@]}"; do
+    extra=() && [[ $size == "${sizes[0]}" ]] && extra=(--heads --profile "$L/profile")
+    $PY benchmarks/harvest_overhead.py --config $CONFIG "${BASE[@]}" --set "target.dtype=${DTYPE:-bfloat16}" "${feats[@]}" \
+      --mtbench "$DOM/mtbench-general.jsonl" --batch "${size%x*}" --seq "${size#*x}" --rounds 8 "${extra[@]}" \
+      --out "$L/overhead-$size.json" | tail -3
+  done
+  [[ -n ${PREV:-} ]] || return 0
+  $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-prev "$PREV" >/dev/null || return 1
+  for size in "${sizes[@]}"; do
+    PYTHONPATH=/tmp/eagle3ft-prev:$PYTHONPATH $PY benchmarks/harvest_overhead.py --config $CONFIG "${BASE[@]}" \
+      --set "target.dtype=${DTYPE:-bfloat16}" --mtbench "$DOM/mtbench-general.jsonl" --batch "${size%x*}" --seq "${size#*x}" \
+      --rounds 8 --out "$L/overhead-prev-$size.json" | tail -1
   done
 }
 train() {

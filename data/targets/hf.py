@@ -19,16 +19,43 @@ import torch
 from eagle3ft.data.config import TargetConfig, resolve_path
 from eagle3ft.data.targets.base import Features, Request, Result, Sampling, TargetInfo
 
-CAPTURE_BATCH_TOKENS = 8192  # padded tokens per capture forward on the CPU (bounds the memory of the hidden states)
-CUDA_HIDDEN_STATES_BYTES = 2 << 30  # on CUDA: every layer's hidden states of one capture forward, at most (bf16)
-HEAD_CHUNK_TOKENS = 2048  # tokens per lm_head + log_softmax chunk
+CAPTURE_BATCH_TOKENS = 8192  # padded tokens per capture forward on the CPU
+CUDA_ACTIVATION_BYTES = 2 << 30  # on CUDA: one capture forward's transient activations and outputs, at most
+HEAD_CHUNK_TOKENS = 2048  # tokens per lm_head + top-k + log-softmax chunk
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` on the host; from CUDA an asynchronous copy into pinned memory (the caller waits once for all)."""
-    if t.device.type != "cuda":
-        return t
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+def topk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-k next tokens: ids (N, k) int32 and fp32 log-probs (N, k), sorted descending, from final
+    hidden states (N, H); HEAD_CHUNK_TOKENS rows of logits at a time."""
+    ids, lps = [], []
+    for a in range(0, hidden.shape[0], HEAD_CHUNK_TOKENS):
+        logits = lm_head(hidden[a : a + HEAD_CHUNK_TOKENS])  # (t, V) in the model's dtype
+        top = logits.topk(k, dim=-1)  # the same ids as on fp32 logits: the cast is exact and monotone
+        # one fused fp32 log-softmax kernel reads the logits once; logsumexp(logits.float()) makes five passes
+        lps.append(torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, top.indices))  # (t, k)
+        ids.append(top.indices.to(torch.int32))
+    return torch.cat(ids), torch.cat(lps)
+
+
+class _HostCopies:
+    """Copies to the host. On CUDA each copy runs on a side stream into pinned memory as soon as its tensor is
+    ready, overlapping what the default stream still computes; `wait` waits for all of them once."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self, t: torch.Tensor) -> torch.Tensor:
+        if self.stream is None:
+            return t
+        self.stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        t.record_stream(self.stream)  # the allocator must not hand `t` out again before the copy has read it
+        return host
+
+    def wait(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 def resolve_location(path: str | None, gguf_file: str | None) -> tuple[Path, str | None]:
@@ -238,8 +265,9 @@ class HFTarget:
     def _capture(self, seqs: list[list[int]], sampling: Sampling) -> list[Features]:
         feats: list[Features] = []
         budget = CAPTURE_BATCH_TOKENS  # padded tokens per forward: a few large forwards are what a GPU wants
-        if self.device.type == "cuda":
-            budget = max(budget, CUDA_HIDDEN_STATES_BYTES // ((self.info.num_layers + 1) * self.info.hidden_size * 2))
+        if self.device.type == "cuda":  # per token: a layer's bf16 activations (~6 H + 3 ffn) plus the kept aux rows
+            per_token = 2 * (6 * self.info.hidden_size + 3 * self.model.config.intermediate_size + 3 * self.info.hidden_size)
+            budget = max(budget, CUDA_ACTIVATION_BYTES // per_token)
         start = 0
         while start < len(seqs):
             end, width = start, 0
@@ -252,28 +280,49 @@ class HFTarget:
 
     @torch.inference_mode()
     def _capture_batch(self, seqs: list[list[int]], sampling: Sampling) -> list[Features]:
+        """One forward over right-padded `seqs`. Forward hooks gather each aux layer's real rows as the layer
+        finishes; the aux rows start for the host while the last layers and the head still run. Real-token
+        positions come from the host-side lengths, so nothing waits on the GPU until the one final wait."""
         lens = [len(s) for s in seqs]
-        ids = torch.full((len(seqs), max(lens)), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
+        B, T, H = len(seqs), max(lens), self.info.hidden_size
+        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
         for b, s in enumerate(seqs):  # right padding: real tokens never see the pads
             ids[b, : len(s)] = torch.tensor(s)
-            mask[b, : len(s)] = 1
-        mask = mask.to(self.device)
-        out = self.model.model(input_ids=ids.to(self.device), attention_mask=mask, output_hidden_states=True, use_cache=False)
-        real = mask.bool()  # (B, T); boolean indexing keeps the rows sample by sample: (N = sum(lens), ...)
-        aux = torch.cat([out.hidden_states[i + 1][real] for i in self.info.aux_layer_ids], dim=-1)  # (N, 3H)
-        last = out.last_hidden_state[real]  # (N, H), after the final norm
-        lps, top_ids = [], []
-        for a in range(0, last.shape[0], HEAD_CHUNK_TOKENS):
-            logits = self.model.lm_head(last[a : a + HEAD_CHUNK_TOKENS]).float()  # (t, V)
-            top = logits.topk(sampling.topk, dim=-1)  # sorted descending; log_softmax keeps the order
-            lps.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))  # no (t, V) log_softmax copy
-            top_ids.append(top.indices.to(torch.int32))
-        # one copy per tensor for the whole micro-batch, into pinned memory on CUDA, and one wait
-        host = [_to_host(t) for t in (aux.to(torch.bfloat16), torch.cat(top_ids), torch.cat(lps))]
-        host_last = _to_host(last.to(torch.bfloat16)) if sampling.last_hidden else None
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        per_sample = [t.split(lens) for t in host]
-        lasts = host_last.split(lens) if host_last is not None else [None] * len(seqs)
+        mask = None
+        if min(lens) < T:  # no mask at all for an unpadded batch: the causal kernel, as a bare forward runs it
+            mask = (torch.arange(T) < torch.tensor(lens)[:, None]).long().to(self.device)
+        real = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lens)]).to(self.device)  # (N,) rows of (B*T)
+        layer_ids = self.info.aux_layer_ids
+        aux = torch.empty((real.numel(), len(layer_ids) * H), dtype=torch.bfloat16, device=self.device)  # (N, 3H)
+        copies = _HostCopies(self.device)
+        host: dict[str, torch.Tensor] = {}
+        pending = set(range(len(layer_ids)))
+
+        def keep(slots):
+            def hook(module, args, output):
+                h = (output[0] if isinstance(output, tuple) else output).reshape(B * T, H)  # (B*T, H)
+                for j in slots:
+                    aux[:, j * H : (j + 1) * H] = h.index_select(0, real)
+                    pending.discard(j)
+                if not pending and "aux" not in host:
+                    host["aux"] = copies.start(aux)
+            return hook
+
+        layers = self.model.model.layers
+        hooks = [layers[i].register_forward_hook(keep([j for j, k in enumerate(layer_ids) if k == i])) for i in sorted(set(layer_ids))]
+        try:
+            out = self.model.model(input_ids=ids.to(self.device), attention_mask=mask, use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        if "aux" not in host:  # no aux layers configured
+            host["aux"] = copies.start(aux)
+        last = out.last_hidden_state.reshape(B * T, H).index_select(0, real)  # (N, H), after the final norm
+        if sampling.last_hidden:
+            host["last"] = copies.start(last.to(torch.bfloat16))
+        top_ids, top_lps = topk_logprobs(self.model.lm_head, last, sampling.topk)
+        host["ids"], host["lps"] = copies.start(top_ids), copies.start(top_lps)
+        copies.wait()
+        per_sample = [host[k].split(lens) for k in ("aux", "ids", "lps")]
+        lasts = host["last"].split(lens) if "last" in host else [None] * len(seqs)
         return [Features(aux_hidden=a, topk_ids=i, topk_logprobs=lp, last_hidden=h) for a, i, lp, h in zip(*per_sample, lasts)]
