@@ -16,9 +16,11 @@ runs under torch.profiler and DIR gets each one's table of operators by device t
 With --heads, the top-K log-prob head alone, on the final hidden states of the first batch, interleaved:
   lm_head   the logits alone (what the bare forward spends on its head: the limit)
   fp32      logits.float(), top-K, logsumexp (the capture's head up to commit d989b0a)
-  ours      eagle3ft.data.targets.hf.topk_logprobs (top-K on the model's logits, one fused fp32 log-softmax)
-  compiled  torch.compile of top-K + logsumexp(logits.float()) (CUDA only)
-each with its largest log-prob error against an fp64 reference.
+  torch     torch.topk on the model's logits and one fused fp32 log-softmax (the head's fallback off CUDA)
+  ours      eagle3ft.data.targets.head.topk_logprobs (on CUDA its Triton kernel: one read of the logits)
+  compiled  torch.compile of top-K + logsumexp(logits.float()) (CUDA only: the best of plain torch)
+each with its largest log-prob error against an fp64 log-softmax of the same logits, and whether its top-K
+values are torch.topk's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from eagle3ft.data.config import load_config, resolve_path
 from eagle3ft.data.drafter_spec import DrafterSpec
 from eagle3ft.data.targets.base import Sampling
-from eagle3ft.data.targets.hf import HEAD_CHUNK_TOKENS, HFTarget, load_target
+from eagle3ft.data.targets.hf import HFTarget, load_target
 
 
 def sync(device: torch.device) -> None:
@@ -114,7 +116,7 @@ def timed(fns: dict, rounds: int, device: torch.device, arg, warm_up: bool = Tru
 
 def heads(model, hidden: torch.Tensor, k: int, rounds: int, device: torch.device) -> dict:
     """The head variants of the module docstring on `hidden` (N, H): ms per call and error against fp64."""
-    from eagle3ft.data.targets.hf import topk_logprobs  # here: the script also measures commits without it
+    from eagle3ft.data.targets.head import HEAD_CHUNK_TOKENS, _torch, topk_logprobs  # here: earlier commits lack them
     w = model.lm_head.weight
 
     def chunks(fn):
@@ -133,20 +135,24 @@ def heads(model, hidden: torch.Tensor, k: int, rounds: int, device: torch.device
         return top.indices, top.values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
 
     fns = {"lm_head": chunks(lambda x: torch.nn.functional.linear(x, w)), "fp32": chunks(fp32),
+           "torch": chunks(lambda x: _torch(torch.nn.functional.linear(x, w), k)),
            "ours": lambda x: topk_logprobs(model.lm_head, x, k)}
     if device.type == "cuda":
         fns["compiled"] = chunks(torch.compile(lse, dynamic=False))
     with torch.inference_mode():
         times = timed(fns, rounds, device, hidden)
-        ref = torch.log_softmax(torch.nn.functional.linear(hidden.double(), w.double()), dim=-1)
-        errors = {}
-        for name in ("fp32", "ours") + (("compiled",) if "compiled" in fns else ()):
+        logits = torch.nn.functional.linear(hidden, w)  # (N, V) in the model's dtype, as every variant sees them
+        ref, best = torch.log_softmax(logits.double(), dim=-1), logits.topk(k, dim=-1).values
+        errors, same_topk = {}, {}
+        for name in [n for n in fns if n != "lm_head"]:
             out = fns[name](hidden)
             ids, lps = (torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])) if isinstance(out, list) else out
             errors[name] = float((lps.double() - ref.gather(-1, ids.long())).abs().max())
+            same_topk[name] = bool(torch.equal(logits.gather(-1, ids.long()), best))
     med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
     return {"tokens": hidden.shape[0], "ms": med, "ms_range": {n: [min(v) * 1e3, max(v) * 1e3] for n, v in times.items()},
-            "over_lm_head_ms": {n: m - med["lm_head"] for n, m in med.items() if n != "lm_head"}, "max_abs_error": errors}
+            "over_lm_head_ms": {n: m - med["lm_head"] for n, m in med.items() if n != "lm_head"}, "max_abs_error": errors,
+            "same_topk_values": same_topk}
 
 
 def main() -> None:

@@ -18,23 +18,10 @@ import torch
 
 from eagle3ft.data.config import TargetConfig, resolve_path
 from eagle3ft.data.targets.base import Features, Request, Result, Sampling, TargetInfo
+from eagle3ft.data.targets.head import topk_logprobs
 
 CAPTURE_BATCH_TOKENS = 8192  # padded tokens per capture forward on the CPU
 CUDA_ACTIVATION_BYTES = 2 << 30  # on CUDA: one capture forward's transient activations and outputs, at most
-HEAD_CHUNK_TOKENS = 2048  # tokens per lm_head + top-k + log-softmax chunk
-
-
-def topk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's top-k next tokens: ids (N, k) int32 and fp32 log-probs (N, k), sorted descending, from final
-    hidden states (N, H); HEAD_CHUNK_TOKENS rows of logits at a time."""
-    ids, lps = [], []
-    for a in range(0, hidden.shape[0], HEAD_CHUNK_TOKENS):
-        logits = lm_head(hidden[a : a + HEAD_CHUNK_TOKENS])  # (t, V) in the model's dtype
-        top = logits.topk(k, dim=-1)  # the same ids as on fp32 logits: the cast is exact and monotone
-        # one fused fp32 log-softmax kernel reads the logits once; logsumexp(logits.float()) makes five passes
-        lps.append(torch.log_softmax(logits, dim=-1, dtype=torch.float32).gather(-1, top.indices))  # (t, k)
-        ids.append(top.indices.to(torch.int32))
-    return torch.cat(ids), torch.cat(lps)
 
 
 class _HostCopies:

@@ -1,0 +1,65 @@
+"""The capture's top-k log-prob head: the torch path, and the Triton kernel in Triton's CPU interpreter."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from eagle3ft.data.targets import head
+
+
+def logits_with_ties(t: int, V: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(t, V, generator=g) * 4).to(dtype)
+    x[0, 3] = x[0, V - 1] = x.max() + 1  # a tie at the top, in the first and the last block
+    x[1, : V // 2] = float("-inf")  # a masked half
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_head_is_the_top_of_a_float64_log_softmax(dtype):
+    x = logits_with_ties(6, 1000, dtype)
+    ids, lps = head._torch(x, 8)
+    full = torch.log_softmax(x.double(), -1)
+    assert ids.dtype == torch.int32 and lps.dtype == torch.float32
+    assert torch.equal(x.gather(-1, ids.long()), x.topk(8, -1).values)
+    torch.testing.assert_close(lps.double(), full.gather(-1, ids.long()), rtol=0, atol=1e-5)
+
+
+def test_head_chunks_equal_one_pass(monkeypatch):
+    lm_head = torch.nn.Linear(16, 300, bias=False)
+    hidden = torch.randn(50, 16)
+    with torch.no_grad():
+        whole = head.topk_logprobs(lm_head, hidden, 4)
+        monkeypatch.setattr(head, "HEAD_CHUNK_TOKENS", 7)
+        chunked = head.topk_logprobs(lm_head, hidden, 4)
+    assert torch.equal(whole[0], chunked[0])
+    torch.testing.assert_close(whole[1], chunked[1])
+    assert not head.use_kernel(lm_head(hidden), 4)  # CPU: the torch path
+
+
+def test_triton_kernel_equals_torch_in_the_interpreter():
+    pytest.importorskip("triton")
+    # a fresh process: TRITON_INTERPRET is read when the kernel is defined; blocks of 256 columns, the last partial
+    code = textwrap.dedent("""
+        import torch
+        from eagle3ft.data.targets import head
+        from tests.test_data_head import logits_with_ties
+        head.BLOCK = 256
+        for dtype in (torch.bfloat16, torch.float16):
+            x = logits_with_ties(5, 1000, dtype)
+            ids, lps = head._fused(x, 8)
+            ref_ids, ref_lps = head._torch(x, 8)
+            assert ids.dtype == torch.int32 and lps.dtype == torch.float32
+            assert torch.equal(x.gather(-1, ids.long()), x.gather(-1, ref_ids.long())), dtype
+            torch.testing.assert_close(lps, ref_lps, rtol=0, atol=1e-5)
+            assert set(ids[0, :2].tolist()) == {3, 999}
+        print("ok")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
