@@ -17,7 +17,8 @@ With --heads, the top-K log-prob head alone, on the final hidden states of the f
   lm_head   the logits alone (what the bare forward spends on its head: the limit)
   fp32      logits.float(), top-K, logsumexp (the capture's head up to commit d989b0a)
   torch     torch.topk on the model's logits and one fused fp32 log-softmax (the head's fallback off CUDA)
-  ours      eagle3ft.data.targets.head.topk_logprobs (on CUDA its Triton kernel: one read of the logits)
+  ours      eagle3ft.data.targets.head.topk_logprobs (on CUDA its two Triton kernels: group maxima, then
+            the entries above the k-th of them)
   compiled  torch.compile of top-K + logsumexp(logits.float()) (CUDA only: the best of plain torch)
 each with its largest log-prob error against an fp64 log-softmax of the same logits, and whether its top-K
 values are torch.topk's.

@@ -41,22 +41,41 @@ def test_head_chunks_equal_one_pass(monkeypatch):
     assert not head.use_kernel(lm_head(hidden), 4)  # CPU: the torch path
 
 
-def test_triton_kernel_equals_torch_in_the_interpreter():
+class TableHead(torch.nn.Module):
+    """An lm_head that returns row h[:, 0] of a fixed logits table: any logits, including flat rows."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.table[h[:, 0].long()]
+
+
+def test_triton_kernels_equal_torch_in_the_interpreter():
     pytest.importorskip("triton")
-    # a fresh process: TRITON_INTERPRET is read when the kernel is defined; blocks of 256 columns, the last partial
+    # a fresh process: TRITON_INTERPRET is read when the kernels are defined. Blocks of 256 columns (the last
+    # partial), groups of 32, 24 candidate slots: row 2 is flat, overflows them and is redone by torch.
     code = textwrap.dedent("""
         import torch
         from eagle3ft.data.targets import head
-        from tests.test_data_head import logits_with_ties
-        head.BLOCK = 256
+        from tests.test_data_head import TableHead, logits_with_ties
+        head.BLOCK, head.GROUP, head.CANDIDATES = 256, 32, 24
         for dtype in (torch.bfloat16, torch.float16):
             x = logits_with_ties(5, 1000, dtype)
-            ids, lps = head._fused(x, 8)
+            x[2] = 1.5
+            ids, lps, over = head._fused(x, 8)
+            assert over.tolist() == [False, False, True, False, False]
             ref_ids, ref_lps = head._torch(x, 8)
+            ok = ~over
             assert ids.dtype == torch.int32 and lps.dtype == torch.float32
-            assert torch.equal(x.gather(-1, ids.long()), x.gather(-1, ref_ids.long())), dtype
-            torch.testing.assert_close(lps, ref_lps, rtol=0, atol=1e-5)
+            assert torch.equal(x[ok].gather(-1, ids[ok].long()), x[ok].gather(-1, ref_ids[ok].long())), dtype
+            torch.testing.assert_close(lps[ok], ref_lps[ok], rtol=0, atol=1e-5)
             assert set(ids[0, :2].tolist()) == {3, 999}
+            head.use_kernel = lambda logits, k: True
+            ids, lps = head.topk_logprobs(TableHead(x), torch.arange(5.0)[:, None], 8)
+            assert torch.equal(x.gather(-1, ids.long()), x.gather(-1, ref_ids.long()))
+            torch.testing.assert_close(lps, ref_lps, rtol=0, atol=1e-5)
         print("ok")
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
