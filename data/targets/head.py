@@ -5,7 +5,8 @@ On CUDA with Triton, two kernels read each chunk of logits twice and sort nothin
      sum of exp in fp32 (the log-sum-exp of the row follows from the blocks');
   2. the k-th largest group max, tau, bounds the row's k-th largest value from below (the k largest group
      maxima are k distinct entries), so the top k are among the entries >= tau: the kernel appends those to
-     a per-row list of CANDIDATES slots. A torch top-k over the list finishes the row.
+     a per-row list of CANDIDATES slots, one atomic increment per entry. A torch top-k over the list
+     finishes the row.
 A row with more candidates than slots (nearly flat logits) is redone by the torch path, so the result is
 exact. Elsewhere (CPU, fp32, no Triton) the torch path is all: torch.topk and one fused fp32 log-softmax.
 """
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-HEAD_CHUNK_TOKENS = 2048  # rows of logits at a time
+HEAD_CHUNK_TOKENS = 2048  # rows of logits at a time (on CUDA 4x: fewer, larger kernels)
 BLOCK = 4096  # logits columns per kernel program (a power of two)
 GROUP = 512  # columns per group max (a power of two dividing BLOCK)
 CANDIDATES = 256  # per-row slots for the entries >= tau
@@ -25,8 +26,9 @@ CANDIDATES = 256  # per-row slots for the entries >= tau
 def topk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (N, k) int32 and fp32 log-probs (N, k), sorted descending, from final hidden states (N, H)."""
     ids, lps, overflow = [], [], []
-    for a in range(0, hidden.shape[0], HEAD_CHUNK_TOKENS):
-        logits = lm_head(hidden[a : a + HEAD_CHUNK_TOKENS])  # (t, V) in the model's dtype
+    chunk = HEAD_CHUNK_TOKENS * (4 if hidden.is_cuda else 1)
+    for a in range(0, hidden.shape[0], chunk):
+        logits = lm_head(hidden[a : a + chunk])  # (t, V) in the model's dtype
         if use_kernel(logits, k):
             i, lp, over = _fused(logits, k)
             overflow.append(over)
@@ -101,12 +103,10 @@ def _kernels():
         row, blk = tl.program_id(0), tl.program_id(1)
         col = blk * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(logits + row * stride + col, mask=col < V, other=float("-inf")).to(tl.float32)  # (BLOCK,)
-        keep = (x >= tl.load(tau + row)) & (col < V)
-        n = tl.sum(keep.to(tl.int32), axis=0)
-        if n > 0:  # most blocks hold none of the row's top entries
-            slot = tl.atomic_add(count + row, n) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            ok = keep & (slot < C)
-            tl.store(values + row * C + slot, x, mask=ok)
-            tl.store(cols + row * C + slot, col, mask=ok)
+        keep = (x >= tl.load(tau + row)) & (col < V)  # a few dozen entries of the row's ~V
+        slot = tl.atomic_add(count + row + tl.zeros((BLOCK,), dtype=tl.int32), 1, mask=keep)  # one per kept entry
+        ok = keep & (slot < C)
+        tl.store(values + row * C + slot, x, mask=ok)
+        tl.store(cols + row * C + slot, col, mask=ok)
 
     return block_stats, block_candidates
