@@ -29,7 +29,7 @@ case ${1:-} in
     session_env
     for f in "$C"/p2/data/*.gz; do [[ -e $f ]] && python3 -m gzip -d "$f" && rm "$f"; done
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/deps $C/p1/deps/*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . >/dev/null
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/eagle3ft-site . >/dev/null
     mkdir -p /tmp/gguf && cat $C/p1/smol.gguf.part-aa $C/p2/smol.gguf.part-ab > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
     echo "$GGUF_SHA256  /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
     [[ -f /tmp/smol-hf/config.json ]] || python3 benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml \
