@@ -253,7 +253,8 @@ class HFTarget:
         feats: list[Features] = []
         budget = CAPTURE_BATCH_TOKENS  # padded tokens per forward: a few large forwards are what a GPU wants
         if self.device.type == "cuda":  # per token: a layer's bf16 activations (~6 H + 3 ffn) plus the kept aux rows
-            per_token = 2 * (6 * self.info.hidden_size + 3 * self.model.config.intermediate_size + 3 * self.info.hidden_size)
+            ffn = getattr(self.model.config, "intermediate_size", None) or 4 * self.info.hidden_size
+            per_token = 2 * (6 * self.info.hidden_size + 3 * ffn + 3 * self.info.hidden_size)
             budget = max(budget, CUDA_ACTIVATION_BYTES // per_token)
         start = 0
         while start < len(seqs):
