@@ -157,7 +157,7 @@ case ${1:-} in
     tar cf - --exclude=./.git --exclude=./.carry --exclude=./.whl-specforge --exclude=./.venv --exclude=./runs . | tar xf - -C /tmp/lease-src
     L=$L C=$C MODEL=$MODEL DATA=$DATA DOM=$DOM setsid nohup bash /tmp/lease-src/benchmarks/h200_lease.sh run "$@" > "$L/log" 2>&1 < /dev/null &
     echo "started: log $L/log" ;;
-  run) shift; run_all "$@" ;;
+  run) shift; mkdir -p "$L"; run_all "$@" ;;
   wait)
     end=$((SECONDS + ${2:-540}))
     while [[ ! -f $L/done ]] && (( SECONDS < end )); do sleep 5; done

@@ -3,7 +3,7 @@
     python benchmarks/harvest_overhead.py --config configs/smollm2-135m.yaml [--set k=v ...] \
         [--features RUN/features] [--mtbench FILE] [--batch 16] [--seq 512] [--rounds 5] [--out FILE] [--profile DIR] [--heads]
 
-Both sides see the same padded batches of real chat sequences (the configured prompt sources, through
+Both sides see the same unpadded batches of real chat sequences (the configured prompt sources, through
 the target's chat template, cut or repeated to --seq tokens):
   A  bare:    model(input_ids).logits                                      (the forward any server does)
   B  capture: HFTarget._capture(...) = the same forward with the aux rows at the drafter's layer ids kept,
@@ -18,7 +18,7 @@ With --heads, the top-K log-prob head alone, on the final hidden states of the f
   fp32      logits.float(), top-K, logsumexp (the capture's head up to commit d989b0a)
   torch     torch.topk on the model's logits and one fused fp32 log-softmax (the head's fallback off CUDA)
   ours      eagle3ft.data.targets.head.topk_logprobs (on CUDA its two Triton kernels: group maxima, then
-            the entries above the k-th of them)
+            the entries above the k-th of them; its own chunks, 8,192 rows on CUDA, the others 2,048)
   compiled  torch.compile of top-K + logsumexp(logits.float()) (CUDA only: the best of plain torch)
 each with its largest log-prob error against an fp64 log-softmax of the same logits, and whether its top-K
 values are torch.topk's.
