@@ -1,72 +1,25 @@
-"""train/ttt.py as of commit 8e045a1, before the train-step speed work: the `baseline` variant of train_speed.py."""
+"""train/ttt.py as of commit 8e045a1, before the train-step speed work: the `baseline` variant of train_speed.py.
+
+What the speed work changed is kept here as it was (the fused head loss with recompute, the per-step
+unroll); what it left alone is imported: the targets, shift, TTTOutput, and the SDPA + causal_lse attention
+(train/ttt.py's "lse" path, the same code).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 
 from eagle3ft.train.model import Eagle3Drafter
+from eagle3ft.train.ttt import TTTOutput, shift, ttt_targets
+from eagle3ft.train.ttt import lse_attention as ttt_attention
 
-LSE_CHUNK = 256  # query rows per chunk when computing the causal log-sum-exp
 HEAD_CHUNK = 1024  # rows per chunk in the fused lm_head + cross-entropy
-
-
-@dataclass
-class TTTOutput:
-    """Loss plus detached per-step counts (sum counts over batches and ranks before any ratio)."""
-
-    loss: torch.Tensor  # scalar, differentiable
-    step_loss: torch.Tensor  # (K,) mean CE per step
-    correct: torch.Tensor  # (K,) positions where the draft argmax equals the target argmax
-    valid: torch.Tensor  # (K,) valid positions
-    chain_correct: torch.Tensor  # (K,) matches at step k among positions whose steps < k all matched
-    chain_valid: torch.Tensor  # (K,) positions valid at k whose steps < k were all valid and matched
-
-    @property
-    def acc(self) -> torch.Tensor:
-        return self.correct / self.valid.clamp(min=1)
-
-    @property
-    def cond_acc(self) -> torch.Tensor:
-        return self.chain_correct / self.chain_valid.clamp(min=1)
-
-
-# --------------------------------------------------------------------------- targets
-
-
-def target_to_draft_map(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(V,) long: the draft id of each target id, -1 outside the draft vocabulary."""
-    draft_ids = torch.arange(d2t.shape[0], device=d2t.device)
-    m = torch.full((vocab_size,), -1, dtype=torch.long, device=d2t.device)
-    m[draft_ids + d2t] = draft_ids
-    return m
-
-
-def topk_to_draft(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, t2d_map: torch.Tensor):
-    """Stored top-k (…, K) over target ids -> (draft ids (…, K), p (…, K) renormalised, has_mass (…)).
-
-    Mass on tokens outside the draft vocabulary is dropped; entries outside get id 0 and p 0.
-    """
-    ids = t2d_map[topk_ids.long()]  # (…, K)
-    inside = ids >= 0
-    p = topk_logprobs.float().exp() * inside
-    mass = p.sum(-1, keepdim=True)  # (…, 1)
-    return ids.clamp(min=0), p / mass.clamp(min=1e-30), mass[..., 0] > 0
 
 
 def rows_ahead(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     """x[b, t + n] for every (b, t) where rows (B, T) is True, without copying x; rows must be False for t >= T - n."""
     return x[:, n:][rows[:, : x.shape[1] - n]]
-
-
-def shift(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, t + n] at row t (zero past the end); x is (B, T, ...)."""
-    if n == 0:
-        return x
-    pad = torch.zeros_like(x[:, :n])
-    return torch.cat([x[:, n:], pad], dim=1)
 
 
 # --------------------------------------------------------------------------- fused head + CE
@@ -123,55 +76,6 @@ def head_cross_entropy(x, weight, ids, p, chunk: int | None = None):
 # --------------------------------------------------------------------------- attention
 
 
-def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """log Σ_{s≤t} exp(scale · q_t·k_s), (B, nh, T) float32, with the exact gradient.
-
-    The value is computed without grad in row chunks; the gradient (scale·E_p[k] for q, scale·p·q
-    for k) comes from one extra SDPA call with k as the values and detached scores.
-    """
-    B, nh, T, hd = q.shape
-    rep = nh // k.shape[1]
-    with torch.no_grad():
-        qg = q.view(B, k.shape[1], rep, T, hd).float()  # (B, nkv, rep, T, hd)
-        kg = k[:, :, None].float()  # (B, nkv, 1, T, hd)
-        lse = torch.empty(B, k.shape[1], rep, T, dtype=torch.float32, device=q.device)
-        for a in range(0, T, LSE_CHUNK):
-            b = min(a + LSE_CHUNK, T)
-            s = (qg[..., a:b, :] @ kg[..., :b, :].transpose(-1, -2)) * scale  # (B, nkv, rep, c, b)
-            rows = torch.arange(a, b, device=q.device)[:, None]
-            s = s.masked_fill(torch.arange(b, device=q.device)[None, :] > rows, float("-inf"))
-            lse[..., a:b] = torch.logsumexp(s, dim=-1)
-        lse = lse.view(B, nh, T)
-    u = F.scaled_dot_product_attention(q.detach(), k.detach(), k, is_causal=True, enable_gqa=rep > 1)  # (B, nh, T, hd)
-    surrogate = scale * (q * u).float().sum(-1)  # (B, nh, T)
-    return lse + surrogate - surrogate.detach()
-
-
-def ttt_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
-    """Attention of q (B, nh, T, hd) over causal step-0 keys k0/v0 (B, nkv, T, hd) plus, for row t,
-    the diagonal keys diag_k[j][:, :, t] (one per step 1..k). Returns (B, nh, T, hd)."""
-    nh, nkv = q.shape[1], k0.shape[1]
-    gqa = nh != nkv
-    causal = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hd)
-    if not diag_k:
-        return causal
-    scale = q.shape[-1] ** -0.5
-
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.repeat_interleave(nh // nkv, dim=1) if gqa else x  # (B, nkv, T, hd) -> (B, nh, T, hd)
-
-    lse = causal_lse(q, k0, scale)  # (B, nh, T)
-    d = torch.stack([scale * (q * heads(kj)).float().sum(-1) for kj in diag_k])  # (k, B, nh, T)
-    m = torch.maximum(lse, d.max(0).values).detach()  # (B, nh, T)
-    w_c, w_d = (lse - m).exp(), (d - m).exp()  # (B, nh, T), (k, B, nh, T)
-    z = w_c + w_d.sum(0)
-    # mix in the activation dtype (weights from fp32), so autograd keeps no fp32 copy of any value tensor
-    out = (w_c / z).to(q.dtype)[..., None] * causal
-    for wj, vj in zip(w_d, diag_v):
-        out = out + (wj / z).to(q.dtype)[..., None] * heads(vj)
-    return out
-
-
 # --------------------------------------------------------------------------- the unroll
 
 
@@ -194,13 +98,7 @@ def ttt_forward(
     hidden = model.fuse(batch["aux_hidden"].to(dtype))  # (B, T, H); fc once
     positions = torch.arange(T, device=dev).expand(B, T)
     loss_mask = batch["loss_mask"].bool()  # (B, T)
-    target_argmax = batch["topk_ids"][..., 0].long()  # (B, T) the target's greedy next token, over token t+1
-    if target_head is not None:
-        with torch.no_grad():
-            p_all = torch.softmax((batch["last_hidden"].to(target_head.dtype) @ target_head.t()).float(), -1)  # (B, T, Vd)
-        ids_all, has_mass = None, torch.ones_like(loss_mask)
-    else:
-        ids_all, p_all, has_mass = topk_to_draft(batch["topk_ids"], batch["topk_logprobs"], target_to_draft_map(model.d2t, model.config.vocab_size))
+    target_argmax, ids_all, p_all, has_mass = ttt_targets(model, batch, target_head)
 
     loss = hidden.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(5, steps, device=dev)  # step_loss, correct, valid, chain_correct, chain_valid

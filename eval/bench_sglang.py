@@ -39,9 +39,9 @@ from pathlib import Path
 import requests
 
 from eagle3ft.data.config import BenchSetting, resolve_path
-from eagle3ft.data.targets.sglang import HTTPPolicy, SGLangError, call, server_info, sampling_params
+from eagle3ft.data.targets.sglang import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.data.targets.sglang_server import SGLangServer, server_for
-from eagle3ft.eval.bench import RequestResult, spread, base_environment, gpu_clocks
+from eagle3ft.eval.bench import RequestResult, base_environment, gpu_clocks, spread
 from eagle3ft.eval.economics import Setting
 
 ENV_PREFIXES = ("NCCL_", "SGLANG_", "CUDA_", "TORCH_", "NVIDIA_", "PYTORCH_")

@@ -72,11 +72,6 @@ def topk_to_draft(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, t2d_map: 
     return ids.clamp(min=0), p / mass.clamp(min=1e-30), mass[..., 0] > 0
 
 
-def rows_ahead(x: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """x[b, t + n] for every (b, t) where rows (B, T) is True, without copying x; rows must be False for t >= T - n."""
-    return x[:, n:][rows[:, : x.shape[1] - n]]
-
-
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
     """x[:, t + n] at row t (zero past the end); x is (B, T, ...)."""
     if n == 0:
@@ -233,34 +228,55 @@ def _flash_ok(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" or (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
 
 
+def _heads(x: torch.Tensor, nh: int) -> torch.Tensor:
+    return x.repeat_interleave(nh // x.shape[1], dim=1) if x.shape[1] != nh else x  # (B, nkv, T, hd) -> (B, nh, T, hd)
+
+
 def ttt_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
     """Attention of q (B, nh, T, hd) over causal step-0 keys k0/v0 (B, nkv, T, hd) plus, for row t,
     the diagonal keys diag_k[j][:, :, t] (one per step 1..k). Returns (B, nh, T, hd)."""
-    nh, nkv = q.shape[1], k0.shape[1]
-    gqa = nh != nkv
-
-    def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.repeat_interleave(nh // nkv, dim=1) if gqa else x  # (B, nkv, T, hd) -> (B, nh, T, hd)
-
     if diag_k and _flash_ok(q):
-        return _FlashTTTAttention.apply(q, heads(k0), heads(v0), *map(heads, diag_k), *map(heads, diag_v))
-    causal = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=gqa)  # (B, nh, T, hd)
+        nh = q.shape[1]
+        return _FlashTTTAttention.apply(q, *(_heads(x, nh) for x in (k0, v0, *diag_k, *diag_v)))
+    return lse_attention(q, k0, v0, diag_k, diag_v)
+
+
+def lse_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
+    """ttt_attention through causal SDPA, merged with the diagonal keys by causal_lse (the "lse" path)."""
+    nh = q.shape[1]
+    causal = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=nh != k0.shape[1])  # (B, nh, T, hd)
     if not diag_k:
         return causal
     scale = q.shape[-1] ** -0.5
     lse = causal_lse(q, k0, scale)  # (B, nh, T)
-    d = torch.stack([scale * (q * heads(kj)).float().sum(-1) for kj in diag_k])  # (k, B, nh, T)
+    d = torch.stack([scale * (q * _heads(kj, nh)).float().sum(-1) for kj in diag_k])  # (k, B, nh, T)
     m = torch.maximum(lse, d.max(0).values).detach()  # (B, nh, T)
     w_c, w_d = (lse - m).exp(), (d - m).exp()  # (B, nh, T), (k, B, nh, T)
     z = w_c + w_d.sum(0)
     # mix in the activation dtype (weights from fp32), so autograd keeps no fp32 copy of any value tensor
     out = (w_c / z).to(q.dtype)[..., None] * causal
     for wj, vj in zip(w_d, diag_v):
-        out = out + (wj / z).to(q.dtype)[..., None] * heads(vj)
+        out = out + (wj / z).to(q.dtype)[..., None] * _heads(vj, nh)
     return out
 
 
 # --------------------------------------------------------------------------- the unroll
+
+
+def ttt_targets(model: Eagle3Drafter, batch: dict[str, torch.Tensor], target_head: torch.Tensor | None = None):
+    """(target argmax (B, T), draft ids (B, T, K) or None, p (B, T, K) or (B, T, Vd), has_mass (B, T)).
+
+    Row t holds the target's next-token distribution over token t+1: from the stored top-k, or with
+    target_head (the target's lm_head rows of the draft vocabulary, (Vd, Ht)) the exact draft-vocab
+    softmax of `last_hidden`.
+    """
+    target_argmax = batch["topk_ids"][..., 0].long()  # (B, T) the target's greedy next token, over token t+1
+    if target_head is not None:
+        with torch.no_grad():
+            p_all = torch.softmax((batch["last_hidden"].to(target_head.dtype) @ target_head.t()).float(), -1)  # (B, T, Vd)
+        return target_argmax, None, p_all, torch.ones_like(batch["loss_mask"].bool())
+    ids_all, p_all, has_mass = topk_to_draft(batch["topk_ids"], batch["topk_logprobs"], target_to_draft_map(model.d2t, model.config.vocab_size))
+    return target_argmax, ids_all, p_all, has_mass
 
 
 def ttt_forward(
@@ -282,13 +298,7 @@ def ttt_forward(
     hidden = model.fuse(batch["aux_hidden"].to(dtype))  # (B, T, H); fc once
     positions = torch.arange(T, device=dev).expand(B, T)
     loss_mask = batch["loss_mask"].bool()  # (B, T)
-    target_argmax = batch["topk_ids"][..., 0].long()  # (B, T) the target's greedy next token, over token t+1
-    if target_head is not None:
-        with torch.no_grad():
-            p_all = torch.softmax((batch["last_hidden"].to(target_head.dtype) @ target_head.t()).float(), -1)  # (B, T, Vd)
-        ids_all, has_mass = None, torch.ones_like(loss_mask)
-    else:
-        ids_all, p_all, has_mass = topk_to_draft(batch["topk_ids"], batch["topk_logprobs"], target_to_draft_map(model.d2t, model.config.vocab_size))
+    target_argmax, ids_all, p_all, has_mass = ttt_targets(model, batch, target_head)
 
     # the valid rows of every step at once: one host sync per batch instead of several per step
     valid = torch.stack([shift(loss_mask, 2 + k) & shift(has_mass, 1 + k) for k in range(steps)]).view(steps, B * T)  # token t+2+k is trained on
