@@ -1,0 +1,201 @@
+"""The token store: regenerated conversations as token ids, between regen and harvest/training.
+
+``tokens/`` holds ``manifest.json`` and shards ``{split}-{NNNNN}.safetensors``
+(NNNNN = the chunk of the deterministic conversation order that the shard holds).
+Each shard concatenates its samples along the token axis:
+
+    input_ids   int32  [N_tok]
+    loss_mask   uint8  [N_tok]   1 on the tokens the target generated (end-of-turn included)
+    offsets     int64  [N+1]     sample i = tokens offsets[i]:offsets[i+1]
+    sample_ids  int64  [N]
+
+A shard is 5 bytes per token. Writes reuse the feature store's atomic commit
+(data/store.py: tmp file, fsync, os.replace, then the manifest), and a chunk is
+recorded as done only with its shard, so a killed regeneration resumes at the
+first chunk not done, with nothing lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from eagle3ft.data.store import MANIFEST, SPLITS, StoreError, _sha256, _write_atomic, shard_name
+
+SCHEMA_VERSION = 1
+KIND = "tokens"
+COUNT_KEYS = ("samples", "tokens", "loss_tokens", "turns", "unfinished_answers")
+
+
+@dataclass
+class TokenSample:
+    """One regenerated conversation."""
+
+    sample_id: int
+    input_ids: list[int]
+    loss_mask: list[int]
+    turns: int = 1  # assistant turns the target wrote
+    unfinished: int = 0  # of them, answers cut by max_new_tokens / max_total_tokens
+
+
+def pack(samples: list[TokenSample]) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
+    return {
+        "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
+    }
+
+
+class TokenWriter:
+    """Commits whole shards and keeps the manifest; reopening the same folder resumes.
+
+    `identity` (target, tokenizer, chat template) and `fingerprint` (conversation order and
+    sampling) must match an existing folder's manifest, or the writer refuses to mix runs.
+    """
+
+    def __init__(self, tokens_dir: str | Path, identity: dict, fingerprint: str):
+        self.dir = Path(tokens_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fresh = {
+            "schema_version": SCHEMA_VERSION,
+            "kind": KIND,
+            "identity": identity,
+            "fingerprint": fingerprint,
+            "shards": [],
+            "chunks_done": {s: [] for s in SPLITS},
+            "counts": {s: {k: 0 for k in COUNT_KEYS} for s in SPLITS},
+            "chunk_skips": {},
+            "skips": {},
+            "complete": False,
+        }
+        path = self.dir / MANIFEST
+        if path.exists():
+            old = json.loads(path.read_text())
+            for k in ("schema_version", "kind", "identity", "fingerprint"):
+                if old.get(k) != fresh[k]:
+                    raise StoreError(f"{self.dir} holds tokens with another {k} ({old.get(k)!r} != {fresh[k]!r}); use a new run dir")
+            self.manifest = old
+        else:
+            self.manifest = fresh
+
+    def done(self, split: str) -> set[int]:
+        return set(self.manifest["chunks_done"][split])
+
+    def commit(self, split: str, chunk: int, samples: list[TokenSample], skips: dict[str, int] | None = None) -> None:
+        """Write one chunk's shard (if it kept any sample) and record the chunk as done."""
+        m = self.manifest
+        if chunk in m["chunks_done"][split]:
+            raise StoreError(f"chunk {split}/{chunk} is already committed")
+        if samples:
+            tensors = pack(samples)
+            data = save(tensors, metadata={"schema_version": str(SCHEMA_VERSION)})
+            name = shard_name(split, chunk)
+            _write_atomic(self.dir / name, data)
+            n_tok = int(tensors["input_ids"].numel())
+            m["shards"].append({"file": name, "split": split, "chunk": chunk, "samples": len(samples), "tokens": n_tok, "sha256": hashlib.sha256(data).hexdigest()})
+            c = m["counts"][split]
+            c["samples"] += len(samples)
+            c["tokens"] += n_tok
+            c["loss_tokens"] += int(tensors["loss_mask"].sum())
+            c["turns"] += sum(s.turns for s in samples)
+            c["unfinished_answers"] += sum(s.unfinished for s in samples)
+        for reason, n in (skips or {}).items():
+            m["chunk_skips"][reason] = m["chunk_skips"].get(reason, 0) + n
+        m["chunks_done"][split].append(chunk)
+        self._save()
+
+    def finish(self, extra: dict | None = None) -> None:
+        self.manifest["complete"] = True
+        self.manifest.update(extra or {})
+        self._save()
+
+    def _save(self) -> None:
+        self.manifest["shards"].sort(key=lambda s: (SPLITS.index(s["split"]), s["chunk"]))
+        _write_atomic(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
+
+
+class TokenStore:
+    """Reader. Checks schema and checksums on open (verify=False skips the hashing)."""
+
+    def __init__(self, tokens_dir: str | Path, verify: bool = True):
+        self.dir = Path(tokens_dir)
+        path = self.dir / MANIFEST
+        if not path.is_file():
+            raise StoreError(f"no token store at {self.dir} (missing {MANIFEST})")
+        self.manifest = json.loads(path.read_text())
+        if self.manifest.get("kind") != KIND:
+            raise StoreError(f"{path}: not a token store (kind {self.manifest.get('kind')!r})")
+        version = self.manifest.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise StoreError(f"{path}: schema_version {version} != {SCHEMA_VERSION} (this code)")
+        for s in self.manifest["shards"]:
+            f = self.dir / s["file"]
+            if not f.is_file():
+                raise StoreError(f"{self.dir}: shard {s['file']} is missing")
+            if verify and _sha256(f) != s["sha256"]:
+                raise StoreError(f"{self.dir}: shard {s['file']} fails its sha256 check")
+
+    @property
+    def identity(self) -> dict:
+        return self.manifest["identity"]
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest["complete"])
+
+    def counts(self, split: str) -> dict:
+        return dict(self.manifest["counts"][split])
+
+    def shards(self, split: str) -> list[Path]:
+        return [self.dir / s["file"] for s in self.manifest["shards"] if s["split"] == split]
+
+    def dataset(self, split: str = "train") -> "TokenDataset":
+        if split not in SPLITS:
+            raise ValueError(f"split {split!r} not in {SPLITS}")
+        return TokenDataset(self.shards(split))
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Samples of one split, sliced from memory-mapped shards on demand:
+    ``{"sample_id": int, "input_ids": LongTensor[T], "loss_mask": LongTensor[T]}``."""
+
+    def __init__(self, shards: list[Path]):
+        self.shards = shards
+        self.index: list[tuple[int, int, int, int]] = []  # (shard, start, end, sample_id)
+        for si, path in enumerate(shards):
+            with safe_open(path, framework="pt") as f:
+                offsets = f.get_tensor("offsets").tolist()
+                ids = f.get_tensor("sample_ids").tolist()
+            self.index += [(si, offsets[i], offsets[i + 1], ids[i]) for i in range(len(ids))]
+        self._open: dict[int, object] = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def lengths(self) -> list[int]:
+        return [b - a for _, a, b, _ in self.index]
+
+    def _handle(self, si: int):
+        if si not in self._open:  # opened lazily, so each DataLoader worker maps its own
+            self._open[si] = safe_open(self.shards[si], framework="pt")
+        return self._open[si]
+
+    def __getstate__(self):
+        return {**self.__dict__, "_open": {}}
+
+    def __getitem__(self, i: int) -> dict:
+        si, a, b, sid = self.index[i]
+        f = self._handle(si)
+        return {
+            "sample_id": sid,
+            "input_ids": f.get_slice("input_ids")[a:b].long(),
+            "loss_mask": f.get_slice("loss_mask")[a:b].long(),
+        }
