@@ -160,3 +160,79 @@ def test_draft_to_target_and_config_round_trip(tmp_path):
     d = m.config.to_hf_dict()
     assert d["architectures"] == ["LlamaForCausalLMEagle3"] and d["num_hidden_layers"] == 1 and d["tie_word_embeddings"] is False
     assert Eagle3Config.from_dict(d).to_hf_dict() == d
+
+
+# --------------------------------------------------------------------------- EAGLE-3.1 options
+
+
+def make31(fc_norm: bool, norm_output: bool, seed: int = 0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    cfg = Eagle3Config(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD, intermediate_size=I, vocab_size=V, draft_vocab_size=VD,
+                       target_hidden_size=24, rms_norm_eps=1e-5, fc_norm=fc_norm, norm_output=norm_output)
+    m = Eagle3Drafter(cfg).double()
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_()
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    return m
+
+
+def test_eagle31_flags_round_trip_and_key_names():
+    m = make31(True, True)
+    d = m.config.to_hf_dict()
+    assert d["fc_norm"] is True and d["norm_output"] is True
+    assert Eagle3Config.from_dict(d).to_hf_dict() == d
+    keys = sorted(k for k in m.state_dict() if k != "embed_tokens.weight")
+    assert keys == sorted(export_keys(fc_norm=True))
+    assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(keys)
+    assert m.state_dict()["fc_norm.1.weight"].shape == (24,)  # one per aux layer, target hidden wide
+    legacy = {k: v for k, v in d.items() if k != "fc_norm"} | {"use_aux_norm": True}  # SGLang's legacy name
+    assert Eagle3Config.from_dict(legacy).fc_norm
+    off = make31(False, False).config.to_hf_dict()
+    assert "fc_norm" not in off and "norm_output" not in off  # EAGLE-3 config.json unchanged
+    for bad in ({"bias": True}, {"eagle_config": {"norm_before_fc": True}}):
+        with pytest.raises(ValueError, match="bias or eagle_config.norm_before_fc"):
+            Eagle3Config.from_dict({**off, **bad})
+
+
+def test_eagle31_forward_pieces():
+    """fc_norm normalises each aux chunk before fc; norm_output feeds norm(out) to the next step, logits unchanged."""
+    m = make31(True, True)
+    aux = torch.randn(1, 5, 72, dtype=torch.float64)
+    chunks = aux.chunk(3, dim=-1)
+    want = m.fc(torch.cat([n(c) for n, c in zip(m.fc_norm, chunks)], dim=-1))
+    torch.testing.assert_close(m.fuse(aux), want)
+    assert not torch.allclose(m.fuse(aux), m.fc(aux))
+    ids, pos = torch.randint(0, V, (1, 5)), torch.arange(5)[None]
+    h, lg = m.step(ids, m.fuse(aux), pos, DraftCache())
+    plain = make31(True, False)
+    plain.load_state_dict(m.state_dict())
+    h0, lg0 = plain.step(ids, plain.fuse(aux), pos, DraftCache())
+    torch.testing.assert_close(lg, lg0)
+    torch.testing.assert_close(h, m.norm(h0))
+
+
+def test_flags_off_is_todays_drafter():
+    """With both flags off, the drafter's step, decode and TTT loss equal the pre-3.1 code's (golden from that commit)."""
+    import json
+    from pathlib import Path
+
+    from eagle3ft.train.ttt import ttt_forward
+
+    g = json.loads((Path(__file__).parent / "golden/drafter_eagle3_head.json").read_text())
+    cfg = Eagle3Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=24, vocab_size=40, draft_vocab_size=12, rms_norm_eps=1e-5)
+    m = Eagle3Drafter(cfg).double()
+    m.load_state_dict({k: torch.tensor(v, dtype=m.state_dict()[k].dtype) for k, v in g["state"].items()})
+    assert m.fc_norm is None and set(g["state"]) == set(m.state_dict())
+    ids, aux = torch.tensor(g["ids"]), torch.tensor(g["aux"], dtype=torch.float64)
+    cache = DraftCache()
+    h, lg = m.step(ids[:, 1:], m.fuse(aux[:, :-1]), torch.arange(5)[None], cache)
+    h2, lg2 = m.step(ids[:, :1], h[:, -1:], torch.tensor([[5]]), cache)
+    for ours, key in ((h, "hidden"), (lg, "logits"), (h2, "hidden2"), (lg2, "logits2")):
+        torch.testing.assert_close(ours, torch.tensor(g[key], dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    batch = {"input_ids": ids, "loss_mask": torch.ones(1, 6, dtype=torch.long), "aux_hidden": aux, "topk_ids": torch.tensor(g["topk_ids"]),
+             "topk_logprobs": torch.tensor(g["topk_logprobs"])}
+    out = ttt_forward(m, batch, steps=3)
+    assert out.loss.item() == pytest.approx(g["ttt_loss"], rel=1e-12)
+    assert out.step_loss.tolist() == pytest.approx(g["ttt_step_loss"], rel=1e-12)

@@ -40,6 +40,8 @@ SGLANG_PARAMS = {
     "model.norm.weight": {""},
     "lm_head.weight": {""},
 }
+# parameters SGLang builds only when the drafter's config.json sets fc_norm (or use_aux_norm): EAGLE-3.1
+SGLANG_FC_NORM_PARAMS = {f"model.fc_norm.{i}.weight": {""} for i in range(3)}
 SGLANG_STACKED = ((".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"), (".gate_proj", ".gate_up_proj", "0"), (".up_proj", ".gate_up_proj", "1"))
 
 
@@ -51,22 +53,28 @@ def sglang_target(key: str) -> tuple[str, str] | None:
             key, shard = key.replace(ours, theirs), sid
             break
     for name in (key, f"model.{key}"):
-        if name in SGLANG_PARAMS:
+        if name in SGLANG_PARAMS or name in SGLANG_FC_NORM_PARAMS:
             return name, shard
     return None
 
 
-def check_keys(keys, where: str) -> None:
-    """Raise ValueError unless SGLang's loader reads every key, fills every parameter shard, and gets d2t/t2d."""
+def check_keys(keys, where: str, fc_norm: bool | None = None) -> None:
+    """Raise ValueError unless SGLang's loader reads every key, fills every parameter shard, and gets d2t/t2d.
+
+    fc_norm: whether the drafter's config sets fc_norm (SGLang then has model.fc_norm.{i}); None infers it from the keys.
+    """
     keys = set(keys)
+    if fc_norm is None:
+        fc_norm = any(k.startswith("fc_norm.") for k in keys)
+    params = {**SGLANG_PARAMS, **(SGLANG_FC_NORM_PARAMS if fc_norm else {})}
     filled = {sglang_target(k) for k in keys} - {None}
-    unread = sorted(k for k in keys - {"d2t", "t2d"} if sglang_target(k) is None)
-    unfilled = sorted(f"{p}[{s}]" if s else p for p, shards in SGLANG_PARAMS.items() for s in shards if (p, s) not in filled)
+    unread = sorted(k for k in keys - {"d2t", "t2d"} if sglang_target(k) is None or sglang_target(k)[0] not in params)
+    unfilled = sorted(f"{p}[{s}]" if s else p for p, shards in params.items() for s in shards if (p, s) not in filled)
     missing = sorted({"d2t", "t2d"} - keys)
-    if unread or unfilled or missing or keys != set(export_keys()):
+    if unread or unfilled or missing or keys != set(export_keys(fc_norm)):
         raise ValueError(
             f"{where}: drafter keys do not load into SGLang's LlamaForCausalLMEagle3 (skipped silently: {unread}; "
-            f"left unfilled: {unfilled}; missing: {missing}; expected exactly {sorted(export_keys())})"
+            f"left unfilled: {unfilled}; missing: {missing}; expected exactly {sorted(export_keys(fc_norm))})"
         )
 
 
@@ -99,7 +107,7 @@ def atomic_dir(final: Path):
 
 
 def write_drafter(folder: Path, cfg: Eagle3Config, tensors: dict[str, torch.Tensor]) -> None:
-    check_keys(tensors, str(folder))
+    check_keys(tensors, str(folder), cfg.fc_norm)
     (folder / CONFIG).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
 
@@ -132,7 +140,7 @@ def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> E
         raise FileNotFoundError(f"{folder}: no {CONFIG} (expected a drafter in SGLang's form)")
     cfg = Eagle3Config.from_json(folder / CONFIG)
     tensors = read_drafter_tensors(folder)
-    check_keys(tensors, str(folder))
+    check_keys(tensors, str(folder), cfg.fc_norm)
     model = Eagle3Drafter(cfg)
     dtype = next(iter(v for k, v in tensors.items() if k.endswith(".weight"))).dtype
     model.to(dtype)

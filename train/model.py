@@ -42,6 +42,8 @@ class Eagle3Config:
     max_position_embeddings: int = 4096
     aux_layer_ids: list[int] | None = None  # eagle_config.eagle_aux_hidden_state_layer_ids
     hidden_act: str = "silu"
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer on its chunk before fc (legacy name use_aux_norm)
+    norm_output: bool = False  # EAGLE-3.1: the next draft step is fed the hidden state after the final norm
     extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, kept on export
 
     def __post_init__(self) -> None:
@@ -58,7 +60,7 @@ class Eagle3Config:
     _KNOWN = (
         "hidden_size num_attention_heads num_key_value_heads intermediate_size vocab_size draft_vocab_size "
         "target_hidden_size head_dim rms_norm_eps rope_theta rope_scaling rope_parameters max_position_embeddings "
-        "hidden_act num_hidden_layers architectures tie_word_embeddings"
+        "hidden_act num_hidden_layers architectures tie_word_embeddings fc_norm use_aux_norm norm_output"
     ).split()
 
     @classmethod
@@ -67,6 +69,8 @@ class Eagle3Config:
             raise ValueError(f"drafter num_hidden_layers is {d['num_hidden_layers']}; only 1 (SGLang's midlayer) is supported")
         if d.get("tie_word_embeddings"):
             raise ValueError("drafter tie_word_embeddings is true; an EAGLE-3 drafter has its own lm_head over the draft vocab")
+        if d.get("bias") or (d.get("eagle_config") or {}).get("norm_before_fc"):
+            raise ValueError("drafter config sets bias or eagle_config.norm_before_fc; only fc_norm and norm_output of those layouts are supported")
         rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
         theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
         rope.pop("rope_theta", None)
@@ -87,6 +91,8 @@ class Eagle3Config:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             aux_layer_ids=(d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
             hidden_act=d.get("hidden_act", "silu"),
+            fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm")),
+            norm_output=bool(d.get("norm_output")),
             extra={k: v for k, v in d.items() if k not in cls._KNOWN},
         )
 
@@ -117,6 +123,10 @@ class Eagle3Config:
         }
         if self.rope_scaling:
             d["rope_scaling"] = dict(self.rope_scaling)
+        if self.fc_norm:
+            d["fc_norm"] = True
+        if self.norm_output:
+            d["norm_output"] = True
         if self.aux_layer_ids is not None:
             d["eagle_config"] = {**self.extra.get("eagle_config", {}), "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
         return d
@@ -284,13 +294,18 @@ class DraftCache:
 
 
 class Eagle3Drafter(nn.Module):
-    """embed_tokens (frozen target embedding) -> fc fuses 3 aux states -> midlayer -> norm -> lm_head over the draft vocab."""
+    """embed_tokens (frozen target embedding) -> fc fuses 3 aux states -> midlayer -> norm -> lm_head over the draft vocab.
+
+    EAGLE-3.1 options (config.json flags SGLang reads): `fc_norm` adds `fc_norm.{0,1,2}` RMSNorms, one per aux chunk,
+    before fc; `norm_output` feeds the next draft step norm(out) instead of the pre-norm out. Both off: EAGLE-3.
+    """
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # the target's, frozen (as SGLang: H wide)
         self.embed_tokens.weight.requires_grad_(False)
+        self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)]) if cfg.fc_norm else None
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -304,6 +319,8 @@ class Eagle3Drafter(nn.Module):
     # -- pieces shared by training and inference
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        if self.fc_norm is not None:  # each aux layer's (B, T, Ht) chunk normed on its own
+            aux_hidden = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux_hidden.chunk(3, dim=-1))], dim=-1)
         return self.fc(aux_hidden)  # (B, T, 3Ht) -> (B, T, H)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,6 +340,10 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden_out))  # (B, T, H) -> (B, T, Vd)
+
+    def feedback(self, hidden_out: torch.Tensor) -> torch.Tensor:
+        """The hidden state the next draft step reads: the pre-norm output, or norm(out) with norm_output."""
+        return self.norm(hidden_out) if self.config.norm_output else hidden_out  # (B, T, H)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -351,7 +372,7 @@ class Eagle3Drafter(nn.Module):
         input_ids (B, T), hidden (B, T, H) (fused target features or the drafter's own previous
         output), position_ids (B, T); attn_mask bool (B, 1, T, S + T), True = attend (default:
         all of the cache plus causal among the new tokens).
-        Returns (hidden_out (B, T, H) pre-norm, logits (B, T, Vd)).
+        Returns (hidden for the next step (B, T, H): `feedback(out)`, logits (B, T, Vd)).
         """
         past = cache.length
         q, k, v = self.qkv(input_ids, hidden, position_ids)
@@ -360,15 +381,19 @@ class Eagle3Drafter(nn.Module):
         if attn_mask is None and T > 1:
             attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)[None, None]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.config.num_key_value_heads != self.config.num_attention_heads)
-        out = self.midlayer.finish(o, hidden)  # (B, T, H)
-        return out, self.logits(out)
+        out = self.midlayer.finish(o, hidden)  # (B, T, H) pre-norm
+        return self.feedback(out), self.logits(out)
 
 
-def export_keys() -> list[str]:
-    """The checkpoint keys SGLang's LlamaForCausalLMEagle3.load_weights maps onto parameters, plus d2t/t2d."""
+def export_keys(fc_norm: bool = False) -> list[str]:
+    """The checkpoint keys SGLang's LlamaForCausalLMEagle3.load_weights maps onto parameters, plus d2t/t2d.
+
+    fc_norm (EAGLE-3.1) adds `fc_norm.{0,1,2}.weight`, which SGLang loads into `model.fc_norm.{i}.weight`.
+    """
     mid = ["input_layernorm", "hidden_norm", "post_attention_layernorm"]
     return (
-        ["fc.weight"]
+        [f"fc_norm.{i}.weight" for i in range(3) if fc_norm]
+        + ["fc.weight"]
         + [f"midlayer.{n}.weight" for n in mid]
         + [f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"]
         + [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]

@@ -11,6 +11,7 @@ and the backward hands the merged output and log-sum-exp back to the flash backw
 Loss = Σ_k decay^k · mean over valid positions of CE(p, q), where p is the target's distribution
 restricted to the draft vocabulary and renormalised, and q the drafter's. A position is valid at
 step k when the predicted token t+2+k has loss_mask 1 and p has mass in the draft vocabulary.
+Instead of CE, `loss_kind` picks an acceptance-targeted loss of the overlap Σ min(p, q): tv, lk, lk_hybrid.
 """
 
 from __future__ import annotations
@@ -80,6 +81,35 @@ def shift(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
+class Documents:
+    """Packed rows (train/data.py): each row holds whole documents back to back, positions restarting at 0.
+
+    Attention stays inside a document (a block-diagonal causal mask, or varlen flash on CUDA), and a row
+    trains only on targets of its own document.
+    """
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions  # (B, T) long, 0 at each document's first token
+        B, T = positions.shape
+        starts = (positions.reshape(-1) == 0).nonzero()[:, 0]  # (D,) first rows of the documents in the flat (B*T) rows
+        self.cu_seqlens = torch.cat([starts, starts.new_tensor([B * T])]).to(torch.int32)  # (D+1,)
+        self.max_len = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+        self._mask = None
+
+    def same(self, n: int) -> torch.Tensor:
+        """(B, T) bool: row t + n lies in row t's document."""
+        return shift(self.positions, n) == self.positions + n
+
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, T) bool: query t may attend key s (same document, s <= t); built once per batch."""
+        if self._mask is None:
+            doc = (self.positions == 0).cumsum(-1)  # (B, T) document number within the row
+            T = doc.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+            self._mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+        return self._mask
+
+
 # --------------------------------------------------------------------------- fused head + CE
 
 
@@ -128,14 +158,85 @@ def head_cross_entropy(x, weight, ids, p, chunk: int | None = None):
     return _HeadCrossEntropy.apply(x, weight, ids, p, chunk)
 
 
+# --------------------------------------------------------------------------- acceptance-targeted losses
+
+LOSSES = ("ce", "tv", "lk", "lk_hybrid")
+LK_EPS = 1e-5  # alpha is clamped here in -log(alpha), as speculators does (no gradient below it)
+
+
+class _HeadOverlapLoss(torch.autograd.Function):
+    """Per-row losses of the overlap alpha = Σ_v min(p_v, q_v) = 1 - TV(p, q), the greedy-free acceptance rate.
+
+    q = softmax(x Wᵀ) over the draft vocab; p the target's distribution restricted to it, sparse ((N, K) ids and
+    probabilities) or dense (ids None, (N, Vd)). kind:
+      "tv":        1 - alpha
+      "lk":        -log(max(alpha, LK_EPS))   (speculators' neg_log_acceptance; = CE when p is one-hot)
+      "lk_hybrid": lam·KL(p‖q) + (1 - lam)·(1 - alpha), lam = exp(-eta·alpha) not differentiated
+                   (Samarin et al., "LK Losses", arXiv 2602.23881; speculators' lk_hybrid)
+    The gradient in the logits z: dalpha/dz_m = s_m - q_m·S with s_m = q_m·[q_m < p_m] (at the entries of p) and
+    S = Σ_m s_m; dKL/dz = q - p. As _HeadCrossEntropy: `chunk` rows at a time, d = dloss/dz kept in x's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, ids, p, chunk, kind, eta):
+        n = x.shape[0]
+        loss = torch.empty(n, dtype=torch.float32, device=x.device)
+        pred = torch.empty(n, dtype=torch.long, device=x.device)
+        d = torch.empty(n, weight.shape[0], dtype=x.dtype, device=x.device)  # (N, Vd)
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            logits = x[a:b] @ weight.t()  # (c, Vd)
+            pred[a:b] = logits.argmax(-1)
+            logq = torch.log_softmax(logits, -1, dtype=torch.float32)  # (c, Vd)
+            q = logq.exp()
+            pc = p[a:b].float()  # (c, K) or (c, Vd)
+            q_at = q.gather(1, ids[a:b]) if ids is not None else q  # q at p's entries
+            s = q_at * (q_at < pc)  # where min(p, q) = q
+            alpha = torch.minimum(pc, q_at).sum(-1)  # (c,)
+            g_alpha = q * -s.sum(-1, keepdim=True)  # dalpha/dz (c, Vd)
+            g_alpha = g_alpha.scatter_add_(1, ids[a:b], s) if ids is not None else g_alpha.add_(s)
+            if kind == "tv":
+                loss[a:b] = 1 - alpha
+                g = g_alpha.neg_()
+            elif kind == "lk":
+                loss[a:b] = -alpha.clamp(min=LK_EPS).log()
+                g = g_alpha.mul_(torch.where(alpha >= LK_EPS, -1 / alpha.clamp(min=LK_EPS), 0.0)[:, None])
+            else:  # lk_hybrid
+                logq_at = logq.gather(1, ids[a:b]) if ids is not None else logq
+                kl = (pc * (pc.clamp(min=1e-30).log() - logq_at)).sum(-1)  # Σ p log(p/q), 0·log 0 = 0
+                lam = torch.exp(-eta * alpha)[:, None]  # (c, 1)
+                loss[a:b] = lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha)
+                g_kl = q.scatter_add(1, ids[a:b], -pc) if ids is not None else q - pc  # q - p
+                g = lam * g_kl - (1 - lam) * g_alpha
+            d[a:b] = g
+        ctx.save_for_backward(x, weight, d)
+        ctx.mark_non_differentiable(pred)
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, g_loss, g_pred):
+        return *_HeadCrossEntropy.backward(ctx, g_loss, g_pred), None, None  # the same two GEMMs through d
+
+
+def head_loss(x, weight, ids, p, loss: str = "ce", eta: float = 3.0, chunk: int | None = None):
+    """(per-row loss (N,) float32, argmax draft id (N,)) for `loss` in LOSSES; ce is head_cross_entropy."""
+    if loss == "ce":
+        return head_cross_entropy(x, weight, ids, p, chunk)
+    if loss not in LOSSES:
+        raise ValueError(f"train.loss '{loss}' is not one of {', '.join(LOSSES)}")
+    chunk = chunk or HEAD_CHUNK or max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
+    return _HeadOverlapLoss.apply(x, weight, ids, p, chunk, loss, eta)
+
+
 # --------------------------------------------------------------------------- attention
 
 
-def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None = None) -> torch.Tensor:
     """log Σ_{s≤t} exp(scale · q_t·k_s), (B, nh, T) float32, with the exact gradient.
 
     The value is computed without grad in row chunks; the gradient (scale·E_p[k] for q, scale·p·q
-    for k) comes from one extra SDPA call with k as the values and detached scores.
+    for k) comes from one extra SDPA call with k as the values and detached scores. mask (B, 1, T, T)
+    bool (Documents.mask) replaces the causal mask.
     """
     B, nh, T, hd = q.shape
     rep = nh // k.shape[1]
@@ -147,16 +248,41 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
             b = min(a + LSE_CHUNK, T)
             s = (qg[..., a:b, :] @ kg[..., :b, :].transpose(-1, -2)) * scale  # (B, nkv, rep, c, b)
             rows = torch.arange(a, b, device=q.device)[:, None]
-            s = s.masked_fill(torch.arange(b, device=q.device)[None, :] > rows, float("-inf"))
+            if mask is None:
+                s = s.masked_fill(torch.arange(b, device=q.device)[None, :] > rows, float("-inf"))
+            else:
+                s = s.masked_fill(~mask[:, :, None, a:b, :b], float("-inf"))
             lse[..., a:b] = torch.logsumexp(s, dim=-1)
         lse = lse.view(B, nh, T)
-    u = F.scaled_dot_product_attention(q.detach(), k.detach(), k, is_causal=True, enable_gqa=rep > 1)  # (B, nh, T, hd)
+    u = F.scaled_dot_product_attention(q.detach(), k.detach(), k, attn_mask=mask, is_causal=mask is None, enable_gqa=rep > 1)  # (B, nh, T, hd)
     surrogate = scale * (q * u).float().sum(-1)  # (B, nh, T)
     return lse + surrogate - surrogate.detach()
 
 
-def _flash_forward(q, k, v, scale):
-    """Causal flash attention: (out (B, nh, T, hd), lse (B, nh, T) float32, what the backward op needs)."""
+def _varlen(x: torch.Tensor) -> torch.Tensor:
+    """(B, nh, T, hd) -> (B*T, nh, hd), the layout of varlen flash."""
+    B, nh, T, hd = x.shape
+    return x.transpose(1, 2).reshape(B * T, nh, hd)
+
+
+def _unvarlen(x: torch.Tensor, B: int) -> torch.Tensor:
+    """(B*T, nh, hd) -> (B, nh, T, hd), a view."""
+    return x.view(B, -1, *x.shape[1:]).transpose(1, 2)
+
+
+def _flash_forward(q, k, v, scale, docs: Documents | None = None):
+    """Causal flash attention: (out (B, nh, T, hd), lse (B, nh, T) float32, what the backward op needs).
+
+    With docs, causal within each document: varlen flash on CUDA, the document mask on the CPU."""
+    if docs is not None:
+        if q.is_cuda:
+            B, nh, T, _ = q.shape
+            cu, n = docs.cu_seqlens, docs.max_len
+            out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(_varlen(q), _varlen(k), _varlen(v), cu, cu, n, n, 0.0, True, False, scale=scale)
+            return _unvarlen(out, B), lse.view(nh, B, T).transpose(0, 1), (rng, unused)  # lse (nh, B*T) unpadded
+        bias = torch.zeros(docs.mask().shape, dtype=q.dtype, device=q.device).masked_fill_(~docs.mask(), float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse, (bias,)
     if q.is_cuda:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
         return r[0], r[1], r[2:8]  # cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
@@ -164,8 +290,16 @@ def _flash_forward(q, k, v, scale):
     return out, lse, ()
 
 
-def _flash_backward(g, q, k, v, out, lse, extra, scale):
+def _flash_backward(g, q, k, v, out, lse, extra, scale, docs: Documents | None = None):
     """(dq, dk, dv) of causal attention given its output and log-sum-exp (which may include keys beyond k)."""
+    if docs is not None:
+        if q.is_cuda:
+            B, nh, T, _ = q.shape
+            cu, n = docs.cu_seqlens, docs.max_len
+            lse = lse.transpose(0, 1).reshape(nh, B * T).contiguous()
+            grads = torch.ops.aten._flash_attention_backward(_varlen(g), _varlen(q), _varlen(k), _varlen(v), _varlen(out), lse, cu, cu, n, n, 0.0, True, *extra, scale=scale)
+            return tuple(_unvarlen(x, B) for x in grads)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, False, attn_mask=extra[0], scale=scale)
     if q.is_cuda:
         cq, ck, mq, mk, seed, offset = extra
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(g, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale)
@@ -189,19 +323,22 @@ class _FlashTTTAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k0, v0, *diag):
+    def forward(ctx, docs, q, k0, v0, *diag):
         n = len(diag) // 2
         diag_k, diag_v = diag[:n], diag[n:]
         scale = q.shape[-1] ** -0.5
-        out, lse_c, extra = _flash_forward(q, k0, v0, scale)  # (B, nh, T, hd), (B, nh, T)
+        out, lse_c, extra = _flash_forward(q, k0, v0, scale, docs)  # (B, nh, T, hd), (B, nh, T)
         lse_c = lse_c[..., : q.shape[2]]
-        s = torch.stack([(q * kj).sum(-1, dtype=torch.float32) * scale for kj in diag_k])  # (n, B, nh, T)
-        lse = torch.logaddexp(lse_c, torch.logsumexp(s, 0)).contiguous()  # (B, nh, T)
-        out.mul_((lse_c - lse).exp()[..., None])
+        if n:
+            s = torch.stack([(q * kj).sum(-1, dtype=torch.float32) * scale for kj in diag_k])  # (n, B, nh, T)
+            lse = torch.logaddexp(lse_c, torch.logsumexp(s, 0)).contiguous()  # (B, nh, T)
+            out.mul_((lse_c - lse).exp()[..., None])
+        else:  # step 0 of a packed batch: the document-causal part alone
+            s, lse = lse_c.new_empty(0), lse_c.contiguous()
         for sj, vj in zip(s, diag_v):
             out.addcmul_(vj, (sj - lse).exp()[..., None])
         ctx.save_for_backward(q, k0, v0, out, lse, s, *diag)
-        ctx.extra, ctx.scale, ctx.n = extra, scale, n
+        ctx.extra, ctx.scale, ctx.n, ctx.docs = extra, scale, n, docs
         return out
 
     @staticmethod
@@ -210,7 +347,7 @@ class _FlashTTTAttention(torch.autograd.Function):
         diag_k, diag_v = diag[: ctx.n], diag[ctx.n :]
         if g.stride(-1) != 1:
             g = g.contiguous()
-        dq, dk0, dv0 = _flash_backward(g, q, k0, v0, out, lse, ctx.extra, ctx.scale)
+        dq, dk0, dv0 = _flash_backward(g, q, k0, v0, out, lse, ctx.extra, ctx.scale, ctx.docs)
         D = (g * out).sum(-1, dtype=torch.float32)  # (B, nh, T)
         dks, dvs = [], []
         for sj, kj, vj in zip(s, diag_k, diag_v):
@@ -219,7 +356,7 @@ class _FlashTTTAttention(torch.autograd.Function):
             dq.addcmul_(kj, ds[..., None])
             dks.append(_weighted(q, ds))
             dvs.append(_weighted(g, pj))
-        return dq, dk0, dv0, *dks, *dvs
+        return None, dq, dk0, dv0, *dks, *dvs
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
@@ -232,23 +369,25 @@ def _heads(x: torch.Tensor, nh: int) -> torch.Tensor:
     return x.repeat_interleave(nh // x.shape[1], dim=1) if x.shape[1] != nh else x  # (B, nkv, T, hd) -> (B, nh, T, hd)
 
 
-def ttt_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
+def ttt_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], docs: Documents | None = None) -> torch.Tensor:
     """Attention of q (B, nh, T, hd) over causal step-0 keys k0/v0 (B, nkv, T, hd) plus, for row t,
-    the diagonal keys diag_k[j][:, :, t] (one per step 1..k). Returns (B, nh, T, hd)."""
-    if diag_k and _flash_ok(q):
+    the diagonal keys diag_k[j][:, :, t] (one per step 1..k). Returns (B, nh, T, hd).
+    With docs (packed rows) the step-0 keys are those of row t's own document only."""
+    if (diag_k or docs is not None) and _flash_ok(q):
         nh = q.shape[1]
-        return _FlashTTTAttention.apply(q, *(_heads(x, nh) for x in (k0, v0, *diag_k, *diag_v)))
-    return lse_attention(q, k0, v0, diag_k, diag_v)
+        return _FlashTTTAttention.apply(docs, q, *(_heads(x, nh) for x in (k0, v0, *diag_k, *diag_v)))
+    return lse_attention(q, k0, v0, diag_k, diag_v, docs)
 
 
-def lse_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
+def lse_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], docs: Documents | None = None) -> torch.Tensor:
     """ttt_attention through causal SDPA, merged with the diagonal keys by causal_lse (the "lse" path)."""
     nh = q.shape[1]
-    causal = F.scaled_dot_product_attention(q, k0, v0, is_causal=True, enable_gqa=nh != k0.shape[1])  # (B, nh, T, hd)
+    mask = docs.mask() if docs is not None else None  # (B, 1, T, T) or None: plain causal
+    causal = F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask, is_causal=mask is None, enable_gqa=nh != k0.shape[1])  # (B, nh, T, hd)
     if not diag_k:
         return causal
     scale = q.shape[-1] ** -0.5
-    lse = causal_lse(q, k0, scale)  # (B, nh, T)
+    lse = causal_lse(q, k0, scale, mask)  # (B, nh, T)
     d = torch.stack([scale * (q * _heads(kj, nh)).float().sum(-1) for kj in diag_k])  # (k, B, nh, T)
     m = torch.maximum(lse, d.max(0).values).detach()  # (B, nh, T)
     w_c, w_d = (lse - m).exp(), (d - m).exp()  # (B, nh, T), (k, B, nh, T)
@@ -285,23 +424,30 @@ def ttt_forward(
     steps: int = 7,
     decay: float = 0.8,
     target_head: torch.Tensor | None = None,
+    loss_kind: str = "ce",
+    lk_eta: float = 3.0,
 ) -> TTTOutput:
     """Unroll `steps` TTT steps over a collated batch (data/store.py's `collate`).
 
     target_head: the target's lm_head rows of the draft vocabulary (Vd, Ht), to take p from
     `last_hidden` (exact draft-vocab softmax) instead of the stored top-k.
+    loss_kind: the per-position loss, one of LOSSES (see head_loss); lk_eta is lk_hybrid's eta.
     """
     ids = batch["input_ids"].long()  # (B, T)
     B, T = ids.shape
     dtype = model.fc.weight.dtype
     dev = ids.device
     hidden = model.fuse(batch["aux_hidden"].to(dtype))  # (B, T, H); fc once
-    positions = torch.arange(T, device=dev).expand(B, T)
+    docs = Documents(batch["position_ids"]) if "position_ids" in batch else None  # packed rows (train/data.py)
+    positions = docs.positions if docs is not None else torch.arange(T, device=dev).expand(B, T)
     loss_mask = batch["loss_mask"].bool()  # (B, T)
     target_argmax, ids_all, p_all, has_mass = ttt_targets(model, batch, target_head)
 
     # the valid rows of every step at once: one host sync per batch instead of several per step
-    valid = torch.stack([shift(loss_mask, 2 + k) & shift(has_mass, 1 + k) for k in range(steps)]).view(steps, B * T)  # token t+2+k is trained on
+    valid = torch.stack([shift(loss_mask, 2 + k) & shift(has_mass, 1 + k) for k in range(steps)])  # (K, B, T) token t+2+k is trained on
+    if docs is not None:  # ... and lies in row t's document
+        valid &= torch.stack([docs.same(2 + k) for k in range(steps)])
+    valid = valid.view(steps, B * T)
     counts = valid.sum(1)  # (K,)
     rows = valid.nonzero()[:, 1].split(counts.tolist())  # K × (N_k,) flat row indices b*T + t, ascending
 
@@ -324,15 +470,15 @@ def ttt_forward(
         else:
             diag_k.append(kk)
             diag_v.append(vv)
-        out = model.midlayer.finish(ttt_attention(q, k0, v0, diag_k, diag_v), hidden)  # (B, T, H) pre-norm
+        out = model.midlayer.finish(ttt_attention(q, k0, v0, diag_k, diag_v, docs), hidden)  # (B, T, H) pre-norm
 
         r, ahead = rows[k], rows[k] + 1 + k  # (N,) valid rows; the rows holding their targets (t+1+k)
         xn = model.norm(flat(out).index_select(0, r))  # (N, H)
         p = p_flat.index_select(0, ahead)  # (N, K) or (N, Vd): the target distribution stored at t+1+k
         tid = ids_flat.index_select(0, ahead) if ids_flat is not None else None
-        ce, pred = model.lm_head(xn, partial(head_cross_entropy, ids=tid, p=p))  # (N,), (N,)
+        per_row, pred = model.lm_head(xn, partial(head_loss, ids=tid, p=p, loss=loss_kind, eta=lk_eta))  # (N,), (N,)
         n = counts[k]
-        step_loss = ce.sum() / n.clamp(min=1)
+        step_loss = per_row.sum() / n.clamp(min=1)
         loss = loss + decay**k * step_loss
 
         with torch.no_grad():
@@ -341,17 +487,19 @@ def ttt_forward(
             chain_valid = chain_ok & valid[k]
             stats[:, k] = torch.stack([step_loss.detach(), match.sum(), n, (chain_valid & match).sum(), chain_valid.sum()]).float()
             chain_ok = chain_valid & match
-        hidden = out
+        hidden = model.feedback(out)  # pre-norm out, or norm(out) with norm_output (EAGLE-3.1)
     return TTTOutput(loss, *stats)
 
 
 class TTTObjective(torch.nn.Module):
     """The drafter plus its TTT loss as one module, so that a distributed engine runs `forward(batch)`."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, target_head: torch.Tensor | None = None) -> None:
+    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, target_head: torch.Tensor | None = None, loss: str = "ce", lk_eta: float = 3.0) -> None:
         super().__init__()
-        self.drafter, self.steps, self.decay = drafter, steps, decay
+        if loss not in LOSSES:
+            raise ValueError(f"train.loss '{loss}' is not one of {', '.join(LOSSES)}")
+        self.drafter, self.steps, self.decay, self.loss, self.lk_eta = drafter, steps, decay, loss, lk_eta
         self.register_buffer("target_head", target_head, persistent=False)  # (Vd, Ht) or None
 
     def forward(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
-        return ttt_forward(self.drafter, batch, self.steps, self.decay, self.target_head)
+        return ttt_forward(self.drafter, batch, self.steps, self.decay, self.target_head, self.loss, self.lk_eta)
