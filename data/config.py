@@ -17,8 +17,11 @@ import argparse
 import dataclasses
 import os
 import subprocess
+import sys
+import traceback
 import types
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,8 +82,8 @@ class DrafterConfig:
 class SourceConfig:
     """One prompt source."""
 
-    kind: str = "sharegpt"  # sharegpt | mtbench | file
-    path: str | None = None  # for kind=file: a json, jsonl or parquet file
+    kind: str = "sharegpt"  # sharegpt | mtbench | file | tokens
+    path: str | None = None  # kind=file: a json, jsonl or parquet file; kind=tokens: a token store (RUN/tokens, data/regen.py)
     limit: int | None = None  # keep at most this many conversations from this source
     split: str = "auto"  # auto (held-out fraction applies) | train | heldout
 
@@ -91,6 +94,7 @@ class SGLangClientConfig:
 
     urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:30000"])
     concurrency: int = 4  # requests in flight per server
+    prompts_per_request: int = 8  # data/regen.py: prompts batched into one /generate call (a list of input_ids)
     timeout_s: float = 600.0
     retries: int = 3
     backoff_s: float = 1.0
@@ -119,6 +123,8 @@ class HarvestConfig:
     heldout_fraction: float = 0.05
     dedupe: bool = True
     shard_samples: int = 256  # samples per shard
+    argmax_tie_eps: float = 0.05  # T=0 check: a generated token whose log-prob is within this of the top-1's counts as the argmax (near-tie)
+    argmax_max_mismatch: float = 0.05  # T=0 check: refuse the harvest when more than this fraction of generated tokens are not the argmax
     sglang: SGLangClientConfig = field(default_factory=SGLangClientConfig)
 
 
@@ -150,6 +156,8 @@ class TrainConfig:
     target_source: str = "auto"  # auto (last_hidden when stored, else top-k) | topk | last_hidden
     compile: bool = False  # torch.compile the drafter's norms, q/k/v + rope and MLP (needs triton on CUDA)
     stop_after: int | None = None  # end this invocation after this many optimizer steps (a job time limit); resume continues
+    features: str = "offline"  # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
+    pack_tokens: int | None = None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
 
 
 @dataclass
@@ -188,6 +196,7 @@ class BenchConfig:
     baseline_url: str | None = None  # sglang: an already-running plain server
     speculative_url: str | None = None  # sglang: an already-running EAGLE3 server
     launch: bool = False  # sglang: start/stop the servers with launch/ recipes
+    calibration: str | None = None  # another run's bench/calibration.json: predict this run's tok/s from its offline tau
 
 
 @dataclass
@@ -248,7 +257,12 @@ def _strip_optional(tp: Any) -> Any:
 def _coerce(tp: Any, value: Any, where: str) -> Any:
     """Build `tp` from plain YAML data, rejecting unknown keys and wrong types."""
     if value is None:
-        return None
+        if dataclasses.is_dataclass(tp):
+            value = {}  # a section header with nothing under it: the defaults
+        elif tp is Any or _strip_optional(tp) is not tp:
+            return None
+        else:
+            raise ConfigError(f"{where}: a value is required (got nothing/null; only optional keys may be empty)")
     tp = _strip_optional(tp)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
@@ -308,7 +322,18 @@ def apply_override(data: dict, assignment: str) -> None:
         if not isinstance(node.get(p, {}), dict):
             raise ConfigError(f"override '{key}': '{p}' is not a section")
         node = node.setdefault(p, {})
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    node[parts[-1]] = _parse_yaml(raw, f"--set {assignment!r}") if raw.strip() else None
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    """yaml.safe_load, with a syntax error as a one-line ConfigError naming `where` and the line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}:{at}: YAML syntax error: {what}") from None
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
@@ -318,7 +343,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        data = yaml.safe_load(p.read_text()) or {}
+        try:
+            text = p.read_text()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        data = _parse_yaml(text, str(p)) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping")
     merged = to_dict(_coerce(Config, data, ""))
@@ -371,21 +400,42 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--config", required=True, help="YAML config file")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="dotted override, repeatable")
     ap.add_argument("--run-dir", required=True, help="the run folder (created if missing)")
+    ap.add_argument("--debug", action="store_true", help=f"show the traceback behind an error (or set {DEBUG_ENV}=1)")
     return ap
+
+
+DEBUG_ENV = "EAGLE3FT_DEBUG"
+USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+@contextmanager
+def cli_errors(prog: str, *more: type[BaseException]):
+    """An entry point's body: an error in the input (USER_ERRORS, plus `more`) exits 1 with one line
+    `<prog>: error: <message>`; the traceback follows only with --debug or EAGLE3FT_DEBUG=1."""
+    try:
+        yield
+    except USER_ERRORS + more as e:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            traceback.print_exc()
+        msg = " ".join(str(e).split("\n")) or type(e).__name__
+        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def parse_cli(description: str, stage: str, argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None, record: bool = True):
     """Parse the three shared options (plus any the stage's parser adds), load, save.
 
-    Returns (config, run_dir, namespace). A bad config exits with a one-line message. With
+    Returns (config, run_dir, namespace). A bad config exits 2 with a one-line message. With
     record=False the caller writes run_dir/config.yaml itself (save_resolved), e.g. on one rank only.
     """
     ap = parser or build_parser(description)
     args = ap.parse_args(argv)
+    if getattr(args, "debug", False):
+        os.environ[DEBUG_ENV] = "1"  # cli_errors and any subprocess see it
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        ap.exit(2, f"{ap.prog}: config error: {e}\n")
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     run_dir = Path(args.run_dir)
     if record:
         save_resolved(cfg, run_dir, stage)

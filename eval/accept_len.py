@@ -392,7 +392,10 @@ def run(cfg, run_dir: Path) -> AcceptReport:
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.data.config import parse_cli
 
-    cfg, run_dir, _ = parse_cli("Offline accept length of the drafter on held-out features.", stage="eval", argv=argv)
+    from eagle3ft.eval.preflight import check_or_exit
+
+    cfg, run_dir, args = parse_cli("Offline accept length of the drafter on held-out features.", stage="eval", argv=argv)
+    check_or_exit("accept_len.py", "eval", cfg, run_dir, args.config)
     print(format_report(run(cfg, run_dir)))
 
 

@@ -8,7 +8,8 @@ Runs alternate A B A B: per repetition the baseline pass over all prompts, then 
 `bench.settings` entry; `bench.repetitions` repetitions after one untimed warm-up. Writes
 RUN/bench/runs.jsonl (one line per request and pass), RUN/bench/summary.json (median and
 min-max tok/s per pass kind, tau, seconds per verify / draft forward / cycle, the measured cost
-model, the environment) and RUN/bench/economics.json (eval/economics.py on the summary).
+model, the environment), RUN/bench/economics.json (eval/economics.py on the summary) and
+RUN/bench/calibration.json (these costs, for predicting a later drafter's tok/s: bench.calibration).
 
 Backends sit behind a narrow interface, selected by `bench.backend`:
 
@@ -47,7 +48,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from eagle3ft.eval.economics import Setting, analyse, format_table, offline_tau_by_setting
+from eagle3ft.eval import economics
+from eagle3ft.eval.economics import Setting, format_table
 
 
 @dataclass
@@ -299,6 +301,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
             "verify_ms": 1e3 * _median(verify_s) if verify_s else None,
             "draft_forward_ms": 1e3 * _median(draft_s) if draft_s else None,
             "cycle_s": _median(cycle_s) if cycle_s else _median(per_pass),  # else: decode time / verifies, per pass
+            "cycle_s_per_pass": _median(per_pass),  # decode time / verifies: the mean cycle, what tok/s = tau / cycle holds for
             "outputs_match_baseline": sum(r.output_ids == baseline_outputs.get(r.prompt_index) for r in allr) / len(allr)
             if all(r.output_ids is not None for r in allr)
             else None,
@@ -384,8 +387,7 @@ def _run(cfg, run_dir: Path, backend: BenchBackend, log) -> dict:
         **summarize(runs, settings, curve),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    ec = analyse(summary, offline_tau_by_setting(run_dir / "eval" / "accept_len.json"))
-    (out / "economics.json").write_text(json.dumps(ec.to_dict(), indent=2))
+    ec, _ = economics.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
     log(format_table(ec))
     return summary
 
@@ -405,7 +407,10 @@ def format_summary(s: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.data.config import parse_cli
 
-    cfg, run_dir, _ = parse_cli("Live benchmark: plain against speculative decoding.", stage="bench", argv=argv)
+    from eagle3ft.eval.preflight import check_or_exit
+
+    cfg, run_dir, args = parse_cli("Live benchmark: plain against speculative decoding.", stage="bench", argv=argv)
+    check_or_exit("bench.py", "bench", cfg, run_dir, args.config)
     print(format_summary(run(cfg, run_dir)))
 
 

@@ -318,7 +318,10 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3ft.data.config import parse_cli
     from eagle3ft.eval import bench
 
-    cfg, run_dir, _ = parse_cli("Live benchmark on SGLang servers: batch 1 (eval/bench.py), then the concurrency levels.", stage="bench", argv=argv)
+    from eagle3ft.eval.preflight import check_or_exit
+
+    cfg, run_dir, args = parse_cli("Live benchmark on SGLang servers: batch 1 (eval/bench.py), then the concurrency levels.", stage="bench", argv=argv)
+    check_or_exit("bench_sglang.py", "bench", cfg, run_dir, args.config)
     if cfg.bench.backend != "sglang":
         raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
     backend = SGLangBackend(cfg, run_dir)

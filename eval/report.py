@@ -273,8 +273,10 @@ def markdown(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.data.config import parse_cli
+    from eagle3ft.eval.preflight import check_or_exit
 
-    _, run_dir, _ = parse_cli("Report: training, offline accept length, live benchmark.", stage="report", argv=argv)
+    cfg, run_dir, args = parse_cli("Report: training, offline accept length, live benchmark.", stage="report", argv=argv)
+    check_or_exit("report.py", "report", cfg, run_dir, args.config)
     rep = build(run_dir)
     print(f"report: {run_dir / 'eval' / 'report.md'}")
     print(headline_text(rep["headline"]))

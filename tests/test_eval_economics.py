@@ -1,8 +1,24 @@
-"""The economics worked example and the predicted-vs-measured join."""
+"""The economics worked example, the predicted-vs-measured join, out-of-reach tau, and calibration across runs."""
+
+import json
 
 import pytest
 
-from eagle3ft.eval.economics import CostModel, Setting, analyse, format_table
+from eagle3ft.eval.economics import (
+    CalibrationError,
+    CostModel,
+    Setting,
+    analyse,
+    calibration_from_summary,
+    format_table,
+    join,
+    load_calibration,
+    main,
+    max_tau,
+    predict,
+    reach,
+    reach_text,
+)
 
 S324 = Setting(steps=2, topk=1, num_draft_tokens=3)
 
@@ -49,3 +65,116 @@ def test_analyse_picks_best_and_reports_predictions():
     # an offline tau for a setting never benchmarked is priced with the interpolated verify cost
     (off,) = [r for r in analyse(summary, {"4/1/5": 3.0}).offline_predictions]
     assert off["cycle_ms"] == pytest.approx(4 * 2 + 16.5) and off["predicted_tok_s"] == pytest.approx(3.0 / 0.0245)
+
+
+# --------------------------------------------------------------------------- out of reach
+
+
+def test_tau_out_of_reach_names_the_setting_that_would_be_needed():
+    cm = CostModel(baseline_s_per_token=1 / 82, verify_s={3: 0.029})
+    r = reach(cm, 150, S324)
+    # 150 tok/s needs tau 4.35 at 2/1/3, but a 2/1/3 cycle emits at most 3 tokens
+    assert round(r["tau_needed"], 2) == 4.35 and r["max_tau"] == 3 and not r["reachable"]
+    # deeper chains cost the same 29 ms here (verify flat beyond 3 tokens): 4/1/5 is the first whose max (5) covers 4.35
+    assert r["needed_setting"] == "4/1/5" and r["extrapolated"]
+    text = reach_text(r)
+    assert "out of reach" in text and "at most 3" in text and "4/1/5" in text and "extrapolated" in text
+    ok = reach(cm, 82, S324)  # break-even: tau 2.38 fits under 3
+    assert ok["reachable"] and ok["speedup"] == pytest.approx(1.0) and "within its maximum 3" in reach_text(ok)
+    assert max_tau(Setting(3, 1, 4)) == 4 and max_tau(Setting(5, 4, 3)) == 3  # a tree verifies num_draft_tokens - 1 drafts
+
+
+def test_reach_says_when_no_chain_can_reach():
+    cm = CostModel(baseline_s_per_token=0.01, verify_s={2: 0.01, 9: 0.1}, draft_forward_s=0.01)
+    r = reach(cm, 1000, S324)
+    assert not r["reachable"] and r["needed_setting"] is None and "no chain up to 8/1/9" in reach_text(r)
+
+
+# --------------------------------------------------------------------------- calibration: predict, then compare
+
+
+def _summary(base_s_per_token: float, rows: list[tuple[str, float, float, float]], backend="embedded", device="cpu: X") -> dict:
+    """rows: (key, tau live, tok/s median, mean cycle s)."""
+    spec = []
+    for key, tau, tok_s, cycle in rows:
+        st, tk, n = map(int, key.split("/"))
+        spec.append({"setting": {"steps": st, "topk": tk, "num_draft_tokens": n}, "key": key, "tau": tau, "tok_s_median": tok_s,
+                     "speedup_median": tok_s * base_s_per_token, "cycle_s": cycle * 0.9, "cycle_s_per_pass": cycle})
+    return {
+        "backend": backend, "environment": {"device": device, "torch": "2.11"}, "max_new_tokens": 64,
+        "prompts": {"source": {"kind": "mtbench", "limit": 8}, "count": 8},
+        "baseline": {"tok_s_median": 1 / base_s_per_token},
+        "costs": {"baseline_s_per_token": base_s_per_token, "verify_s": {"3": 0.012, "4": 0.013}, "draft_forward_s": 0.002, "overhead_s": 0.0},
+        "speculative": spec,
+    }  # fmt: skip
+
+
+def test_calibration_predicts_a_later_run_from_offline_tau_alone(tmp_path):
+    # run A (any drafter): mean cycles 16 ms at 2/1/3 and 20 ms at 3/1/4, plain decoding 10 ms/token
+    a = _summary(0.010, [("2/1/3", 1.5, 1.5 / 0.016, 0.016), ("3/1/4", 1.6, 1.6 / 0.020, 0.020)])
+    cal_path = tmp_path / "a" / "bench" / "calibration.json"
+    cal_path.parent.mkdir(parents=True)
+    cal_path.write_text(json.dumps(calibration_from_summary(a, "runs/a", target="smol")))
+    cal = load_calibration(cal_path)
+    assert cal["settings"]["3/1/4"]["cycle_s"] == 0.020  # the mean cycle, not the per-cycle median (0.018)
+
+    # run B (a better drafter): offline tau only, no benchmark yet
+    offline = {"1/1/2": 1.8, "3/1/4": 2.6}
+    pred = predict(cal, offline)
+    by = {r["setting"]: r for r in pred["rows"]}
+    assert by["3/1/4"]["predicted_tok_s"] == pytest.approx(2.6 / 0.020) and by["3/1/4"]["cycle_basis"] == "measured"
+    assert by["3/1/4"]["predicted_speedup"] == pytest.approx(1.3) and by["3/1/4"]["break_even_tau"] == pytest.approx(2.0)
+    # 1/1/2 never ran in A: priced with A's cost model, 1 draft forward + the verify of 2 (flat below 3: 12 ms)
+    assert by["1/1/2"]["cycle_basis"] == "cost model" and by["1/1/2"]["cycle_ms"] == pytest.approx(14.0)
+
+    # B's benchmark arrives: 125 tok/s measured at 3/1/4 with live tau 2.55
+    b = _summary(0.0105, [("3/1/4", 2.55, 125.0, 0.0204)], device="cpu: Y")
+    j = join(pred, b, target="smol")
+    r = {x["setting"]: x for x in j["rows"]}["3/1/4"]
+    assert r["measured_tok_s"] == 125.0 and r["error_pct"] == pytest.approx(100 * (130 - 125) / 125)
+    assert r["predicted_tok_s_live_tau"] == pytest.approx(2.55 / 0.020) and r["error_pct_live_tau"] == pytest.approx(100 * (127.5 - 125) / 125)
+    assert r["speedup_error_pct"] == pytest.approx(100 * (1.3 - 125 * 0.0105) / (125 * 0.0105))
+    assert "measured_tok_s" not in {x["setting"]: x for x in j["rows"]}["1/1/2"]
+    assert j["warnings"] == ["device differs: calibration 'cpu: X', this run 'cpu: Y'"]
+
+    ec = analyse(b, offline, cal, target="smol")
+    assert ec.calibrated["rows"] == j["rows"] and "error +4.0%" in format_table(ec)
+
+
+def test_load_calibration_names_the_file(tmp_path):
+    with pytest.raises(CalibrationError, match="nope.json: no such calibration file"):
+        load_calibration(tmp_path / "nope.json")
+    bad = tmp_path / "summary.json"
+    bad.write_text(json.dumps({"costs": {}}))
+    with pytest.raises(CalibrationError, match="summary.json: not a schema-1 calibration file"):
+        load_calibration(bad)
+    broken = tmp_path / "cut.json"
+    broken.write_text('{"schema": 1, "cos')
+    with pytest.raises(CalibrationError, match="cut.json: not a calibration file"):
+        load_calibration(broken)
+
+
+def test_economics_entry_point_predicts_before_the_bench_and_compares_after(tmp_path, capsys):
+    a = _summary(0.010, [("3/1/4", 1.6, 80.0, 0.020)])
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    (run_a / "bench").mkdir(parents=True)
+    (run_a / "bench" / "summary.json").write_text(json.dumps(a))
+    main(["--config", "configs/tiny.yaml", "--run-dir", str(run_a), "--tok-s", "400"])
+    out = capsys.readouterr().out
+    assert "400.0 tok/s (x4.00) needs tau 7.60 at 3/1/4: out of reach" in out  # cost model: 3 x 2 + 13 ms
+    assert (run_a / "bench" / "calibration.json").is_file()
+
+    (run_b / "eval").mkdir(parents=True)
+    (run_b / "eval" / "accept_len.json").write_text(json.dumps({"settings": {"3/1/4": {"tau": 2.4}}}))
+    cal = ["--set", f"bench.calibration={run_a / 'bench' / 'calibration.json'}"]
+    main(["--config", "configs/tiny.yaml", "--run-dir", str(run_b), *cal])
+    assert "-> 120.0 tok/s (x1.20)" in capsys.readouterr().out
+    pred = json.loads((run_b / "bench" / "prediction.json").read_text())
+    assert pred["made_before_bench"] and pred["rows"][0]["predicted_tok_s"] == pytest.approx(120.0)
+
+    (run_b / "bench" / "summary.json").write_text(json.dumps(_summary(0.010, [("3/1/4", 2.3, 110.0, 0.021)])))
+    main(["--config", "configs/tiny.yaml", "--run-dir", str(run_b), *cal])
+    assert "measured 110.0 (x1.10), error +9.1%" in capsys.readouterr().out
+    econ = json.loads((run_b / "bench" / "economics.json").read_text())
+    assert econ["calibrated"]["rows"][0]["error_pct"] == pytest.approx(100 * 10 / 110)
+    assert json.loads((run_b / "bench" / "prediction.json").read_text())["made_before_bench"]  # still the one made before

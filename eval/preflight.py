@@ -1,0 +1,95 @@
+"""What an eval or bench stage checks before it loads anything: are its inputs in the run folder?
+
+`check(stage, cfg, run_dir, config)` returns None or one line: what is missing and the command that
+makes it. `check_or_exit` prints that line as `<prog>: error: ...` and exits 2, before the target
+is loaded. What each stage needs:
+
+    eval       the drafter (eval.checkpoint, default RUN/export) and RUN/features
+    bench      the drafter (and the bench.calibration file when set)
+    economics  RUN/bench/summary.json, or with bench.calibration (a file) RUN/eval/accept_len.json
+    report     something to report: train/metrics.jsonl, eval/accept_len.json or bench/summary.json
+
+Economics and report check what they read, not RUN/export: they also serve folders that hold only a
+benchmark's results (a bench run with eval.checkpoint elsewhere).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+DRAFTER_FILES = ("config.json", "model.safetensors")
+STAGES = ("eval", "bench", "economics", "report")
+
+
+def _cmd(parts: list[str]) -> str:
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def train_command(config: str, run_dir: Path) -> str:
+    return "accelerate launch --config_file configs/accelerate/<cpu-2proc|1gpu|8gpu>.yaml " + _cmd(
+        ["train/finetune.py", "--config", str(config), "--run-dir", str(run_dir), "--resume", "auto"]
+    )
+
+
+def stage_command(script: str, config: str, run_dir: Path) -> str:
+    return _cmd(["python", script, "--config", str(config), "--run-dir", str(run_dir)])
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    found = [p.name for p in (run_dir / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+", p.name)]
+    return sorted(found, key=lambda n: int(n.split("-")[1]))
+
+
+def missing_drafter(checkpoint: Path, run_dir: Path, config: str) -> str | None:
+    """The drafter folder must hold config.json and model.safetensors."""
+    lacking = [f for f in DRAFTER_FILES if not (checkpoint / f).is_file()]
+    if not lacking:
+        return None
+    what = f"no drafter at {checkpoint}" if not checkpoint.exists() else f"{checkpoint} has no {' and no '.join(lacking)}"
+    if checkpoint != run_dir / "export":
+        return f"{what} (eval.checkpoint): point --set eval.checkpoint=DIR at an exported drafter folder"
+    ckpts = _checkpoints(run_dir)
+    state = f"training stopped at ckpt/{ckpts[-1]} before the export; resume it" if ckpts else "train one"
+    return f"{what}: {state}: {train_command(config, run_dir)}"
+
+
+def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
+    """None when `stage` has its inputs in `run_dir`, else one line naming what is missing and how to make it."""
+    from eagle3ft.data.config import resolve_path
+
+    if stage not in STAGES:
+        raise ValueError(f"preflight stage {stage!r}: expected one of {STAGES}")
+    run_dir = Path(run_dir)
+    drafter = lambda: missing_drafter(resolve_path(cfg.eval.checkpoint, base=run_dir), run_dir, config)  # noqa: E731
+    features = run_dir / "features" / "manifest.json"
+    offline = run_dir / "eval" / "accept_len.json"
+    summary = run_dir / "bench" / "summary.json"
+    metrics = run_dir / "train" / "metrics.jsonl"
+    if stage == "eval":
+        if not features.is_file():
+            return f"no {features}: harvest first: {stage_command('data/harvest.py', config, run_dir)}"
+        return drafter()
+    calibration = resolve_path(cfg.bench.calibration) if cfg.bench.calibration else None
+    if stage in ("bench", "economics") and calibration and not calibration.is_file():
+        return f"no calibration file {calibration} (bench.calibration): every eval/bench.py run writes RUN/bench/calibration.json"
+    if stage == "bench":
+        return drafter()
+    if stage == "economics":
+        if summary.is_file() or (cfg.bench.calibration and offline.is_file()):
+            return None
+        need, script = (offline, "eval/accept_len.py") if cfg.bench.calibration else (summary, "eval/bench.py")
+        return drafter() or f"no {need}: run {stage_command(script, config, run_dir)}"
+    if metrics.is_file() or offline.is_file() or summary.is_file():
+        return None
+    return drafter() or f"nothing to report in {run_dir} (no {offline}, no {summary}): run {stage_command('eval/accept_len.py', config, run_dir)}"
+
+
+def check_or_exit(prog: str, stage: str, cfg, run_dir: Path, config: str) -> None:
+    """Exit 2 with `<prog>: error: <what is missing>: <command>` when `stage` lacks an input."""
+    problem = check(stage, cfg, run_dir, config)
+    if problem:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)

@@ -1,0 +1,85 @@
+"""An eval or bench stage on a run folder without its inputs stops at once, before loading the target, with one
+line that names what is missing and the command that makes it."""
+
+import pytest
+
+from eagle3ft.data.targets import hf
+from eagle3ft.eval import accept_len, bench, bench_sglang, economics, report
+
+CONFIG = "configs/tiny.yaml"
+
+
+@pytest.fixture(autouse=True)
+def no_target(monkeypatch):
+    """Loading the target (or its tokenizer) is what the preflight must come before."""
+
+    def refuse(*a, **k):
+        raise AssertionError("the target was loaded before the preflight")
+
+    for name in ("load_target", "load_input_embedding", "load_tokenizer"):
+        monkeypatch.setattr(hf, name, refuse)
+
+
+def _stop(main, run, capsys, *sets: str) -> str:
+    argv = ["--config", CONFIG, "--run-dir", str(run)] + [a for s in sets for a in ("--set", s)]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def _touch(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{}")
+
+
+def test_offline_eval_needs_features_then_a_drafter(tmp_path, capsys):
+    run = tmp_path / "run"
+    err = _stop(accept_len.main, run, capsys)
+    assert err.startswith("accept_len.py: error: no ") and "features/manifest.json: harvest first: python data/harvest.py" in err
+    _touch(run / "features" / "manifest.json")
+    err = _stop(accept_len.main, run, capsys)
+    assert f"no drafter at {run / 'export'}: train one: accelerate launch" in err
+    assert f"train/finetune.py --config {CONFIG} --run-dir {run} --resume auto" in err
+
+
+def test_a_run_cut_short_before_the_export_is_told_to_resume(tmp_path, capsys):
+    run = tmp_path / "run"
+    _touch(run / "features" / "manifest.json")
+    for n in (4, 12, 8):
+        (run / "ckpt" / f"step-{n}").mkdir(parents=True)
+    assert "training stopped at ckpt/step-12 before the export; resume it: accelerate launch" in _stop(accept_len.main, run, capsys)
+    _touch(run / "export" / "config.json")  # an export cut short
+    assert f"{run / 'export'} has no model.safetensors" in _stop(accept_len.main, run, capsys)
+
+
+@pytest.mark.parametrize("main", [bench.main, bench_sglang.main], ids=["bench", "bench_sglang"])
+def test_bench_needs_a_drafter(tmp_path, capsys, main):
+    run = tmp_path / "run"
+    assert "no drafter at" in _stop(main, run, capsys) and "train/finetune.py" in _stop(main, run, capsys)
+    elsewhere = tmp_path / "nowhere"
+    err = _stop(main, run, capsys, f"eval.checkpoint={elsewhere}")
+    assert f"no drafter at {elsewhere} (eval.checkpoint): point --set eval.checkpoint=DIR" in err
+
+
+def test_bench_checks_the_calibration_file_before_it_starts(tmp_path, capsys):
+    run = tmp_path / "run"
+    _touch(run / "export" / "config.json")
+    _touch(run / "export" / "model.safetensors")
+    err = _stop(bench.main, run, capsys, f"bench.calibration={tmp_path / 'cal.json'}")
+    assert f"no calibration file {tmp_path / 'cal.json'} (bench.calibration)" in err
+
+
+def test_economics_and_report_name_the_stage_that_makes_their_input(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert "no drafter at" in _stop(economics.main, run, capsys)
+    assert "no drafter at" in _stop(report.main, run, capsys)
+    _touch(run / "export" / "config.json")
+    _touch(run / "export" / "model.safetensors")
+    assert f"bench/summary.json: run python eval/bench.py --config {CONFIG} --run-dir {run}" in _stop(economics.main, run, capsys)
+    assert "nothing to report" in _stop(report.main, run, capsys) and "eval/accept_len.py" in _stop(report.main, run, capsys)
+    _touch(tmp_path / "cal.json")
+    err = _stop(economics.main, run, capsys, f"bench.calibration={tmp_path / 'cal.json'}")
+    assert "eval/accept_len.json: run python eval/accept_len.py" in err
