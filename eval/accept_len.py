@@ -372,31 +372,38 @@ def format_report(rep: AcceptReport) -> str:
 def run(cfg, run_dir: Path) -> AcceptReport:
     """Load the exported drafter and the held-out features of `run_dir`, evaluate, write eval/accept_len.json."""
     from eagle3ft.data.config import resolve_path
-    from eagle3ft.data.store import FeatureStore
+    from eagle3ft.data.drafter_spec import check_drafter_folder
+    from eagle3ft.data.store import MANIFEST, FeatureStore
     from eagle3ft.data.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.checkpoint import load_drafter
 
     ec = cfg.eval
     ckpt = resolve_path(ec.checkpoint, base=run_dir)
+    store = FeatureStore(run_dir / "features")
+    check_drafter_folder(ckpt, store.target, "eval.checkpoint", str(store.dir / MANIFEST))  # before any compute
     device = pick_device(cfg.target)
     drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
-    ds = FeatureStore(run_dir / "features").dataset("heldout")
+    ds = store.dataset("heldout")
     n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
     rep = evaluate(drafter, (ds[i] for i in range(n)), ec.steps, ec.topk, ec.num_draft_tokens, ec.temperature, device)
     out = run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accept_len.json").write_text(json.dumps({**rep.to_dict(), "checkpoint": str(ckpt)}, indent=2))
+    held_out = [asdict(s) for s in cfg.harvest.sources if s.split in ("heldout", "auto")]  # where the held-out split came from
+    data = {"features": str(run_dir / "features"), "split": "heldout", "samples_in_split": len(ds), "sources": held_out, "heldout_fraction": cfg.harvest.heldout_fraction}
+    (out / "accept_len.json").write_text(json.dumps({**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2))
     return rep
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import parse_cli
+    from eagle3ft.data.config import cli_errors, parse_cli
+    from eagle3ft.data.store import StoreError
 
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli("Offline accept length of the drafter on held-out features.", stage="eval", argv=argv)
     check_or_exit("accept_len.py", "eval", cfg, run_dir, args.config)
-    print(format_report(run(cfg, run_dir)))
+    with cli_errors("accept_len.py", StoreError):
+        print(format_report(run(cfg, run_dir)))
 
 
 if __name__ == "__main__":
