@@ -111,6 +111,24 @@ class ChatFormat:
                 mask[t] = 1
         return ids, mask
 
+    def next_turn_ids(self, messages: list[dict]) -> list[int]:
+        """Ids that follow an assistant turn's end-of-turn token when the user speaks next.
+
+        `messages` ends with [..., assistant, user]. Returns the template's text after that
+        assistant turn's end-of-turn token, the user turn and the generation prompt, tokenized
+        alone, so a regenerated conversation keeps the target's own answer ids as they were
+        generated (no detokenize/retokenize round trip).
+        """
+        if len(messages) < 2 or messages[-1]["role"] != "user" or messages[-2]["role"] != "assistant":
+            raise ChatTemplateError("next_turn_ids needs messages ending with an assistant turn, then a user turn")
+        head = self.render(messages[:-1])
+        full = self.render(messages, add_generation_prompt=True)
+        cut = head.rfind(self.end_of_turn)
+        if cut < 0 or not full.startswith(head):
+            raise ChatTemplateError(f"template {self.template!r} does not render conversations prefix by prefix")
+        tail = full[cut + len(self.end_of_turn) :]
+        return list(self.tokenizer(tail, add_special_tokens=False)["input_ids"])
+
     def decode(self, ids: list[int]) -> str:
         """Text of generated ids without the stop token(s)."""
         return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=False)

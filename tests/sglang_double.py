@@ -40,6 +40,9 @@ sources (http_server.py, tokenizer_manager.py, scheduler output processing):
   only when cum_spec_accept_count > 0 and the real server had none before its first request)
   and ``version``. Where 0.5.23's answers are unrecorded, the 0.5.23 double answers as 0.5.17.
   ``GET /health``, ``/health_generate``, ``/get_model_info``; ``/flush_cache``.
+- A batch (``input_ids`` a list of id lists, or ``text`` a list; ``sampling_params`` one dict or one
+  per prompt, as SGLang's GenerateReqInput takes them) -> a JSON list of those answers, in order.
+  A server started with ``--skip-tokenizer-init`` leaves out ``text``.
 - Errors: ``{"object": "error", "message", "type", "param", "code"}`` with 400.
 
 - ``"stream": true``: server-sent events ``data: {json}`` per decode step (per verify cycle on a
@@ -140,6 +143,20 @@ class DoubleEngine:
         g = SpeculativeDecoder(self.model, self.drafter, self.aux_layer_ids, steps, temperature, stops, gen).generate(ids, max_new)
         return g.tokens, g
 
+    def generate_batch(self, req: dict) -> list[tuple[dict, list[tuple[float, int]]]]:
+        """A batched /generate: one answer per prompt, in order; `sampling_params` one dict for all or one per prompt."""
+        if req.get("stream"):
+            raise BadRequest("the double does not mirror streamed batches")
+        prompts = req.get("input_ids") if req.get("input_ids") is not None else req.get("text")
+        sps = req.get("sampling_params")
+        if isinstance(sps, list) and len(sps) != len(prompts):
+            raise BadRequest(f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
+        key = "input_ids" if req.get("input_ids") is not None else "text"
+        per = [{**req, key: p, "sampling_params": sps[i] if isinstance(sps, list) else sps} for i, p in enumerate(prompts)]
+        if key == "input_ids":
+            per = [{k: v for k, v in r.items() if k != "text"} for r in per]
+        return [self.generate(r) for r in per]
+
     @torch.no_grad()
     def generate(self, req: dict) -> tuple[dict, list[tuple[float, int]]]:
         """(the answer, its stream timeline): chunks of (seconds after the previous chunk, new tokens),
@@ -238,6 +255,12 @@ class BadRequest(ValueError):
     pass
 
 
+def _is_batch(req: dict) -> bool:
+    """SGLang's GenerateReqInput: a list of id lists (or of texts) is a batch, answered with a list."""
+    ids, text = req.get("input_ids"), req.get("text")
+    return (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)) or isinstance(text, list)
+
+
 class SGLangDouble:
     """The HTTP side: a ThreadingHTTPServer on 127.0.0.1, ephemeral port unless given."""
 
@@ -249,6 +272,7 @@ class SGLangDouble:
         self.faults: deque[str] = deque()  # consumed one per /generate: "500", "timeout", "close", "truncate"
         self.fault_sleep_s = 3.0
         self.requests = 0
+        self.dead = False  # kill(): every later request, on any connection, is dropped
         self.busy = 0  # /generate calls in flight
         self.busy_lock = threading.Lock()
         args = {
@@ -323,6 +347,10 @@ class SGLangDouble:
                     self._json(404, {"detail": "Not Found"})
 
             def do_POST(self):
+                if double.dead:  # a killed server: kept-alive connections drop too
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
                 path = self.path.split("?")[0]
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if path == "/flush_cache":
@@ -350,9 +378,15 @@ class SGLangDouble:
                     return
                 req = json.loads(body)
                 try:
-                    out, timeline = double.engine.generate(req)
+                    if _is_batch(req):
+                        out, timeline = [o for o, _ in double.engine.generate_batch(req)], []
+                    else:
+                        out, timeline = double.engine.generate(req)
                 except BadRequest as e:
                     return self._error(400, str(e))
+                if double.server_args.get("skip_tokenizer_init"):
+                    for o in out if isinstance(out, list) else [out]:
+                        o.pop("text", None)
                 if req.get("stream"):
                     return self._stream(out, timeline)
                 data = json.dumps(out, separators=(",", ":")).encode()
@@ -407,6 +441,11 @@ class SGLangDouble:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
+    def kill(self) -> None:
+        """As a killed server process: no new connections, and open keep-alive connections drop."""
+        self.dead = True
+        self.stop()
+
     def __enter__(self) -> "SGLangDouble":
         return self.start()
 
@@ -439,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=4)
     ap.add_argument("--enable-return-aux-hidden-states", action="store_true")
     ap.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+")
+    ap.add_argument("--skip-tokenizer-init", action="store_true")
     ap.add_argument("--log-level")
     args = ap.parse_args(argv)
     if args.host not in ("127.0.0.1", "localhost"):
@@ -460,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
 
         drafter = load_drafter(args.speculative_draft_model_path, load_input_embedding(cfg.target)).eval()
     engine = DoubleEngine(model, tok, args.return_aux_hidden_state_layer_ids, drafter, args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
-    names = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path, "tp_size": args.tp_size, "speculative_draft_model_path": args.speculative_draft_model_path, "enable_return_hidden_states": args.enable_return_hidden_states}
+    names = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path, "tp_size": args.tp_size, "speculative_draft_model_path": args.speculative_draft_model_path, "enable_return_hidden_states": args.enable_return_hidden_states, "skip_tokenizer_init": args.skip_tokenizer_init}
     double = SGLangDouble(engine, args.double_version, names, port=args.port)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=double.httpd.shutdown, daemon=True).start())
     print(f"double serving {double.url} (SGLang {args.double_version})", flush=True)

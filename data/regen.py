@@ -1,0 +1,417 @@
+"""Regeneration: prompts -> the target writes every assistant turn -> the token store ``RUN/tokens/``.
+
+    python data/regen.py --config CFG --run-dir RUN
+
+The conversations (``harvest.sources``) are put in a fixed order and cut into
+chunks of ``harvest.shard_samples`` per split; a chunk is committed whole as one
+shard of data/tokens.py once all its conversations are done. Rerunning the same
+command skips the committed chunks, so a killed run resumes, losing and
+duplicating nothing.
+
+Each assistant turn is generated in order: turn k's prompt is turn k-1's prompt,
+the target's own answer ids (end-of-turn token included), then the template's
+ids for the next user turn (``ChatFormat.next_turn_ids``); no text round trip.
+An answer cut by ``max_new_tokens`` / ``max_total_tokens`` ends its conversation
+there (it is kept, counted as unfinished). Loss mask: 1 on generated ids.
+
+Backends (``harvest.backend``):
+
+- ``sglang``: plain SGLang servers at ``harvest.sglang.urls`` (no hidden states needed;
+  ``--skip-tokenizer-init`` works too). ``concurrency`` requests in flight per server,
+  each a ``/generate`` call with ``prompts_per_request`` prompts as a list of
+  ``input_ids``. Conversations move independently: a finished turn queues the next.
+  Failed calls are retried with backoff (``retries``, ``backoff_s``); then the run
+  stops with one line naming the server, keeping every committed chunk.
+- ``hf``: the embedded transformers target (data/targets/hf.py) in batches of
+  ``harvest.batch_size``, for CPUs and tests.
+
+A summary (answer tokens, wall time, answer tokens/s, per-split counts) goes to
+stdout and ``RUN/tokens/summary.json``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads slow a busy CPU; before torch loads
+
+import hashlib
+import json
+import queue
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.config import Config, parse_cli, to_dict
+from eagle3ft.data.harvest import check_harvest_config, request_seed, sample_id
+from eagle3ft.data.prompts import Conversation, check_source, collect
+from eagle3ft.data.store import SPLITS, StoreError
+from eagle3ft.data.targets.base import Request, Sampling
+from eagle3ft.data.targets.hf import load_tokenizer
+from eagle3ft.data.tokens import TokenSample, TokenWriter
+
+TOKENS_DIR = "tokens"
+
+
+class RegenError(RuntimeError):
+    """A regeneration that cannot go on (a server failed for good, a bad answer)."""
+
+
+# --------------------------------------------------------------------------- generation backends
+
+
+@dataclass
+class Gen:
+    """One turn to generate."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    seed: int
+
+
+@dataclass
+class Answer:
+    ids: list[int]  # generated ids, the stop token included when generation stopped on one
+    finished: bool  # stopped on a stop token (not cut by the budget)
+
+
+class SGLangBackend:
+    """Plain SGLang servers; `generate(slot, batch)` is one batched /generate call to the slot's server."""
+
+    def __init__(self, client_cfg, sampling: Sampling, stop_ids: list[int]):
+        from eagle3ft.data.targets.sglang import HTTPPolicy, server_info
+
+        if not client_cfg.urls:
+            raise RegenError("harvest.sglang.urls is empty")
+        if client_cfg.concurrency <= 0 or client_cfg.prompts_per_request <= 0:
+            raise ValueError("harvest.sglang.concurrency and prompts_per_request must be positive")
+        self.urls = [u.rstrip("/") for u in client_cfg.urls]
+        self.policy = HTTPPolicy.of(client_cfg)
+        for u in self.urls:  # a clear error before any work when a server is not there
+            server_info(u, HTTPPolicy(timeout_s=min(30.0, self.policy.timeout_s), retries=self.policy.retries, backoff_s=self.policy.backoff_s))
+        self.slots = [u for u in self.urls for _ in range(client_cfg.concurrency)]
+        self.batch = client_cfg.prompts_per_request
+        self.sampling, self.stop_ids = sampling, [int(i) for i in stop_ids]
+        self.trimmed = 0  # answers whose output_ids carried more ids than completion_tokens (see _answer)
+        self._lock = threading.Lock()
+
+    def describe(self) -> dict:
+        return {"backend": "sglang", "servers": self.urls, "requests_in_flight_per_server": len(self.slots) // len(self.urls), "prompts_per_request": self.batch}
+
+    def _params(self, g: Gen) -> dict:
+        sp = {"max_new_tokens": int(g.max_new_tokens), "temperature": float(self.sampling.temperature), "top_p": float(self.sampling.top_p), "stop_token_ids": self.stop_ids}
+        if self.sampling.temperature > 0:
+            sp["sampling_seed"] = int(g.seed)
+        return sp
+
+    def _answer(self, out: dict, g: Gen, where: str) -> Answer:
+        ids = out.get("output_ids") if isinstance(out, dict) else None
+        if ids is None:
+            raise RegenError(f"{where}: an answer has no output_ids: {str(out)[:200]}")
+        meta = out.get("meta_info") or {}
+        ids = [int(t) for t in ids]
+        n = meta.get("completion_tokens")
+        if isinstance(n, int) and len(ids) > n:  # some releases put detokenizer context before the answer (sglang#17240)
+            ids = ids[len(ids) - n :]
+            with self._lock:
+                self.trimmed += 1
+        reason = meta.get("finish_reason") or {}
+        kind = reason.get("type") if isinstance(reason, dict) else None
+        if kind == "abort":
+            raise RegenError(f"{where}: the server aborted a request: {reason}")
+        matched = reason.get("matched") if isinstance(reason, dict) else None
+        if kind == "stop" and isinstance(matched, int) and (not ids or ids[-1] != matched):
+            ids.append(matched)  # a server that trims the stop token: the target generated it
+        finished = bool(ids) and (ids[-1] in self.stop_ids or kind == "stop")
+        return Answer(ids[: g.max_new_tokens], finished)
+
+    def generate(self, slot: int, batch: list[Gen]) -> list[Answer]:
+        from eagle3ft.data.targets.sglang import call
+
+        url = self.slots[slot]
+        payload = {"input_ids": [g.prompt_ids for g in batch], "sampling_params": [self._params(g) for g in batch]}
+        body, _, _ = call(url, "/generate", payload, self.policy, what=f"/generate of {len(batch)} prompts")
+        outs = body if isinstance(body, list) else [body]
+        if len(outs) != len(batch):
+            raise RegenError(f"{url}: {len(outs)} answers for {len(batch)} prompts")
+        return [self._answer(o, g, url) for o, g in zip(outs, batch)]
+
+
+class HFBackend:
+    """The embedded transformers target: one worker, batches of harvest.batch_size."""
+
+    def __init__(self, cfg: Config, sampling: Sampling, stop_ids: list[int]):
+        from eagle3ft.data.targets.hf import HFTarget, load_target
+
+        model, tokenizer = load_target(cfg.target)
+        self.target = HFTarget(cfg.target, None, model=model, tokenizer=tokenizer)
+        self.slots = ["embedded"]
+        self.batch = cfg.harvest.batch_size
+        self.sampling, self.stop_ids = sampling, tuple(stop_ids)
+        self.trimmed = 0
+
+    def describe(self) -> dict:
+        return {"backend": "hf", "device": str(self.target.device), "batch_size": self.batch}
+
+    def generate(self, slot: int, batch: list[Gen]) -> list[Answer]:
+        reqs = [Request(g.prompt_ids, g.max_new_tokens, self.stop_ids, capture=False, seed=g.seed) for g in batch]
+        results = self.target.process(reqs, self.sampling)
+        return [Answer(r.completion_ids, bool(r.completion_ids) and r.completion_ids[-1] in self.stop_ids) for r in results]
+
+
+# --------------------------------------------------------------------------- conversations in flight
+
+
+@dataclass
+class ConvState:
+    """One conversation being regenerated; only the main thread touches it."""
+
+    conv: Conversation
+    chunk: tuple[str, int]
+    head: list[dict]  # system message, if any
+    users: list[dict]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turn: int = 0  # assistant turns written
+    unfinished: int = 0
+    answers: list[str] = field(default_factory=list)  # decoded answers: the history the template renders
+    done: bool = False
+    sample: TokenSample | None = None
+
+
+@dataclass
+class RunStats:
+    answer_tokens: int = 0
+    answers: int = 0
+    unfinished: int = 0
+    skips: Counter = field(default_factory=Counter)
+
+
+class Regenerator:
+    """Moves conversations turn by turn through the backend's workers; commits chunks as they complete."""
+
+    def __init__(self, cfg: Config, chat: ChatFormat, backend, writer: TokenWriter, bar: tqdm):
+        self.h, self.seed, self.chat, self.backend, self.writer, self.bar = cfg.harvest, cfg.seed, chat, backend, writer, bar
+        self.ready: queue.Queue = queue.Queue()
+        self.results: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.stats = RunStats()
+        self.t0 = time.time()
+
+    # ------------------------------------------------------------------ turns
+
+    def _messages(self, s: ConvState, upto_user: int) -> list[dict]:
+        msgs = list(s.head)
+        for k in range(upto_user + 1):
+            msgs.append(s.users[k])
+            if k < upto_user:
+                msgs.append({"role": "assistant", "content": s.answers[k]})
+        return msgs
+
+    def _next(self, s: ConvState, chunk_skips: Counter) -> Gen | None:
+        """The next turn of `s`, or None when the conversation is over (s.done is set)."""
+        if s.turn >= len(s.users) or (s.turn and s.unfinished):
+            s.done = True
+            return None
+        if s.turn == 0:
+            ids, _ = self.chat.encode(self._messages(s, 0), add_generation_prompt=True)
+        else:
+            ids = self.chat.next_turn_ids(self._messages(s, s.turn))
+        prompt = s.ids + ids
+        budget = min(self.h.max_new_tokens, self.h.max_total_tokens - len(prompt))
+        if budget <= 0:
+            if s.turn == 0:
+                chunk_skips["too_long"] += 1
+            else:
+                chunk_skips["turns_cut_by_max_total_tokens"] += len(s.users) - s.turn
+            s.done = True
+            return None
+        s.ids, s.mask = prompt, s.mask + [0] * len(ids)
+        return Gen(prompt, budget, request_seed(self.seed, s.conv.key, s.turn))
+
+    def _take(self, s: ConvState, a: Answer) -> None:
+        s.ids = s.ids + a.ids
+        s.mask = s.mask + [1] * len(a.ids)
+        s.turn += 1
+        s.unfinished += not a.finished
+        s.answers.append(self.chat.decode(a.ids))
+        self.stats.answer_tokens += len(a.ids)
+        self.stats.answers += 1
+        self.stats.unfinished += not a.finished
+
+    # ------------------------------------------------------------------ workers
+
+    def _worker(self, slot: int) -> None:
+        while not self.stop.is_set():
+            try:
+                first = self.ready.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            batch = [first]
+            while len(batch) < self.backend.batch:
+                try:
+                    batch.append(self.ready.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                answers = self.backend.generate(slot, [g for _, g in batch])
+            except Exception as e:  # noqa: BLE001 - reported by the main thread with its server
+                self.results.put(("error", f"{self.backend.slots[slot]}: {e}"))
+                return
+            self.results.put(("ok", [(s, a) for (s, _), a in zip(batch, answers)]))
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self, todo: list[tuple[str, int, list[Conversation]]]) -> None:
+        """Regenerate every chunk of `todo`; chunks are opened while fewer than a window of conversations is open."""
+        capacity = len(self.backend.slots) * self.backend.batch
+        window = max(4 * capacity, 1)
+        pending = list(reversed(todo))
+        open_chunks: dict[tuple[str, int], tuple[list[ConvState], Counter]] = {}
+        open_convs = 0
+        threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(len(self.backend.slots))]
+        for t in threads:
+            t.start()
+        try:
+            while pending or open_chunks:
+                while pending and (not open_chunks or open_convs < window):
+                    split, index, members = pending.pop()
+                    states = [ConvState(c, (split, index), [m for m in c.messages if m["role"] == "system"], [m for m in c.messages if m["role"] == "user"]) for c in members]
+                    skips: Counter = Counter()
+                    open_chunks[(split, index)] = (states, skips)
+                    open_convs += len(states)
+                    for s in states:
+                        self._advance(s, skips)
+                    open_convs -= self._commit_done(open_chunks)
+                if not open_chunks:
+                    continue
+                kind, payload = self.results.get()
+                if kind == "error":
+                    raise RegenError(f"regeneration stopped, committed chunks kept (rerun to resume): {payload}")
+                for s, a in payload:
+                    self._take(s, a)
+                    self._advance(s, open_chunks[s.chunk][1])
+                self.bar.set_postfix_str(f"answer tok/s {self.stats.answer_tokens / max(time.time() - self.t0, 1e-9):,.0f}", refresh=False)
+                open_convs -= self._commit_done(open_chunks)
+        finally:
+            self.stop.set()
+            for t in threads:
+                t.join(timeout=1.0)
+
+    def _advance(self, s: ConvState, skips: Counter) -> None:
+        g = self._next(s, skips)
+        if g is not None:
+            self.ready.put((s, g))
+            return
+        if s.turn:
+            s.sample = TokenSample(sample_id(s.conv.key), s.ids, s.mask, turns=s.turn, unfinished=s.unfinished)
+        self.bar.update(1)
+
+    def _commit_done(self, open_chunks: dict) -> int:
+        closed = 0
+        for key in [k for k, (states, _) in open_chunks.items() if all(s.done for s in states)]:
+            states, skips = open_chunks.pop(key)
+            self.writer.commit(key[0], key[1], [s.sample for s in states if s.sample is not None], dict(skips))
+            closed += len(states)
+        return closed
+
+
+# --------------------------------------------------------------------------- the job
+
+
+def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
+    """What must match for a rerun to resume: the conversation order and how answers are made."""
+    h = to_dict(cfg.harvest)
+    gen_keys = ("sources", "max_turns", "max_prompt_tokens", "max_total_tokens", "max_new_tokens", "temperature", "top_p", "heldout_fraction", "dedupe", "shard_samples")
+    what = {"keys": [(c.key, c.split) for c in convs], "harvest": {k: h[k] for k in gen_keys}, "chat_template": cfg.target.chat_template, "seed": cfg.seed}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def open_backend(cfg: Config, sampling: Sampling, stop_ids: list[int]):
+    if cfg.harvest.backend == "sglang":
+        return SGLangBackend(cfg.harvest.sglang, sampling, stop_ids)
+    if cfg.harvest.backend == "hf":
+        return HFBackend(cfg, sampling, stop_ids)
+    raise ValueError(f"harvest.backend {cfg.harvest.backend!r}: expected hf or sglang")
+
+
+def main(cfg: Config, run_dir: str | Path) -> dict:
+    """The whole regeneration; returns the summary. Inputs are checked before the target is reached."""
+    t0 = time.time()
+    h = cfg.harvest
+    run_dir = Path(run_dir)
+    check_harvest_config(h)
+    for src in h.sources:
+        check_source(src)
+    if not h.regenerate:
+        raise ValueError("harvest.regenerate is false: regeneration writes every answer with the target")
+    tokenizer = load_tokenizer(cfg.target)
+    chat = ChatFormat(tokenizer, cfg.target.chat_template)
+
+    def prompt_fits(messages: list[dict]) -> str | None:
+        first = [m for m in messages if m["role"] == "system"] + [next(m for m in messages if m["role"] == "user")]
+        return "too_long_prompt" if len(chat.encode(first, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
+
+    prompt_skips: Counter = Counter()
+    convs = collect(h.sources, max_turns=h.max_turns, regenerate=True, heldout_fraction=h.heldout_fraction, dedupe=h.dedupe, skips=prompt_skips, check=prompt_fits)
+    if not convs:
+        raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")
+
+    identity = {"target": cfg.target.name, "tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer), "chat_template": cfg.target.chat_template, "stop_ids": list(chat.stop_ids)}
+    writer = TokenWriter(run_dir / TOKENS_DIR, identity, fingerprint(cfg, convs))
+    chunks = []
+    for split in SPLITS:
+        members = [c for c in convs if c.split == split]
+        chunks += [(split, i // h.shard_samples, members[i : i + h.shard_samples]) for i in range(0, len(members), h.shard_samples)]
+    todo = [(s, i, m) for s, i, m in chunks if i not in writer.done(s)]
+
+    sampling = Sampling(temperature=h.temperature, top_p=h.top_p)
+    backend = open_backend(cfg, sampling, chat.stop_ids)
+    t_work = time.time()
+    done_before = len(convs) - sum(len(m) for _, _, m in todo)
+    with tqdm(total=len(convs), initial=done_before, unit="conv", desc="regen", file=sys.stderr, dynamic_ncols=True, mininterval=1.0) as bar:
+        regen = Regenerator(cfg, chat, backend, writer, bar)
+        regen.run(todo)
+    work_s = time.time() - t_work
+
+    m = writer.manifest
+    skips = Counter(prompt_skips) + Counter(m["chunk_skips"])
+    writer.finish({"skips": dict(sorted(skips.items())), "prompt_skips": dict(sorted(prompt_skips.items()))})
+    st = regen.stats
+    summary = {
+        "answer_tokens": st.answer_tokens,
+        "answers": st.answers,
+        "unfinished_answers": st.unfinished,
+        "wall_s": round(work_s, 2),
+        "answer_tokens_per_s": round(st.answer_tokens / max(work_s, 1e-9), 1),
+        "counts": m["counts"],
+        "skips": dict(sorted(skips.items())),
+        "chunks": len(chunks),
+        "chunks_resumed": len(chunks) - len(todo),
+        "output_ids_trimmed": backend.trimmed,
+        "generation": {**backend.describe(), "max_new_tokens": h.max_new_tokens, "max_total_tokens": h.max_total_tokens, "max_turns": h.max_turns, "temperature": h.temperature},
+        "time_s": round(time.time() - t0, 2),
+    }
+    (run_dir / TOKENS_DIR / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def cli(argv: list[str] | None = None) -> None:
+    cfg, run_dir, _ = parse_cli("Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv)
+    from eagle3ft.data.targets.sglang import SGLangError
+
+    try:
+        summary = main(cfg, run_dir)
+    except (RegenError, SGLangError, StoreError) as e:
+        sys.exit(f"regen: {e}")
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,178 @@
+"""Regeneration (data/regen.py): multi-turn through the SGLang double, two servers, a server dying mid-run,
+the embedded backend, ShareGPT's split parts, and features harvested from a token store."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.config import REPO_ROOT, SourceConfig, load_config
+from eagle3ft.data.prompts import collect, merge_split_parts
+from eagle3ft.data.regen import RegenError, cli, main
+from eagle3ft.data.targets.hf import load_target, load_tokenizer
+from eagle3ft.data.tokens import TokenStore
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
+
+TINY = REPO_ROOT / "configs" / "tiny.yaml"
+BASE = ["harvest.sources=[{kind: sharegpt, limit: 7}, {kind: mtbench, limit: 2, split: heldout}]", "harvest.shard_samples=2", "harvest.max_turns=3", "harvest.max_new_tokens=16"]
+
+
+def sglang_cfg(urls, *extra):
+    sets = BASE + ["harvest.backend=sglang", f"harvest.sglang.urls=[{', '.join(urls)}]", "harvest.sglang.concurrency=2", "harvest.sglang.prompts_per_request=3", "harvest.sglang.retries=1", "harvest.sglang.backoff_s=0.01", *extra]
+    return load_config(TINY, sets)
+
+
+@pytest.fixture(scope="module")
+def stopping_model():
+    """The tiny random Llama, with the end-of-turn token made the argmax wherever its most generated token was,
+    so greedy answers end (a random model never says <|im_end|> by itself) and conversations go on to turn 2."""
+    cfg = load_config(TINY)
+    model, tok = load_target(cfg.target)
+    eot = ChatFormat(tok, cfg.target.chat_template).stop_ids[0]
+    ids = torch.tensor([tok("Tell me about the sea and the sky, please.")["input_ids"]])
+    out = model.generate(input_ids=ids, max_new_tokens=24, do_sample=False, pad_token_id=eot)[0, ids.shape[1] :]
+    common = Counter(out.tolist()).most_common(1)[0][0]
+    with torch.no_grad():
+        model.lm_head.weight[eot] = 1.5 * model.lm_head.weight[common]
+    return model, tok
+
+
+class Recorder(DoubleEngine):
+    """The double's engine, recording every prompt it was asked and what it answered."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.log: list[tuple[list[int], list[int]]] = []
+
+    def generate(self, req):
+        out, timeline = super().generate(req)
+        with self.lock:
+            self.log.append((list(req["input_ids"]), list(out["output_ids"])))
+        return out, timeline
+
+
+@pytest.fixture(scope="module")
+def doubles(stopping_model):
+    model, tok = stopping_model
+    ds = [SGLangDouble(Recorder(model, tok), version="0.5.17").start() for _ in range(2)]
+    yield ds
+    for d in ds:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(doubles, tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref")
+    summary = main(sglang_cfg([doubles[0].url]), run)
+    return run, summary
+
+
+def items(run: Path) -> dict:
+    store = TokenStore(run / "tokens")
+    return {s: [(x["sample_id"], x["input_ids"].tolist(), x["loss_mask"].tolist()) for x in store.dataset(s)] for s in ("train", "heldout")}
+
+
+def test_multi_turn_prompts_carry_the_targets_own_answer_ids(reference, doubles):
+    run, summary = reference
+    store = TokenStore(run / "tokens")
+    assert store.complete and summary["counts"]["train"]["samples"] == 7 and summary["counts"]["heldout"]["samples"] == 2
+    turns = sum(summary["counts"][s]["turns"] for s in ("train", "heldout"))
+    assert turns > 9, "some conversations must reach a second turn"
+    assert summary["answers"] == turns and summary["answer_tokens"] == sum(summary["counts"][s]["loss_tokens"] for s in ("train", "heldout"))
+    log = doubles[0].engine.log
+    answered = {tuple(p): o for p, o in log}
+    later = [(p, o) for p, o in log if any(len(q) < len(p) and p[: len(q) + len(a)] == list(q) + a for q, a in answered.items())]
+    assert later, "a turn-2 prompt starts with turn 1's prompt and its regenerated ids"
+
+    def expected_mask(seq: list[int]) -> list[int]:
+        """1 on every answer the double gave along the chain of turns that built `seq`, 0 elsewhere."""
+        prompt, answer = next((list(p), o) for p, o in answered.items() if list(p) + o == seq)
+        prev = [list(q) + a for q, a in answered.items() if len(q) + len(a) <= len(prompt) and prompt[: len(q) + len(a)] == list(q) + a]
+        head = expected_mask(max(prev, key=len)) if prev else []
+        return head + [0] * (len(prompt) - len(head)) + [1] * len(answer)
+
+    for sid, ids, mask in items(run)["train"] + items(run)["heldout"]:
+        assert mask == expected_mask(ids)
+    assert json.loads((run / "tokens" / "summary.json").read_text())["answer_tokens"] == summary["answer_tokens"]
+
+
+def test_two_servers_share_the_work_and_give_the_same_store(reference, doubles, tmp_path):
+    before = [d.requests for d in doubles]
+    summary = main(sglang_cfg([d.url for d in doubles]), tmp_path)
+    assert all(d.requests > b for d, b in zip(doubles, before))
+    assert items(tmp_path) == items(reference[0]) and summary["counts"] == reference[1]["counts"]
+
+
+def test_a_server_dying_mid_run_stops_with_its_name_and_a_rerun_completes_equal(reference, stopping_model, tmp_path):
+    model, tok = stopping_model
+    dying = SGLangDouble(DoubleEngine(model, tok), version="0.5.17").start()
+
+    def kill_after(n):
+        while dying.requests < n:
+            time.sleep(0.002)
+        dying.kill()
+
+    killer = threading.Thread(target=kill_after, args=(4,), daemon=True)
+    killer.start()
+    with pytest.raises(RegenError, match=f"127.0.0.1:{dying.port}"):
+        main(sglang_cfg([dying.url]), tmp_path)
+    killer.join()
+    partial = TokenStore(tmp_path / "tokens")
+    assert not partial.complete
+    with SGLangDouble(DoubleEngine(model, tok), version="0.5.17") as fresh:
+        summary = main(sglang_cfg([fresh.url]), tmp_path)
+    assert summary["chunks_resumed"] == sum(len(v) for v in partial.manifest["chunks_done"].values())
+    assert items(tmp_path) == items(reference[0])
+
+
+def test_cli_error_is_one_line_when_no_server_answers(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["--config", str(TINY), "--run-dir", str(tmp_path), "--set", "harvest.backend=sglang", "--set", "harvest.sglang.urls=[http://127.0.0.1:9]", "--set", "harvest.sglang.retries=0"])
+    msg = str(e.value)
+    assert msg.startswith("regen: ") and "127.0.0.1:9" in msg and "\n" not in msg
+
+
+def test_embedded_backend_through_the_entry_point(stopping_model, tmp_path, monkeypatch, capsys):
+    import eagle3ft.data.targets.hf as hf
+
+    monkeypatch.setattr(hf, "load_target", lambda cfg: stopping_model)
+    cli(["--config", str(TINY), "--run-dir", str(tmp_path), *sum((["--set", s] for s in BASE), []), "--set", "harvest.batch_size=4"])
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["generation"]["backend"] == "hf" and summary["counts"]["train"]["samples"] == 7
+    for split, rows in items(tmp_path).items():
+        for _, ids, mask in rows:
+            assert len(ids) == len(mask) and 0 < sum(mask) < len(ids)
+    again = main(load_config(TINY, BASE), tmp_path)  # everything committed: a rerun only resumes
+    assert again["chunks_resumed"] == again["chunks"] and again["answer_tokens"] == 0
+
+
+def test_sharegpt_split_parts_are_joined_in_order():
+    recs = [{"id": "a_0", "conversations": [1]}, {"id": "a_5", "conversations": [2, 3]}, {"id": "b", "conversations": [4]}, {"id": "c_0", "conversations": [5]}, {"id": "a_0", "conversations": [6]}]
+    assert list(merge_split_parts(recs)) == [{"id": "a", "conversations": [1, 2, 3]}, {"id": "b", "conversations": [4]}, {"id": "c", "conversations": [5]}, {"id": "a", "conversations": [6]}]
+    convs = collect([SourceConfig(kind="sharegpt")], max_turns=10_000, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
+    assert 9000 < len(convs) < 9461  # 17,671 items are 9,460 conversations, a few duplicate or unusable
+    users = [sum(m["role"] == "user" for m in c.messages) for c in convs]
+    assert sum(users) > 55_000 and max(users) > 100
+
+
+def test_harvest_captures_exactly_a_token_stores_ids(reference, tmp_path):
+    from eagle3ft.data.harvest import run_harvest
+    from eagle3ft.data.store import FeatureStore
+
+    tokens = reference[0] / "tokens"
+    cfg = load_config(TINY, [f"harvest.sources=[{{kind: tokens, path: '{tokens}'}}]", "harvest.shard_samples=4"])
+    run_harvest(cfg, tmp_path)
+    features = FeatureStore(tmp_path / "features")
+    for split, rows in items(reference[0]).items():
+        got = {x["sample_id"]: (x["input_ids"].tolist(), x["loss_mask"].tolist()) for x in features.dataset(split)}
+        assert got == {sid: (ids, mask) for sid, ids, mask in rows}
