@@ -23,11 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 SCHEMA_VERSION = 1
@@ -47,6 +48,49 @@ DTYPES = {
 
 class StoreError(RuntimeError):
     """A feature store that is missing, empty, of another schema, corrupt, or of another harvest."""
+
+
+class DamagedFile(ValueError):
+    """A file that is there but cannot be read as what it should be (truncated, not JSON, not safetensors)."""
+
+
+def read_json(path: str | Path, what: str):
+    """The JSON in `path`; DamagedFile naming the file when it is not valid JSON."""
+    try:
+        return json.loads(Path(path).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DamagedFile(f"{path}: {what} is not valid JSON ({e}); the file is truncated or damaged") from None
+
+
+def safetensors_keys(path: str | Path, what: str) -> list[str]:
+    """The tensor names of a safetensors file; DamagedFile naming the file when its header or length is wrong."""
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise DamagedFile(f"{path}: {what} is not a readable safetensors file ({e}); the file is truncated or damaged") from None
+
+
+_MEMBER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
+
+
+def member(features_dir: Path, name, manifest: Path) -> Path:
+    """features_dir/name for a file the manifest lists; StoreError unless it is a plain file name there."""
+    if not isinstance(name, str) or not _MEMBER.fullmatch(name):
+        raise StoreError(f"{manifest}: entry {name!r} is not a *.safetensors file name inside {features_dir} (no folders, '..' or absolute paths)")
+    return features_dir / name
+
+
+def damaged_shards(features_dir: Path, shards: list[dict], manifest: Path) -> list[str]:
+    """'name: what is wrong' for every listed shard that is missing or fails its sha256."""
+    bad = []
+    for s in shards:
+        f = member(features_dir, s.get("file"), manifest)
+        if not f.is_file():
+            bad.append(f"{s['file']}: missing")
+        elif _sha256(f) != s.get("sha256"):
+            bad.append(f"{s['file']}: fails its sha256 check")
+    return bad
 
 
 @dataclass
@@ -106,7 +150,7 @@ class FeatureWriter:
         }
         path = self.dir / MANIFEST
         if path.exists():
-            old = json.loads(path.read_text())
+            old = read_json(path, "the feature store's manifest")
             for k in ("schema_version", "target", "topk", "has_last_hidden", "fingerprint"):
                 if old.get(k) != fresh[k]:
                     raise StoreError(
@@ -119,8 +163,14 @@ class FeatureWriter:
     def done(self, split: str) -> set[int]:
         return set(self.manifest["chunks_done"][split])
 
-    def commit(self, split: str, chunk: int, samples: list[Sample], skips: dict[str, int]) -> None:
-        """Write one chunk's shard (if it kept any sample) and record the chunk as done."""
+    def damaged(self) -> list[str]:
+        """Committed shards that are missing or fail their sha256 (checked before a rerun adds to the store)."""
+        return damaged_shards(self.dir, self.manifest["shards"], self.dir / MANIFEST)
+
+    def commit(self, split: str, chunk: int, samples: list[Sample], skips: dict[str, int], counts: dict[str, dict[str, int]] | None = None) -> None:
+        """Write one chunk's shard (if it kept any sample) and record the chunk as done.
+
+        `counts` ({"argmax_check": {"checked": n, ...}}) are summed into the manifest's `chunk_counts` with it."""
         m = self.manifest
         if chunk in m["chunks_done"][split]:
             raise StoreError(f"chunk {split}/{chunk} is already committed")
@@ -139,6 +189,10 @@ class FeatureWriter:
             c["loss_tokens"] += int(tensors["loss_mask"].sum())
         for reason, n in skips.items():
             m["chunk_skips"][reason] = m["chunk_skips"].get(reason, 0) + n
+        for group, kv in (counts or {}).items():
+            into = m.setdefault("chunk_counts", {}).setdefault(group, {})
+            for k, n in kv.items():
+                into[k] = into.get(k, 0) + n
         m["chunks_done"][split].append(chunk)
         self._save()
 
@@ -180,18 +234,27 @@ class FeatureStore:
         path = self.dir / MANIFEST
         if not path.is_file():
             raise StoreError(f"no feature store at {self.dir} (missing {MANIFEST})")
-        self.manifest = json.loads(path.read_text())
+        self.manifest = read_json(path, "the feature store's manifest")
+        if not isinstance(self.manifest, dict):
+            raise StoreError(f"{path}: not a feature store manifest (a JSON object expected)")
         version = self.manifest.get("schema_version")
         if version != SCHEMA_VERSION:
             raise StoreError(f"{path}: schema_version {version} != {SCHEMA_VERSION} (this code)")
+        lacking = [k for k in ("target", "topk", "has_last_hidden", "shards") if k not in self.manifest]
+        if lacking:
+            raise StoreError(f"{path}: the manifest lacks {', '.join(lacking)}")
         if not self.manifest["shards"]:
             raise StoreError(f"{self.dir}: the store has no shards")
         for s in self.manifest["shards"]:
-            f = self.dir / s["file"]
+            if not isinstance(s, dict) or s.get("split") not in SPLITS:
+                raise StoreError(f"{path}: shard entry {s!r} is not a shard of a split in {SPLITS}")
+            f = member(self.dir, s.get("file"), path)
             if not f.is_file():
                 raise StoreError(f"{self.dir}: shard {s['file']} is missing")
-            if verify and _sha256(f) != s["sha256"]:
+            if verify and _sha256(f) != s.get("sha256"):
                 raise StoreError(f"{self.dir}: shard {s['file']} fails its sha256 check")
+        if self.manifest.get("token_counts") is not None:
+            member(self.dir, self.manifest["token_counts"], path)
 
     @property
     def target(self) -> dict:
@@ -208,20 +271,24 @@ class FeatureStore:
         name = self.manifest.get("token_counts")
         if not name:
             raise StoreError(f"{self.dir}: the harvest did not finish (no token counts)")
-        return load_file(self.dir / name)["token_counts"]
+        path = member(self.dir, name, self.dir / MANIFEST)
+        if "token_counts" not in safetensors_keys(path, "the token counts"):
+            raise StoreError(f"{path}: holds no token_counts tensor")
+        return load_file(path)["token_counts"]
 
-    def dataset(self, split: str = "train") -> "FeatureDataset":
+    def dataset(self, split: str = "train", keys: tuple[str, ...] | None = None) -> "FeatureDataset":
+        """Samples of `split`; `keys` reads only those (e.g. input_ids and loss_mask for online training)."""
         if split not in SPLITS:
             raise ValueError(f"split {split!r} not in {SPLITS}")
-        return FeatureDataset(self.shards(split), self.manifest["has_last_hidden"])
+        return FeatureDataset(self.shards(split), self.manifest["has_last_hidden"], keys)
 
 
 class FeatureDataset(torch.utils.data.Dataset):
     """Samples of one split, sliced from memory-mapped shards on demand."""
 
-    def __init__(self, shards: list[Path], has_last_hidden: bool):
+    def __init__(self, shards: list[Path], has_last_hidden: bool, keys: tuple[str, ...] | None = None):
         self.shards = shards
-        self.keys = [k for k in KEYS if k != "last_hidden" or has_last_hidden]
+        self.keys = [k for k in KEYS if (k != "last_hidden" or has_last_hidden) and (keys is None or k in keys)]
         self.index: list[tuple[int, int, int, int]] = []  # (shard, start, end, sample_id)
         for si, path in enumerate(shards):
             with safe_open(path, framework="pt") as f:
@@ -232,6 +299,9 @@ class FeatureDataset(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def lengths(self) -> list[int]:
+        return [b - a for _, a, b, _ in self.index]
 
     def _handle(self, si: int):
         if si not in self._open:  # opened lazily, so each DataLoader worker maps its own
@@ -246,7 +316,8 @@ class FeatureDataset(torch.utils.data.Dataset):
         f = self._handle(si)
         item = {k: f.get_slice(k)[a:b] for k in self.keys}
         for k in ("input_ids", "loss_mask", "topk_ids"):
-            item[k] = item[k].long()
+            if k in item:
+                item[k] = item[k].long()
         item["sample_id"] = sid
         return item
 

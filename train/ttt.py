@@ -501,5 +501,6 @@ class TTTObjective(torch.nn.Module):
         self.drafter, self.steps, self.decay, self.loss, self.lk_eta = drafter, steps, decay, loss, lk_eta
         self.register_buffer("target_head", target_head, persistent=False)  # (Vd, Ht) or None
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> TTTOutput:
-        return ttt_forward(self.drafter, batch, self.steps, self.decay, self.target_head, self.loss, self.lk_eta)
+    def forward(self, batch: dict[str, torch.Tensor], steps: int | None = None) -> TTTOutput:
+        """The TTT unroll; `steps` overrides the training depth (held-out τ at the eval depth)."""
+        return ttt_forward(self.drafter, batch, steps or self.steps, self.decay, self.target_head, self.loss, self.lk_eta)

@@ -28,8 +28,8 @@ class _HostCopies:
     """Copies to the host. On CUDA each copy runs on a side stream into pinned memory as soon as its tensor is
     ready, overlapping what the default stream still computes; `wait` waits for all of them once."""
 
-    def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    def __init__(self, device: torch.device, enabled: bool = True):
+        self.stream = torch.cuda.Stream(device) if enabled and device.type == "cuda" else None
 
     def start(self, t: torch.Tensor) -> torch.Tensor:
         if self.stream is None:
@@ -213,7 +213,7 @@ class HFTarget:
         cap = [i for i, r in enumerate(requests) if r.capture]
         if cap:
             seqs = [requests[i].prompt_ids + completions[i] for i in cap]
-            for i, f in zip(cap, self._capture(seqs, sampling)):
+            for i, f in zip(cap, self.capture(seqs, sampling)):
                 feats[i] = f
         return [Result(c, f) for c, f in zip(completions, feats)]
 
@@ -249,7 +249,9 @@ class HFTarget:
             result.append(row[:cut])
         return result
 
-    def _capture(self, seqs: list[list[int]], sampling: Sampling) -> list[Features]:
+    def capture(self, seqs: list[list[int]], sampling: Sampling, to_host: bool = True) -> list[Features]:
+        """Features of each token sequence (one prefill, no generation); to_host=False leaves them on the
+        target's device (online training: train/data.py)."""
         feats: list[Features] = []
         budget = CAPTURE_BATCH_TOKENS  # padded tokens per forward: a few large forwards are what a GPU wants
         if self.device.type == "cuda":  # per token: a layer's bf16 activations (~6 H + 3 ffn) plus the kept aux rows
@@ -262,12 +264,12 @@ class HFTarget:
             while end < len(seqs) and (end == start or max(width, len(seqs[end])) * (end - start + 1) <= budget):
                 width = max(width, len(seqs[end]))
                 end += 1
-            feats += self._capture_batch(seqs[start:end], sampling)
+            feats += self._capture_batch(seqs[start:end], sampling, to_host)
             start = end
         return feats
 
     @torch.inference_mode()
-    def _capture_batch(self, seqs: list[list[int]], sampling: Sampling) -> list[Features]:
+    def _capture_batch(self, seqs: list[list[int]], sampling: Sampling, to_host: bool = True) -> list[Features]:
         """One forward over right-padded `seqs`. Forward hooks gather each aux layer's real rows as the layer
         finishes; the aux rows start for the host while the last layers and the head still run. Real-token
         positions come from the host-side lengths, so nothing waits on the GPU until the one final wait."""
@@ -282,7 +284,7 @@ class HFTarget:
         real = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lens)]).to(self.device)  # (N,) rows of (B*T)
         layer_ids = self.info.aux_layer_ids
         aux = torch.empty((real.numel(), len(layer_ids) * H), dtype=torch.bfloat16, device=self.device)  # (N, 3H)
-        copies = _HostCopies(self.device)
+        copies = _HostCopies(self.device, enabled=to_host)
         host: dict[str, torch.Tensor] = {}
         pending = set(range(len(layer_ids)))
 

@@ -1,0 +1,201 @@
+"""Online features and packed batches (train/data.py) on the tiny target: online == offline batch for batch,
+packing keeps every sample once and within budget, a packed batch trains exactly as one sample per row, and
+online packed training runs through the real entry point and resumes at the exact data position."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from eagle3ft.data.config import REPO_ROOT, load_config
+from eagle3ft.data.harvest import run_harvest
+from eagle3ft.data.tokens import TokenSample, TokenWriter
+from eagle3ft.train.data import TrainData, collate_packed, pack_bins, sample_spans
+from eagle3ft.train.ttt import ttt_forward
+from test_train_ttt import batch as ttt_batch
+from test_train_ttt import drafter
+from train_fixtures import launch
+
+TINY = REPO_ROOT / "configs" / "tiny.yaml"
+
+
+class OneRank:
+    """What TrainData.epoch needs of train/dist.py's Dist, for one process without a process group."""
+
+    device = torch.device("cpu")
+
+    def prepare_loader(self, loader, skip_batches=0):
+        return itertools.islice(loader, skip_batches, None)
+
+
+def tiny_cfg(*overrides):
+    return load_config(TINY, ["harvest.sources=[{kind: sharegpt, limit: 6}, {kind: mtbench, limit: 2, split: heldout}]", "harvest.max_new_tokens=8", *overrides])
+
+
+@pytest.fixture(scope="module")
+def harvested(tmp_path_factory):
+    run = tmp_path_factory.mktemp("online")
+    run_harvest(tiny_cfg(), run)
+    return run
+
+
+def epoch_batches(cfg, run, epoch=0, skip=0):
+    return list(TrainData(cfg, run).epoch(OneRank(), epoch, skip))
+
+
+# --------------------------------------------------------------------------- online == offline
+
+
+@pytest.mark.parametrize("layout", [("train.micro_batch_size=3",), ("train.pack_tokens=96", "train.max_len=80")])
+def test_online_batches_equal_the_stores(harvested, layout):
+    offline = epoch_batches(tiny_cfg(*layout), harvested)
+    online = epoch_batches(tiny_cfg("train.features=online", *layout), harvested)
+    assert len(offline) == len(online) > 1
+    for off, on in zip(offline, online):
+        assert on.sample_ids == off.sample_ids and on.tokens == off.tokens
+        assert sorted(on.tensors) == sorted(off.tensors)
+        for key, want in off.tensors.items():
+            got = on.tensors[key]
+            assert got.dtype == want.dtype and got.shape == want.shape, key
+            if key == "topk_logprobs":
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            elif key == "aux_hidden":  # bf16 in both: one rounding step apart at most
+                torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-5)
+            else:
+                assert torch.equal(got, want), key
+
+
+def test_online_reads_the_token_store_when_there_is_one(harvested, tmp_path):
+    """RUN/tokens (data/tokens.py) is the online token source; its samples get the target's features."""
+    offline = TrainData(tiny_cfg(), harvested)
+    samples = [offline.dataset[i] for i in range(len(offline))]
+    writer = TokenWriter(tmp_path / "tokens", {"target": "tiny"}, "test")
+    writer.commit("train", 0, [TokenSample(s["sample_id"], s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in samples])
+    writer.finish()
+    (tmp_path / "vocab.safetensors").write_bytes((harvested / "vocab.safetensors").read_bytes())
+    cfg = tiny_cfg("train.features=online", "train.micro_batch_size=2")
+    data = TrainData(cfg, tmp_path)
+    assert data.where == str(tmp_path / "tokens") and data.store is None
+    got = next(iter(data.epoch(OneRank(), 0)))
+    want = next(iter(TrainData(tiny_cfg("train.micro_batch_size=2"), harvested).epoch(OneRank(), 0)))
+    assert got.sample_ids == want.sample_ids
+    torch.testing.assert_close(got.tensors["topk_logprobs"], want.tensors["topk_logprobs"], rtol=1e-4, atol=1e-5)
+
+
+def test_online_without_any_store_names_both(tmp_path):
+    with pytest.raises(Exception, match="neither a token store"):
+        TrainData(tiny_cfg("train.features=online"), tmp_path)
+
+
+def test_bad_train_features_and_pack_tokens_are_refused(harvested):
+    with pytest.raises(ValueError, match="train.features 'disk'"):
+        TrainData(tiny_cfg("train.features=disk"), harvested)
+    with pytest.raises(ValueError, match="train.pack_tokens must be positive"):
+        TrainData(tiny_cfg("train.pack_tokens=0"), harvested)
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def test_pack_bins_are_first_fit_decreasing_deterministic_and_complete():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 300, (500,), generator=g).tolist()
+    bins = pack_bins(lengths, 512, seed=3, epoch=0)
+    assert sorted(i for b in bins for i in b) == list(range(500))
+    assert all(sum(lengths[i] for i in b) <= 512 for b in bins)
+    assert len(bins) <= -(-sum(lengths) // 512) * 11 // 9 + 1  # FFD's bound against the optimum
+    assert bins == pack_bins(lengths, 512, seed=3, epoch=0)
+    assert bins != pack_bins(lengths, 512, seed=3, epoch=1)
+    small = [5, 4, 3, 2, 2]  # by hand: 5 -> bin 0, 4 -> bin 1, 3 -> bin 1, 2 -> bin 0, 2 -> bin 2
+    assert sorted([small[i] for i in b] for b in pack_bins(small, 7, 0, 0)) == [[2], [4, 3], [5, 2]]
+
+
+def test_collate_packed_layout_and_spans():
+    items = [{"sample_id": 7, "input_ids": torch.arange(1, 5), "loss_mask": torch.ones(4, dtype=torch.long)},
+             {"sample_id": 9, "input_ids": torch.arange(10, 16), "loss_mask": torch.ones(6, dtype=torch.long)}]
+    b = collate_packed(items, budget=12, cap=5)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 10, 11, 12, 13, 14, 0, 0, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2]]
+    assert b["attention_mask"].tolist() == [[1] * 9 + [0] * 3]
+    assert b["loss_mask"][0, 9:].tolist() == [0, 0, 0] and b["sample_id"].tolist() == [7, 9]
+    assert sample_spans(b) == [(0, 4), (4, 5)]
+
+
+@pytest.mark.parametrize("attention", ["flash", "lse"])
+def test_packed_batch_trains_as_one_sample_per_row(monkeypatch, attention):
+    """Same loss, counts and gradients (fp32): attention and TTT targets stay inside each document."""
+    from eagle3ft.train import ttt
+
+    monkeypatch.setattr(ttt, "ATTENTION", attention)
+    m = drafter(seed=3)
+    params = [p for p in m.parameters() if p.requires_grad]
+    lens = [10, 7, 4, 9]
+    rows = ttt_batch(B=len(lens), T=10, seed=4)
+    for i, n in enumerate(lens):
+        for v in rows.values():
+            v[i, n:] = 0
+    rows["attention_mask"] = (torch.arange(10) < torch.tensor(lens)[:, None]).long()
+    items = [{"sample_id": i, **{k: v[i, :n] for k, v in rows.items() if k != "attention_mask"}} for i, n in enumerate(lens)]
+    packed = collate_packed(items, budget=40, cap=10)
+    packed.pop("sample_id")
+    ref = ttt_forward(m, rows, steps=4)
+    out = ttt_forward(m, packed, steps=4)
+    ref_grads = torch.autograd.grad(ref.loss, params)
+    grads = torch.autograd.grad(out.loss, params)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    for name in ("step_loss", "correct", "valid", "chain_correct", "chain_valid"):
+        torch.testing.assert_close(getattr(out, name), getattr(ref, name), rtol=1e-6, atol=1e-6)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="varlen flash runs on CUDA")
+def test_packed_varlen_flash_matches_rows_on_cuda():
+    """bf16 on CUDA: the varlen flash path against one sample per row (the padded flash path)."""
+    m = drafter(seed=3).cuda().bfloat16()
+    lens = [64, 40, 17, 100]
+    rows = {k: v.cuda() for k, v in ttt_batch(B=len(lens), T=100, seed=4).items()}
+    for i, n in enumerate(lens):
+        for v in rows.values():
+            v[i, n:] = 0
+    items = [{"sample_id": i, **{k: v[i, :n] for k, v in rows.items() if k != "attention_mask"}} for i, n in enumerate(lens)]
+    packed = {k: v.cuda() for k, v in collate_packed(items, budget=256, cap=100).items() if k != "sample_id"}
+    params = [p for p in m.parameters() if p.requires_grad]
+    ref, out = ttt_forward(m, rows, steps=4), ttt_forward(m, packed, steps=4)
+    ref_grads, grads = torch.autograd.grad(ref.loss, params), torch.autograd.grad(out.loss, params)
+    torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=2e-2, atol=2e-2)
+    assert out.valid.tolist() == ref.valid.tolist()
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.float(), r.float(), rtol=5e-2, atol=5e-2)
+
+
+# --------------------------------------------------------------------------- the real entry point
+
+
+def metrics(run):
+    return [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
+    """2 CPU ranks, online features, packed rows: each rank its own bins; a stop + resume sees the same samples."""
+    common = ("train.features=online", "train.pack_tokens=128", "train.max_len=96", "train.max_steps=4", "train.save_every=2", "train.warmup_steps=1", "train.ttt_steps=2")
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for run in (straight, split):
+        run.mkdir()
+        for name in ("features", "vocab.safetensors"):
+            (run / name).symlink_to(harvested / name)
+    r = launch(straight, *common)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = metrics(straight)
+    assert [x["step"] for x in rows] == [1, 2, 3, 4] and all(x["tokens"] > 0 and x["tokens_per_s"] > 0 for x in rows)
+    for x in rows:  # two ranks, each its own bins
+        a, b = x["samples"]
+        assert a and b and not set(a) & set(b)
+    assert (straight / "export" / "model.safetensors").is_file()
+    r = launch(split, *common, "train.stop_after=2")
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = launch(split, *common, extra=("--resume", "auto"))
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert [x["samples"] for x in metrics(split)] == [x["samples"] for x in rows]

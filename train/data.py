@@ -1,0 +1,273 @@
+"""Training batches: from the feature store or from the target itself, padded or packed.
+
+Features (`train.features`):
+- offline: the samples of RUN/features, each with its stored aux states and top-k.
+- online: token samples (RUN/tokens from data/tokens.py, else the token ids of RUN/features). The target runs
+  beside the drafter on each rank's own micro-batch: one prefill of its samples through the harvest's capture
+  (data/targets/hf.py: forward hooks at the aux layers, the top-k head of data/targets/head.py), under no grad,
+  in bf16 on CUDA and fp32 on the CPU. The batch then holds exactly what the store would. Nothing is written.
+
+Layout (`train.pack_tokens`):
+- None: `micro_batch_size` samples per micro-batch in the seeded epoch order, right-padded (data/store.py collate).
+- N: whole samples (truncated to min(max_len, N)) packed into bins of at most N tokens by first-fit decreasing
+  over the seeded epoch order, the bins then in a seeded order. One bin is one micro-batch (1, N): its samples
+  back to back, then padding; `position_ids` restart at 0 per sample, which train/ttt.py turns into
+  document-causal attention and targets that stay in their sample. The bins depend only on the seed, the epoch
+  and the sample lengths, so every rank computes the same bins and takes its own (batch r, r+W, ...), and the
+  data position of a checkpoint (epoch, micro-batch) resumes exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from eagle3ft.data.config import Config, resolve_path
+from eagle3ft.data.drafter_spec import DrafterSpec
+from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate
+from eagle3ft.data.vocab import build_vocab, save_vocab
+
+TOKEN_KEYS = ("input_ids", "loss_mask")
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The seeded per-epoch sample order (the same on every rank)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+class EpochOrder(torch.utils.data.Dataset):
+    """The dataset in a seeded per-epoch order (the same on every rank)."""
+
+    def __init__(self, ds, seed: int, epoch: int) -> None:
+        self.ds = ds
+        self.order = epoch_order(len(ds), seed, epoch)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.ds[self.order[i]]
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def pack_bins(lengths: list[int], budget: int, seed: int, epoch: int) -> list[list[int]]:
+    """Sample indices per bin, each bin at most `budget` tokens (lengths must be <= budget).
+
+    First-fit decreasing: samples by length, longest first (ties in the seeded epoch order), each into the
+    first bin with room, found in O(log n) through a max-tree of the bins' free space. The bins come out in a
+    seeded order, so long and short samples mix over the epoch.
+    """
+    n = len(lengths)
+    order = sorted(epoch_order(n, seed, epoch), key=lambda i: -lengths[i])  # stable: ties keep the seeded order
+    size = 1
+    while size < max(n, 1):
+        size *= 2
+    free = [budget] * (2 * size)  # free[size + b]: room in bin b; free[node]: the max over its leaves
+    bins: list[list[int]] = []
+    for i in order:
+        need, node = lengths[i], 1
+        while node < size:  # descend to the leftmost bin with room
+            node = 2 * node if free[2 * node] >= need else 2 * node + 1
+        b = node - size
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+        free[node] -= need
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+    shuffle = torch.randperm(len(bins), generator=torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919)).tolist()
+    return [bins[j] for j in shuffle]
+
+
+def collate_packed(items: list[dict], budget: int, cap: int) -> dict:
+    """One row (1, budget): the samples (each cut to `cap` tokens) back to back, then zero padding.
+
+    position_ids restart at 0 for every sample and for the padding (its own document, loss_mask 0);
+    attention_mask is 1 on real tokens.
+    """
+    parts = {k: [it[k][:cap] for it in items] for k in items[0] if k != "sample_id"}
+    lens = [len(x) for x in parts["input_ids"]]
+    pad = budget - sum(lens)
+    out = {}
+    for k, xs in parts.items():
+        filler = xs[0].new_zeros((pad, *xs[0].shape[1:]))
+        out[k] = torch.cat([*xs, filler])[None]
+    out["position_ids"] = torch.cat([torch.arange(n) for n in lens] + [torch.arange(pad)])[None]
+    out["attention_mask"] = (torch.arange(budget) < sum(lens)).long()[None]
+    out["sample_id"] = torch.tensor([it["sample_id"] for it in items], dtype=torch.long)
+    return out
+
+
+def sample_spans(batch: dict) -> list[tuple[int, int]]:
+    """(first flat row, length) of every real sample of a collated batch, padded or packed, in (B*T) rows."""
+    mask = batch["attention_mask"]
+    B, T = mask.shape
+    if "position_ids" not in batch:
+        return [(b * T, n) for b, n in enumerate(mask.sum(1).tolist()) if n]
+    starts = ((batch["position_ids"] == 0) & mask.bool()).reshape(-1).nonzero()[:, 0].tolist()
+    ends = starts[1:] + [int(mask.sum())]  # packed rows: real tokens first, padding last (collate_packed, B = 1)
+    return [(a, b - a) for a, b in zip(starts, ends)]
+
+
+# --------------------------------------------------------------------------- online features
+
+
+class OnlineTarget:
+    """The target beside the drafter: a prefill of each micro-batch's samples gives the feature store's keys."""
+
+    def __init__(self, cfg: Config) -> None:
+        from eagle3ft.data.targets.base import Sampling
+        from eagle3ft.data.targets.hf import HFTarget, load_target
+
+        dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
+        self.cfg = dataclasses.replace(cfg.target, device="cpu", dtype=dtype)  # moved to the rank's device by `to`
+        model, tokenizer = load_target(self.cfg)
+        c = model.config
+        spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
+        self.aux_layer_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
+        self.target = HFTarget(self.cfg, self.aux_layer_ids, model=model, tokenizer=tokenizer)
+        self.sampling = Sampling(topk=cfg.harvest.topk, last_hidden=cfg.harvest.store_last_hidden)
+        info = self.target.info
+        self.identity = {"name": info.name, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size, "num_layers": info.num_layers, "aux_layer_ids": list(info.aux_layer_ids)}
+
+    def to(self, device: torch.device) -> "OnlineTarget":
+        from eagle3ft.data.targets.hf import HFTarget
+
+        t = self.target
+        self.target = HFTarget(self.cfg, self.aux_layer_ids, model=t.model.to(device), tokenizer=t.tokenizer)
+        return self
+
+    def features(self, batch: dict, device: torch.device) -> dict[str, torch.Tensor]:
+        """aux_hidden, topk_ids, topk_logprobs (and last_hidden) for a collated token batch, laid
+        out as the batch is, on `device`: zeros on padding, as the store's collate leaves them."""
+        B, T = batch["input_ids"].shape
+        spans = sample_spans(batch)
+        flat_ids = batch["input_ids"].reshape(-1).tolist()
+        feats = self.target.capture([flat_ids[a : a + n] for a, n in spans], self.sampling, to_host=False)
+        rows = torch.cat([torch.arange(a, a + n) for a, n in spans]).to(device)  # (N,) the real rows of (B*T)
+        out = {}
+        for key, dtype in (("aux_hidden", None), ("topk_ids", torch.long), ("topk_logprobs", None), ("last_hidden", None)):
+            parts = [getattr(f, key) for f in feats]
+            if parts[0] is None:
+                continue
+            real = torch.cat(parts).to(device=device, dtype=dtype)  # (N, ...) outside inference mode: a plain tensor
+            out[key] = real.new_zeros((B * T, *real.shape[1:])).index_copy_(0, rows, real).view(B, T, *real.shape[1:])
+        return out
+
+
+# --------------------------------------------------------------------------- the loop's batches
+
+
+@dataclass
+class MicroBatch:
+    tensors: dict[str, torch.Tensor]  # on the training device: what TTTObjective.forward takes
+    sample_ids: list[int]
+    tokens: int  # real tokens (padding excluded)
+
+
+def token_dataset(run_dir: Path, store: FeatureStore | None):
+    """(RUN/tokens' train split, else the token ids of the feature store's; where it is) for online training."""
+    from eagle3ft.data.tokens import TokenStore
+
+    tokens = run_dir / "tokens"
+    if (tokens / MANIFEST).is_file():
+        return TokenStore(tokens).dataset("train"), str(tokens)
+    if store is not None:
+        return store.dataset("train", keys=TOKEN_KEYS), str(store.dir)
+    raise StoreError(f"train.features is online but {run_dir} has neither a token store (tokens/) nor a feature store (features/)")
+
+
+def ensure_vocab(cfg: Config, run_dir: Path, dataset) -> None:
+    """Write RUN/vocab.safetensors from the samples' loss-masked token counts when the run has none
+    (a token store alone; a warm start keeps the drafter's own)."""
+    path = run_dir / "vocab.safetensors"
+    if cfg.drafter.init or path.is_file():
+        return
+    spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
+    counts = torch.zeros(spec.vocab_size, dtype=torch.int64)
+    for i in range(len(dataset)):
+        item = dataset[i]
+        counts += torch.bincount(item["input_ids"][item["loss_mask"].bool()], minlength=spec.vocab_size)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # every rank writes the same bytes; replace is atomic
+    save_vocab(tmp, *build_vocab(counts, spec.draft_vocab_size))
+    os.replace(tmp, path)
+
+
+class TrainData:
+    """The training split and how it becomes micro-batches: offline or online, padded or packed."""
+
+    def __init__(self, cfg: Config, run_dir: Path) -> None:
+        tcfg = cfg.train
+        if tcfg.features not in ("offline", "online"):
+            raise ValueError(f"train.features '{tcfg.features}' is not one of offline, online")
+        if tcfg.pack_tokens is not None and tcfg.pack_tokens <= 0:
+            raise ValueError(f"train.pack_tokens must be positive or null, got {tcfg.pack_tokens}")
+        self.cfg, self.online, self._bins = cfg, None, {}
+        features = run_dir / "features"
+        self.store = FeatureStore(features) if tcfg.features == "offline" or (features / MANIFEST).is_file() else None  # also the held-out split
+        if tcfg.features == "offline":
+            self.dataset, self.where = self.store.dataset("train"), str(self.store.dir)
+            self.target, self.has_last_hidden = self.store.target, self.store.manifest.get("has_last_hidden", False)
+        else:
+            self.dataset, self.where = token_dataset(run_dir, self.store)
+        if len(self.dataset) == 0:
+            raise StoreError(f"{self.where}: no training samples (the train split is empty)")
+        if tcfg.features == "online":
+            ensure_vocab(cfg, run_dir, self.dataset)
+            self.online = OnlineTarget(cfg)
+            self.target, self.has_last_hidden = self.online.identity, cfg.harvest.store_last_hidden
+        self.cap = min(tcfg.max_len, tcfg.pack_tokens or tcfg.max_len)  # tokens kept per sample
+        self.lengths = [min(n, self.cap) for n in self.dataset.lengths()] if tcfg.pack_tokens else None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def bins(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._bins:
+            self._bins = {epoch: pack_bins(self.lengths, self.cfg.train.pack_tokens, self.cfg.seed, epoch)}
+        return self._bins[epoch]
+
+    @property
+    def per_micro_batch(self) -> int:
+        """Entries of the epoch's order per micro-batch: samples, or one bin when packed."""
+        return 1 if self.lengths is not None else self.cfg.train.micro_batch_size
+
+    def order_len(self, epoch: int) -> int:
+        """Entries in the epoch's order: samples, or bins when packed (the data position counts these)."""
+        return len(self.bins(epoch)) if self.lengths is not None else len(self.dataset)
+
+    def micro_batches(self, epoch: int) -> int:
+        """Micro-batches of one epoch over all ranks."""
+        return math.ceil(self.order_len(epoch) / self.per_micro_batch)
+
+    def loader(self, epoch: int) -> torch.utils.data.DataLoader:
+        tcfg = self.cfg.train
+        common = dict(num_workers=tcfg.num_workers, pin_memory=torch.cuda.is_available())
+        if self.lengths is not None:
+            return torch.utils.data.DataLoader(self.dataset, batch_sampler=self.bins(epoch), collate_fn=partial(collate_packed, budget=tcfg.pack_tokens, cap=self.cap), **common)
+        return torch.utils.data.DataLoader(
+            EpochOrder(self.dataset, self.cfg.seed, epoch), batch_size=tcfg.micro_batch_size, shuffle=False,
+            collate_fn=partial(collate, max_len=tcfg.max_len), **common,
+        )
+
+    def epoch(self, dist, epoch: int, skip: int = 0) -> Iterator[MicroBatch]:
+        """This rank's micro-batches of `epoch` on its device, after the first `skip` (resume)."""
+        if self.online is not None and self.online.target.device != dist.device:
+            self.online.to(dist.device)
+        for batch in dist.prepare_loader(self.loader(epoch), skip_batches=skip):
+            sample_ids = batch.pop("sample_id").tolist()
+            tokens = int(batch["attention_mask"].sum())
+            extra = self.online.features(batch, dist.device) if self.online is not None else {}
+            tensors = {k: v.to(dist.device, non_blocking=True) for k, v in batch.items()}
+            yield MicroBatch({**tensors, **extra}, sample_ids, tokens)
