@@ -1,0 +1,112 @@
+"""Held-out τ while training: the TTT unroll's chain counts against eval/accept_len.py's offline chain."""
+
+import pytest
+import torch
+from _eval_tiny import greedy_items, prompts, tiny_pair
+
+from eagle3ft.data.store import collate
+from eagle3ft.eval.accept_len import evaluate
+from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.ttt import TTTObjective
+from eagle3ft.train.validate import heldout_batches, heldout_tau, heldout_view, tau_from_counts
+
+DEPTH = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    target, drafter = tiny_pair()
+    items = greedy_items(target, prompts(2, seed=1) + prompts(3, seed=7), 30)  # seen prompts (long runs) and unseen
+    return drafter, [{**it, "sample_id": torch.tensor(i)} for i, it in enumerate(items)]
+
+
+def eagle31(drafter: Eagle3Drafter, fc_norm: bool, norm_output: bool) -> Eagle3Drafter:
+    """The fitted drafter's weights in an EAGLE-3.1 layout (fc_norm weights perturbed so they act)."""
+    cfg = Eagle3Config(**{**drafter.config.__dict__, "fc_norm": fc_norm, "norm_output": norm_output})
+    m = Eagle3Drafter(cfg).double()
+    m.load_state_dict(drafter.state_dict(), strict=False)
+    if fc_norm:
+        with torch.no_grad():
+            for n in m.fc_norm:
+                n.weight.uniform_(0.8, 1.2, generator=torch.Generator().manual_seed(0))
+    return m.eval()
+
+
+@pytest.mark.parametrize("flags", [(False, False), (True, True)], ids=["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("micro_batch", [1, 3])
+def test_heldout_tau_equals_offline_chain_tau(setup, flags, micro_batch):
+    """On the target's own greedy answers, the TTT unroll's held-out τ (counts summed over the set) equals
+    eval/accept_len.py's greedy chain τ at the same depth, count for count; with padding in a batch too."""
+    drafter, items = setup
+    if flags != (False, False):
+        drafter = eagle31(drafter, *flags)
+    rep = evaluate(drafter, items, DEPTH)
+    objective = TTTObjective(drafter, steps=7, decay=0.8)
+    batches = [collate(items[a : a + micro_batch]) for a in range(0, len(items), micro_batch)]
+    res = heldout_tau(objective, batches, DEPTH, step=5, device="cpu")
+    table = rep.greedy["per_depth"]
+    assert res.chain_valid == pytest.approx([r["attempts"] for r in table], abs=1e-9)
+    assert res.chain_correct == pytest.approx([r["accepts"] for r in table], abs=1e-9)
+    assert res.heldout_tau == pytest.approx(rep.greedy["tau"], abs=1e-12)
+    assert rep.greedy["tau"] > 1.3  # the comparison sees accepted chains of several depths
+    assert res.heldout_tokens == sum(int(it["loss_mask"].sum()) for it in items) and res.step == 5
+
+
+def test_ranks_sum_to_one_rank(setup):
+    """Items split over ranks (the short rank padded with a zero-mask filler) sum to the single-rank counts."""
+    drafter, items = setup
+    objective = TTTObjective(drafter, steps=DEPTH, decay=0.8)
+    one = heldout_tau(objective, heldout_batches(items, 5, 0, 1, 2, None), DEPTH)
+    parts = [heldout_batches(items, 5, r, 2, 2, None) for r in range(2)]
+    assert [len(p) for p in parts] == [2, 2]  # 3 items each: rank 1 has two real ones and a filler
+    per_rank = [heldout_tau(objective, p, DEPTH) for p in parts]
+    summed = heldout_tau(objective, parts[0] + parts[1], DEPTH)
+    assert summed.chain_valid == pytest.approx(one.chain_valid) and summed.heldout_tau == pytest.approx(one.heldout_tau)
+    assert sum(r.heldout_tokens for r in per_rank) == one.heldout_tokens
+    with pytest.raises(ValueError, match="at least 5 steps"):
+        heldout_tau(objective, parts[0], 5)
+
+
+def test_counts_by_hand():
+    assert tau_from_counts([8, 3, 0], [10, 6, 3]) == (pytest.approx(1 + 0.8 + 0.8 * 0.5), [0.8, 0.5, 0.0])
+    lm = torch.tensor([[0, 0, 1, 1, 1, 0, 1]])
+    assert heldout_view({"loss_mask": lm})["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0, 0]]
+
+
+# --------------------------------------------------------------------------- in the loop (2 CPU processes, DeepSpeed ZeRO-2)
+
+
+@pytest.mark.slow
+def test_loop_logs_heldout_tau_and_keeps_the_best_export(tmp_path):
+    """eval_every 2 of 5 steps (log_every 4): held-out records at 2, 4 and the end; export-best is the best of
+    them and says so; export/ is the last step; a 3.1 drafter trained with the lk_hybrid loss exports its flags."""
+    import json
+
+    from safetensors.torch import load_file
+    from train_fixtures import REPO, launch, write_store
+
+    from eagle3ft.train.checkpoint import load_drafter
+    from eagle3ft.train.model import export_keys
+
+    arch = json.loads((REPO / "configs/drafters/tiny.json").read_text()) | {"fc_norm": True, "norm_output": True}
+    (tmp_path / "tiny31.json").write_text(json.dumps(arch))
+    write_store(tmp_path, n_train=12, n_heldout=3)
+    r = launch(tmp_path, "train.max_steps=5", "train.eval_every=2", "train.log_every=4", "train.save_every=10", "train.warmup_steps=1",
+               "train.loss=lk_hybrid", f"drafter.config={tmp_path / 'tiny31.json'}")
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [2, 4, 5] and all("loss" in x for x in rows)
+    held = [x for x in rows if "heldout_tau" in x]
+    assert [x["step"] for x in held] == [2, 4, 5]
+    assert held[0]["heldout_tokens"] > 0 and len(held[0]["heldout_cond_acc"]) == 3 and all(x["heldout_tau"] >= 1 for x in held)
+    best = max(held, key=lambda x: x["heldout_tau"])  # the first of equal ones is kept
+    best_card = json.loads((tmp_path / "export-best" / "card.json").read_text())
+    last_card = json.loads((tmp_path / "export" / "card.json").read_text())
+    assert best_card["which"] == "best" and best_card["step"] == best["step"] and best_card["heldout_tau"] == best["heldout_tau"]
+    assert last_card["which"] == "last" and last_card["step"] == 5 and last_card["heldout_tau"] == held[-1]["heldout_tau"]
+    assert [x["heldout_best"] for x in held].count(True) >= 1 and held[-1]["heldout_best_tau"] == best["heldout_tau"]
+    cfg = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+    assert set(load_file(tmp_path / "export-best" / "model.safetensors")) == set(export_keys(fc_norm=True))
+    m = load_drafter(tmp_path / "export-best")
+    assert m.config.fc_norm and m.config.norm_output

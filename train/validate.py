@@ -1,0 +1,173 @@
+"""Held-out τ while training: the greedy chain accept length of the drafter on a fixed held-out set.
+
+The TTT unroll run under no_grad already counts, per depth k, the positions where every earlier draft
+matched the target's argmax (chain_valid) and those where depth k matched too (chain_correct). Summed
+over the whole set and over ranks before any ratio, a_k = chain_correct_k / chain_valid_k is the
+conditional acceptance at depth k and τ = 1 + Σ_k Π_{j≤k} a_j, with the leading 1 the bonus token.
+
+One mask change makes this count the same roots as eval/accept_len.py's chain: a root (the token the
+target has just emitted) must itself be a response token. `heldout_view` therefore keeps a predicted
+token only when the token before it is a response token too. On the target's own greedy answers
+(regenerated data, stored token = target argmax), the result then equals accept_len's greedy chain τ
+at the same depth (a test checks it on the tiny model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from eagle3ft.data.store import collate
+
+
+@dataclass
+class HeldoutTau:
+    """Held-out chain counts summed over the set (and ranks), and what they give."""
+
+    step: int
+    heldout_tau: float
+    heldout_cond_acc: list[float]  # a_k, k = 1..depth
+    heldout_tokens: int  # answer tokens (loss_mask) in the held-out set
+    chain_correct: list[float]
+    chain_valid: list[float]
+
+    def record(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k not in ("chain_correct", "chain_valid")}
+
+
+def tau_from_counts(chain_correct: list[float], chain_valid: list[float]) -> tuple[float, list[float]]:
+    """(τ, a_k) from summed chain counts: a_k = correct_k / valid_k, τ = 1 + Σ_k Π_{j≤k} a_j."""
+    cond = [c / v if v > 0 else 0.0 for c, v in zip(chain_correct, chain_valid)]
+    return 1.0 + sum(math.prod(cond[: k + 1]) for k in range(len(cond))), cond
+
+
+def heldout_view(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch with loss_mask[t] kept only where loss_mask[t-1] is set too: the root of every counted chain
+    (the token before the first drafted one) is a response token, as in eval/accept_len.py."""
+    lm = batch["loss_mask"]  # (B, T)
+    prev = torch.cat([torch.zeros_like(lm[:, :1]), lm[:, :-1]], dim=1)
+    return {**batch, "loss_mask": lm * prev}
+
+
+def heldout_batches(ds, n: int, rank: int, world: int, micro_batch_size: int, max_len: int | None) -> list[dict]:
+    """This rank's collated batches of the first n held-out items (items rank, rank+world, ...).
+
+    Every rank gets the same number of batches, so sharded engines (ZeRO-3) run the same forwards on each;
+    a rank short of items repeats one with its loss_mask zeroed (it counts nothing).
+    """
+    n = min(n, len(ds))
+    per_rank = math.ceil(n / world) if n else 0
+    mine = [ds[i] for i in range(rank, n, world)]
+    if n and len(mine) < per_rank:
+        filler = {k: (torch.zeros_like(v) if k == "loss_mask" else v) for k, v in ds[0].items()}
+        mine += [filler] * (per_rank - len(mine))
+    return [collate(mine[a : a + micro_batch_size], max_len=max_len) for a in range(0, len(mine), micro_batch_size)]
+
+
+@torch.no_grad()
+def heldout_tau(
+    forward: Callable[[dict], object],
+    batches: Iterable[dict],
+    depth: int,
+    step: int = 0,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    device: torch.device | str = "cpu",
+) -> HeldoutTau:
+    """Held-out greedy chain τ at `depth`.
+
+    forward(batch) runs the TTT unroll (TTTObjective's forward, or the engine wrapping it) for at least
+    `depth` steps and returns its TTTOutput; reduce_sum sums a tensor over ranks.
+    """
+    counts = torch.zeros(3, depth, dtype=torch.float64, device=device)  # chain_correct, chain_valid, tokens (col 0)
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items() if k != "sample_id"}
+        out = forward(heldout_view(batch))
+        if out.chain_valid.shape[0] < depth:
+            raise ValueError(f"held-out τ at depth {depth} needs an unroll of at least {depth} steps, got {out.chain_valid.shape[0]}")
+        counts[0] += out.chain_correct[:depth].double()
+        counts[1] += out.chain_valid[:depth].double()
+        counts[2, 0] += batch["loss_mask"].sum()
+    counts = reduce_sum(counts)
+    correct, valid = counts[0].tolist(), counts[1].tolist()
+    tau, cond = tau_from_counts(correct, valid)
+    return HeldoutTau(step, tau, cond, int(counts[2, 0]), correct, valid)
+
+
+# --------------------------------------------------------------------------- best checkpoint
+
+
+CARD = "card.json"
+
+
+def read_card(folder: Path) -> dict | None:
+    """The card an export folder carries (which step, its held-out τ), or None."""
+    p = Path(folder) / CARD
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, depth: int) -> None:
+    """card.json beside config.json: which export this is ("last" or "best"), its step and held-out τ."""
+    card = {"which": which, "step": step, "heldout_depth": depth}
+    if result is not None:
+        card.update({"heldout_step": result.step, "heldout_tau": result.heldout_tau, "heldout_cond_acc": result.heldout_cond_acc, "heldout_tokens": result.heldout_tokens})
+    (Path(folder) / CARD).write_text(json.dumps(card, indent=2) + "\n")
+
+
+class HeldoutTracker:
+    """The training loop's held-out τ: every `train.eval_every` steps and at the end, on the first
+    `train.eval_samples` held-out samples, at the eval setting's depth (`eval.steps`); the best step by
+    held-out τ is exported to RUN/export-best/ (RUN/export/ stays the last, the one SGLang is pointed at).
+
+    `evaluate` and `keep_if_best` are collective: every rank calls them (the counts are summed over ranks,
+    and a sharded engine gathers the weights on all of them).
+    """
+
+    def __init__(self, run_dir: Path, store, cfg, dist, resumed: bool) -> None:
+        tcfg = cfg.train
+        self.dist, self.depth, self.every = dist, cfg.eval.steps, tcfg.eval_every
+        self.best_dir = Path(run_dir) / "export-best"
+        ds = store.dataset("heldout")
+        self.batches = heldout_batches(ds, tcfg.eval_samples, dist.rank, dist.world, tcfg.micro_batch_size, tcfg.max_len)
+        self.enabled = bool(self.batches)
+        card = read_card(self.best_dir) if resumed else None
+        self.best_tau = card["heldout_tau"] if card and "heldout_tau" in card else -math.inf
+        self.latest: HeldoutTau | None = None
+        if not resumed and dist.is_main and self.best_dir.exists():
+            import shutil
+
+            shutil.rmtree(self.best_dir)  # a previous run's best; this run starts over
+        if not self.enabled:
+            dist.print(f"held-out τ: {store.dir} has no held-out samples; no held-out τ and no export-best")
+
+    def due(self, step: int, total: int) -> bool:
+        return self.enabled and (step >= total or (self.every > 0 and step % self.every == 0))
+
+    def evaluate(self, engine, step: int) -> HeldoutTau:
+        self.latest = heldout_tau(lambda b: engine(b, steps=self.depth), self.batches, self.depth, step, self.dist.reduce_sum, self.dist.device)
+        return self.latest
+
+    def keep_if_best(self, engine, drafter_config, result: HeldoutTau) -> bool:
+        """Export the current weights to RUN/export-best when `result` beats every earlier held-out τ."""
+        from eagle3ft.train.checkpoint import atomic_dir, drafter_tensors, write_drafter
+
+        if not result.heldout_tau > self.best_tau:
+            return False
+        self.best_tau = result.heldout_tau
+        state = self.dist.full_state_dict(engine)
+        if self.dist.is_main:
+            with atomic_dir(self.best_dir) as tmp:
+                write_drafter(tmp, drafter_config, drafter_tensors(state, prefix="drafter."))
+                write_card(tmp, "best", result.step, result, self.depth)
+        self.dist.barrier()
+        return True
+
+    def run(self, engine, drafter_config, step: int) -> dict:
+        """Evaluate, keep the best; the fields for this step's metrics record."""
+        result = self.evaluate(engine, step)
+        best = self.keep_if_best(engine, drafter_config, result)
+        return {**result.record(), "heldout_depth": self.depth, "heldout_best": best, "heldout_best_tau": self.best_tau}
