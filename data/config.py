@@ -82,10 +82,11 @@ class DrafterConfig:
 class SourceConfig:
     """One prompt source."""
 
-    kind: str = "sharegpt"  # sharegpt | mtbench | chitchat | file | tokens
+    kind: str = "sharegpt"  # sharegpt | mtbench | chitchat | humaneval | file | tokens
     path: str | None = None  # kind=file: a json, jsonl or parquet file; kind=tokens: a token store (RUN/tokens, data/regen.py)
     limit: int | None = None  # keep at most this many conversations from this source
     split: str = "auto"  # auto (held-out fraction applies) | train | heldout
+    categories: list[str] = field(default_factory=list)  # keep only records whose "category" is one of these (MT-Bench: math, reasoning, coding, ...)
 
 
 @dataclass

