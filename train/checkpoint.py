@@ -2,26 +2,37 @@
 
 SGLang form (what `--speculative-draft-model-path` loads): `config.json` + `model.safetensors` with
 exactly the keys of `model.export_keys()`; SGLang's loader skips unknown keys silently, so every
-write checks the key set. `ckpt/step-N/` adds `trainer_state.json` (step, data position, metrics,
-resolved config) and `state/` (optimizer, scheduler, engine, every rank's RNG). Folders are written
-under a temporary name and renamed, so a reader never sees half a checkpoint.
+write checks the key set.
+
+A training checkpoint `ckpt/step-N/` is that plus the state to resume, in files that hold data only
+(safetensors and JSON: loading one runs no code) and that do not depend on the number of processes:
+  state.safetensors   fp32.<param>, exp_avg.<param>, exp_avg_sq.<param>: the whole fp32 master weight
+                      and Adam moments of every trainable parameter; rank<r>.torch_cpu (uint8),
+                      rank<r>.torch_cuda (uint8, on CUDA), rank<r>.numpy_keys: each rank's RNG states
+  state.json          optimizer (class, step count, hyper-parameters per group, parameter names),
+                      LR scheduler state, engine counters, the Python/NumPy RNG scalars per rank
+  trainer_state.json  format, step, data position (epoch, samples of its seeded order consumed),
+                      world size, batch shape, total steps, resolved config, last metrics; written last
+Folders are written under a temporary name and renamed, so a reader never sees half a checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter, export_keys
 
-CONFIG, WEIGHTS, TRAINER_STATE, STATE_DIR = "config.json", "model.safetensors", "trainer_state.json", "state"
+CONFIG, WEIGHTS, TRAINER_STATE, STATE_TENSORS, STATE_JSON = "config.json", "model.safetensors", "trainer_state.json", "state.safetensors", "state.json"
+FORMAT = "eagle3ft-train-state-2"
 IGNORED_KEYS = ("embed_tokens.weight",)  # filled from the target by SGLang and by `load_drafter`
 
 
@@ -174,21 +185,65 @@ def resume_path(run_dir: Path, resume: str | None) -> Path | None:
     return p
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, damaged or of another kind; the message names the file."""
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`; CheckpointError naming the file otherwise."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+class StateTensors:
+    """The tensors of a state.safetensors, read one at a time (safetensors: no code runs)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self._f = safe_open(str(self.path), framework="pt")
+            self._keys = set(self._f.keys())
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: missing") from None
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{self.path}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._f.get_slice(key).get_shape())
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise CheckpointError(f"{self.path}: no tensor {key}")
+        try:
+            return self._f.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{self.path}: cannot read {key} ({str(e).splitlines()[0]})") from None
+
+
 def save_checkpoint(dist, module, cfg: Eagle3Config, run_dir: Path, step: int, trainer_state: dict, keep: int) -> Path:
-    """Collective: every rank calls it. Writes ckpt/step-N atomically and keeps the newest `keep`."""
+    """Collective: every rank calls it. Writes ckpt/step-N atomically (from the main process) and keeps the newest `keep`."""
     root = Path(run_dir) / "ckpt"
     final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp"
+    tensors, meta = dist.training_state()
+    state = dist.full_state_dict(module)
     if dist.is_main:
+        tmp = root / f".step-{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    dist.barrier()
-    dist.save_state(tmp / STATE_DIR)
-    state = dist.full_state_dict(module)
-    dist.barrier()  # every rank has written its part of state/ before the folder is renamed
-    if dist.is_main:
         write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
-        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1) + "\n")
+        save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": FORMAT})
+        (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1) + "\n")
+        (tmp / TRAINER_STATE).write_text(json.dumps({"format": FORMAT, **trainer_state}, indent=1) + "\n")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -198,7 +253,83 @@ def save_checkpoint(dist, module, cfg: Eagle3Config, run_dir: Path, step: int, t
     return final
 
 
-def load_checkpoint(dist, path: Path) -> dict:
-    """Restore optimizer/scheduler/engine/RNG from `path`; return its trainer_state."""
-    dist.load_state(Path(path) / STATE_DIR)
-    return json.loads((Path(path) / TRAINER_STATE).read_text())
+def read_trainer_state(path: Path) -> dict:
+    """A checkpoint's trainer_state.json, refusing the older DeepSpeed form (pickled state/ files)."""
+    st = read_json(Path(path) / TRAINER_STATE)
+    if st.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{Path(path) / TRAINER_STATE}: format {st.get('format')!r}, expected {FORMAT!r} (an older checkpoint keeps its "
+            f"training state in pickles, which are not loaded; start from its weights instead: --set drafter.init={path})"
+        )
+    return st
+
+
+def load_checkpoint(dist, path: Path, seed: int) -> tuple[dict, str]:
+    """Restore optimizer, scheduler, engine counters and RNG from `path` (collective); returns (trainer_state, RNG note).
+
+    Reads only trainer_state.json, state.json and state.safetensors; every problem is a CheckpointError naming the file.
+    """
+    path = Path(path)
+    st = read_trainer_state(path)
+    meta = read_json(path / STATE_JSON)
+    tensors = StateTensors(path / STATE_TENSORS)
+    try:
+        opt = meta["optimizer"]
+        shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in dist.trainable()}
+        if list(shapes) != opt["params"]:
+            raise CheckpointError(f"{path / STATE_JSON}: trainable parameters {opt['params']} differ from the drafter's {list(shapes)}")
+        for name, shape in shapes.items():
+            for k in ("fp32", *opt["moments"]):
+                key = f"{k}.{name}"
+                if key not in tensors:
+                    raise CheckpointError(f"{tensors.path}: no tensor {key}")
+                if tensors.shape(key) != shape:
+                    raise CheckpointError(f"{tensors.path}: {key} has shape {list(tensors.shape(key))}, the drafter's is {list(shape)}")
+        note = dist.load_training_state(tensors, meta, seed)
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / STATE_JSON}: missing or malformed entry {e}") from None
+    return st, note
+
+
+def resume_position(st: dict, path: Path, n_train: int, micro_batch_size: int, world: int) -> tuple[int, int]:
+    """(epoch, micro-batches per rank to skip) to continue the seeded global sample order where `st` left it.
+
+    The position is stored as samples consumed; on W processes of micro batch B, rank r reads global
+    micro-batches r, r+W, ... of the epoch's order, so the position must split into rounds of W x B.
+    """
+    data = st.get("data")
+    if not isinstance(data, dict) or not {"epoch", "samples_in_epoch", "n_train"} <= set(data):
+        raise CheckpointError(f"{Path(path) / TRAINER_STATE}: no data position (data.epoch, data.samples_in_epoch, data.n_train)")
+    if data["n_train"] != n_train:
+        raise CheckpointError(f"{Path(path) / TRAINER_STATE}: written for {data['n_train']} training samples, the store has {n_train}")
+    epoch, done = data["epoch"], data["samples_in_epoch"]
+    if done >= n_train:
+        return epoch + 1, 0
+    per_round = world * micro_batch_size
+    if done % per_round:
+        raise CheckpointError(
+            f"{Path(path) / TRAINER_STATE}: {done} samples of epoch {epoch} consumed do not split into rounds of {per_round} "
+            f"({world} process(es) x train.micro_batch_size {micro_batch_size}); resume with processes x micro batch dividing {done}"
+        )
+    return epoch, done // per_round
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Drop the records of `path` (metrics.jsonl) past `step`, in one rename; returns how many were dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a line cut short by a kill
+    if len(keep) == len(lines):
+        return 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return len(lines) - len(keep)

@@ -6,20 +6,40 @@ Topology (processes, machines, CPU or GPU) comes from the accelerate config give
 `train.deepspeed` (zero2.json by default, zero3.json for stage 3); batch size, accumulation and
 clipping are left "auto" there and filled from the train config here. On CPU the process group
 is gloo (without it each rank would silently read the whole dataset).
+
+Training state is read and written here as whole tensors, whatever the number of processes: the
+fp32 master weight and the Adam moments of every trainable parameter (DeepSpeed's
+`safe_get_full_*` / `safe_set_full_*`, ZeRO 1/2/3), the optimizer's step count and hyper-parameters,
+the LR scheduler's state and every rank's RNG states. `train/checkpoint.py` stores them as
+safetensors + JSON, so a resume loads no pickle and may use another number of processes.
+
+A launched rank exits when its launcher dies (`watch_launcher`): torchrun starts the ranks in their
+own session, so a `kill -9` of the launcher's process group would otherwise leave them running.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import random
+import signal
 import socket
+import sys
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import InitProcessGroupKwargs
 
 from eagle3ft.data.config import TrainConfig, resolve_path
+from eagle3ft.runlock import RunLocked, check_owner, run_lock
+
+PR_SET_PDEATHSIG = 1
 
 
 def deepspeed_config(tcfg: TrainConfig, cuda: bool) -> dict:
@@ -43,6 +63,47 @@ def deepspeed_config(tcfg: TrainConfig, cuda: bool) -> dict:
     return ds
 
 
+def watch_launcher(poll_s: float = 0.5) -> None:
+    """Exit this process when its parent (the launcher) dies.
+
+    On Linux the kernel sends SIGKILL at the parent's death (prctl PR_SET_PDEATHSIG); a daemon thread
+    also polls the parent pid, which covers other platforms and a parent that died before the prctl.
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    def poll() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=poll, name="launcher-watch", daemon=True).start()
+
+
+def rng_state() -> dict:
+    """This process's RNG states: torch CPU (and CUDA) as uint8 tensors, Python's and NumPy's as plain values."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "python": {"version": py[0], "state": list(py[1]), "gauss": py[2]},
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    if state.get("torch_cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["torch_cuda"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -54,7 +115,9 @@ class Dist:
 
     def __init__(self, tcfg: TrainConfig) -> None:
         cuda = torch.cuda.is_available()
-        if "LOCAL_RANK" not in os.environ:  # started without a launcher: a world of one process
+        if "LOCAL_RANK" in os.environ:
+            watch_launcher()
+        else:  # started without a launcher: a world of one process
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), ACCELERATE_USE_DEEPSPEED="true")
         self.ds_config = deepspeed_config(tcfg, cuda)
         self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
@@ -93,8 +156,13 @@ class Dist:
     # -- setup
 
     def prepare(self, module, optimizer, scheduler):
-        """Wrap the objective module, optimizer and scheduler in the DeepSpeed engine."""
-        return self.acc.prepare(module, optimizer, scheduler)
+        """Wrap the objective module and optimizer in the DeepSpeed engine; the scheduler ticks once per optimizer step.
+
+        (accelerate's own wrapper would tick it once per process per step, so the schedule would depend on the world size.)
+        """
+        self.engine, self.optimizer = self.acc.prepare(module, optimizer)
+        self.scheduler = AcceleratedScheduler(scheduler, self.optimizer, split_batches=True)
+        return self.engine, self.optimizer, self.scheduler
 
     def prepare_loader(self, loader: torch.utils.data.DataLoader, skip_batches: int = 0):
         """Shard a DataLoader's batches over the ranks (rank r gets batches r, r+W, ...), skipping some on resume."""
@@ -135,14 +203,129 @@ class Dist:
     def print(self, *args) -> None:
         self.acc.print(*args, flush=True)
 
-    # -- state
+    # -- run lock
 
-    def save_state(self, folder: Path) -> None:
-        """Optimizer, scheduler, engine and every rank's RNG states (collective: all ranks call it)."""
-        self.acc.save_state(str(folder))
+    def lock_run(self, run_dir: Path, stage: str = "train"):
+        """Rank 0 takes the run folder's lock for the launch; the other ranks check that it holds it (collective)."""
+        lock, error = None, ""
+        if self.is_main:
+            try:
+                lock = run_lock(run_dir, stage).acquire()
+            except RunLocked as e:
+                error = str(e)
+        owner = self.gather_objects((socket.gethostname(), os.getpid(), error))[0]
+        if owner[2]:
+            raise RunLocked(owner[2] if self.is_main else f"rank 0 could not lock {run_dir}")
+        if not self.is_main:
+            check_owner(run_dir, owner[0], owner[1])
+        return lock
 
-    def load_state(self, folder: Path) -> None:
-        self.acc.load_state(str(folder))
+    # -- training state (every rank calls these; whole tensors, any world size)
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (plain values and CPU tensors), on every rank."""
+        if self.world == 1:
+            return [obj]
+        out: list = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def _zero(self):
+        zopt = self.engine.optimizer
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"train.deepspeed: ZeRO stage {self.zero_stage}; checkpoints need ZeRO stage 1, 2 or 3")
+        flats = zopt.fp32_partitioned_groups_flat if self.zero_stage == 3 else zopt.single_partition_of_fp32_groups
+        return zopt, flats
+
+    def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+
+    def training_state(self) -> tuple[dict[str, torch.Tensor], dict] | tuple[None, None]:
+        """(tensors, meta) on the main process, (None, None) elsewhere (collective).
+
+        tensors: `fp32.<param>`, `exp_avg.<param>`, `exp_avg_sq.<param>` (whole, fp32) and `rank<r>.<rng>` for every rank.
+        meta: optimizer step count and hyper-parameters, scheduler state, engine counters, RNG scalars.
+        """
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        zopt, flats = self._zero()
+        state = zopt.optimizer.state[flats[0]]
+        keys = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == flats[0].shape)
+        tensors = {}
+        for name, p in self.trainable():
+            full = {"fp32": safe_get_full_fp32_param(p), **{k: safe_get_full_optimizer_state(p, k) for k in keys}}
+            if self.is_main:
+                tensors.update({f"{k}.{name}": v.detach().float().cpu().contiguous() for k, v in full.items()})
+        rngs = self.gather_objects(rng_state())
+        if not self.is_main:
+            return None, None
+        for r, st in enumerate(rngs):
+            tensors[f"rank{r}.torch_cpu"] = st["torch_cpu"]
+            if st["torch_cuda"] is not None:
+                tensors[f"rank{r}.torch_cuda"] = st["torch_cuda"].cpu()
+            tensors[f"rank{r}.numpy_keys"] = st["numpy"]["keys"]
+        steps = {float(zopt.optimizer.state[f]["step"]) for f in flats if "step" in zopt.optimizer.state[f]}
+        if len(steps) != 1:
+            raise RuntimeError(f"optimizer step counts differ between parameter groups: {sorted(steps)}")
+        groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"} for g in zopt.optimizer.param_groups]
+        sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+        return tensors, {
+            "optimizer": {"class": type(zopt.optimizer).__name__, "step": int(steps.pop()), "moments": keys, "param_groups": groups, "params": [n for n, _ in self.trainable()]},
+            "scheduler": sched,
+            "engine": {"global_steps": self.engine.global_steps, "global_samples": self.engine.global_samples},
+            "rng": {"world_size": len(rngs), "python": [st["python"] for st in rngs], "numpy": [{k: v for k, v in st["numpy"].items() if k != "keys"} for st in rngs]},
+        }
+
+    def load_training_state(self, tensors, meta: dict, seed: int) -> str:
+        """Restore what `training_state` wrote (`tensors[key]` reads one tensor); returns a note on the RNG restore.
+
+        On another world size, ranks that have no saved RNG state are seeded from (seed, step, rank).
+        """
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        zopt, flats = self._zero()
+        opt = meta["optimizer"]
+        inner = zopt.optimizer
+        if len(opt["param_groups"]) != len(inner.param_groups):
+            raise ValueError(f"{len(opt['param_groups'])} optimizer parameter groups saved, {len(inner.param_groups)} now")
+        for flat in flats:  # Adam's state is created lazily at the first step: create it now, then fill it
+            st = inner.state[flat]
+            on_device = any(g.get("capturable") or g.get("fused") for g in inner.param_groups)
+            st["step"] = torch.tensor(float(opt["step"]), dtype=torch.float32, device=flat.device if on_device else "cpu")
+            for k in opt["moments"]:
+                st[k] = torch.zeros_like(flat)
+        if self.zero_stage in (1, 2):
+            zopt._lazy_init_hp_params_optimizer_state()  # links each parameter's fragment of the moments
+        for name, p in self.trainable():
+            fp32 = tensors[f"fp32.{name}"].to(self.device)
+            safe_set_full_fp32_param(p, fp32)
+            for k in opt["moments"]:
+                safe_set_full_optimizer_state(p, tensors[f"{k}.{name}"].to(self.device), k)
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=self.zero_stage == 3):
+                if self.zero_stage != 3 or self.is_main:
+                    p.data.copy_(fp32.to(p.dtype))
+        for g, saved in zip(inner.param_groups, opt["param_groups"]):
+            g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        self.scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None] * len(meta["scheduler"]["base_lrs"])})
+        self.engine.global_steps = meta["engine"]["global_steps"]
+        self.engine.global_samples = meta["engine"]["global_samples"]
+        rng = meta["rng"]
+        saved_world, r = rng["world_size"], self.rank
+        if r < saved_world:
+            cuda = f"rank{r}.torch_cuda"
+            set_rng_state({
+                "torch_cpu": tensors[f"rank{r}.torch_cpu"], "torch_cuda": tensors[cuda] if cuda in tensors else None,
+                "python": rng["python"][r], "numpy": {"keys": tensors[f"rank{r}.numpy_keys"], **rng["numpy"][r]},
+            })
+        else:
+            mixed = seed * 1_000_003 + opt["step"] * 1009 + r
+            torch.manual_seed(mixed)
+            random.seed(mixed)
+            np.random.seed(mixed % 2**32)
+        if saved_world == self.world:
+            return f"RNG states of all {self.world} rank(s) restored"
+        return f"RNG states restored for ranks 0..{min(saved_world, self.world) - 1} (saved by {saved_world} process(es), now {self.world}); other ranks seeded from (seed, step, rank)"
 
     def full_state_dict(self, module) -> dict[str, torch.Tensor] | None:
         """The unsharded weights on the main process (collective under ZeRO-3), None elsewhere."""

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
 
-from eagle3ft.data.config import build_parser, parse_cli, save_resolved
+from eagle3ft.data.config import build_parser, cli_errors, parse_cli, save_resolved
 from eagle3ft.data.store import StoreError
+from eagle3ft.runlock import RunLocked, run_lock
 from eagle3ft.train.loop import NonFiniteLoss, OutOfMemoryHint, main
 
 DESCRIPTION = "Fine-tune an EAGLE-3 drafter on a run's feature store."
@@ -24,13 +26,12 @@ def cli(argv: list[str] | None = None) -> int:
     cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
     if args.resume is not None:
         cfg.train.resume = args.resume
-    if int(os.environ.get("RANK", "0")) == 0:  # every rank parses the config; one records it in run_dir/config.yaml
-        save_resolved(cfg, run_dir, "train")
-    try:
-        main(cfg, run_dir)
-    except (StoreError, NonFiniteLoss, OutOfMemoryHint, ValueError, FileNotFoundError) as e:
-        print(f"finetune: error: {e}", file=sys.stderr)
-        return 1
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # rank 0 holds the run folder's lock and records run_dir/config.yaml
+    with cli_errors("finetune", StoreError, NonFiniteLoss, OutOfMemoryHint, RunLocked):  # exits 1 with one line
+        with run_lock(run_dir, "train") if rank0 else nullcontext():
+            if rank0:
+                save_resolved(cfg, run_dir, "train")
+            main(cfg, run_dir)
     return 0
 
 

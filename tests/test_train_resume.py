@@ -1,0 +1,279 @@
+"""Resume without pickles and across world sizes, the run lock in training, no orphaned ranks (real launches, CPU gloo).
+
+Equivalent batches: 2 processes x micro batch 1 (grad_accum 1) and 1 process x micro batch 1 x grad_accum 2
+average the same two samples per optimizer step, so a run can move between them and continue as a
+straight run would (to float rounding: the sums are taken in another order).
+"""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3ft.runlock import LOCK_NAME
+from eagle3ft.train.checkpoint import FORMAT, CheckpointError, StateTensors, read_json, read_trainer_state
+from train_fixtures import REPO, launch, write_store
+
+COMMON = ("train.warmup_steps=2", "train.lr=3e-3", "train.save_every=2", "train.keep_checkpoints=3", "train.ttt_steps=3", "train.max_steps=6")
+ONE_PROC = ("train.grad_accum=2",)  # 1 process x 2 micro-batches = the 2-process step
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+def ok(r) -> None:
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def flat(samples: list[list[int]]) -> list[int]:
+    return sorted(s for rank in samples for s in rank)
+
+
+class Payload:
+    """Unpickling this creates `marker`: what a planted checkpoint file could do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def plant(path: Path, marker: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(pickle.dumps(Payload(marker)))
+
+
+# Every file the DeepSpeed/accelerate resume read with torch.load(weights_only=False) or pickle, and a few likely names.
+OLD_FILES = (
+    "state/random_states_0.pkl", "state/random_states_1.pkl", "state/scheduler.bin", "state/optimizer.bin", "state/pytorch_model.bin",
+    "state/sampler.bin", "state/custom_checkpoint_0.pkl", "state/pytorch_model/mp_rank_00_model_states.pt",
+    "state/pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt", "state/pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "state/pytorch_model/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "state/pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin",
+)
+
+
+# --------------------------------------------------------------------------- in-process: damaged and planted files
+
+
+def test_a_planted_pickle_is_refused_naming_the_file_and_never_runs(tmp_path):
+    marker = tmp_path / "payload-ran"
+    plant(tmp_path / "live.pkl", tmp_path / "live-marker")
+    pickle.loads((tmp_path / "live.pkl").read_bytes())
+    assert (tmp_path / "live-marker").exists()  # the payload is live: unpickling it does run it
+
+    ck = tmp_path / "step-2"
+    plant(ck / "state.safetensors", marker)
+    with pytest.raises(CheckpointError, match=rf"^{ck / 'state.safetensors'}: not a readable safetensors file") as e:
+        StateTensors(ck / "state.safetensors")
+    assert "\n" not in str(e.value)
+    plant(ck / "state.json", marker)
+    with pytest.raises(CheckpointError, match=rf"^{ck / 'state.json'}: not valid JSON"):
+        read_json(ck / "state.json")
+    plant(ck / "trainer_state.json", marker)
+    with pytest.raises(CheckpointError, match=rf"^{ck / 'trainer_state.json'}: not valid JSON"):
+        read_trainer_state(ck)
+    assert not marker.exists()
+
+
+def test_an_old_checkpoint_with_pickled_state_is_refused_with_a_way_out(tmp_path):
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"step": 4, "epoch": 0, "batch_in_epoch": 4}))
+    with pytest.raises(CheckpointError, match=rf"format None, expected '{FORMAT}'.*drafter.init={tmp_path}"):
+        read_trainer_state(tmp_path)
+
+
+def test_a_truncated_state_file_names_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"fp32.w": torch.zeros(1000)}, str(tmp_path / "state.safetensors"))
+    data = (tmp_path / "state.safetensors").read_bytes()
+    (tmp_path / "state.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / 'state.safetensors'}: "):
+        StateTensors(tmp_path / "state.safetensors")["fp32.w"]
+
+
+# --------------------------------------------------------------------------- real launches
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """6 steps on 2 processes, and the same run stopped at step 4 (before resuming) kept aside."""
+    run = tmp_path_factory.mktemp("straight")
+    write_store(run)
+    ok(launch(run, *COMMON))
+    stopped = tmp_path_factory.mktemp("stopped")
+    write_store(stopped)
+    ok(launch(stopped, *COMMON, "train.stop_after=4"))
+    return run, stopped
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+def test_resume_on_the_same_world_size_is_bit_identical_and_loads_no_pickle(straight, tmp_path):
+    ref, stopped = straight
+    run = copy_run(stopped, tmp_path / "run")
+    marker = tmp_path / "payload-ran"
+    for name in OLD_FILES:
+        plant(run / "ckpt" / "step-4" / name, marker)
+    state = json.loads((run / "ckpt" / "step-4" / "trainer_state.json").read_text())
+    assert state["format"] == FORMAT and state["data"] == {"epoch": 0, "samples_in_epoch": 8, "n_train": 16} and state["world_size"] == 2
+    ok(launch(run, *COMMON, extra=("--resume", "auto")))
+    assert not marker.exists()
+    resumed, straight_rows = metrics(run), metrics(ref)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # no step twice
+    for a, b in zip(resumed, straight_rows):
+        assert (a["samples"], a["loss"], a["step_loss"], a["lr"]) == (b["samples"], b["loss"], b["step_loss"], b["lr"]), a["step"]
+    x, y = load_file(run / "export" / "model.safetensors"), load_file(ref / "export" / "model.safetensors")
+    assert all(torch.equal(x[k], y[k]) for k in y)
+    s_a, s_b = load_file(run / "ckpt" / "step-6" / "state.safetensors"), load_file(ref / "ckpt" / "step-6" / "state.safetensors")
+    assert set(s_a) == set(s_b) and all(torch.equal(s_a[k], s_b[k]) for k in s_b if not k.startswith("rank"))  # masters and moments
+
+
+@pytest.mark.slow
+def test_two_processes_resume_on_one_and_continue_the_straight_run(straight, tmp_path):
+    ref, stopped = straight
+    run = copy_run(stopped, tmp_path / "run")
+    r = launch(run, *COMMON, *ONE_PROC, procs=1, extra=("--resume", "auto"))
+    ok(r)
+    assert "written by 2 process(es), now 1" in r.stdout + r.stderr
+    resumed, straight_rows = metrics(run), metrics(ref)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(resumed, straight_rows):
+        assert flat(a["samples"]) == flat(b["samples"]), a["step"]  # same samples per step: none skipped or seen twice
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+    assert len(resumed[-1]["samples"]) == 1  # steps 5 and 6 ran on one process
+    x, y = load_file(run / "export" / "model.safetensors"), load_file(ref / "export" / "model.safetensors")
+    for k in y:
+        torch.testing.assert_close(x[k], y[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_one_process_resumes_on_two(straight, tmp_path):
+    ref, _ = straight
+    write_store(tmp_path)
+    ok(launch(tmp_path, *COMMON, *ONE_PROC, "train.stop_after=4", procs=1))
+    ok(launch(tmp_path, *COMMON, extra=("--resume", "auto")))
+    resumed, straight_rows = metrics(tmp_path), metrics(ref)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [len(r["samples"]) for r in resumed] == [1, 1, 1, 1, 2, 2]
+    for a, b in zip(resumed, straight_rows):
+        assert flat(a["samples"]) == flat(b["samples"]), a["step"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+
+
+@pytest.mark.slow
+def test_a_position_that_does_not_split_over_the_processes_is_refused(straight, tmp_path):
+    _, stopped = straight
+    run = copy_run(stopped, tmp_path / "run")  # 8 samples consumed; 2 processes x micro batch 3 = rounds of 6
+    r = launch(run, *COMMON, "train.micro_batch_size=3", extra=("--resume", "auto"))
+    assert r.returncode != 0
+    assert "8 samples of epoch 0 consumed do not split into rounds of 6" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_planted_state_file_stops_the_resume_naming_it(straight, tmp_path):
+    _, stopped = straight
+    run = copy_run(stopped, tmp_path / "run")
+    marker = tmp_path / "payload-ran"
+    plant(run / "ckpt" / "step-4" / "state.safetensors", marker)
+    r = launch(run, *COMMON, procs=1, extra=("--resume", "auto"))
+    assert r.returncode == 1 and not marker.exists()
+    err = [line for line in r.stderr.splitlines() if line.startswith("finetune: error:")]
+    assert err and f"{run / 'ckpt' / 'step-4' / 'state.safetensors'}: not a readable safetensors file" in err[0], r.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- run lock and launcher death
+
+
+def launch_cmd(run_dir: Path, *overrides: str, procs: int = 2) -> list[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu-2proc.yaml"), "--num_processes", str(procs),
+           "--main_process_port", str(port), str(REPO / "train/finetune.py"), "--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(run_dir),
+           "--set", "train.wandb_mode=disabled"]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd
+
+
+def ranks_of(run_dir: Path, launcher: int) -> list[int]:
+    """Pids of live processes running finetune.py on `run_dir`, the launcher aside."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == launcher:
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if "finetune.py" in cmd and str(run_dir) in cmd and state != "Z":
+            found.append(int(d.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_killing_the_launchers_process_group_leaves_no_rank_and_the_lock_is_taken_over(tmp_path):
+    write_store(tmp_path)
+    log = open(tmp_path / "launch.log", "w")
+    p = subprocess.Popen(launch_cmd(tmp_path, "train.max_steps=100000", "train.save_every=100000", "train.ttt_steps=3"), cwd=REPO, stdout=log, stderr=log, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (tmp_path / "train" / "metrics.jsonl").exists():
+            assert p.poll() is None, (tmp_path / "launch.log").read_text()[-3000:]
+            time.sleep(0.5)
+        ranks = ranks_of(tmp_path, p.pid)
+        assert len(ranks) == 2, ranks
+        owner = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert owner["pid"] in ranks and owner["stage"] == "train"
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.time() + 10
+        while time.time() < deadline and ranks_of(tmp_path, p.pid):
+            time.sleep(0.2)
+        assert ranks_of(tmp_path, p.pid) == [], "ranks outlived their launcher"
+    finally:
+        for pid in ranks_of(tmp_path, p.pid) if ranks else []:
+            os.kill(pid, signal.SIGKILL)
+        log.close()
+    assert (tmp_path / LOCK_NAME).exists()  # the killed rank 0 could not remove it: stale
+    r = subprocess.run(launch_cmd(tmp_path, "train.max_steps=1", "train.ttt_steps=3", procs=1), cwd=REPO, capture_output=True, text=True, timeout=600)
+    ok(r)
+    assert f"taking over the stale lock {tmp_path / LOCK_NAME} of train (pid {owner['pid']}" in r.stderr
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_a_second_training_on_a_locked_run_folder_stops_naming_the_owner(tmp_path):
+    write_store(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        owner = {"host": socket.gethostname(), "pid": holder.pid, "stage": "harvest", "started": "2026-11-30T10:00:00+0000"}
+        (tmp_path / LOCK_NAME).write_text(json.dumps(owner))
+        r = launch(tmp_path, "train.max_steps=1", "train.ttt_steps=3")
+        assert r.returncode != 0
+        assert f"finetune: error: {tmp_path} is in use by harvest (pid {holder.pid} on {owner['host']}" in r.stderr, r.stderr[-3000:]
+        assert not (tmp_path / "ckpt").exists() and json.loads((tmp_path / LOCK_NAME).read_text()) == owner
+    finally:
+        holder.kill()
+        holder.wait()
