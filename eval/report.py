@@ -244,7 +244,10 @@ def build(run_dir: Path, cfg=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     metrics, heldout = read_metrics(run_dir / "train" / "metrics.jsonl")
     est = {str(m["step"]): m["accept_len_est"] for m in metrics if m["step"] in {h["step"] for h in heldout} and "accept_len_est" in m}
+    exports = {name: card for name in ("export", "export-best") if (card := _read_json(run_dir / name / "card.json"))}
     acc = _read_json(out / "accept_len.json")
+    if acc and acc.get("checkpoint"):
+        acc = {**acc, "card": _read_json(Path(acc["checkpoint"]) / "card.json")}
     summary = _read_json(run_dir / "bench" / "summary.json")
     offline = offline_tau_by_setting(out / "accept_len.json")
     cal = load_calibration(resolve_path(cfg.bench.calibration)) if cfg is not None and cfg.bench.calibration else None
@@ -286,7 +289,7 @@ def build(run_dir: Path, cfg=None) -> dict:
         "run_dir": str(run_dir),
         "headline": headline,
         "verdict": verdict(headline) or (prediction_verdict(prediction) if prediction and not summary else None),
-        "train": {"steps": len(metrics), "last": metrics[-1] if metrics else None, "heldout": heldout, "accept_len_est": est},
+        "train": {"steps": len(metrics), "last": metrics[-1] if metrics else None, "heldout": heldout, "accept_len_est": est, "exports": exports},
         "accept_len": acc,
         "bench": summary,
         "economics": econ,
@@ -352,6 +355,12 @@ def _md_train(r: dict) -> list[str]:
         L.append("")
     else:
         L += ["No held-out τ was logged while training (no `heldout_tau` records in train/metrics.jsonl).", ""]
+    for name, card in r["train"].get("exports", {}).items():
+        tau = f", held-out τ {card['heldout_tau']:.3f} at step {card.get('heldout_step')}" if "heldout_tau" in card else ""
+        role = "the last step, what SGLang is pointed at by default" if card.get("which") == "last" else "the best step by held-out τ"
+        L += [f"- `{name}/`: {role}: step {card.get('step')}{tau}."]
+    if r["train"].get("exports"):
+        L.append("")
     return L + ["![training](train_loss.png)", ""]
 
 
@@ -365,7 +374,9 @@ def _md_offline(a: dict | None) -> list[str]:
     L += [
         f"Measured on: the held-out split of {d.get('features', 'RUN/features')} — {a['samples']} conversations "
         f"(sources: {srcs}{f'; auto sources hold out {held_frac:.0%}' if held_frac is not None and any(s.get('split') == 'auto' for s in d.get('sources', [])) else ''}), "
-        f"{a['roots']} roots (response tokens a draft chain starts from), drafter {a.get('checkpoint', '?')}.",
+        f"{a['roots']} roots (response tokens a draft chain starts from), drafter {a.get('checkpoint', '?')}"
+        + (f" ({a['card'].get('which')} export, step {a['card'].get('step')})" if a.get("card") else "")
+        + ".",
         "",
         f"**τ {a['headline_tau']:.3f}** ({a['headline']}) at {a['steps']}/{a['topk']}/{a['num_draft_tokens']}; chain greedy {a['greedy']['tau']:.3f}, "
         f"chain sampled (T={a['sampled']['temperature']:g}, target top-k renormalised) {a['sampled']['tau']:.3f}"
@@ -511,7 +522,10 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, run_dir, args = parse_cli("Report: training, offline accept length, live benchmark.", stage="report", argv=argv)
     check_or_exit("report.py", "report", cfg, run_dir, args.config)
-    rep = build(run_dir, cfg)
+    from eagle3ft.runlock import holding
+
+    with holding(run_dir, "report", "report.py"):
+        rep = build(run_dir, cfg)
     print(f"report: {run_dir / 'eval' / 'report.md'}")
     print(headline_text(rep["headline"]))
     if rep["verdict"]:

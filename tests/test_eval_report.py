@@ -66,10 +66,14 @@ def _write(path, doc):
 def full_run(tmp_path):
     run = tmp_path / "run"
     train = [{"step": s, "loss": 5.0 - s / 10, "acc": [0.1 + s / 100, 0.05], "accept_len_est": 1.1 + s / 100} for s in range(1, 41)]
-    held = [{"step": s, "heldout_tau": t, "heldout_cond_acc": [0.1], "heldout_tokens": 1234} for s, t in ((10, 1.05), (20, 1.12), (30, 1.16), (40, 1.13))]
-    _write(run / "train" / "metrics.jsonl", "\n".join(json.dumps(x) for x in train + held) + "\n")
-    _write(run / "eval" / "accept_len.json", accept_len_doc())
+    held = {s: {"heldout_tau": t, "heldout_cond_acc": [0.1], "heldout_tokens": 1234} for s, t in ((10, 1.05), (20, 1.12), (30, 1.16), (40, 1.13))}
+    recs = [{**m, **held.get(m["step"], {})} for m in train]  # train/loop.py adds held-out tau to the step's record
+    recs += [{"step": 20, "heldout_tau": 1.12, "heldout_tokens": 1234}]  # or a record of its own: both are read
+    _write(run / "train" / "metrics.jsonl", "\n".join(json.dumps(x) for x in recs) + "\n")
+    _write(run / "eval" / "accept_len.json", {**accept_len_doc(), "checkpoint": str(run / "export-best")})
     _write(run / "bench" / "summary.json", summary_doc())
+    _write(run / "export" / "card.json", {"which": "last", "step": 40, "heldout_step": 40, "heldout_tau": 1.13})
+    _write(run / "export-best" / "card.json", {"which": "best", "step": 30, "heldout_step": 30, "heldout_tau": 1.16})
     return run
 
 
@@ -93,6 +97,8 @@ def test_report_reads_as_a_newcomer_needs(full_run):
     # the training-batch estimate labelled apart from held-out tau
     assert "Training-batch τ estimate (`accept_len_est`): 1.50 at step 40" in md and "not the held-out τ below" in md
     assert "last 1.130 at step 40, best 1.160 at step 30" in md and "| 30 | 1.160 (best) | 1.40 |" in md
+    assert "- `export/`: the last step, what SGLang is pointed at by default: step 40, held-out τ 1.130 at step 40." in md
+    assert "- `export-best/`: the best step by held-out τ: step 30" in md and "export-best (best export, step 30)." in md
     assert rep["train"]["steps"] == 40  # held-out records do not replace the training records of their step
     for name in ("train_loss", "accept_per_depth", "tau_offline_vs_live", "tok_s_vs_draft_tokens"):
         assert (full_run / "eval" / rep["plots"][name]).stat().st_size > 10_000
