@@ -5,7 +5,8 @@ makes it. `check_or_exit` prints that line as `<prog>: error: ...` and exits 2, 
 is loaded. What each stage needs:
 
     eval       the drafter (eval.checkpoint, default RUN/export) and RUN/features
-    bench      the drafter (and the bench.calibration file when set)
+    bench      the drafter, unless SGLang servers already running serve it (bench.backend sglang
+               without bench.launch); the bench.calibration file when set
     economics  RUN/bench/summary.json, or with bench.calibration (a file) RUN/eval/accept_len.json
     report     something to report: train/metrics.jsonl, eval/accept_len.json or bench/summary.json
 
@@ -75,8 +76,8 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
     calibration = resolve_path(cfg.bench.calibration) if cfg.bench.calibration else None
     if stage in ("bench", "economics") and calibration and not calibration.is_file():
         return f"no calibration file {calibration} (bench.calibration): every eval/bench.py run writes RUN/bench/calibration.json"
-    if stage == "bench":
-        return drafter()
+    if stage == "bench":  # running SGLang servers given by URL hold their drafter: nothing to check here
+        return None if cfg.bench.backend == "sglang" and not cfg.bench.launch else drafter()
     if stage == "economics":
         if summary.is_file() or (cfg.bench.calibration and offline.is_file()):
             return None

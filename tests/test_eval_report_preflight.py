@@ -3,8 +3,9 @@ line that names what is missing and the command that makes it."""
 
 import pytest
 
+from eagle3ft.data.config import load_config
 from eagle3ft.data.targets import hf
-from eagle3ft.eval import accept_len, bench, bench_sglang, economics, report
+from eagle3ft.eval import accept_len, bench, bench_sglang, economics, preflight, report
 
 CONFIG = "configs/tiny.yaml"
 
@@ -62,6 +63,13 @@ def test_bench_needs_a_drafter(tmp_path, capsys, main):
     elsewhere = tmp_path / "nowhere"
     err = _stop(main, run, capsys, f"eval.checkpoint={elsewhere}")
     assert f"no drafter at {elsewhere} (eval.checkpoint): point --set eval.checkpoint=DIR" in err
+
+
+def test_running_sglang_servers_need_no_local_drafter(tmp_path):
+    cfg = load_config(CONFIG, ["bench.backend=sglang", "bench.speculative_url=http://127.0.0.1:1"])
+    assert preflight.check("bench", cfg, tmp_path, CONFIG) is None
+    cfg.bench.launch = True  # the launcher starts the EAGLE3 servers with eval.checkpoint
+    assert "no drafter at" in preflight.check("bench", cfg, tmp_path, CONFIG)
 
 
 def test_bench_checks_the_calibration_file_before_it_starts(tmp_path, capsys):
