@@ -334,8 +334,9 @@ def _md_train(r: dict) -> list[str]:
         L += [f"{r['train']['steps']} logged steps; last step {t['step']}: loss {t['loss']:.3f}, depth-1 accuracy {t['acc'][0]:.3f}.", ""]
         if "accept_len_est" in t:
             L += [
-                f"Training-batch τ estimate (`accept_len_est`): {t['accept_len_est']:.2f} at step {t['step']}. It is measured on the batches "
-                "that step trained on, teacher-forced: an optimistic in-sample figure, not the held-out τ below.",
+                f"Training-batch τ estimate (`accept_len_est`): {t['accept_len_est']:.2f} at step {t['step']}"
+                + (f", over the {t['tokens']:,} tokens of the batches since the previous log" if t.get("tokens") else "")
+                + ". It is measured on batches just trained on, teacher-forced: an optimistic in-sample figure, not the held-out τ below.",
                 "",
             ]
     if held:

@@ -65,7 +65,7 @@ def _write(path, doc):
 @pytest.fixture
 def full_run(tmp_path):
     run = tmp_path / "run"
-    train = [{"step": s, "loss": 5.0 - s / 10, "acc": [0.1 + s / 100, 0.05], "accept_len_est": 1.1 + s / 100} for s in range(1, 41)]
+    train = [{"step": s, "loss": 5.0 - s / 10, "acc": [0.1 + s / 100, 0.05], "accept_len_est": 1.1 + s / 100, "tokens": 2048} for s in range(1, 41)]
     held = {s: {"heldout_tau": t, "heldout_cond_acc": [0.1], "heldout_tokens": 1234} for s, t in ((10, 1.05), (20, 1.12), (30, 1.16), (40, 1.13))}
     recs = [{**m, **held.get(m["step"], {})} for m in train]  # train/loop.py adds held-out tau to the step's record
     recs += [{"step": 20, "heldout_tau": 1.12, "heldout_tokens": 1234}]  # or a record of its own: both are read
@@ -95,7 +95,7 @@ def test_report_reads_as_a_newcomer_needs(full_run):
     row = next(line for line in md.splitlines() if line.startswith("| 2/1/3 | 3 |"))
     assert row == "| 2/1/3 | 3 | 1.51 | 2.27 | 3.02: out of reach, needs 3/1/4 |"
     # the training-batch estimate labelled apart from held-out tau
-    assert "Training-batch τ estimate (`accept_len_est`): 1.50 at step 40" in md and "not the held-out τ below" in md
+    assert "Training-batch τ estimate (`accept_len_est`): 1.50 at step 40, over the 2,048 tokens of the batches" in md and "not the held-out τ below" in md
     assert "last 1.130 at step 40, best 1.160 at step 30" in md and "| 30 | 1.160 (best) | 1.40 |" in md
     assert "- `export/`: the last step, what SGLang is pointed at by default: step 40, held-out τ 1.130 at step 40." in md
     assert "- `export-best/`: the best step by held-out τ: step 30" in md and "export-best (best export, step 30)." in md
