@@ -121,6 +121,7 @@ class HarvestConfig:
     batch_size: int = 8
     topk: int = 32  # stored top-k of the target's next-token distribution
     store_last_hidden: bool = False  # also store the target's last hidden state (H per token)
+    aux_dtype: str = "bf16"  # bf16 | fp8 (e4m3 with a float32 scale per token and aux layer: 3H + 12 bytes per token)
     heldout_fraction: float = 0.05
     dedupe: bool = True
     shard_samples: int = 256  # samples per shard

@@ -32,7 +32,7 @@ from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.config import Config, HarvestConfig, cli_errors, parse_cli, resolve_path, to_dict
 from eagle3ft.data.drafter_spec import DrafterSpec
 from eagle3ft.data.prompts import Conversation, check_source, collect
-from eagle3ft.data.store import SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
+from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.targets import open_target
 from eagle3ft.data.targets.base import Request, Sampling, Target
 from eagle3ft.data.targets.hf import load_tokenizer
@@ -198,6 +198,8 @@ def check_harvest_config(h: HarvestConfig) -> None:
             raise ValueError(f"harvest.{name} must be positive, got {getattr(h, name)}")
     if not 0.0 <= h.heldout_fraction < 1.0:
         raise ValueError(f"harvest.heldout_fraction must be in [0, 1), got {h.heldout_fraction}")
+    if h.aux_dtype not in AUX_DTYPES:
+        raise ValueError(f"harvest.aux_dtype {h.aux_dtype!r} is not one of {', '.join(AUX_DTYPES)}")
     if h.argmax_tie_eps < 0 or not 0.0 <= h.argmax_max_mismatch <= 1.0:
         raise ValueError(f"harvest.argmax_tie_eps must be >= 0 and harvest.argmax_max_mismatch in [0, 1], got {h.argmax_tie_eps} and {h.argmax_max_mismatch}")
 
@@ -252,7 +254,7 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
 
     identity = {"name": info.name, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size, "num_layers": info.num_layers, "aux_layer_ids": list(info.aux_layer_ids)}
     features_dir = run_dir / "features"
-    writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs))
+    writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs), h.aux_dtype)
     damaged = writer.damaged()
     if damaged:
         raise StoreError(

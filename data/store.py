@@ -6,7 +6,8 @@ Each shard concatenates its samples along the token axis:
 
     input_ids      int32   [N_tok]
     loss_mask      uint8   [N_tok]        1 on assistant tokens (end-of-turn included)
-    aux_hidden     bf16    [N_tok, 3*Ht]  aux layers' outputs at token t
+    aux_hidden     bf16    [N_tok, 3*Ht]  aux layers' outputs at token t (or fp8 e4m3, manifest aux_dtype "fp8")
+    aux_scale      float32 [N_tok, 3]     fp8 only: per token and aux layer, amax / 448; the reader multiplies back
     topk_ids       int32   [N_tok, K]     target's top-K next-token ids at position t (over token t+1)
     topk_logprobs  float32 [N_tok, K]     their log-probs (temperature 1, sorted descending)
     last_hidden    bf16    [N_tok, Ht]    optional, final-norm output
@@ -44,6 +45,25 @@ DTYPES = {
     "topk_logprobs": torch.float32,
     "last_hidden": torch.bfloat16,
 }
+
+
+AUX_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}  # harvest.aux_dtype
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_aux(aux: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, L*H) -> fp8 e4m3 (N, L*H) and float32 scales (N, L): each token's layer chunk scaled to its amax."""
+    N = aux.shape[0]
+    x = aux.float().view(N, -1, hidden_size)  # (N, L, H)
+    scale = x.abs().amax(-1) / FP8_MAX  # (N, L)
+    q = (x / scale.clamp(min=1e-30)[..., None]).to(torch.float8_e4m3fn)
+    return q.view(N, -1), scale
+
+
+def dequantize_aux(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 (N, L*H) and scales (N, L) -> bf16 (N, L*H), as the drafter reads aux states."""
+    N, L = scale.shape
+    return (q.float().view(N, L, -1) * scale[..., None]).view(N, -1).to(torch.bfloat16)
 
 
 class StoreError(RuntimeError):
@@ -131,7 +151,9 @@ class FeatureWriter:
     manifest of an existing folder, or the writer refuses to mix harvests.
     """
 
-    def __init__(self, features_dir: str | Path, target: dict, topk: int, has_last_hidden: bool, fingerprint: str):
+    def __init__(self, features_dir: str | Path, target: dict, topk: int, has_last_hidden: bool, fingerprint: str, aux_dtype: str = "bf16"):
+        if aux_dtype not in AUX_DTYPES:
+            raise ValueError(f"harvest.aux_dtype {aux_dtype!r} is not one of {', '.join(AUX_DTYPES)}")
         self.dir = Path(features_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         fresh = {
@@ -139,6 +161,7 @@ class FeatureWriter:
             "target": target,
             "topk": topk,
             "has_last_hidden": has_last_hidden,
+            "aux_dtype": aux_dtype,
             "fingerprint": fingerprint,
             "shards": [],
             "chunks_done": {s: [] for s in SPLITS},
@@ -151,7 +174,8 @@ class FeatureWriter:
         path = self.dir / MANIFEST
         if path.exists():
             old = read_json(path, "the feature store's manifest")
-            for k in ("schema_version", "target", "topk", "has_last_hidden", "fingerprint"):
+            old.setdefault("aux_dtype", "bf16")  # stores written before the option
+            for k in ("schema_version", "target", "topk", "has_last_hidden", "aux_dtype", "fingerprint"):
                 if old.get(k) != fresh[k]:
                     raise StoreError(
                         f"{self.dir} holds a harvest with another {k} ({old.get(k)!r} != {fresh[k]!r}); use a new run dir"
@@ -175,7 +199,8 @@ class FeatureWriter:
         if chunk in m["chunks_done"][split]:
             raise StoreError(f"chunk {split}/{chunk} is already committed")
         if samples:
-            tensors = pack(samples, m["has_last_hidden"])
+            fp8 = m["aux_dtype"] == "fp8"
+            tensors = pack(samples, m["has_last_hidden"], m["aux_dtype"], m["target"]["hidden_size"] if fp8 else None)
             data = save(tensors, metadata={"schema_version": str(SCHEMA_VERSION)})  # one key: the header is byte-stable
             name = shard_name(split, chunk)
             _write_atomic(self.dir / name, data)
@@ -208,10 +233,12 @@ class FeatureWriter:
         _write_atomic(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
 
 
-def pack(samples: list[Sample], has_last_hidden: bool) -> dict[str, torch.Tensor]:
-    """Concatenate samples along the token axis in the schema's dtypes."""
+def pack(samples: list[Sample], has_last_hidden: bool, aux_dtype: str = "bf16", hidden_size: int | None = None) -> dict[str, torch.Tensor]:
+    """Concatenate samples along the token axis in the schema's dtypes (aux states in fp8 + scales for "fp8")."""
     keys = [k for k in KEYS if k != "last_hidden" or has_last_hidden]
     out = {k: torch.cat([getattr(s, k) for s in samples]).to(DTYPES[k]).contiguous() for k in keys}
+    if aux_dtype == "fp8":
+        out["aux_hidden"], out["aux_scale"] = quantize_aux(out["aux_hidden"], hidden_size)
     lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
     out["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     out["sample_ids"] = torch.tensor([s.sample_id for s in samples], dtype=torch.int64)
@@ -240,6 +267,8 @@ class FeatureStore:
         version = self.manifest.get("schema_version")
         if version != SCHEMA_VERSION:
             raise StoreError(f"{path}: schema_version {version} != {SCHEMA_VERSION} (this code)")
+        if self.manifest.get("aux_dtype", "bf16") not in AUX_DTYPES:
+            raise StoreError(f"{path}: aux_dtype {self.manifest['aux_dtype']!r} is not one of {', '.join(AUX_DTYPES)}")
         lacking = [k for k in ("target", "topk", "has_last_hidden", "shards") if k not in self.manifest]
         if lacking:
             raise StoreError(f"{path}: the manifest lacks {', '.join(lacking)}")
@@ -280,14 +309,14 @@ class FeatureStore:
         """Samples of `split`; `keys` reads only those (e.g. input_ids and loss_mask for online training)."""
         if split not in SPLITS:
             raise ValueError(f"split {split!r} not in {SPLITS}")
-        return FeatureDataset(self.shards(split), self.manifest["has_last_hidden"], keys)
+        return FeatureDataset(self.shards(split), self.manifest["has_last_hidden"], keys, self.manifest.get("aux_dtype", "bf16") == "fp8")
 
 
 class FeatureDataset(torch.utils.data.Dataset):
-    """Samples of one split, sliced from memory-mapped shards on demand."""
+    """Samples of one split, sliced from memory-mapped shards on demand (fp8 aux states come back as bf16)."""
 
-    def __init__(self, shards: list[Path], has_last_hidden: bool, keys: tuple[str, ...] | None = None):
-        self.shards = shards
+    def __init__(self, shards: list[Path], has_last_hidden: bool, keys: tuple[str, ...] | None = None, aux_fp8: bool = False):
+        self.shards, self.aux_fp8 = shards, aux_fp8
         self.keys = [k for k in KEYS if (k != "last_hidden" or has_last_hidden) and (keys is None or k in keys)]
         self.index: list[tuple[int, int, int, int]] = []  # (shard, start, end, sample_id)
         for si, path in enumerate(shards):
@@ -318,6 +347,8 @@ class FeatureDataset(torch.utils.data.Dataset):
         for k in ("input_ids", "loss_mask", "topk_ids"):
             if k in item:
                 item[k] = item[k].long()
+        if self.aux_fp8 and "aux_hidden" in item:
+            item["aux_hidden"] = dequantize_aux(item["aux_hidden"], f.get_slice("aux_scale")[a:b])
         item["sample_id"] = sid
         return item
 
