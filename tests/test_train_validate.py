@@ -110,3 +110,34 @@ def test_loop_logs_heldout_tau_and_keeps_the_best_export(tmp_path):
     assert set(load_file(tmp_path / "export-best" / "model.safetensors")) == set(export_keys(fc_norm=True))
     m = load_drafter(tmp_path / "export-best")
     assert m.config.fc_norm and m.config.norm_output
+
+
+@pytest.mark.slow
+def test_cli_on_a_run_folder_counts_what_accept_len_counts(tmp_path):
+    """python -m eagle3ft.train.validate on an exported drafter and the run's held-out features: the same
+    depth-k chain counts as eval/accept_len.py's run on that folder (greedy synthetic store)."""
+    import json
+
+    from train_fixtures import REPO, write_store
+
+    from eagle3ft.data.config import load_config
+    from eagle3ft.data.targets.hf import load_input_embedding
+    from eagle3ft.data.vocab import load_vocab
+    from eagle3ft.eval.accept_len import run as accept_len_run
+    from eagle3ft.train.checkpoint import export_drafter
+    from eagle3ft.train.validate import main
+
+    write_store(tmp_path, n_train=2, n_heldout=4)
+    cfg = load_config(REPO / "configs/tiny.yaml")
+    m = Eagle3Drafter(Eagle3Config.from_json(REPO / cfg.drafter.config))
+    d2t, t2d = load_vocab(tmp_path / "vocab.safetensors")
+    with torch.no_grad():
+        m.embed_tokens.weight.copy_(load_input_embedding(cfg.target))
+        m.d2t.copy_(d2t)
+        m.t2d.copy_(t2d)
+    export_drafter(m, tmp_path / "export")
+    main(["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path)])
+    ours = json.loads((tmp_path / "eval" / "heldout_tau.json").read_text())
+    rep = accept_len_run(cfg, tmp_path)
+    assert ours["depth"] == 3 and ours["chain_valid"] == pytest.approx([r["attempts"] for r in rep.greedy["per_depth"]])
+    assert ours["chain_valid"][0] > 0 and ours["heldout_tau"] == pytest.approx(rep.greedy["tau"], abs=1e-9)

@@ -224,7 +224,7 @@ def head_loss(x, weight, ids, p, loss: str = "ce", eta: float = 3.0, chunk: int 
         return head_cross_entropy(x, weight, ids, p, chunk)
     if loss not in LOSSES:
         raise ValueError(f"train.loss '{loss}' is not one of {', '.join(LOSSES)}")
-    chunk = chunk or HEAD_CHUNK or max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
+    chunk = chunk or HEAD_CHUNK or max(1, HEAD_CHUNK_BYTES // (12 * weight.shape[0]))  # q, dalpha/dz, dKL/dz: 3 fp32 (c, Vd) at once
     return _HeadOverlapLoss.apply(x, weight, ids, p, chunk, loss, eta)
 
 
