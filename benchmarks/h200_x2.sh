@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Issue 16 on `nvidia-h200-x2`: the Kimi-K2-shaped drafter (real dims, synthetic features) through
+# `accelerate launch train/finetune.py`, unchanged code, on 1 and 2 GPUs under ZeRO-2 and ZeRO-3.
+#   bash benchmarks/h200_x2.sh setup            install the carried wheels ($C/p1/deps) and this tree into /tmp
+#   bash benchmarks/h200_x2.sh k2 OUT_DIR       synthetic store, estimate, runs z2-1gpu z2-2gpu z3-2gpu, then a
+#                                               2-rank checkpoint resumed on 2 ranks and on 1 rank
+#   bash benchmarks/h200_x2.sh summary OUT_DIR  one line per run: tokens/s (total, per GPU), s/step, peak GiB
+# Env: C (carried files, /tmp/c), K2 (the run folder, /tmp/k2), STEPS (optimizer steps per run, 20), SEQ (2048).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+C=${C:-/tmp/c}
+K2=${K2:-/tmp/k2}
+STEPS=${STEPS:-20}
+SEQ=${SEQ:-2048}
+export PYTHONPATH=/tmp/deps:/tmp/eagle3ft-site PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # KINDS.md: never multicast
+
+sets() {  # sets STAGE_JSON: the overrides every K2 run shares
+  echo --set "target.path=$K2/run/target" --set target.kind=hf --set target.name=synthetic-k2 \
+    --set drafter.config=configs/drafters/kimi-k2.json --set drafter.init=null \
+    --set train.ttt_steps=7 --set train.micro_batch_size=1 --set train.grad_accum=1 --set "train.max_len=$SEQ" --set train.warmup_steps=2 \
+    --set train.wandb_mode=disabled --set train.keep_checkpoints=4 --set "train.deepspeed=configs/deepspeed/$1.json"
+}
+launch() {  # launch NAME ACCEL ZERO RUN_DIR [more args]: one training launch, its log in $OUT_DIR/NAME.log
+  local name=$1 accel=$2 zero=$3 run=$4; shift 4
+  echo "== $name ($(date +%T))"
+  # shellcheck disable=SC2046
+  accelerate launch --config_file "configs/accelerate/$accel.yaml" --main_process_port $((29500 + RANDOM % 1000)) \
+    train/finetune.py --config configs/kimi-k25-8gpu.yaml --run-dir "$run" $(sets "$zero") "$@" > "$OUT_DIR/$name.log" 2>&1
+  echo "   exit $? ($(date +%T)); $(grep -c '"step"' "$run/train/metrics.jsonl" 2>/dev/null) metric records"
+  cp "$run/train/metrics.jsonl" "$OUT_DIR/$name.metrics.jsonl" 2>/dev/null
+}
+fresh_run() {  # fresh_run DIR: a run folder over the shared synthetic features
+  rm -rf "$1" && mkdir -p "$1" && ln -s "$K2/run/features" "$1/features" && cp "$K2/run/vocab.safetensors" "$1/"
+}
+
+case ${1:-} in
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/deps "$C"/p1/deps/*.whl
+    rm -rf /tmp/eagle3ft-site
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . >/dev/null
+    python3 -c "import torch, deepspeed, accelerate; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'accelerate', accelerate.__version__, 'gpus', torch.cuda.device_count())"
+    ;;
+  k2)
+    OUT_DIR=${2:?OUT_DIR}; mkdir -p "$OUT_DIR"
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total,driver_version --format=csv > "$OUT_DIR/gpus.csv"
+    nvidia-smi topo -m > "$OUT_DIR/topo.txt" 2>&1
+    [[ -f $K2/run/features/manifest.json ]] || python3 benchmarks/k2_synthetic.py --run-dir "$K2/run" --samples $((STEPS * 2 + 8)) --seq "$SEQ"
+    for g in 1 2; do python3 -m eagle3ft.train.estimate --drafter configs/drafters/kimi-k2.json --gpus $g --seq "$SEQ" --json > "$OUT_DIR/estimate-${g}gpu.json"; done
+    fresh_run "$K2/z2-1"; CUDA_VISIBLE_DEVICES=0 launch z2-1gpu 1gpu zero2 "$K2/z2-1" --set "train.max_steps=$STEPS" --set train.save_every=1000
+    fresh_run "$K2/z2-2"; launch z2-2gpu 2gpu zero2 "$K2/z2-2" --set "train.max_steps=$STEPS" --set "train.save_every=$((STEPS / 2))"
+    fresh_run "$K2/z3-2"; launch z3-2gpu 2gpu zero3 "$K2/z3-2" --set "train.max_steps=$STEPS" --set train.save_every=1000
+    # resume the 2-rank checkpoint at STEPS/2 on 2 ranks and on 1 rank; the loss must continue as z2-2gpu's did
+    for g in 2 1; do
+      fresh_run "$K2/res-$g"; cp -r "$K2/z2-2/ckpt" "$K2/res-$g/"; rm -rf "$K2/res-$g/ckpt/step-$STEPS"
+      if [[ $g == 1 ]]; then export CUDA_VISIBLE_DEVICES=0; fi
+      launch "resume-2to$g" "${g}gpu" zero2 "$K2/res-$g" --set "train.max_steps=$STEPS" --set train.save_every=1000 --resume auto
+      unset CUDA_VISIBLE_DEVICES
+    done
+    bash "$0" summary "$OUT_DIR"
+    ;;
+  summary)
+    OUT_DIR=${2:?OUT_DIR}
+    python3 - "$OUT_DIR" <<'EOF'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = {}
+for f in sorted(out.glob("*.metrics.jsonl")):
+    recs = [json.loads(l) for l in f.read_text().splitlines() if l.strip()]
+    if not recs:
+        continue
+    name = f.name.split(".")[0]
+    world = len(recs[-1]["samples"])
+    steady = recs[3:] or recs
+    tok_s = statistics.median(r["tokens_per_s"] for r in steady)
+    rows[name] = {"world": world, "steps": [recs[0]["step"], recs[-1]["step"]], "tok_s": tok_s, "tok_s_per_gpu": tok_s / world,
+                  "tok_s_min_max": [min(r["tokens_per_s"] for r in steady), max(r["tokens_per_s"] for r in steady)],
+                  "s_per_step": statistics.median(r["s_per_step"] for r in steady),
+                  "max_mem_gib": max((r.get("max_mem_gib") or 0) for r in recs),
+                  "loss": {r["step"]: round(r["loss"], 5) for r in recs}}
+for k in ("z2-2gpu", "z3-2gpu"):
+    if k in rows and "z2-1gpu" in rows:
+        rows[k]["scaling_efficiency_vs_z2_1gpu"] = rows[k]["tok_s"] / (2 * rows["z2-1gpu"]["tok_s"])
+for k in ("resume-2to2", "resume-2to1"):
+    if k in rows and "z2-2gpu" in rows:
+        ref = rows["z2-2gpu"]["loss"]
+        rows[k]["max_abs_loss_diff_vs_straight"] = max((abs(v - ref[s]) for s, v in rows[k]["loss"].items() if s in ref), default=None)
+(out / "summary.json").write_text(json.dumps(rows, indent=1))
+for k, r in rows.items():
+    print(k, {x: (round(v, 3) if isinstance(v, float) else v) for x, v in r.items() if x != "loss"})
+EOF
+    ;;
+  *) echo "usage: $0 setup | k2 OUT_DIR | summary OUT_DIR" >&2; exit 2 ;;
+esac
