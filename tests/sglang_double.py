@@ -479,6 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--enable-return-aux-hidden-states", action="store_true")
     ap.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+")
     ap.add_argument("--skip-tokenizer-init", action="store_true")
+    ap.add_argument("--cuda-graph-max-bs", type=int)
+    ap.add_argument("--max-running-requests", type=int)
     ap.add_argument("--log-level")
     args = ap.parse_args(argv)
     if args.host not in ("127.0.0.1", "localhost"):
