@@ -85,3 +85,27 @@ def test_ttt_with_each_loss_trains_and_counts_the_same_way():
         m.zero_grad()
     with pytest.raises(ValueError, match="train.loss"):
         TTTObjective(m, 3, 0.8, loss="mse")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["ce", "tv", "lk", "lk_hybrid"])
+def test_overlap_losses_in_bf16_on_cuda_are_close_to_fp64(kind):
+    """The bf16 path training takes on the GPU (logits and d in bf16, softmax in fp32) against the fp64 reference."""
+    g = torch.Generator().manual_seed(5)
+    n, h, vd = 512, 64, 4096
+    x64 = torch.randn(n, h, generator=g, dtype=torch.float64) / 4
+    w64 = torch.randn(vd, h, generator=g, dtype=torch.float64) / 4
+    ids = torch.stack([torch.randperm(vd, generator=g)[:16] for _ in range(n)])
+    p = torch.softmax(torch.randn(n, 16, generator=g, dtype=torch.float64) * 2, -1)
+    dense = torch.zeros(n, vd, dtype=torch.float64).scatter_add_(1, ids, p)
+    x, w = x64.cuda().bfloat16().requires_grad_(), w64.cuda().bfloat16().requires_grad_()
+    loss, _ = head_loss(x, w, ids.cuda(), p.cuda().float(), loss=kind, chunk=128)
+    loss.sum().backward()
+    xr, wr = x.detach().double().cpu().requires_grad_(), w.detach().double().cpu().requires_grad_()
+    logits = xr @ wr.t()
+    ref = -(dense * torch.log_softmax(logits, -1)).sum(-1) if kind == "ce" else naive(kind, logits, dense, 3.0)
+    ref.sum().backward()
+    torch.testing.assert_close(loss.double().cpu(), ref, rtol=2e-2, atol=2e-3)
+    for ours, want in ((x.grad, xr.grad), (w.grad, wr.grad)):
+        rel = (ours.double().cpu() - want).norm() / want.norm()
+        assert rel < 2e-2, f"{kind}: relative gradient error {rel:.3g}"
