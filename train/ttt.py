@@ -279,7 +279,9 @@ def _flash_forward(q, k, v, scale, docs: Documents | None = None):
             B, nh, T, _ = q.shape
             cu, n = docs.cu_seqlens, docs.max_len
             out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(_varlen(q), _varlen(k), _varlen(v), cu, cu, n, n, 0.0, True, False, scale=scale)
-            return _unvarlen(out, B), lse.view(nh, B, T).transpose(0, 1), (rng, unused)  # lse (nh, B*T) unpadded
+            if lse.shape != (nh, B * T):
+                raise RuntimeError(f"varlen flash returned a log-sum-exp of shape {tuple(lse.shape)}, not (heads, tokens) = {(nh, B * T)}; set eagle3ft.train.ttt.ATTENTION = 'lse'")
+            return _unvarlen(out, B), lse.view(nh, B, T).transpose(0, 1), (rng, unused)
         bias = torch.zeros(docs.mask().shape, dtype=q.dtype, device=q.device).masked_fill_(~docs.mask(), float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
         return out, lse, (bias,)
