@@ -15,6 +15,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle3ft.data.store import safetensors_keys
+
 
 def build_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top `draft_vocab_size` tokens by count (ties: lower id first), sorted by id.
@@ -38,6 +40,11 @@ def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
 
 
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t/t2d of a vocab file; DamagedFile or ValueError naming the file when it is truncated or lacks one."""
+    keys = safetensors_keys(path, "the draft vocabulary")
+    missing = [k for k in ("d2t", "t2d") if k not in keys]
+    if missing:
+        raise ValueError(f"{path}: the draft vocabulary has no {', '.join(missing)}")
     t = load_file(str(path))
     return t["d2t"], t["t2d"]
 
@@ -46,22 +53,43 @@ def vocab_from_drafter(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """d2t/t2d of an existing drafter checkpoint (SGLang form), unchanged."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]
+    if not files or not files[0].is_file():
+        raise FileNotFoundError(f"drafter checkpoint {folder}: no *.safetensors weights")
     found: dict[str, torch.Tensor] = {}
     for f in files:
+        keys = safetensors_keys(f, "drafter weights")  # every file: a truncated one is named here, not later
         with safe_open(f, framework="pt") as h:
             for k in ("d2t", "t2d"):
-                if k in h.keys():
+                if k in keys:
                     found[k] = h.get_tensor(k)
     missing = [k for k in ("d2t", "t2d") if k not in found]
     if missing:
         raise FileNotFoundError(f"drafter checkpoint {folder} has no {', '.join(missing)}")
+    if found["d2t"].dtype.is_floating_point:
+        raise ValueError(f"drafter checkpoint {folder}: d2t is {found['d2t'].dtype}, not an integer tensor")
     return found["d2t"].to(torch.int64), found["t2d"].to(torch.bool)
 
 
-def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> None:
-    """Raise ValueError unless d2t/t2d describe the same `draft_vocab_size` tokens of a `vocab_size` target."""
+def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str = "draft vocabulary") -> None:
+    """Raise ValueError naming `where` unless d2t/t2d describe the same `draft_vocab_size` tokens of a `vocab_size` target:
+    integer d2t of draft_vocab_size entries, bool t2d of vocab_size, every d2t[i] + i a distinct target id in range
+    that t2d marks, and t2d marking no other."""
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool or d2t.dim() != 1:
+        raise ValueError(f"{where}: d2t must be a 1-D integer tensor, got {d2t.dtype} of shape {tuple(d2t.shape)}")
+    if t2d.dtype != torch.bool or t2d.dim() != 1:
+        raise ValueError(f"{where}: t2d must be a 1-D bool tensor, got {t2d.dtype} of shape {tuple(t2d.shape)}")
     if d2t.numel() != draft_vocab_size or t2d.numel() != vocab_size:
-        raise ValueError(f"vocab sizes d2t {d2t.numel()} / t2d {t2d.numel()} != draft {draft_vocab_size} / target {vocab_size}")
-    target_ids = torch.arange(draft_vocab_size) + d2t
-    if int(t2d.sum()) != draft_vocab_size or not bool(t2d[target_ids].all()):
-        raise ValueError("d2t and t2d disagree")
+        raise ValueError(f"{where}: vocab sizes d2t {d2t.numel()} / t2d {t2d.numel()} != draft {draft_vocab_size} / target {vocab_size}")
+    target_ids = torch.arange(draft_vocab_size) + d2t.to(torch.int64)
+    out = ((target_ids < 0) | (target_ids >= vocab_size)).nonzero().flatten()
+    if out.numel():
+        i = int(out[0])
+        raise ValueError(f"{where}: d2t maps {out.numel()} draft ids outside the target vocab [0, {vocab_size}), first draft id {i} -> {int(target_ids[i])}")
+    if int(target_ids.unique().numel()) != draft_vocab_size:
+        raise ValueError(f"{where}: d2t maps several draft ids to one target id ({int(target_ids.unique().numel())} distinct of {draft_vocab_size})")
+    unmarked = (~t2d[target_ids]).nonzero().flatten()
+    if unmarked.numel():
+        i = int(unmarked[0])
+        raise ValueError(f"{where}: d2t and t2d disagree: {unmarked.numel()} draft ids map to target ids t2d does not mark, first draft id {i} -> {int(target_ids[i])}")
+    if int(t2d.sum()) != draft_vocab_size:
+        raise ValueError(f"{where}: d2t and t2d disagree: t2d marks {int(t2d.sum())} target ids, d2t maps {draft_vocab_size}")

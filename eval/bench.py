@@ -21,6 +21,9 @@ Backends sit behind a narrow interface, selected by `bench.backend`:
     optional:
         def verify_costs(self, prompt: list[int], sizes: list[int]) -> dict[int, float]
             seconds of one target forward of n tokens after `prompt` (the economics' verify curve)
+        def offline_tau(self, prompts, answers, settings) -> dict | None
+            the drafter's offline tau on the prompts and the plain pass's answers (summary's
+            offline_same_prompts: offline and live tau on the same tokens; greedy benches only)
 
 `prompts` are token ids (chat template applied, generation prompt included); decoding follows
 `bench.temperature` and stops at the template's end-of-turn/eos ids or at max_new_tokens. A
@@ -134,6 +137,23 @@ def base_environment(device: torch.device | str | None = None) -> dict:
 # --------------------------------------------------------------------------- embedded backend
 
 
+def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
+    """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
+    else the folder alone (readable weights, consistent d2t/t2d); returns its DrafterSpec. Before any compute."""
+    from eagle3ft.data.drafter_spec import DrafterSpec, check_drafter_folder
+    from eagle3ft.data.store import MANIFEST, FeatureStore
+    from eagle3ft.data.vocab import check_vocab, vocab_from_drafter
+
+    manifest = Path(run_dir) / "features" / MANIFEST
+    if manifest.is_file():
+        return check_drafter_folder(folder, FeatureStore(manifest.parent, verify=False).target, where, str(manifest))
+    if not (Path(folder) / "config.json").is_file():
+        raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
+    spec = DrafterSpec.from_json(Path(folder) / "config.json")
+    check_vocab(*vocab_from_drafter(folder), spec.vocab_size, spec.draft_vocab_size, f"{where} {folder}: draft vocabulary")
+    return spec
+
+
 class EmbeddedBackend:
     """transformers target + drafter in this process (eval/speculate.py), batch 1."""
 
@@ -148,12 +168,14 @@ class EmbeddedBackend:
         self.cfg = cfg
         if cfg.bench.threads:
             torch.set_num_threads(cfg.bench.threads)
+        ckpt = resolve_path(cfg.eval.checkpoint, base=run_dir)
+        spec = check_drafter_for_run(ckpt, run_dir, "eval.checkpoint")
         self.model, self.tokenizer = load_target(cfg.target)
         self.device = next(self.model.parameters()).device
-        ckpt = resolve_path(cfg.eval.checkpoint, base=run_dir)
+        c = self.model.config
+        self.aux_layer_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
         emb = self.model.get_input_embeddings().weight.detach()
         self.drafter = load_drafter(ckpt, embedding=emb.float()).to(device=self.device, dtype=emb.dtype).eval()
-        self.aux_layer_ids = self.drafter.config.aux_layer_ids
         self.eos_ids = ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids
         self.temperature = cfg.bench.temperature
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
@@ -209,6 +231,12 @@ class EmbeddedBackend:
                 _crop_target(cache, len(prompt))
             out[n] = statistics.median(times[1:])
         return out
+
+    def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
+        """The drafter's offline tau on these prompts and the plain pass's answers (eval/same_prompts.py)."""
+        from eagle3ft.eval.same_prompts import offline_tau
+
+        return offline_tau(self.model, self.drafter, self.aux_layer_ids, prompts, answers, settings)
 
     def environment(self) -> dict:
         return {
@@ -377,6 +405,10 @@ def _run(cfg, run_dir: Path, backend: BenchBackend, log) -> dict:
     if hasattr(backend, "verify_costs"):
         sizes = sorted({1, *range(2, max(s.num_draft_tokens for s in settings) + 3)})
         curve = backend.verify_costs(prompts[0], sizes)
+    same = None
+    if hasattr(backend, "offline_tau") and bc.temperature == 0:  # offline tau on the tokens the live runs decoded
+        answers = {r["prompt_index"]: r["output_ids"] for r in runs if r["mode"] == "baseline" and r["repetition"] == 0}
+        same = backend.offline_tau(prompts, [answers[i] for i in range(len(prompts))], settings)
     summary = {
         "backend": backend.name,
         "environment": backend.environment(),
@@ -385,6 +417,7 @@ def _run(cfg, run_dir: Path, backend: BenchBackend, log) -> dict:
         "repetitions": bc.repetitions,
         "temperature": bc.temperature,
         **summarize(runs, settings, curve),
+        "offline_same_prompts": same,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     ec, _ = economics.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
@@ -405,13 +438,18 @@ def format_summary(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import parse_cli
+    from eagle3ft.data.config import cli_errors, parse_cli
+    from eagle3ft.data.store import StoreError
+    from eagle3ft.data.targets.sglang import SGLangError
 
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli("Live benchmark: plain against speculative decoding.", stage="bench", argv=argv)
     check_or_exit("bench.py", "bench", cfg, run_dir, args.config)
-    print(format_summary(run(cfg, run_dir)))
+    from eagle3ft.runlock import holding
+
+    with holding(run_dir, "bench", "bench.py"), cli_errors("bench.py", StoreError, SGLangError):
+        print(format_summary(run(cfg, run_dir)))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import requests
 from eagle3ft.data.config import BenchSetting, resolve_path
 from eagle3ft.data.targets.sglang import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.data.targets.sglang_server import SGLangServer, server_for
-from eagle3ft.eval.bench import RequestResult, base_environment, gpu_clocks, spread
+from eagle3ft.eval.bench import RequestResult, base_environment, check_drafter_for_run, gpu_clocks, spread
 from eagle3ft.eval.economics import Setting
 
 ENV_PREFIXES = ("NCCL_", "SGLANG_", "CUDA_", "TORCH_", "NVIDIA_", "PYTORCH_")
@@ -128,6 +128,8 @@ class SGLangBackend:
         from eagle3ft.data.targets.hf import load_tokenizer
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        if cfg.bench.launch:  # the EAGLE3 servers will load eval.checkpoint: it must fit the features, before any server starts
+            check_drafter_for_run(resolve_path(cfg.eval.checkpoint, base=self.run_dir), self.run_dir, "eval.checkpoint")
         self.eos_ids = list(ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template).stop_ids)
         self.timeout_s = float(cfg.harvest.sglang.timeout_s)
         self.launched: dict[str, SGLangServer] = {}  # key -> server, least recently used first
@@ -315,7 +317,8 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import parse_cli
+    from eagle3ft.data.config import cli_errors, parse_cli
+    from eagle3ft.data.store import StoreError
     from eagle3ft.eval import bench
 
     from eagle3ft.eval.preflight import check_or_exit
@@ -324,12 +327,15 @@ def main(argv: list[str] | None = None) -> None:
     check_or_exit("bench_sglang.py", "bench", cfg, run_dir, args.config)
     if cfg.bench.backend != "sglang":
         raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
-    backend = SGLangBackend(cfg, run_dir)
-    try:
-        print(bench.format_summary(bench.run(cfg, run_dir, backend)))
-        run_concurrency(cfg, run_dir, backend, bench.load_prompts(cfg))
-    finally:
-        backend.close()
+    from eagle3ft.runlock import holding
+
+    with holding(run_dir, "bench", "bench_sglang.py"), cli_errors("bench_sglang.py", StoreError, SGLangError):
+        backend = SGLangBackend(cfg, run_dir)
+        try:
+            print(bench.format_summary(bench.run(cfg, run_dir, backend)))
+            run_concurrency(cfg, run_dir, backend, bench.load_prompts(cfg))
+        finally:
+            backend.close()
 
 
 if __name__ == "__main__":

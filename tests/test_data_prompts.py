@@ -29,7 +29,7 @@ def bad_corpus_lines() -> list[bytes]:
         json.dumps({"messages": [{"role": "user", "content": "   "}]}).encode(),  # empty content
         json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}).encode(),  # unknown role
         b'{"messages": [{"role": "user", "content": "caf\xe9 \xff\xfe"}]}',  # invalid UTF-8 bytes
-        b"",  # blank line: ignored
+        b"",  # blank line: counted
         json.dumps(good_b).encode(),
         json.dumps(good_a).encode(),  # duplicate
     ]
@@ -78,7 +78,7 @@ def test_bad_input_is_skipped_and_counted(tmp_path):
     convs = collect([SourceConfig(kind="file", path=str(path))], max_turns=2, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=skips)
     assert [c.messages[0]["content"] for c in convs] == ["Name a colour.", "question 7.0"]
     assert len(convs[1].messages) == 2 and convs[0].source == f"file:{path}"
-    assert skips == {"malformed": 2, "empty": 2, "unknown_role": 1, "invalid_utf8": 1, "duplicate": 1}
+    assert skips == {"malformed": 2, "empty": 2, "unknown_role": 1, "invalid_utf8": 1, "blank_line": 1, "duplicate": 1}
 
 
 def test_split_is_a_fixed_function_of_content_and_sources_can_force_it(tmp_path):

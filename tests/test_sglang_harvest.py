@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from eagle3ft.data.config import REPO_ROOT, load_config
-from eagle3ft.data.harvest import run_harvest
+from eagle3ft.data.harvest import HarvestRefused, run_harvest
 from eagle3ft.data.store import SPLITS, FeatureStore
 from eagle3ft.data.targets.hf import load_target
 from eagle3ft.data.targets.sglang import SGLangError
+from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
@@ -33,11 +34,49 @@ def embedded_run(tmp_path_factory):
     return run, summary
 
 
-@pytest.fixture(scope="module")
-def double():
+def tiny_drafter(model):
+    """A seeded random drafter of configs/drafters/tiny.json over the tiny target's embedding (what an EAGLE3 server drafts with)."""
+    cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        d = Eagle3Drafter(Eagle3Config.from_json(REPO_ROOT / cfg.drafter.config))
+    with torch.no_grad():
+        d.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+    return d.eval()
+
+
+class ShiftedEngine(DoubleEngine):
+    """A server bug: every per-token row (hidden state and top-k) moved up by one position, their count kept."""
+
+    def generate(self, req):
+        out, timeline = super().generate(req)
+        meta = out["meta_info"]
+        if meta.get("hidden_states"):
+            block, flat = meta["hidden_states"][0], meta["hidden_states"][1:]
+            rows = block + flat
+            rows = rows[1:] + rows[-1:]
+            meta["hidden_states"] = [rows[: len(block)]] + rows[len(block) :]
+        if meta.get("input_top_logprobs") is not None:
+            inp, outp = meta["input_top_logprobs"], meta.get("output_top_logprobs") or []
+            head = inp[:1] if inp and inp[0] is None else []
+            entries = inp[len(head) :] + outp
+            entries = entries[1:] + entries[-1:]
+            n_in = len(inp) - len(head)
+            meta["input_top_logprobs"], meta["output_top_logprobs"] = head + entries[:n_in], entries[n_in:]
+        return out, timeline
+
+
+MODES = {
+    "0.5.23-aux-capture": lambda model, tok: SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=[0, 1, 2]), version="0.5.23"),
+    "0.5.17-eagle3": lambda model, tok: SGLangDouble(DoubleEngine(model, tok, drafter=tiny_drafter(model)), version="0.5.17"),  # the recorded mode
+}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def double(request):
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
     model, tok = load_target(cfg.target)
-    d = SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=[0, 1, 2]), version="0.5.23").start()
+    d = MODES[request.param](model, tok).start()
     yield d
     d.stop()
 
@@ -90,3 +129,29 @@ def test_failed_requests_leave_no_partial_shard_and_resume_completes(embedded_ru
     summary = run_harvest(cfg, tmp_path)
     assert summary["chunks_resumed"] == len(listed)
     assert_same_store(run, tmp_path)
+
+
+@pytest.mark.parametrize("capture", ["one_request", "two_pass"])
+def test_a_server_that_shifts_its_rows_is_refused_at_t0(tmp_path, capture):
+    """Rows shifted by one with their count kept pass every shape check; at T=0 the top-1 of each row is then
+    not the token generated there, so the harvest refuses before committing anything."""
+    cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
+    model, tok = load_target(cfg.target)
+    with SGLangDouble(ShiftedEngine(model, tok, aux_layer_ids=[0, 1, 2]), version="0.5.23") as d:
+        with pytest.raises(HarvestRefused, match=r"harvest refused at train chunk 0: \d+ of \d+ tokens generated at T=0 are not the target's argmax"):
+            run_harvest(sglang_config(d.url, f"harvest.sglang.capture={capture}", "harvest.sources=[{kind: sharegpt, limit: 2}]"), tmp_path)
+    manifest = json.loads((tmp_path / "features" / "manifest.json").read_text()) if (tmp_path / "features" / "manifest.json").exists() else {"shards": []}
+    assert manifest["shards"] == []
+
+
+def test_argmax_check_counts_near_ties_and_mismatches():
+    from eagle3ft.data.harvest import argmax_check
+
+    # rows 2..5 predict the completion at positions 3..6; K = 3
+    ids = torch.tensor([[0, 1, 2]] * 2 + [[7, 8, 9], [5, 4, 3], [6, 1, 2], [9, 8, 7]], dtype=torch.int32)
+    lps = torch.tensor([[-0.1, -2.0, -3.0]] * 4 + [[-0.70, -0.72, -3.0], [-0.1, -2.0, -3.0]])
+    got = argmax_check([7, 5, 1, 8], ids, lps, start=3, tie_eps=0.05)
+    # 7: top-1; 5: top-1; 1: within 0.02 of the top-1 (a near-tie); 8: 1.9 below the top-1 (a mismatch)
+    assert got == {"checked": 4, "mismatched": 1, "ties": 1}
+    assert argmax_check([7, 5, 1, 8], ids, lps, start=3, tie_eps=0.0)["mismatched"] == 2
+    assert argmax_check([11, 11, 11, 11], ids, lps, start=3, tie_eps=10.0)["mismatched"] == 4  # not in the top-k at all
