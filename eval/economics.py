@@ -429,6 +429,8 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
         return None, pred
     summary = json.loads(summary_path.read_text())
     ec = analyse(summary, offline, cal, tok_s, target)
+    if ec.calibrated and Path(cal["source_run"]).resolve() == run_dir.resolve():
+        ec.calibrated["warnings"].append("the calibration comes from this very run: its prediction restates the measurement")
     (run_dir / "bench" / "economics.json").write_text(json.dumps(ec.to_dict(), indent=2))
     write_calibration(run_dir, summary, target)
     return ec, pred

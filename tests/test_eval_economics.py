@@ -178,3 +178,5 @@ def test_economics_entry_point_predicts_before_the_bench_and_compares_after(tmp_
     econ = json.loads((run_b / "bench" / "economics.json").read_text())
     assert econ["calibrated"]["rows"][0]["error_pct"] == pytest.approx(100 * 10 / 110)
     assert json.loads((run_b / "bench" / "prediction.json").read_text())["made_before_bench"]  # still the one made before
+    main(["--config", "configs/tiny.yaml", "--run-dir", str(run_b), "--set", f"bench.calibration={run_b / 'bench' / 'calibration.json'}"])
+    assert "warning: the calibration comes from this very run" in capsys.readouterr().out
