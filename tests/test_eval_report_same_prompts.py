@@ -5,7 +5,10 @@ import pytest
 import torch
 
 from _eval_tiny import AUX, features, greedy_items, prompts, tiny_pair
+from eagle3ft.data.config import load_config
+from eagle3ft.eval import bench
 from eagle3ft.eval.accept_len import evaluate
+from eagle3ft.eval.bench import RequestResult
 from eagle3ft.eval.economics import Setting
 from eagle3ft.eval.same_prompts import features as bench_features
 from eagle3ft.eval.same_prompts import offline_tau
@@ -36,3 +39,41 @@ def test_offline_tau_on_the_bench_answers_tracks_the_live_tau():
     assert res["settings"]["3/1/4"] > 1.3  # the fitted drafter is accepted often: the comparison is not 1 against 1
     assert res["settings"]["3/1/4"] == pytest.approx(live, rel=0.05)  # same tokens; only the cycle roots (and the last, cut cycle) differ
     assert offline_tau(target, drafter, AUX, ps, answers, [Setting(3, 2, 6)]) is None  # trees: no chain to score
+
+
+class _Backend:
+    """A bench backend double: fixed answers per prompt and repetition, and a record of what offline_tau got."""
+
+    name = "double"
+
+    def __init__(self):
+        self.rep, self.got = -2, None  # the untimed warm-up pass is -1, the timed repetitions 0, 1, ...
+
+    def _results(self, prompts, spec):
+        return [RequestResult(i, len(p), 5, 0.01, 0.04, output_ids=[100 + i, self.rep, 7, 8, 9], verify_count=2 if spec else None,
+                              accept_lengths=[2, 2] if spec else None) for i, p in enumerate(prompts)]  # fmt: skip
+
+    def run_baseline(self, prompts, max_new_tokens):
+        self.rep += 1
+        return self._results(prompts, False)
+
+    def run_speculative(self, prompts, setting, max_new_tokens):
+        return self._results(prompts, True)
+
+    def offline_tau(self, prompts, answers, settings):
+        self.got = (prompts, answers, [s.key for s in settings])
+        return {"source": "double", "samples": len(prompts), "roots": 8, "settings": {"3/1/4": 1.9}}
+
+    def environment(self):
+        return {"device": "none"}
+
+
+def test_the_bench_scores_the_first_plain_pass_answers_offline(tmp_path):
+    cfg = load_config("configs/tiny.yaml", ["bench.prompts.limit=2", "bench.repetitions=2", "bench.max_new_tokens=5"])
+    backend = _Backend()
+    summary = bench.run(cfg, tmp_path, backend=backend, log=lambda *a: None)
+    prompts, answers, keys = backend.got
+    assert answers == [[100, 0, 7, 8, 9], [101, 0, 7, 8, 9]] and len(prompts) == 2 and keys == ["3/1/4"]  # repetition 0's
+    assert summary["offline_same_prompts"]["settings"] == {"3/1/4": 1.9}
+    cfg.bench.temperature = 0.7  # sampled answers are not the target's greedy path: not scored
+    assert bench.run(cfg, tmp_path, backend=_Backend(), log=lambda *a: None)["offline_same_prompts"] is None
