@@ -11,6 +11,7 @@ import torch
 from eagle3ft.data.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import run_harvest
 from eagle3ft.data.tokens import TokenSample, TokenWriter
+from eagle3ft.data.vocab import build_vocab, load_vocab, save_vocab
 from eagle3ft.train.data import TrainData, collate_packed, pack_bins, sample_spans
 from eagle3ft.train.ttt import ttt_forward
 from test_train_ttt import batch as ttt_batch
@@ -73,10 +74,12 @@ def test_online_reads_the_token_store_when_there_is_one(harvested, tmp_path):
     writer = TokenWriter(tmp_path / "tokens", {"target": "tiny"}, "test")
     writer.commit("train", 0, [TokenSample(s["sample_id"], s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in samples])
     writer.finish()
-    (tmp_path / "vocab.safetensors").write_bytes((harvested / "vocab.safetensors").read_bytes())
+    save_vocab(tmp_path / "vocab.safetensors", *build_vocab(torch.zeros(49152, dtype=torch.int64), 512))  # as from an empty train split
     cfg = tiny_cfg("train.features=online", "train.micro_batch_size=2")
     data = TrainData(cfg, tmp_path)
     assert data.where == str(tmp_path / "tokens") and data.store is None
+    for new, harvest in zip(load_vocab(tmp_path / "vocab.safetensors"), load_vocab(harvested / "vocab.safetensors")):
+        assert torch.equal(new, harvest)  # rewritten from the tokens it trains on: the harvest's counts of the same samples
     got = next(iter(data.epoch(OneRank(), 0)))
     want = next(iter(TrainData(tiny_cfg("train.micro_batch_size=2"), harvested).epoch(OneRank(), 0)))
     assert got.sample_ids == want.sample_ids

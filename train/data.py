@@ -32,7 +32,7 @@ import torch
 from eagle3ft.data.config import Config, resolve_path
 from eagle3ft.data.drafter_spec import DrafterSpec
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate
-from eagle3ft.data.vocab import build_vocab, save_vocab
+from eagle3ft.data.vocab import build_vocab, load_vocab, save_vocab
 
 TOKEN_KEYS = ("input_ids", "loss_mask")
 
@@ -188,20 +188,30 @@ def token_dataset(run_dir: Path, store: FeatureStore | None):
     raise StoreError(f"train.features is online but {run_dir} has neither a token store (tokens/) nor a feature store (features/)")
 
 
-def ensure_vocab(cfg: Config, run_dir: Path, dataset) -> None:
-    """Write RUN/vocab.safetensors from the samples' loss-masked token counts when the run has none
-    (a token store alone; a warm start keeps the drafter's own)."""
-    path = run_dir / "vocab.safetensors"
-    if cfg.drafter.init or path.is_file():
+def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
+    """Online training's draft vocabulary: the top loss-masked tokens of the samples it trains on.
+
+    RUN/vocab.safetensors is (re)written when it is missing or differs, e.g. when a harvest of held-out
+    prompts alone wrote one from an empty train split. A warm start keeps the drafter's own vocab.
+    """
+    if cfg.drafter.init:
         return
     spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
     counts = torch.zeros(spec.vocab_size, dtype=torch.int64)
     for i in range(len(dataset)):
         item = dataset[i]
         counts += torch.bincount(item["input_ids"][item["loss_mask"].bool()], minlength=spec.vocab_size)
+    d2t, t2d = build_vocab(counts, spec.draft_vocab_size)
+    path = run_dir / "vocab.safetensors"
+    if path.is_file():
+        old_d2t, old_t2d = load_vocab(path)
+        if old_d2t.shape == d2t.shape and torch.equal(old_d2t, d2t) and torch.equal(old_t2d, t2d):
+            return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # every rank writes the same bytes; replace is atomic
-    save_vocab(tmp, *build_vocab(counts, spec.draft_vocab_size))
+    save_vocab(tmp, d2t, t2d)
     os.replace(tmp, path)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"wrote {path}: the {spec.draft_vocab_size} most frequent loss-masked tokens of {where} (online training)", flush=True)
 
 
 class TrainData:
@@ -224,7 +234,7 @@ class TrainData:
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
         if tcfg.features == "online":
-            ensure_vocab(cfg, run_dir, self.dataset)
+            ensure_vocab(cfg, run_dir, self.dataset, self.where)
             self.online = OnlineTarget(cfg)
             self.target, self.has_last_hidden = self.online.identity, cfg.harvest.store_last_hidden
         self.cap = min(tcfg.max_len, tcfg.pack_tokens or tcfg.max_len)  # tokens kept per sample
