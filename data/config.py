@@ -336,9 +336,12 @@ def _parse_yaml(text: str, where: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
+        mark, start = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
         at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e).splitlines()[0]
+        context = getattr(e, "context", None)
+        if context and start is not None:
+            context = f"{context} (line {start.line + 1}, column {start.column + 1})"
+        what = " ".join(str(x) for x in (context, getattr(e, "problem", None)) if x) or str(e).splitlines()[0]
         raise ConfigError(f"{where}:{at}: YAML syntax error: {what}") from None
 
 
@@ -444,5 +447,8 @@ def parse_cli(description: str, stage: str, argv: list[str] | None = None, parse
         ap.exit(2, f"{ap.prog}: error: {e}\n")
     run_dir = Path(args.run_dir)
     if record:
-        save_resolved(cfg, run_dir, stage)
+        from eagle3ft.runlock import holding
+
+        with holding(run_dir, stage, ap.prog):  # a folder in use by another stage is not written to
+            save_resolved(cfg, run_dir, stage)
     return cfg, run_dir, args

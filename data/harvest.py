@@ -37,6 +37,7 @@ from eagle3ft.data.targets import open_target
 from eagle3ft.data.targets.base import Request, Sampling, Target
 from eagle3ft.data.targets.hf import load_tokenizer
 from eagle3ft.data.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
+from eagle3ft.runlock import holding
 
 
 @dataclass
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3ft.data.targets.sglang import SGLangError
 
     cfg, run_dir, _ = parse_cli("Harvest target features for EAGLE-3 training.", stage="harvest", argv=argv)
-    with cli_errors("harvest", StoreError, SGLangError, HarvestRefused):
+    with holding(run_dir, "harvest"), cli_errors("harvest", StoreError, SGLangError, HarvestRefused):
         summary = run_harvest(cfg, run_dir)
     print(json.dumps(summary, indent=1))
 

@@ -55,6 +55,7 @@ from eagle3ft.data.store import SPLITS, StoreError
 from eagle3ft.data.targets.base import Request, Sampling
 from eagle3ft.data.targets.hf import load_tokenizer
 from eagle3ft.data.tokens import TokenSample, TokenWriter
+from eagle3ft.runlock import holding
 
 TOKENS_DIR = "tokens"
 
@@ -181,7 +182,6 @@ class ConvState:
     turn: int = 0  # assistant turns written
     unfinished: int = 0
     answers: list[str] = field(default_factory=list)  # decoded answers: the history the template renders
-    done: bool = False
     sample: TokenSample | None = None
 
 
@@ -190,7 +190,6 @@ class RunStats:
     answer_tokens: int = 0
     answers: int = 0
     unfinished: int = 0
-    skips: Counter = field(default_factory=Counter)
 
 
 class Regenerator:
@@ -202,6 +201,7 @@ class Regenerator:
         self.results: queue.Queue = queue.Queue()
         self.stop = threading.Event()
         self.stats = RunStats()
+        self.left: dict[tuple[str, int], int] = {}  # conversations of an open chunk not done yet
         self.t0 = time.time()
 
     # ------------------------------------------------------------------ turns
@@ -215,9 +215,8 @@ class Regenerator:
         return msgs
 
     def _next(self, s: ConvState, chunk_skips: Counter) -> Gen | None:
-        """The next turn of `s`, or None when the conversation is over (s.done is set)."""
+        """The next turn of `s`, or None when the conversation is over."""
         if s.turn >= len(s.users) or (s.turn and s.unfinished):
-            s.done = True
             return None
         if s.turn == 0:
             ids, _ = self.chat.encode(self._messages(s, 0), add_generation_prompt=True)
@@ -230,7 +229,6 @@ class Regenerator:
                 chunk_skips["too_long"] += 1
             else:
                 chunk_skips["turns_cut_by_max_total_tokens"] += len(s.users) - s.turn
-            s.done = True
             return None
         s.ids, s.mask = prompt, s.mask + [0] * len(ids)
         return Gen(prompt, budget, request_seed(self.seed, s.conv.key, s.turn))
@@ -285,6 +283,7 @@ class Regenerator:
                     states = [ConvState(c, (split, index), [m for m in c.messages if m["role"] == "system"], [m for m in c.messages if m["role"] == "user"]) for c in members]
                     skips: Counter = Counter()
                     open_chunks[(split, index)] = (states, skips)
+                    self.left[(split, index)] = len(states)
                     open_convs += len(states)
                     for s in states:
                         self._advance(s, skips)
@@ -301,8 +300,9 @@ class Regenerator:
                 open_convs -= self._commit_done(open_chunks)
         finally:
             self.stop.set()
+            deadline = time.time() + 2.0  # workers still inside a request are daemons: not waited for long
             for t in threads:
-                t.join(timeout=1.0)
+                t.join(timeout=max(0.0, deadline - time.time()))
 
     def _advance(self, s: ConvState, skips: Counter) -> None:
         g = self._next(s, skips)
@@ -311,12 +311,14 @@ class Regenerator:
             return
         if s.turn:
             s.sample = TokenSample(sample_id(s.conv.key), s.ids, s.mask, turns=s.turn, unfinished=s.unfinished)
+        self.left[s.chunk] -= 1
         self.bar.update(1)
 
     def _commit_done(self, open_chunks: dict) -> int:
         closed = 0
-        for key in [k for k, (states, _) in open_chunks.items() if all(s.done for s in states)]:
+        for key in [k for k in open_chunks if self.left[k] == 0]:
             states, skips = open_chunks.pop(key)
+            del self.left[key]
             self.writer.commit(key[0], key[1], [s.sample for s in states if s.sample is not None], dict(skips))
             closed += len(states)
         return closed
@@ -331,6 +333,11 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
     gen_keys = ("sources", "max_turns", "max_prompt_tokens", "max_total_tokens", "max_new_tokens", "temperature", "top_p", "heldout_fraction", "dedupe", "shard_samples")
     what = {"keys": [(c.key, c.split) for c in convs], "harvest": {k: h[k] for k in gen_keys}, "chat_template": cfg.target.chat_template, "seed": cfg.seed}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """The vocabulary's identity (token -> id), wherever the tokenizer was loaded from."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()).hexdigest()
 
 
 def open_backend(cfg: Config, sampling: Sampling, stop_ids: list[int]):
@@ -363,7 +370,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
     if not convs:
         raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")
 
-    identity = {"target": cfg.target.name, "tokenizer": str(getattr(tokenizer, "name_or_path", "")), "vocab_size": len(tokenizer), "chat_template": cfg.target.chat_template, "stop_ids": list(chat.stop_ids)}
+    identity = {"target": cfg.target.name, "tokenizer_sha256": tokenizer_digest(tokenizer), "vocab_size": len(tokenizer), "chat_template": cfg.target.chat_template, "stop_ids": list(chat.stop_ids)}
     writer = TokenWriter(run_dir / TOKENS_DIR, identity, fingerprint(cfg, convs))
     chunks = []
     for split in SPLITS:
@@ -407,7 +414,8 @@ def cli(argv: list[str] | None = None) -> None:
     from eagle3ft.data.targets.sglang import SGLangError
 
     try:
-        summary = main(cfg, run_dir)
+        with holding(run_dir, "regen"):
+            summary = main(cfg, run_dir)
     except (RegenError, SGLangError, StoreError) as e:
         sys.exit(f"regen: {e}")
     print(json.dumps(summary, indent=1))

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 LOCK_NAME = ".lock"
@@ -134,6 +135,20 @@ def _release_all() -> None:
 def run_lock(run_dir: str | Path, stage: str) -> RunLock:
     """`with run_lock(run_dir, "harvest"): ...`: hold the run folder for one stage."""
     return RunLock(run_dir, stage)
+
+
+@contextmanager
+def holding(run_dir: str | Path, stage: str, prog: str | None = None):
+    """An entry point's body with the run folder locked; a folder in use exits 1 with one line naming its owner."""
+    try:
+        lock = run_lock(run_dir, stage).acquire()
+    except RunLocked as e:
+        print(f"{prog or stage}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 def check_owner(run_dir: str | Path, host: str, pid: int) -> None:

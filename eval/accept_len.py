@@ -402,7 +402,9 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg, run_dir, args = parse_cli("Offline accept length of the drafter on held-out features.", stage="eval", argv=argv)
     check_or_exit("accept_len.py", "eval", cfg, run_dir, args.config)
-    with cli_errors("accept_len.py", StoreError):
+    from eagle3ft.runlock import holding
+
+    with holding(run_dir, "eval", "accept_len.py"), cli_errors("accept_len.py", StoreError):
         print(format_report(run(cfg, run_dir)))
 
 

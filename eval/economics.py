@@ -445,8 +445,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tok-s", type=float, default=None, help="a decode throughput to price: the tau each setting needs for it")
     cfg, run_dir, args = parse_cli(desc, stage="economics", argv=argv, parser=parser)
     check_or_exit("economics.py", "economics", cfg, run_dir, args.config)
+    from eagle3ft.runlock import holding
+
     try:
-        ec, pred = run(run_dir, cfg, args.tok_s)
+        with holding(run_dir, "economics", "economics.py"):
+            ec, pred = run(run_dir, cfg, args.tok_s)
     except CalibrationError as e:
         parser.exit(2, f"economics.py: error: {e}\n")
     if ec is not None:

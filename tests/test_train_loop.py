@@ -102,14 +102,12 @@ def test_resume_gives_the_same_losses_as_a_straight_run(straight, tmp_path):
     ok(launch(tmp_path, "train.max_steps=6", *COMMON, extra=("--resume", "auto")))
     resumed, ref = metrics(tmp_path), metrics(straight)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    for a, b in zip(resumed, ref):
-        assert a["samples"] == b["samples"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a["step"], a["loss"], b["loss"])
-        assert a["lr"] == pytest.approx(b["lr"])
+    for a, b in zip(resumed, ref):  # the same processes, the same order of sums: bit-identical
+        assert (a["samples"], a["loss"], a["step_loss"], a["lr"]) == (b["samples"], b["loss"], b["step_loss"], b["lr"]), a["step"]
     assert "resume: auto" in (tmp_path / "config.yaml").read_text()
     a, b = load_file(tmp_path / "export" / "model.safetensors"), load_file(straight / "export" / "model.safetensors")
     for k in a:  # the final weights also depend on the restored optimizer state of steps 5 and 6
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)  # fp32 sums may differ in the last bits
+        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.mark.slow

@@ -179,6 +179,23 @@ def test_one_process_resumes_on_two(straight, tmp_path):
 
 
 @pytest.mark.slow
+def test_zero3_checkpoint_from_two_processes_resumes_on_one(straight, tmp_path):
+    ref, _ = straight
+    write_store(tmp_path)
+    z3 = "train.deepspeed=configs/deepspeed/zero3.json"
+    ok(launch(tmp_path, *COMMON, z3, "train.stop_after=4"))
+    ok(launch(tmp_path, *COMMON, z3, *ONE_PROC, procs=1, extra=("--resume", "auto")))
+    resumed, straight_rows = metrics(tmp_path), metrics(ref)
+    assert [len(r["samples"]) for r in resumed] == [2, 2, 2, 2, 1, 1]
+    for a, b in zip(resumed, straight_rows):  # against the ZeRO-2 run: the same steps, sharded differently
+        assert flat(a["samples"]) == flat(b["samples"]), a["step"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+    x, y = load_file(tmp_path / "export" / "model.safetensors"), load_file(ref / "export" / "model.safetensors")
+    for k in y:
+        torch.testing.assert_close(x[k], y[k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_a_position_that_does_not_split_over_the_processes_is_refused(straight, tmp_path):
     _, stopped = straight
     run = copy_run(stopped, tmp_path / "run")  # 8 samples consumed; 2 processes x micro batch 3 = rounds of 6

@@ -299,9 +299,17 @@ class Dist:
             zopt._lazy_init_hp_params_optimizer_state()  # links each parameter's fragment of the moments
         for name, p in self.trainable():
             fp32 = tensors[f"fp32.{name}"].to(self.device)
-            safe_set_full_fp32_param(p, fp32)
-            for k in opt["moments"]:
-                safe_set_full_optimizer_state(p, tensors[f"{k}.{name}"].to(self.device), k)
+            if self.zero_stage == 3:  # DeepSpeed's safe_set_full_* overrun the last rank's padded partition: fill it here
+                for k in (None, *opt["moments"]):
+                    part, _ = zopt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=k)
+                    src = (fp32 if k is None else tensors[f"{k}.{name}"]).flatten()
+                    src = src[part.numel() * zopt._get_param_partition_rank(p) :][: part.numel()]
+                    part.data.zero_()
+                    part.data[: src.numel()].copy_(src.to(part.device))
+            else:
+                safe_set_full_fp32_param(p, fp32)
+                for k in opt["moments"]:
+                    safe_set_full_optimizer_state(p, tensors[f"{k}.{name}"].to(self.device), k)
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=self.zero_stage == 3):
                 if self.zero_stage != 3 or self.is_main:
                     p.data.copy_(fp32.to(p.dtype))
