@@ -12,9 +12,10 @@
 #   speed  SPEED_CONVS (default 2000) ShareGPT conversations, first user turn, <= 1024 new tokens, T=0, at each
 #          SETTINGS (default 64x8,128x8,256x4,256x8: requests in flight per server x prompts per request):
 #          OUT/speed/regen_speed.json, one line per setting on stdout
-#   full   every ShareGPT conversation (parts joined), every user turn (<= 4096 tokens in all), <= 1024 new
-#          tokens per answer, MT-Bench held out, at FULL_SETTING (default 128x8): OUT/full/tokens/ + summary.json;
-#          resumable (rerun the same command)
+#   full   every ShareGPT conversation (parts joined), every user turn while the conversation fits MAX_TOTAL
+#          (default 4096) tokens, <= MAX_NEW (default 1024) new tokens per answer, MT-Bench held out, at
+#          FULL_SETTING (default 128x8): OUT/full/tokens/ + summary.json; resumable (rerun the same command).
+#          SOURCES (default "{kind: sharegpt}", e.g. "{kind: sharegpt}, {kind: chitchat}") the training sources
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEP=$1
@@ -64,8 +65,8 @@ full() {
   with_servers $PY data/regen.py --config "$CONFIG" --run-dir "$OUT/full" "${TARGET[@]}" \
     --set harvest.backend=sglang --set "harvest.sglang.urls=[${joined//,/, }]" \
     --set "harvest.sglang.concurrency=${setting%x*}" --set "harvest.sglang.prompts_per_request=${setting#*x}" \
-    --set "harvest.sources=[{kind: sharegpt}, {kind: mtbench, split: heldout}]" --set harvest.heldout_fraction=0.0 \
-    --set harvest.max_turns=1000 --set harvest.max_new_tokens=1024 --set harvest.max_total_tokens=4096 \
+    --set "harvest.sources=[${SOURCES:-{kind: sharegpt\}}, {kind: mtbench, split: heldout}]" --set harvest.heldout_fraction=0.0 \
+    --set harvest.max_turns=1000 --set "harvest.max_new_tokens=${MAX_NEW:-1024}" --set "harvest.max_total_tokens=${MAX_TOTAL:-4096}" \
     --set harvest.max_prompt_tokens=2048 --set harvest.shard_samples=256 --set harvest.temperature=0.0
 }
 
