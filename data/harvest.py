@@ -33,6 +33,7 @@ from eagle3ft.data.config import Config, HarvestConfig, cli_errors, parse_cli, r
 from eagle3ft.data.drafter_spec import DrafterSpec
 from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
+from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.data.targets import open_target
 from eagle3ft.data.targets.base import Request, Sampling, Target
 from eagle3ft.data.targets.hf import load_tokenizer
@@ -232,6 +233,9 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
         check_vocab(*frozen, spec.vocab_size, spec.draft_vocab_size)
 
     chat = ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template)
+    for src in h.sources:
+        if src.kind == "tokens":  # its ids are taken as they are: they must be this tokenizer's
+            check_tokenizer(check_source(src), chat.tokenizer)
     target = open_target(cfg, spec)
     info = target.info
 

@@ -54,7 +54,7 @@ from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import SPLITS, StoreError
 from eagle3ft.data.targets.base import Request, Sampling
 from eagle3ft.data.targets.hf import load_tokenizer
-from eagle3ft.data.tokens import TokenSample, TokenWriter
+from eagle3ft.data.tokens import TokenSample, TokenWriter, tokenizer_digest
 from eagle3ft.runlock import holding
 
 TOKENS_DIR = "tokens"
@@ -333,11 +333,6 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
     gen_keys = ("sources", "max_turns", "max_prompt_tokens", "max_total_tokens", "max_new_tokens", "temperature", "top_p", "heldout_fraction", "dedupe", "shard_samples")
     what = {"keys": [(c.key, c.split) for c in convs], "harvest": {k: h[k] for k in gen_keys}, "chat_template": cfg.target.chat_template, "seed": cfg.seed}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """The vocabulary's identity (token -> id), wherever the tokenizer was loaded from."""
-    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()).hexdigest()
 
 
 def open_backend(cfg: Config, sampling: Sampling, stop_ids: list[int]):

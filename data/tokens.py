@@ -54,6 +54,18 @@ def pack(samples: list[TokenSample]) -> dict[str, torch.Tensor]:
     }
 
 
+def tokenizer_digest(tokenizer) -> str:
+    """The vocabulary's identity (token -> id) that a store records, wherever the tokenizer was loaded from."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode()).hexdigest()
+
+
+def check_tokenizer(tokens_dir: str | Path, tokenizer) -> None:
+    """StoreError unless the store at `tokens_dir` was written with this tokenizer's vocabulary."""
+    have = TokenStore(tokens_dir, verify=False).identity.get("tokenizer_sha256")
+    if have != tokenizer_digest(tokenizer):
+        raise StoreError(f"{tokens_dir}: the token store was made with another tokenizer (vocabulary sha256 {have} != {tokenizer_digest(tokenizer)})")
+
+
 class TokenWriter:
     """Commits whole shards and keeps the manifest; reopening the same folder resumes.
 

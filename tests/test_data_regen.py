@@ -186,3 +186,19 @@ def test_chitchat_conversations_alternate_speakers():
         roles = [m["role"] for m in c.messages]
         assert roles == ["user", "assistant"] * (len(roles) // 2) and all(m["content"].strip() for m in c.messages)
     assert convs[0].messages[0]["content"] == "Hello\nHow are you doing today?"
+
+
+def test_harvest_refuses_a_token_store_of_another_tokenizer(reference, tmp_path):
+    from eagle3ft.data.harvest import run_harvest
+    from eagle3ft.data.store import StoreError
+
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    manifest = json.loads((reference[0] / "tokens" / "manifest.json").read_text())
+    manifest["identity"]["tokenizer_sha256"] = "0" * 64
+    (tokens / "manifest.json").write_text(json.dumps(manifest))
+    for shard in manifest["shards"]:
+        (tokens / shard["file"]).write_bytes((reference[0] / "tokens" / shard["file"]).read_bytes())
+    cfg = load_config(TINY, [f"harvest.sources=[{{kind: tokens, path: '{tokens}'}}]"])
+    with pytest.raises(StoreError, match="another tokenizer"):
+        run_harvest(cfg, tmp_path / "run")
