@@ -57,7 +57,7 @@ def vocab_from_drafter(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise FileNotFoundError(f"drafter checkpoint {folder}: no *.safetensors weights")
     found: dict[str, torch.Tensor] = {}
     for f in files:
-        keys = safetensors_keys(f, "drafter weights")  # every file: a truncated one is named here, not later
+        keys = safetensors_keys(f, "the drafter's weights file")  # every file: a truncated one is named here, not later
         with safe_open(f, framework="pt") as h:
             for k in ("d2t", "t2d"):
                 if k in keys:

@@ -1,5 +1,6 @@
 """The config system: strict keys, dotted overrides, resolved config in the run folder."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,58 @@ def test_parse_cli_bad_override_exits_with_message(tmp_path, capsys):
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert (REPO_ROOT / cfg.drafter.config).is_file()
+
+
+def test_yaml_syntax_errors_name_the_file_or_the_set_and_the_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"c\.yaml: line 4, column 12: YAML syntax error: while parsing a flow sequence \(line 3, column 7\)") as e:
+        load_config(write(tmp_path, "run_name: x\ntrain:\n  lr: [1, 2\n  ttt_steps: 3\n"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"--set 'harvest.sources=\[\{kind: x': line 1, column \d+: YAML syntax error"):
+        load_config(write(tmp_path, "run_name: x\n"), ["harvest.sources=[{kind: x"])
+
+
+def test_an_empty_value_is_refused_for_required_keys_and_means_none_for_optional_ones(tmp_path):
+    p = write(tmp_path, "run_name: x\n")
+    with pytest.raises(ConfigError, match=r"harvest\.sources: a value is required"):
+        load_config(p, ["harvest.sources="])
+    assert load_config(p, ["train.max_steps="]).train.max_steps is None
+    with pytest.raises(ConfigError, match=r"train\.lr: a value is required"):
+        load_config(write(tmp_path, "train:\n  lr:\n"))
+    cfg = load_config(write(tmp_path, "harvest:\n  # every key commented out\ntrain:\n"))
+    assert cfg.harvest.topk == Config().harvest.topk and cfg.train.lr == Config().train.lr
+
+
+def test_not_utf8_config_is_named(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_bytes(b"run_name: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: not UTF-8"):
+        load_config(p)
+
+
+def test_cli_errors_print_one_line_and_the_traceback_only_with_debug(monkeypatch, capsys):
+    from eagle3ft.data.config import DEBUG_ENV, cli_errors
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    with pytest.raises(SystemExit) as e:
+        with cli_errors("prog"):
+            raise ValueError("runs/x/vocab.safetensors: the draft vocabulary is truncated\n(detail)")
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err == "prog: error: runs/x/vocab.safetensors: the draft vocabulary is truncated (detail)\n"
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(SystemExit):
+        with cli_errors("prog"):
+            raise FileNotFoundError("gone")
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.endswith("prog: error: gone\n")
+    with pytest.raises(KeyError):  # not an input error: a bug keeps its traceback
+        with cli_errors("prog"):
+            raise KeyError("x")
+
+
+def test_debug_flag_sets_the_env_for_cli_errors(tmp_path, monkeypatch):
+    from eagle3ft.data.config import DEBUG_ENV
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    parse_cli("t", "harvest", ["--config", str(write(tmp_path, "run_name: x\n")), "--run-dir", str(tmp_path / "r"), "--debug"], record=False)
+    assert os.environ[DEBUG_ENV] == "1"

@@ -1,12 +1,14 @@
 """Feature store round trip, checks, and the draft vocabulary."""
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from eagle3ft.data.store import SCHEMA_VERSION, FeatureStore, FeatureWriter, Sample, StoreError, collate
+from eagle3ft.data.store import SCHEMA_VERSION, DamagedFile, FeatureStore, FeatureWriter, Sample, StoreError, collate
 from eagle3ft.data.vocab import build_vocab, check_vocab, load_vocab, save_vocab, vocab_from_drafter
 
 H, K = 8, 4
@@ -131,3 +133,81 @@ def test_vocab_from_drafter_is_unchanged(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(load_vocab(tmp_path / "vocab.safetensors"), (d2t, t2d)))
     with pytest.raises(ValueError, match="disagree"):
         check_vocab(d2t, ~t2d & (torch.arange(16) < 4), 16, 4)
+
+
+def test_truncated_manifest_and_vocab_are_named(store_dir, tmp_path_factory):
+    path, _, _ = store_dir
+    manifest = path / "manifest.json"
+    text = manifest.read_bytes()
+    manifest.write_bytes(text[: len(text) // 2])
+    for open_it in (lambda: FeatureStore(path), lambda: FeatureWriter(path, TARGET, K, True, "fp")):
+        with pytest.raises(DamagedFile, match=rf"{manifest}: the feature store's manifest is not valid JSON \(.*\); the file is truncated or damaged") as e:
+            open_it()
+        assert "\n" not in str(e.value)
+    d = tmp_path_factory.mktemp("vocab")
+    d2t, t2d = build_vocab(torch.arange(100), 10)
+    save_vocab(d / "vocab.safetensors", d2t, t2d)
+    data = (d / "vocab.safetensors").read_bytes()
+    (d / "vocab.safetensors").write_bytes(data[:-7])
+    with pytest.raises(DamagedFile, match=rf"{d / 'vocab.safetensors'}: the draft vocabulary is not a readable safetensors file .*truncated"):
+        load_vocab(d / "vocab.safetensors")
+    save_file({"d2t": d2t}, str(d / "half.safetensors"))
+    with pytest.raises(ValueError, match=r"half\.safetensors: the draft vocabulary has no t2d"):
+        load_vocab(d / "half.safetensors")
+
+
+@pytest.mark.parametrize("entry", ["../outside.safetensors", "/etc/outside.safetensors", "sub/train-00000.safetensors", ".hidden.safetensors", "manifest.json"])
+def test_manifest_entries_cannot_point_outside_the_store(store_dir, entry):
+    path, _, _ = store_dir
+    outside = path.parent / "outside.safetensors"
+    outside.write_bytes((path / "train-00000.safetensors").read_bytes())
+    m = json.loads((path / "manifest.json").read_text())
+    m["shards"][0]["file"] = entry
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match=rf"entry '{re.escape(entry)}' is not a \*\.safetensors file name inside {re.escape(str(path))}"):
+        FeatureStore(path, verify=False)
+    m["shards"][0]["file"] = "train-00000.safetensors"
+    m["token_counts"] = "../outside.safetensors"
+    (path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match=r"entry '\.\./outside\.safetensors'"):
+        FeatureStore(path, verify=False)
+
+
+def test_writer_lists_damaged_committed_shards(store_dir):
+    path, _, _ = store_dir
+    w = FeatureWriter(path, TARGET, K, True, "fp")
+    assert w.damaged() == []
+    shard = path / "train-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    (path / "heldout-00000.safetensors").unlink()
+    assert w.damaged() == ["train-00001.safetensors: fails its sha256 check", "heldout-00000.safetensors: missing"]
+
+
+def _vocab(target_ids: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    d2t = torch.tensor(target_ids) - torch.arange(len(target_ids))
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[[t for t in target_ids if 0 <= t < vocab]] = True
+    return d2t, t2d
+
+
+def test_check_vocab_names_each_inconsistency():
+    check_vocab(*_vocab([1, 4, 7], 10), 10, 3)
+    with pytest.raises(ValueError, match=r"w: d2t maps 1 draft ids outside the target vocab \[0, 10\), first draft id 2 -> 12"):
+        check_vocab(*_vocab([1, 4, 12], 10), 10, 3, "w")
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        check_vocab(*_vocab([-1, 4, 7], 10), 10, 3)
+    with pytest.raises(ValueError, match="several draft ids to one target id"):
+        check_vocab(*_vocab([4, 4, 7], 10), 10, 3)
+    d2t, t2d = _vocab([1, 4, 7], 10)
+    t2d[9] = True
+    with pytest.raises(ValueError, match="t2d marks 4 target ids, d2t maps 3"):
+        check_vocab(d2t, t2d, 10, 3)
+    t2d[4] = False
+    with pytest.raises(ValueError, match=r"disagree: 1 draft ids map to target ids t2d does not mark, first draft id 1 -> 4"):
+        check_vocab(d2t, t2d, 10, 3)
+    with pytest.raises(ValueError, match="vocab sizes"):
+        check_vocab(*_vocab([1, 4, 7], 10), 10, 4)
+    with pytest.raises(ValueError, match="t2d must be a 1-D bool"):
+        check_vocab(d2t, t2d.long(), 10, 3)
