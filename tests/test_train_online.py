@@ -67,13 +67,17 @@ def test_online_batches_equal_the_stores(harvested, layout):
                 assert torch.equal(got, want), key
 
 
+def write_tokens(run, harvested):
+    """RUN/tokens holding the harvested train samples' ids and masks (what data/regen.py writes)."""
+    data = TrainData(tiny_cfg(), harvested)
+    writer = TokenWriter(run / "tokens", {"target": "tiny"}, "test")
+    writer.commit("train", 0, [TokenSample(s["sample_id"], s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in map(data.dataset.__getitem__, range(len(data)))])
+    writer.finish()
+
+
 def test_online_reads_the_token_store_when_there_is_one(harvested, tmp_path):
     """RUN/tokens (data/tokens.py) is the online token source; its samples get the target's features."""
-    offline = TrainData(tiny_cfg(), harvested)
-    samples = [offline.dataset[i] for i in range(len(offline))]
-    writer = TokenWriter(tmp_path / "tokens", {"target": "tiny"}, "test")
-    writer.commit("train", 0, [TokenSample(s["sample_id"], s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in samples])
-    writer.finish()
+    write_tokens(tmp_path, harvested)
     save_vocab(tmp_path / "vocab.safetensors", *build_vocab(torch.zeros(49152, dtype=torch.int64), 512))  # as from an empty train split
     cfg = tiny_cfg("train.features=online", "train.micro_batch_size=2")
     data = TrainData(cfg, tmp_path)
@@ -185,13 +189,13 @@ def metrics(run):
 
 @pytest.mark.slow
 def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
-    """2 CPU ranks, online features, packed rows: each rank its own bins; a stop + resume sees the same samples."""
+    """2 CPU ranks, online features from a token store alone (its vocab built on the way), packed rows: each rank
+    its own bins; a stop + resume sees the same samples."""
     common = ("train.features=online", "train.pack_tokens=128", "train.max_len=96", "train.max_steps=4", "train.save_every=2", "train.warmup_steps=1", "train.ttt_steps=2")
     straight, split = tmp_path / "straight", tmp_path / "split"
     for run in (straight, split):
         run.mkdir()
-        for name in ("features", "vocab.safetensors"):
-            (run / name).symlink_to(harvested / name)
+        write_tokens(run, harvested)
     r = launch(straight, *common)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = metrics(straight)
@@ -199,7 +203,7 @@ def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
     for x in rows:  # two ranks, each its own bins
         a, b = x["samples"]
         assert a and b and not set(a) & set(b)
-    assert (straight / "export" / "model.safetensors").is_file()
+    assert (straight / "export" / "model.safetensors").is_file() and (straight / "vocab.safetensors").is_file()
     r = launch(split, *common, "train.stop_after=2")
     assert r.returncode == 0, r.stderr[-4000:]
     r = launch(split, *common, extra=("--resume", "auto"))

@@ -131,7 +131,7 @@ class HeldoutTracker:
         tcfg = cfg.train
         self.dist, self.depth, self.every = dist, cfg.eval.steps, tcfg.eval_every
         self.best_dir = Path(run_dir) / "export-best"
-        ds = store.dataset("heldout")
+        ds = store.dataset("heldout") if store is not None else []  # online training on a token store alone: no held-out features
         self.batches = heldout_batches(ds, tcfg.eval_samples, dist.rank, dist.world, tcfg.micro_batch_size, tcfg.max_len)
         self.enabled = bool(self.batches)
         card = read_card(self.best_dir) if resumed else None
@@ -142,7 +142,7 @@ class HeldoutTracker:
 
             shutil.rmtree(self.best_dir)  # a previous run's best; this run starts over
         if not self.enabled:
-            dist.print(f"held-out τ: {store.dir} has no held-out samples; no held-out τ and no export-best")
+            dist.print(f"held-out τ: {store.dir if store is not None else Path(run_dir) / 'features'} has no held-out samples; no held-out τ and no export-best")
 
     def due(self, step: int, total: int) -> bool:
         return self.enabled and (step >= total or (self.every > 0 and step % self.every == 0))
