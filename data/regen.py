@@ -48,7 +48,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.config import Config, parse_cli, to_dict
+from eagle3ft.data.config import Config, cli_errors, parse_cli, to_dict
 from eagle3ft.data.harvest import check_harvest_config, request_seed, sample_id
 from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import SPLITS, StoreError
@@ -405,14 +405,11 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    cfg, run_dir, _ = parse_cli("Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv)
     from eagle3ft.data.targets.sglang import SGLangError
 
-    try:
-        with holding(run_dir, "regen"):
-            summary = main(cfg, run_dir)
-    except (RegenError, SGLangError, StoreError) as e:
-        sys.exit(f"regen: {e}")
+    cfg, run_dir, _ = parse_cli("Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv)
+    with holding(run_dir, "regen"), cli_errors("regen", RegenError, SGLangError, StoreError):
+        summary = main(cfg, run_dir)
     print(json.dumps(summary, indent=1))
 
 

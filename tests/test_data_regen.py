@@ -138,8 +138,8 @@ def test_a_server_dying_mid_run_stops_with_its_name_and_a_rerun_completes_equal(
 def test_cli_error_is_one_line_when_no_server_answers(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli(["--config", str(TINY), "--run-dir", str(tmp_path), "--set", "harvest.backend=sglang", "--set", "harvest.sglang.urls=[http://127.0.0.1:9]", "--set", "harvest.sglang.retries=0"])
-    msg = str(e.value)
-    assert msg.startswith("regen: ") and "127.0.0.1:9" in msg and "\n" not in msg
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 1 and err.startswith("regen: error: ") and "127.0.0.1:9" in err and "\n" not in err
 
 
 def test_embedded_backend_through_the_entry_point(stopping_model, tmp_path, monkeypatch, capsys):
