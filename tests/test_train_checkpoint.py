@@ -126,3 +126,28 @@ def test_resume_picks_the_newest_complete_checkpoint(tmp_path):
     assert resume_path(tmp_path / "nothing", "auto") is None
     with pytest.raises(FileNotFoundError):
         resume_path(tmp_path, str(tmp_path / "ckpt" / "step-11"))
+
+
+def test_metrics_past_the_resumed_step_are_dropped_in_one_rename(tmp_path):
+    from eagle3ft.train.checkpoint import truncate_metrics
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4, 5)) + '{"step": 6, "lo')  # cut short by a kill
+    assert truncate_metrics(f, 4) == 2
+    assert [json.loads(x)["step"] for x in f.read_text().splitlines()] == [1, 2, 3, 4]
+    assert truncate_metrics(f, 4) == 0 and truncate_metrics(tmp_path / "none.jsonl", 4) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_the_data_position_must_split_over_the_new_processes(tmp_path):
+    from eagle3ft.train.checkpoint import CheckpointError, resume_position
+
+    st = {"data": {"epoch": 1, "samples_in_epoch": 12, "n_train": 16}}
+    assert resume_position(st, tmp_path, 16, 1, 2) == (1, 6)  # 2 processes x micro batch 1: 6 rounds done
+    assert resume_position(st, tmp_path, 16, 2, 3) == (1, 2)
+    assert resume_position(st, tmp_path, 16, 3, 1) == (1, 4)
+    with pytest.raises(CheckpointError, match="12 samples of epoch 1 consumed do not split into rounds of 8"):
+        resume_position(st, tmp_path, 16, 4, 2)
+    with pytest.raises(CheckpointError, match="written for 16 training samples, the store has 20"):
+        resume_position(st, tmp_path, 20, 1, 2)
+    assert resume_position({"data": {"epoch": 1, "samples_in_epoch": 16, "n_train": 16}}, tmp_path, 16, 4, 3) == (2, 0)  # epoch done

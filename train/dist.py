@@ -333,7 +333,9 @@ class Dist:
             np.random.seed(mixed % 2**32)
         if saved_world == self.world:
             return f"RNG states of all {self.world} rank(s) restored"
-        return f"RNG states restored for ranks 0..{min(saved_world, self.world) - 1} (saved by {saved_world} process(es), now {self.world}); other ranks seeded from (seed, step, rank)"
+        if self.world < saved_world:
+            return f"RNG states of ranks 0..{self.world - 1} of {saved_world} restored"
+        return f"RNG states of ranks 0..{saved_world - 1} restored, ranks {saved_world}..{self.world - 1} seeded from (seed, step, rank)"
 
     def full_state_dict(self, module) -> dict[str, torch.Tensor] | None:
         """The unsharded weights on the main process (collective under ZeRO-3), None elsewhere."""
