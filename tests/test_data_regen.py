@@ -202,3 +202,23 @@ def test_harvest_refuses_a_token_store_of_another_tokenizer(reference, tmp_path)
     cfg = load_config(TINY, [f"harvest.sources=[{{kind: tokens, path: '{tokens}'}}]"])
     with pytest.raises(StoreError, match="another tokenizer"):
         run_harvest(cfg, tmp_path / "run")
+
+
+def test_sglang_answers_are_read_robustly():
+    from eagle3ft.data.regen import Gen, SGLangBackend
+
+    b = SGLangBackend.__new__(SGLangBackend)
+    b.stop_ids, b.trimmed, b._lock = [2], 0, threading.Lock()
+    g = Gen([5, 6], 8, 0)
+
+    def ans(ids, n, reason):
+        return b._answer({"output_ids": ids, "meta_info": {"completion_tokens": n, "finish_reason": reason}}, g, "u")
+
+    a = ans([9, 9, 7, 8, 2], 3, {"type": "stop", "matched": 2})  # detokenizer context before the answer (sglang#17240)
+    assert (a.ids, a.finished, b.trimmed) == ([7, 8, 2], True, 1)
+    a = ans([7, 8], 3, {"type": "stop", "matched": 2})  # a server that leaves the stop token out
+    assert (a.ids, a.finished) == ([7, 8, 2], True)
+    a = ans([7] * 8, 8, {"type": "length", "length": 8})
+    assert (len(a.ids), a.finished) == (8, False)
+    with pytest.raises(RegenError, match="aborted"):
+        ans([7], 1, {"type": "abort", "message": "out of memory"})
