@@ -311,7 +311,7 @@ class Eagle3Drafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(cfg.hidden_size, cfg.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target = draft + d2t[draft]
-        self.register_buffer("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)  # target id is in the draft vocab (default: the first draft_vocab_size ids, as d2t)
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
         # (hd/2,) float32, kept off the buffers so that casting the module to bf16 cannot round it
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copied once per device

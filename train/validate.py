@@ -180,17 +180,20 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     """Held-out τ of an exported drafter (default eval.checkpoint) as training computes it, on one device;
     writes RUN/eval/heldout_tau.json. Its counts are eval/accept_len.py's greedy chain counts on greedy data."""
     from eagle3ft.data.config import resolve_path
-    from eagle3ft.data.store import FeatureStore
+    from eagle3ft.data.drafter_spec import check_drafter_folder
+    from eagle3ft.data.store import MANIFEST, FeatureStore
     from eagle3ft.data.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.checkpoint import load_drafter
     from eagle3ft.train.ttt import TTTObjective
 
     tcfg, depth = cfg.train, cfg.eval.steps
     ckpt = resolve_path(checkpoint or cfg.eval.checkpoint, base=Path(run_dir))
+    store = FeatureStore(Path(run_dir) / "features")
+    check_drafter_folder(ckpt, store.target, "checkpoint", str(store.dir / MANIFEST))  # before any compute
     device = pick_device(cfg.target)
     drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
     objective = TTTObjective(drafter, depth, tcfg.step_decay)
-    ds = FeatureStore(Path(run_dir) / "features").dataset("heldout")
+    ds = store.dataset("heldout")
     n = len(ds) if cfg.eval.max_samples is None else min(len(ds), cfg.eval.max_samples)
     result = heldout_tau(objective, heldout_batches(ds, n, 0, 1, tcfg.micro_batch_size, tcfg.max_len), depth, device=device)
     out = Path(run_dir) / "eval"
@@ -200,12 +203,14 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import build_parser, parse_cli
+    from eagle3ft.data.config import build_parser, cli_errors, parse_cli
+    from eagle3ft.data.store import StoreError
 
     ap = build_parser("Held-out greedy chain tau of an exported drafter through the TTT unroll (as training logs it).")
     ap.add_argument("--checkpoint", help="drafter folder, relative to the run folder (default eval.checkpoint)")
     cfg, run_dir, args = parse_cli("", stage="heldout_tau", argv=argv, parser=ap)
-    r = run(cfg, run_dir, args.checkpoint)
+    with cli_errors("validate", StoreError):
+        r = run(cfg, run_dir, args.checkpoint)
     print(f"held-out tau {r.heldout_tau:.4f} at depth {cfg.eval.steps} over {r.heldout_tokens} answer tokens; a_k {[round(a, 4) for a in r.heldout_cond_acc]}")
 
 
