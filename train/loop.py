@@ -1,7 +1,8 @@
 """The fine-tuning loop: feature store -> TTT unroll -> checkpoints, export and metrics.
 
 `main(cfg, run_dir)` is what `train/finetune.py` calls under `accelerate launch`; every rank runs it.
-Reads `run_dir/features` and `run_dir/vocab.safetensors` (or the warm-start drafter's own vocab);
+Reads `run_dir/features` and `run_dir/vocab.safetensors` (or the warm-start drafter's own vocab); with
+`train.features: online`, `run_dir/tokens` and the target's own prefill instead (batches: train/data.py);
 writes `run_dir/ckpt/step-N/`, `run_dir/export/` (the last step), `run_dir/export-best/` (the best step by held-out τ,
 train/validate.py; each export's card.json says which step it is) and `run_dir/train/metrics.jsonl`.
 """
