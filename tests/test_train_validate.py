@@ -88,11 +88,11 @@ def test_loop_logs_heldout_tau_and_keeps_the_best_export(tmp_path):
     from eagle3ft.train.checkpoint import load_drafter
     from eagle3ft.train.model import export_keys
 
-    arch = json.loads((REPO / "configs/drafters/tiny.json").read_text()) | {"fc_norm": True, "norm_output": True}
-    (tmp_path / "tiny31.json").write_text(json.dumps(arch))
+    arch = json.loads((REPO / "configs/drafters/tiny.json").read_text()) | {"fc_norm": True}
+    (tmp_path / "tiny31.json").write_text(json.dumps(arch))  # fc_norm from the json, norm_output from the override
     write_store(tmp_path, n_train=12, n_heldout=3)
     r = launch(tmp_path, "train.max_steps=5", "train.eval_every=2", "train.log_every=4", "train.save_every=10", "train.warmup_steps=1",
-               "train.loss=lk_hybrid", f"drafter.config={tmp_path / 'tiny31.json'}")
+               "train.loss=lk_hybrid", f"drafter.config={tmp_path / 'tiny31.json'}", "drafter.norm_output=true")
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [2, 4, 5] and all("loss" in x for x in rows)
@@ -141,3 +141,24 @@ def test_cli_on_a_run_folder_counts_what_accept_len_counts(tmp_path):
     rep = accept_len_run(cfg, tmp_path)
     assert ours["depth"] == 3 and ours["chain_valid"] == pytest.approx([r["attempts"] for r in rep.greedy["per_depth"]])
     assert ours["chain_valid"][0] > 0 and ours["heldout_tau"] == pytest.approx(rep.greedy["tau"], abs=1e-9)
+
+
+def test_warm_start_keeps_its_layout(tmp_path):
+    """drafter.fc_norm / norm_output apply to a scratch drafter; a warm start with another layout is refused."""
+    from train_fixtures import REPO, TINY_TARGET, write_store
+
+    from eagle3ft.data.config import load_config
+    from eagle3ft.data.vocab import load_vocab
+    from eagle3ft.train.checkpoint import export_drafter
+    from eagle3ft.train.loop import build_drafter
+
+    write_store(tmp_path)
+    m = Eagle3Drafter(Eagle3Config.from_json(REPO / "configs/drafters/tiny.json"))
+    d2t, t2d = load_vocab(tmp_path / "vocab.safetensors")
+    with torch.no_grad():
+        m.d2t.copy_(d2t)
+        m.t2d.copy_(t2d)
+    export_drafter(m, tmp_path / "init")
+    cfg = load_config(REPO / "configs/tiny.yaml", [f"drafter.init={tmp_path / 'init'}", "drafter.norm_output=true"])
+    with pytest.raises(ValueError, match="drafter.norm_output True != warm-start drafter's False"):
+        build_drafter(cfg, tmp_path, TINY_TARGET)

@@ -71,10 +71,17 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
         spec = check_drafter_folder(folder, target, "warm start", features)
         if cfg.drafter.draft_vocab_size not in (None, spec.draft_vocab_size):
             raise ValueError(f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's {spec.draft_vocab_size} (its vocab is kept)")
+        layout = Eagle3Config.from_json(folder / "config.json")
+        for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 options change what the trained weights mean
+            if getattr(cfg.drafter, flag) not in (None, getattr(layout, flag)):
+                raise ValueError(f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} ({folder}/config.json; its layout is kept)")
         return load_drafter(folder, load_input_embedding(cfg.target)).float()
     dcfg = Eagle3Config.from_json(resolve_path(cfg.drafter.config))
     if cfg.drafter.draft_vocab_size:
         dcfg.draft_vocab_size = cfg.drafter.draft_vocab_size
+    for flag in ("fc_norm", "norm_output"):
+        if getattr(cfg.drafter, flag) is not None:
+            setattr(dcfg, flag, getattr(cfg.drafter, flag))
     check_drafter(dcfg, target, str(cfg.drafter.config), features)
     vocab_file = run_dir / "vocab.safetensors"
     if not vocab_file.is_file():
