@@ -171,7 +171,7 @@ def test_warm_start_rewrites_the_run_vocab_with_the_drafters(run):
 def test_harvest_rerun_over_a_damaged_complete_store_reports_it(tmp_path, capsys):
     from eagle3ft.data.harvest import main
 
-    argv = ["--config", str(TINY), "--run-dir", str(tmp_path), "--set", "harvest.sources=[{kind: sharegpt, limit: 4}]", "--set", "harvest.shard_samples=2"]
+    argv = ["--config", str(TINY), "--run-dir", str(tmp_path), "--set", "harvest.sources=[{kind: sharegpt, limit: 2}]", "--set", "harvest.shard_samples=1", "--set", "harvest.max_new_tokens=8", "--set", "harvest.max_turns=1"]
     main(argv)
     first = json.loads(capsys.readouterr().out)
     assert first["argmax_check"]["checked"] > 0 and first["argmax_check"]["mismatched"] == 0
