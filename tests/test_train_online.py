@@ -209,3 +209,25 @@ def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
     r = launch(split, *common, extra=("--resume", "auto"))
     assert r.returncode == 0, r.stderr[-4000:]
     assert [x["samples"] for x in metrics(split)] == [x["samples"] for x in rows]
+
+
+
+def test_online_heldout_tau_equals_the_offline_one(harvested):
+    """Held-out τ while training online: the target's features of the held-out tokens give the counts that the
+    stored held-out features give (TrainData.heldout feeding train/validate.py's heldout_tau)."""
+    from eagle3ft.train.loop import build_drafter
+    from eagle3ft.train.ttt import TTTObjective
+    from eagle3ft.train.validate import heldout_batches, heldout_tau
+
+    results = []
+    for mode in ("offline", "online"):
+        cfg = tiny_cfg(f"train.features={mode}", "train.micro_batch_size=2")
+        data = TrainData(cfg, harvested)
+        ds, _, features = data.heldout(torch.device("cpu"))
+        assert len(ds) == 2 and (features is None) == (mode == "offline")
+        torch.manual_seed(0)
+        objective = TTTObjective(build_drafter(cfg, harvested, data.target), 3, 0.8)
+        results.append(heldout_tau(objective, heldout_batches(ds, 8, 0, 1, 2, None), 3, features=features))
+    off, on = results
+    assert on.heldout_tokens == off.heldout_tokens > 0 and sum(off.chain_valid) > 0
+    assert on.chain_valid == off.chain_valid and on.chain_correct == off.chain_correct

@@ -176,15 +176,15 @@ class MicroBatch:
     tokens: int  # real tokens (padding excluded)
 
 
-def token_dataset(run_dir: Path, store: FeatureStore | None):
-    """(RUN/tokens' train split, else the token ids of the feature store's; where it is) for online training."""
+def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train"):
+    """(RUN/tokens' split, else the token ids of the feature store's; where it is) for online training."""
     from eagle3ft.data.tokens import TokenStore
 
     tokens = run_dir / "tokens"
     if (tokens / MANIFEST).is_file():
-        return TokenStore(tokens).dataset("train"), str(tokens)
+        return TokenStore(tokens).dataset(split), str(tokens)
     if store is not None:
-        return store.dataset("train", keys=TOKEN_KEYS), str(store.dir)
+        return store.dataset(split, keys=TOKEN_KEYS), str(store.dir)
     raise StoreError(f"train.features is online but {run_dir} has neither a token store (tokens/) nor a feature store (features/)")
 
 
@@ -237,11 +237,26 @@ class TrainData:
             ensure_vocab(cfg, run_dir, self.dataset, self.where)
             self.online = OnlineTarget(cfg)
             self.target, self.has_last_hidden = self.online.identity, cfg.harvest.store_last_hidden
+        self.run_dir = run_dir
         self.cap = min(tcfg.max_len, tcfg.pack_tokens or tcfg.max_len)  # tokens kept per sample
         self.lengths = [min(n, self.cap) for n in self.dataset.lengths()] if tcfg.pack_tokens else None
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def heldout(self, device: torch.device):
+        """(held-out items, where they are, features): the feature store's held-out split offline (features None);
+        online, the held-out token samples and the function that adds the target's features to a collated batch."""
+        if self.online is None:
+            return (self.store.dataset("heldout") if self.store is not None else []), str(self.run_dir / "features"), None
+        ds, where = token_dataset(self.run_dir, self.store, "heldout")
+
+        def features(batch: dict) -> dict:
+            if self.online.target.device != device:
+                self.online.to(device)
+            return {**batch, **self.online.features(batch, device)}
+
+        return ds, where, features
 
     def bins(self, epoch: int) -> list[list[int]]:
         if epoch not in self._bins:

@@ -186,7 +186,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
         dist.print(f"resumed from {ckpt} at step {step} (epoch {epoch}, {st['data']['samples_in_epoch']} samples of its order consumed; written by {st['world_size']} process(es), now {dist.world}; {rng_note})")
         if st["total_steps"] != total:
             dist.print(f"note: {total} optimizer steps now, {st['total_steps']} when the checkpoint was written (set train.max_steps to keep the LR schedule)")
-    heldout = HeldoutTracker(run_dir, data.store, cfg, dist, resumed=ckpt is not None)
+    heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed=ckpt is not None)
 
     log_dir = run_dir / "train"
     metrics_file = log_dir / "metrics.jsonl"

@@ -77,15 +77,19 @@ def heldout_tau(
     step: int = 0,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
     device: torch.device | str = "cpu",
+    features: Callable[[dict], dict] | None = None,
 ) -> HeldoutTau:
     """Held-out greedy chain τ at `depth`.
 
     forward(batch) runs the TTT unroll (TTTObjective's forward, or the engine wrapping it) for at least
-    `depth` steps and returns its TTTOutput; reduce_sum sums a tensor over ranks.
+    `depth` steps and returns its TTTOutput; reduce_sum sums a tensor over ranks; features(batch) adds the
+    target's features to a token batch (online training).
     """
     counts = torch.zeros(3, depth, dtype=torch.float64, device=device)  # chain_correct, chain_valid, tokens (col 0)
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items() if k != "sample_id"}
+        if features is not None:
+            batch = features(batch)
         out = forward(heldout_view(batch))
         if out.chain_valid.shape[0] < depth:
             raise ValueError(f"held-out τ at depth {depth} needs an unroll of at least {depth} steps, got {out.chain_valid.shape[0]}")
@@ -127,11 +131,12 @@ class HeldoutTracker:
     and a sharded engine gathers the weights on all of them).
     """
 
-    def __init__(self, run_dir: Path, store, cfg, dist, resumed: bool) -> None:
+    def __init__(self, run_dir: Path, heldout, cfg, dist, resumed: bool) -> None:
+        """heldout: (items, where, features) as train/data.py's TrainData.heldout gives them."""
         tcfg = cfg.train
         self.dist, self.depth, self.every = dist, cfg.eval.steps, tcfg.eval_every
         self.best_dir = Path(run_dir) / "export-best"
-        ds = store.dataset("heldout") if store is not None else []  # online training on a token store alone: no held-out features
+        ds, where, self.features = heldout
         self.batches = heldout_batches(ds, tcfg.eval_samples, dist.rank, dist.world, tcfg.micro_batch_size, tcfg.max_len)
         self.enabled = bool(self.batches)
         card = read_card(self.best_dir) if resumed else None
@@ -142,13 +147,13 @@ class HeldoutTracker:
 
             shutil.rmtree(self.best_dir)  # a previous run's best; this run starts over
         if not self.enabled:
-            dist.print(f"held-out τ: {store.dir if store is not None else Path(run_dir) / 'features'} has no held-out samples; no held-out τ and no export-best")
+            dist.print(f"held-out τ: {where} has no held-out samples; no held-out τ and no export-best")
 
     def due(self, step: int, total: int) -> bool:
         return self.enabled and (step >= total or (self.every > 0 and step % self.every == 0))
 
     def evaluate(self, engine, step: int) -> HeldoutTau:
-        self.latest = heldout_tau(lambda b: engine(b, steps=self.depth), self.batches, self.depth, step, self.dist.reduce_sum, self.dist.device)
+        self.latest = heldout_tau(lambda b: engine(b, steps=self.depth), self.batches, self.depth, step, self.dist.reduce_sum, self.dist.device, self.features)
         return self.latest
 
     def keep_if_best(self, engine, drafter_config, result: HeldoutTau) -> bool:
