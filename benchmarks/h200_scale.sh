@@ -11,7 +11,7 @@
 #               c/gguf.part-aa  d/{gguf.part-ab,chitchat.json.gz}
 # Env: C (/tmp/c), L (/tmp/L: results), S (/tmp/S: run folders), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PY;
 #      sizes: CHITCHAT (conversations, 2000), MAX_NEW (1024), MAX_TOTAL (4096), EPOCHS (2), PACK (32768), LR (2e-3),
-#      REGEN_S (regen time limit, 480), SETTING (requests in flight x prompts per request, 128x8), SERVER_CMD (a dry
+#      REGEN_S (regen time limit, 360), TRAIN_S (training time limit, 300), SETTING (requests in flight x prompts per request, 128x8), SERVER_CMD (a dry
 #      run on a CPU: tests/sglang_double.py), ACCEL (configs/accelerate/1gpu.yaml), EXTRA (more --set pairs),
 #      LIMIT / MT_LIMIT / HE_LIMIT (ShareGPT / MT-Bench / HumanEval conversations), PYTHONPATH_OVERRIDE (a dry run: '').
 set -uo pipefail
@@ -66,7 +66,7 @@ servers_down() { [[ -f $L/server.pids ]] && xargs -r kill < "$L/server.pids"; rm
 regen_run() {  # regen_run RUN_DIR SOURCES: data/regen.py through the servers
   local joined
   joined=$(IFS=,; echo "${URLS[*]}")
-  timeout -s INT "${REGEN_S:-480}" $PY data/regen.py --config $CONFIG --run-dir "$1" "${BASE[@]}" "${GEN[@]}" \
+  timeout -s INT "${REGEN_S:-360}" $PY data/regen.py --config $CONFIG --run-dir "$1" "${BASE[@]}" "${GEN[@]}" \
     --set harvest.backend=sglang --set "harvest.sglang.urls=[${joined//,/, }]" \
     --set "harvest.sglang.concurrency=${SETTING%x*}" --set "harvest.sglang.prompts_per_request=${SETTING#*x}" \
     --set "harvest.sources=$2"
@@ -74,9 +74,13 @@ regen_run() {  # regen_run RUN_DIR SOURCES: data/regen.py through the servers
 
 gpu() {  # issue 18: the CUDA-only paths against their references, and eager vs compiled at K2 dims
   say "gpu tests"
-  $PY -m pytest -q -m gpu -p no:cacheprovider tests/ > "$L/gpu-tests.txt" 2>&1; echo "exit $?"; tail -3 "$L/gpu-tests.txt"
+  timeout 240 $PY -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_gpu.py -k "not k2_dims" > "$L/gpu-tests.txt" 2>&1
+  echo "exit $?"; tail -4 "$L/gpu-tests.txt"
+  timeout 150 $PY -m pytest -q -ra -p no:cacheprovider tests/test_train_online.py tests/test_train_losses.py -k cuda > "$L/gpu-tests-train.txt" 2>&1
+  echo "exit $?"; tail -4 "$L/gpu-tests-train.txt"
+  grep -q "passed" "$L/gpu-tests-train.txt" && ! grep -q "failed" "$L/gpu-tests-train.txt" || touch "$L/.varlen-failed"
   say "compile check (k2, bf16)"
-  $PY benchmarks/compile_check.py --dims k2 --dtype bf16 --out "$L/compile_check_k2.json" > "$L/compile_check_k2.txt" 2>&1
+  timeout 200 $PY benchmarks/compile_check.py --dims k2 --seq 1024 --emulate --train-steps 5 --out "$L/compile_check_k2.json" > "$L/compile_check_k2.txt" 2>&1
   echo "exit $?"; tail -25 "$L/compile_check_k2.txt"
   touch "$L/.gpu-done"
 }
@@ -105,10 +109,11 @@ heldout() {  # offline features of each held-out set, captured from its regenera
 train_one() {  # train_one NAME GPU PORT [sets...]
   local name=$1 gpu=$2 port=$3; shift 3
   mkdir -p "$S/$name" && ln -sfn "$S/main/tokens" "$S/$name/tokens"
-  CUDA_VISIBLE_DEVICES=$gpu accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" --main_process_port "$port" \
+  [[ -f $L/.varlen-failed ]] && export EAGLE3FT_TTT_ATTENTION=lse  # packed batches then take the masked SDPA path
+  CUDA_VISIBLE_DEVICES=$gpu timeout -s INT "${TRAIN_S:-300}" accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" --main_process_port "$port" \
     train/finetune.py --config $CONFIG --run-dir "$S/$name" --resume auto "${BASE[@]}" \
     --set train.features=online --set "train.pack_tokens=${PACK:-32768}" --set train.max_len=4096 --set "train.epochs=${EPOCHS:-2}" \
-    --set "train.lr=${LR:-2e-3}" --set train.warmup_steps=50 --set train.save_every=100000 --set train.eval_every=100 \
+    --set "train.lr=${LR:-2e-3}" --set train.warmup_steps=50 --set train.save_every=200 --set train.eval_every=100 \
     --set train.eval_samples=256 --set train.log_every=10 "$@" > "$L/train-$name.log" 2>&1
   echo "$name exit $?"
 }
@@ -126,8 +131,9 @@ evaluate() {  # offline tau (chain 1/1/2 .. 5/1/6) of each drafter's best export
   local n set
   for n in eagle3 eagle31; do
     for set in mtbench humaneval; do
-      for ck in export export-best; do
+      for ck in export-best export; do  # the best by held-out tau; the last only when there is no best
         [[ -d $S/$n/$ck ]] || continue
+        [[ $ck == export && -d $S/$n/export-best ]] && continue
         $PY eval/accept_len.py --config $CONFIG --run-dir "$S/eval-$set" "${BASE[@]}" --set "eval.checkpoint=$S/$n/$ck" --set eval.steps=5 \
           > "$L/eval-$n-$set-$ck.txt" 2>&1
         cp "$S/eval-$set/eval/accept_len.json" "$L/accept_len-$n-$set-$ck.json" 2>/dev/null

@@ -368,7 +368,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
     identity = {"target": cfg.target.name, "tokenizer_sha256": tokenizer_digest(tokenizer), "vocab_size": len(tokenizer), "chat_template": cfg.target.chat_template, "stop_ids": list(chat.stop_ids)}
     writer = TokenWriter(run_dir / TOKENS_DIR, identity, fingerprint(cfg, convs))
     chunks = []
-    for split in SPLITS:
+    for split in reversed(SPLITS):  # held-out first: it is small, and a run cut short still has its eval set
         members = [c for c in convs if c.split == split]
         chunks += [(split, i // h.shard_samples, members[i : i + h.shard_samples]) for i in range(0, len(members), h.shard_samples)]
     todo = [(s, i, m) for s, i, m in chunks if i not in writer.done(s)]

@@ -16,6 +16,7 @@ Instead of CE, `loss_kind` picks an acceptance-targeted loss of the overlap Σ m
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 
 from eagle3ft.train.model import Eagle3Drafter
 
-ATTENTION = "flash"  # "flash": _FlashTTTAttention where the flash kernel runs; "lse": causal SDPA + causal_lse
+# "flash": _FlashTTTAttention where the flash kernel runs; "lse": causal SDPA + causal_lse (the env var picks it per job)
+ATTENTION = os.environ.get("EAGLE3FT_TTT_ATTENTION", "flash")
 LSE_CHUNK = 256  # query rows per chunk when computing the causal log-sum-exp ("lse" path)
 HEAD_CHUNK = None  # rows per chunk in the fused lm_head + cross-entropy; None: HEAD_CHUNK_BYTES of fp32 logits
 HEAD_CHUNK_BYTES = 1 << 30
