@@ -169,10 +169,11 @@ case ${1:-} in
       $PY benchmarks/sglang_h200.py export-hf --config $CONFIG --set target.path=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out "$MODEL"
     fi
     ls "$C"; ls /tmp/deps/.ok "$SGL_DIR/.ready" "$MODEL/config.json" 2>&1 ;;
-  start)
+  start)  # from a copy of this tree: later calls re-send the tree under a running job
     shift; mkdir -p "$L" "$S"
-    setsid nohup bash "$0" run "$@" >> "$L/log" 2>&1 < /dev/null &
-    echo "started: $*" ;;
+    tree=/tmp/tree-$(date +%s) && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git -cf - . | tar -xf - -C "$tree"
+    (cd "$tree" && setsid nohup bash benchmarks/h200_scale.sh run "$@" >> "$L/log" 2>&1 < /dev/null &)
+    echo "started: $* (from $tree)" ;;
   run)
     shift; mkdir -p "$L" "$S"
     for p in "$@"; do
