@@ -179,7 +179,13 @@ case ${1:-} in
     for p in "$@"; do
       case $p in
         gpu) gpu ;;
-        main) until [[ -f $L/.gpu-done || -n ${NO_GPU_WAIT:-} ]]; do sleep 3; done; regen && heldout && train && evaluate ;;
+        main)
+          end=$((SECONDS + 1200))  # the carried pieces may still be on their way
+          until [[ ( -f $L/.gpu-done || -n ${NO_GPU_WAIT:-} ) && -f $MODEL/config.json && ( -f $SGL_DIR/.ready || -n ${SERVER_CMD:-} )
+                   && -f $DATA/sharegpt-prompts.json && -f $C/d/chitchat.json ]]; do
+            (( SECONDS < end )) || { echo "gave up waiting for the carried files"; break; }; sleep 3
+          done
+          regen && heldout && train && evaluate ;;
         regen|heldout|train) $p ;;
         eval) evaluate ;;
       esac
