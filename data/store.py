@@ -312,12 +312,12 @@ class FeatureStore:
         return FeatureDataset(self.shards(split), self.manifest["has_last_hidden"], keys, self.manifest.get("aux_dtype", "bf16") == "fp8")
 
 
-class FeatureDataset(torch.utils.data.Dataset):
-    """Samples of one split, sliced from memory-mapped shards on demand (fp8 aux states come back as bf16)."""
+class ShardDataset(torch.utils.data.Dataset):
+    """Samples of concatenated-token shards (``offsets``, ``sample_ids``), memory-mapped on demand; the
+    feature store and the token store (data/tokens.py) both read theirs this way."""
 
-    def __init__(self, shards: list[Path], has_last_hidden: bool, keys: tuple[str, ...] | None = None, aux_fp8: bool = False):
-        self.shards, self.aux_fp8 = shards, aux_fp8
-        self.keys = [k for k in KEYS if (k != "last_hidden" or has_last_hidden) and (keys is None or k in keys)]
+    def __init__(self, shards: list[Path]):
+        self.shards = shards
         self.index: list[tuple[int, int, int, int]] = []  # (shard, start, end, sample_id)
         for si, path in enumerate(shards):
             with safe_open(path, framework="pt") as f:
@@ -340,15 +340,29 @@ class FeatureDataset(torch.utils.data.Dataset):
     def __getstate__(self):
         return {**self.__dict__, "_open": {}}
 
-    def __getitem__(self, i: int) -> dict:
+    def rows(self, i: int, keys) -> tuple[dict[str, torch.Tensor], int]:
+        """({key: rows of sample i}, its sample id)."""
         si, a, b, sid = self.index[i]
         f = self._handle(si)
-        item = {k: f.get_slice(k)[a:b] for k in self.keys}
+        return {k: f.get_slice(k)[a:b] for k in keys}, sid
+
+
+class FeatureDataset(ShardDataset):
+    """Samples of one split of the feature store (fp8 aux states come back as bf16)."""
+
+    def __init__(self, shards: list[Path], has_last_hidden: bool, keys: tuple[str, ...] | None = None, aux_fp8: bool = False):
+        super().__init__(shards)
+        self.aux_fp8 = aux_fp8
+        self.keys = [k for k in KEYS if (k != "last_hidden" or has_last_hidden) and (keys is None or k in keys)]
+
+    def __getitem__(self, i: int) -> dict:
+        fp8 = self.aux_fp8 and "aux_hidden" in self.keys
+        item, sid = self.rows(i, self.keys + ["aux_scale"] if fp8 else self.keys)
         for k in ("input_ids", "loss_mask", "topk_ids"):
             if k in item:
                 item[k] = item[k].long()
-        if self.aux_fp8 and "aux_hidden" in item:
-            item["aux_hidden"] = dequantize_aux(item["aux_hidden"], f.get_slice("aux_scale")[a:b])
+        if fp8:
+            item["aux_hidden"] = dequantize_aux(item["aux_hidden"], item.pop("aux_scale"))
         item["sample_id"] = sid
         return item
 

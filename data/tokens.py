@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save
 
-from eagle3ft.data.store import MANIFEST, SPLITS, StoreError, _sha256, _write_atomic, shard_name
+from eagle3ft.data.store import MANIFEST, SPLITS, ShardDataset, StoreError, _sha256, _write_atomic, shard_name
 
 SCHEMA_VERSION = 1
 KIND = "tokens"
@@ -175,39 +174,10 @@ class TokenStore:
         return TokenDataset(self.shards(split))
 
 
-class TokenDataset(torch.utils.data.Dataset):
+class TokenDataset(ShardDataset):
     """Samples of one split, sliced from memory-mapped shards on demand:
     ``{"sample_id": int, "input_ids": LongTensor[T], "loss_mask": LongTensor[T]}``."""
 
-    def __init__(self, shards: list[Path]):
-        self.shards = shards
-        self.index: list[tuple[int, int, int, int]] = []  # (shard, start, end, sample_id)
-        for si, path in enumerate(shards):
-            with safe_open(path, framework="pt") as f:
-                offsets = f.get_tensor("offsets").tolist()
-                ids = f.get_tensor("sample_ids").tolist()
-            self.index += [(si, offsets[i], offsets[i + 1], ids[i]) for i in range(len(ids))]
-        self._open: dict[int, object] = {}
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def lengths(self) -> list[int]:
-        return [b - a for _, a, b, _ in self.index]
-
-    def _handle(self, si: int):
-        if si not in self._open:  # opened lazily, so each DataLoader worker maps its own
-            self._open[si] = safe_open(self.shards[si], framework="pt")
-        return self._open[si]
-
-    def __getstate__(self):
-        return {**self.__dict__, "_open": {}}
-
     def __getitem__(self, i: int) -> dict:
-        si, a, b, sid = self.index[i]
-        f = self._handle(si)
-        return {
-            "sample_id": sid,
-            "input_ids": f.get_slice("input_ids")[a:b].long(),
-            "loss_mask": f.get_slice("loss_mask")[a:b].long(),
-        }
+        item, sid = self.rows(i, ("input_ids", "loss_mask"))
+        return {"sample_id": sid, **{k: v.long() for k, v in item.items()}}
