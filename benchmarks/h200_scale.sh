@@ -100,7 +100,7 @@ heldout() {  # offline features of each held-out set, captured from its regenera
   for name in mtbench humaneval; do
     src=$S/main/tokens; [[ $name == humaneval ]] && src=$S/humaneval/tokens
     say "features: $name"
-    $PY data/harvest.py --config $CONFIG --run-dir "$S/eval-$name" "${BASE[@]}" --set harvest.batch_size=64 \
+    $PY data/harvest.py --config $CONFIG --run-dir "$S/eval-$name" "${BASE[@]}" "${GEN[@]}" --set harvest.batch_size=64 \
       --set "harvest.sources=[{kind: tokens, path: $src, split: heldout}]" > "$L/harvest-$name.json" 2> "$L/harvest-$name.log" &
   done
   wait
@@ -195,6 +195,10 @@ case ${1:-} in
     end=$((SECONDS + ${2:-60}))
     until ls "$L"/.done-*main* > /dev/null 2>&1 || (( SECONDS >= end )); do sleep 5; done
     tail -60 "$L/log"
-    [[ -n ${OUT:-} ]] && tar -czf "$OUT/L.tgz" --exclude='*.pids' -C "$(dirname "$L")" "$(basename "$L")" ;;
+    [[ -n ${OUT:-} ]] || exit 0
+    tar -czf "$OUT/L.tgz" --exclude='*.pids' --exclude='server*.log' -C "$(dirname "$L")" "$(basename "$L")"
+    for n in eagle3 eagle31; do  # the trained drafters come back too (bf16, ~20 MB each)
+      [[ -d $S/$n/export-best ]] && tar -czf "$OUT/$n-export-best.tgz" -C "$S/$n" export-best
+    done ;;
   *) echo "usage: $0 stash DIR... | setup | start PHASE... | wait SECS" >&2; exit 2 ;;
 esac
