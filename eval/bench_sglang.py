@@ -1,4 +1,4 @@
-"""The `sglang` backend of eval/bench.py: live SGLang servers, baseline against EAGLE3.
+"""The `sglang` backend of the live benchmark (eval/harness.py): live SGLang servers, baseline against EAGLE3.
 
 Servers come from the config: ``bench.baseline_url`` / ``bench.speculative_url`` (already
 running; the speculative one serves the one setting it was started with, read from its
@@ -21,7 +21,7 @@ Throughput at concurrency (``bench.concurrency`` levels above 1): ``run_concurre
 the prompts with that many requests in flight, baseline and each setting interleaved per
 repetition, and writes RUN/bench/concurrency.json (output tok/s = all new tokens / wall time).
 
-    python eval/bench_sglang.py --config CFG --run-dir RUN   # eval/bench.py's run(), then the concurrency sweep
+    python eval/bench_sglang.py --config CFG --run-dir RUN   # eval/harness.py's run(), then the concurrency sweep
 """
 
 from __future__ import annotations
@@ -41,7 +41,16 @@ import requests
 from eagle3ft.data.config import BenchSetting, resolve_path
 from eagle3ft.data.targets.sglang import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.data.targets.sglang_server import SGLangServer, server_for
-from eagle3ft.eval.bench import RequestResult, base_environment, check_drafter_for_run, gpu_clocks, spread
+from eagle3ft.eval.harness import (
+    RequestResult,
+    base_environment,
+    check_drafter_for_run,
+    format_summary,
+    gpu_clocks,
+    load_prompts,
+    run,
+    spread,
+)
 from eagle3ft.eval.economics import Setting
 
 ENV_PREFIXES = ("NCCL_", "SGLANG_", "CUDA_", "TORCH_", "NVIDIA_", "PYTORCH_")
@@ -319,7 +328,6 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.data.config import cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
-    from eagle3ft.eval import bench
 
     from eagle3ft.eval.preflight import check_or_exit
 
@@ -332,8 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     with holding(run_dir, "bench", "bench_sglang.py"), cli_errors("bench_sglang.py", StoreError, SGLangError):
         backend = SGLangBackend(cfg, run_dir)
         try:
-            print(bench.format_summary(bench.run(cfg, run_dir, backend)))
-            run_concurrency(cfg, run_dir, backend, bench.load_prompts(cfg))
+            print(format_summary(run(cfg, run_dir, backend)))
+            run_concurrency(cfg, run_dir, backend, load_prompts(cfg))
         finally:
             backend.close()
 

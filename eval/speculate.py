@@ -14,13 +14,14 @@ Batch 1, chain drafting (SGLang's --speculative-eagle-topk 1). One cycle:
 Position convention (as eval/accept_len.py): the drafter entry holding the embedding of token j+1
 is at position j.
 
-Per request it records the verify count, tokens emitted per verify (bonus included, as SGLang's
-spec_accept_length), seconds per verify forward, per drafter forward and per whole cycle.
+Per request it records the verify count and the tokens emitted per verify (bonus included, as SGLang's
+spec_accept_length). The algorithm alone, as gpt-fast's generate.py: it times nothing. Its phases are
+methods (prefill, draft_step, verify, extend, cycle) so that a caller can time around them
+(eval/bench_embedded.py does).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -30,24 +31,14 @@ from transformers import DynamicCache
 from eagle3ft.train.model import DraftCache, Eagle3Drafter
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class Generation:
-    """One request's output and timings (seconds)."""
+    """One request's output."""
 
     tokens: list[int]
     prompt_tokens: int
-    prefill_s: float
-    decode_s: float  # after the first new token until the last
     verify_count: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify, bonus included
-    verify_s: list[float] = field(default_factory=list)  # target forward per verify
-    draft_forward_s: list[float] = field(default_factory=list)  # each drafter forward (extends and draft steps)
-    cycle_s: list[float] = field(default_factory=list)  # draft + verify + accept + extend
 
     @property
     def tau(self) -> float | None:
@@ -59,7 +50,7 @@ def aux_from_hidden_states(hidden_states, aux_layer_ids) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1] for i in aux_layer_ids], dim=-1)
 
 
-def _crop_target(cache: DynamicCache, n: int) -> None:
+def crop_target(cache: DynamicCache, n: int) -> None:
     """Keep the first n positions (a negative crop: the form every transformers 5.x accepts)."""
     drop = cache.get_seq_length() - n
     if drop > 0:
@@ -81,24 +72,38 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return int(torch.multinomial(p, 1, generator=generator))
 
 
-@torch.no_grad()
-def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, eos_ids=(), temperature: float = 0.0, generator=None) -> Generation:
+class PlainDecoder:
     """Plain decoding with a KV cache, one target forward per token: the baseline."""
-    dev = model.device
-    eos = set(eos_ids)
-    cache = DynamicCache()
-    _sync(dev)
-    t0 = time.perf_counter()
-    out = model(input_ids=torch.tensor([prompt_ids], device=dev), past_key_values=cache, use_cache=True)
-    tokens = [_choose(out.logits[0, -1], temperature, generator)]
-    _sync(dev)
-    t1 = time.perf_counter()
-    tokens, done = _finish(tokens, max_new_tokens, eos)
-    while not done:
-        out = model(input_ids=torch.tensor([[tokens[-1]]], device=dev), past_key_values=cache, use_cache=True)
-        tokens, done = _finish(tokens + [_choose(out.logits[0, -1], temperature, generator)], max_new_tokens, eos)
-    _sync(dev)
-    return Generation(tokens=tokens, prompt_tokens=len(prompt_ids), prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+
+    def __init__(self, model, eos_ids=(), temperature: float = 0.0, generator: torch.Generator | None = None):
+        self.model = model
+        self.eos = set(eos_ids)
+        self.temperature, self.generator = temperature, generator
+        self.device = model.device
+
+    def prefill(self, prompt_ids: list[int], cache: DynamicCache) -> int:
+        """The prompt's forward; returns the first new token."""
+        ids = torch.tensor([prompt_ids], device=self.device)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return _choose(out.logits[0, -1], self.temperature, self.generator)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        cache = DynamicCache()
+        tokens, done = _finish([self.prefill(prompt_ids, cache)], max_new_tokens, self.eos)
+        while not done:
+            ids = torch.tensor([[tokens[-1]]], device=self.device)
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            nxt = _choose(out.logits[0, -1], self.temperature, self.generator)
+            tokens, done = _finish(tokens + [nxt], max_new_tokens, self.eos)
+        return Generation(tokens=tokens, prompt_tokens=len(prompt_ids))
+
+
+def greedy_decode(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_ids=(), temperature: float = 0.0, generator=None
+) -> Generation:
+    """Plain decoding of one prompt (PlainDecoder)."""
+    return PlainDecoder(model, eos_ids, temperature, generator).generate(prompt_ids, max_new_tokens)
 
 
 def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
@@ -126,6 +131,19 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, gener
     return K, int(torch.multinomial(p[K], 1, generator=generator))
 
 
+@dataclass
+class DecodeState:
+    """What one cycle hands the next: both caches, the tokens so far (the root, the last emitted token,
+    is token length - 1), and the drafter's last pre-norm output h and logits (the first draft's inputs)."""
+
+    tcache: DynamicCache
+    dcache: DraftCache
+    root: int
+    length: int
+    h: torch.Tensor  # (1, 1, H)
+    logits: torch.Tensor  # (draft_vocab,)
+
+
 class SpeculativeDecoder:
     """Target (transformers causal LM) + Eagle3Drafter, chain drafting of `steps` tokens per cycle."""
 
@@ -146,16 +164,22 @@ class SpeculativeDecoder:
         out = self.target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
         return out.logits[0], aux_from_hidden_states(out.hidden_states, self.aux_layer_ids)[0]  # (T, V), (T, 3Ht)
 
-    def _extend(self, cache: DraftCache, next_ids: list[int], aux: torch.Tensor, start: int, times: list[float]):
+    def extend(self, cache: DraftCache, next_ids: list[int], aux: torch.Tensor, start: int):
         """Drafter forward over tokens whose aux features are known: entry j = aux of token j, embedding of j+1."""
-        _sync(self.device)
-        t = time.perf_counter()
         ids = torch.tensor([next_ids], device=self.device)
         pos = torch.arange(start, start + len(next_ids), device=self.device)[None]
         h, lg = self.drafter.step(ids, self.drafter.fuse(aux.to(self.dtype)[None]), pos, cache)
-        _sync(self.device)
-        times.append(time.perf_counter() - t)
         return h[:, -1:], lg[0, -1]
+
+    def draft_step(self, d: int, h: torch.Tensor, position: int, cache: DraftCache):
+        """Drafter forward on draft token d and the drafter's own previous output h."""
+        ids, pos = torch.tensor([[d]], device=self.device), torch.tensor([[position]], device=self.device)
+        h, lgs = self.drafter.step(ids, h, pos, cache)
+        return h, lgs[0, -1]
+
+    def verify(self, root: int, drafts: list[int], cache: DynamicCache):
+        """One target forward over [root, d1..dK]: logits (K+1, V) and aux features (K+1, 3Ht)."""
+        return self._target([root] + drafts, cache)
 
     def _pick_draft(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """(target id of the draft token, q over the target vocab or None when greedy)."""
@@ -167,54 +191,47 @@ class SpeculativeDecoder:
         q[self.drafter.draft_to_target(torch.arange(q_draft.shape[0], device=logits.device))] = q_draft
         return int(self.drafter.draft_to_target(d)), q
 
-    @torch.no_grad()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+    def prefill(self, prompt_ids: list[int]) -> DecodeState:
+        """The prompt's target forward, the first new token (the root), the drafter extended over the prompt."""
         tcache, dcache = DynamicCache(), DraftCache()
-        _sync(self.device)
-        t0 = time.perf_counter()
         logits, aux = self._target(prompt_ids, tcache)
         root = _choose(logits[-1], self.temperature, self.generator)
-        P = len(prompt_ids)
-        g = Generation(tokens=[root], prompt_tokens=P, prefill_s=0.0, decode_s=0.0)
-        h, lg = self._extend(dcache, list(prompt_ids[1:]) + [root], aux, 0, g.draft_forward_s)
-        _sync(self.device)
-        t1 = time.perf_counter()
-        g.prefill_s = t1 - t0
-        L = P + 1  # tokens so far; the root is token L-1
+        h, lg = self.extend(dcache, list(prompt_ids[1:]) + [root], aux, 0)
+        return DecodeState(tcache, dcache, root, len(prompt_ids) + 1, h, lg)
+
+    def cycle(self, s: DecodeState) -> list[int]:
+        """Draft, verify, accept, extend; returns the tokens emitted (bonus included) and advances s."""
+        drafts, qs = [], []
+        h, lg = s.h, s.logits
+        for k in range(self.steps):
+            d, q = self._pick_draft(lg)
+            drafts.append(d)
+            qs.append(q)
+            if k < self.steps - 1:
+                h, lg = self.draft_step(d, h, s.length - 1 + k, s.dcache)
+        vlogits, vaux = self.verify(s.root, drafts, s.tcache)
+        dt = torch.tensor(drafts, device=self.device)
+        if self.temperature <= 0:
+            m, nxt = verify_greedy(vlogits, dt)
+        else:
+            p = F.softmax(vlogits.double() / self.temperature, dim=-1)
+            m, nxt = verify_sampled(p, torch.stack(qs), dt, self.generator)
+        new = drafts[:m] + [nxt]
+        crop_target(s.tcache, s.length + m)
+        s.dcache.crop(s.length - 1)
+        s.h, s.logits = self.extend(s.dcache, new, vaux[: m + 1], s.length - 1)
+        s.length += len(new)
+        s.root = nxt
+        return new
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        s = self.prefill(prompt_ids)
+        g = Generation(tokens=[s.root], prompt_tokens=len(prompt_ids))
         g.tokens, done = _finish(g.tokens, max_new_tokens, self.eos)
         while not done:
-            c0 = time.perf_counter()
-            drafts, qs = [], []
-            for k in range(self.steps):
-                d, q = self._pick_draft(lg)
-                drafts.append(d)
-                qs.append(q)
-                if k < self.steps - 1:
-                    t = time.perf_counter()
-                    h, lgs = self.drafter.step(torch.tensor([[d]], device=self.device), h, torch.tensor([[L - 1 + k]], device=self.device), dcache)
-                    lg = lgs[0, -1]
-                    _sync(self.device)
-                    g.draft_forward_s.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            vlogits, vaux = self._target([root] + drafts, tcache)
-            _sync(self.device)
-            g.verify_s.append(time.perf_counter() - t)
-            dt = torch.tensor(drafts, device=self.device)
-            if self.temperature <= 0:
-                m, nxt = verify_greedy(vlogits, dt)
-            else:
-                p = F.softmax(vlogits.double() / self.temperature, dim=-1)
-                m, nxt = verify_sampled(p, torch.stack(qs), dt, self.generator)
-            new = drafts[:m] + [nxt]
+            new = self.cycle(s)
             g.verify_count += 1
             g.accept_lengths.append(len(new))
-            _crop_target(tcache, L + m)
-            dcache.crop(L - 1)
-            h, lg = self._extend(dcache, new, vaux[: m + 1], L - 1, g.draft_forward_s)
-            L += len(new)
-            root = nxt
             g.tokens, done = _finish(g.tokens + new, max_new_tokens, self.eos)
-            g.cycle_s.append(time.perf_counter() - c0)
-        _sync(self.device)
-        g.decode_s = time.perf_counter() - t1
         return g

@@ -120,28 +120,27 @@ class DoubleEngine:
         self.lock = threading.Lock()
         self.spec_tokens = 0
         self.spec_verifies = 0
-        self._last_decode_s = 0.0
 
     @property
     def speculative(self) -> bool:
         return self.drafter is not None
 
     def _generate(self, ids: list[int], sp: dict):
-        from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+        from eagle3ft.eval.bench_embedded import TimedPlainDecoder, TimedSpeculativeDecoder
 
         max_new = int(sp.get("max_new_tokens", 128))
         temperature = float(sp.get("temperature", 1.0))
         stops = set(int(i) for i in sp.get("stop_token_ids") or []) | (set() if sp.get("ignore_eos") else self.model_eos)
         gen = torch.Generator().manual_seed(int(sp.get("sampling_seed", 0)))
         if max_new == 0:
-            return [], None
+            return [], None, None
         if self.drafter is None:
-            g = greedy_decode(self.model, ids, max_new, stops, temperature, gen)
-            self._last_decode_s = g.decode_s
-            return g.tokens, None
+            g, timings = TimedPlainDecoder(self.model, stops, temperature, gen).timed_generate(ids, max_new)
+            return g.tokens, None, timings
         steps = self.spec[0]
-        g = SpeculativeDecoder(self.model, self.drafter, self.aux_layer_ids, steps, temperature, stops, gen).generate(ids, max_new)
-        return g.tokens, g
+        dec = TimedSpeculativeDecoder(self.model, self.drafter, self.aux_layer_ids, steps, temperature, stops, gen)
+        g, timings = dec.timed_generate(ids, max_new)
+        return g.tokens, g, timings
 
     def generate_batch(self, req: dict) -> list[tuple[dict, list[tuple[float, int]]]]:
         """A batched /generate: one answer per prompt, in order; `sampling_params` one dict for all or one per prompt."""
@@ -174,7 +173,7 @@ class DoubleEngine:
         ids = [int(i) for i in ids]
         sp = dict(req.get("sampling_params") or {})
         with self.lock:
-            tokens, spec = self._generate(ids, sp)
+            tokens, spec, timings = self._generate(ids, sp)
             fed = ids + tokens[:-1]  # the last generated token is never fed back
             out = self.model(input_ids=torch.tensor([fed]), output_hidden_states=True, use_cache=False)
             logits = out.logits[0].float()
@@ -241,13 +240,13 @@ class DoubleEngine:
         timeline: list[tuple[float, int]] = [(0.0, 1)] if N else []
         if spec is not None:
             left = N - 1
-            for n, cycle in zip(spec.accept_lengths, spec.cycle_s):
+            for n, cycle in zip(spec.accept_lengths, timings.cycle_s):
                 if left <= 0:
                     break
                 timeline.append((cycle, min(n, left)))
                 left -= n
         elif N > 1:
-            timeline += [(self._last_decode_s / (N - 1), 1)] * (N - 1)
+            timeline += [(timings.decode_s / (N - 1), 1)] * (N - 1)
         return {"text": text, "output_ids": tokens, "meta_info": meta}, timeline
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle3ft.data.config import load_config
-from eagle3ft.eval import bench, report
+from eagle3ft.eval import bench, harness, report
 from eagle3ft.eval.economics import Setting
 from eagle3ft.train.checkpoint import export_drafter
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
@@ -25,13 +25,13 @@ def bench_run(tmp_path_factory):
          "bench.settings=[{steps: 1, topk: 1, num_draft_tokens: 2}, {steps: 3, topk: 1, num_draft_tokens: 4}]"],
     )
     backend = bench.make_backend(cfg, run)
-    summary = bench.run(cfg, run, backend=backend, log=lambda *a: None)
+    summary = harness.run(cfg, run, backend, log=lambda *a: None)
     return run, cfg, backend, summary
 
 
 def test_runs_are_interleaved_and_complete(bench_run):
     run, _, backend, _ = bench_run
-    assert isinstance(backend, bench.BenchBackend)
+    assert isinstance(backend, harness.BenchBackend)
     rows = [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 3 * 2  # repetitions x (baseline + 2 settings) x prompts
     order = [(r["repetition"], r["mode"], r["setting"]) for r in rows[::2]]
@@ -70,7 +70,7 @@ def test_summarize_without_verify_curve_uses_cycles():
 
     runs = [row(0, "baseline", None, 1.0, None), row(0, "speculative", "3/1/4", 0.5, [2, 3, 2, 3]),
             row(1, "baseline", None, 2.0, None), row(1, "speculative", "3/1/4", 0.4, [2, 3, 2, 3])]
-    s = bench.summarize(runs, [Setting(3, 1, 4)], None)
+    s = harness.summarize(runs, [Setting(3, 1, 4)], None)
     assert s["baseline"]["tok_s"]["per_repetition"] == [10.0, 5.0]
     assert s["costs"]["baseline_s_per_token"] == pytest.approx(0.15)  # median of 0.1 and 0.2
     sp = s["speculative"][0]
@@ -104,8 +104,8 @@ def test_costs_are_medians_so_a_slow_pass_does_not_move_them():
     st = Setting(3, 1, 4)
     timed = [row(r, "baseline", None, 0.32) for r in range(3)]
     timed += [row(0, "speculative", st.key, 0.8, cycle=0.05, verifies=16)] + [row(r, "speculative", st.key, 0.16, cycle=0.01, verifies=16) for r in (1, 2)]
-    s = bench.summarize(timed, [st], None)
+    s = harness.summarize(timed, [st], None)
     assert s["speculative"][0]["cycle_s"] == pytest.approx(0.01) and s["costs"]["verify_s"]["4"] == pytest.approx(0.008)
     whole_cycle = [{**r, "verify_s": None, "draft_forward_s": None, "cycle_s": None} for r in timed]  # what SGLang gives
-    s = bench.summarize(whole_cycle, [st], None)
+    s = harness.summarize(whole_cycle, [st], None)
     assert s["speculative"][0]["cycle_s"] == pytest.approx(0.16 / 16) and s["costs"]["verify_s"]["4"] == pytest.approx(0.01)

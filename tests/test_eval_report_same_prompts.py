@@ -6,9 +6,9 @@ import torch
 
 from _eval_tiny import AUX, features, greedy_items, prompts, tiny_pair
 from eagle3ft.data.config import load_config
-from eagle3ft.eval import bench
+from eagle3ft.eval import harness
 from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.eval.bench import RequestResult
+from eagle3ft.eval.harness import RequestResult
 from eagle3ft.eval.economics import Setting
 from eagle3ft.eval.same_prompts import features as bench_features
 from eagle3ft.eval.same_prompts import offline_tau
@@ -71,9 +71,9 @@ class _Backend:
 def test_the_bench_scores_the_first_plain_pass_answers_offline(tmp_path):
     cfg = load_config("configs/tiny.yaml", ["bench.prompts.limit=2", "bench.repetitions=2", "bench.max_new_tokens=5"])
     backend = _Backend()
-    summary = bench.run(cfg, tmp_path, backend=backend, log=lambda *a: None)
+    summary = harness.run(cfg, tmp_path, backend, log=lambda *a: None)
     prompts, answers, keys = backend.got
     assert answers == [[100, 0, 7, 8, 9], [101, 0, 7, 8, 9]] and len(prompts) == 2 and keys == ["3/1/4"]  # repetition 0's
     assert summary["offline_same_prompts"]["settings"] == {"3/1/4": 1.9}
     cfg.bench.temperature = 0.7  # sampled answers are not the target's greedy path: not scored
-    assert bench.run(cfg, tmp_path, backend=_Backend(), log=lambda *a: None)["offline_same_prompts"] is None
+    assert harness.run(cfg, tmp_path, _Backend(), log=lambda *a: None)["offline_same_prompts"] is None

@@ -4,6 +4,7 @@ import pytest
 import torch
 from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 
+from eagle3ft.eval.bench_embedded import TimedSpeculativeDecoder
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode, verify_greedy, verify_sampled
 
 
@@ -16,14 +17,17 @@ def pair():
 def test_greedy_speculation_equals_plain_greedy(pair, steps):
     target, drafter = pair
     dec = SpeculativeDecoder(target, drafter, AUX, steps=steps)
+    timed = TimedSpeculativeDecoder(target, drafter, AUX, steps=steps)
     lengths = []
     for p in prompts(3, seed=7) + prompts(2, seed=1):
         spec, plain = dec.generate(p, 32), greedy_decode(target, p, 32)
         assert spec.tokens == plain.tokens
         assert len(spec.tokens) == 32
         assert sum(spec.accept_lengths) >= 31  # every emitted token after the first came from a verify
-        assert len(spec.verify_s) == spec.verify_count == len(spec.cycle_s)
-        assert len(spec.draft_forward_s) == 1 + spec.verify_count * steps
+        again, t = timed.timed_generate(p, 32)  # the bench's timers around the same algorithm
+        assert again == spec and t.prefill_s > 0 and t.decode_s > 0
+        assert len(t.verify_s) == spec.verify_count == len(t.cycle_s)
+        assert len(t.draft_forward_s) == 1 + spec.verify_count * steps
         lengths += spec.accept_lengths
     # the test only means something when drafts are both accepted and rejected
     assert max(lengths) == steps + 1 and (steps == 1 or min(lengths) < steps + 1)

@@ -13,7 +13,7 @@ import torch
 from eagle3ft.data.config import REPO_ROOT, load_config
 from eagle3ft.data.targets.hf import load_target
 from eagle3ft.data.targets.sglang import SGLangError
-from eagle3ft.eval import bench
+from eagle3ft.eval import harness
 from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
 from eagle3ft.eval.economics import Setting
 from eagle3ft.eval.speculate import SpeculativeDecoder
@@ -58,8 +58,8 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
     base, spec = doubles
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}", "bench.concurrency=[1, 2]"])
     backend = SGLangBackend(cfg, tmp_path)
-    summary = bench.run(cfg, tmp_path, backend, log=lambda *_: None)
-    prompts = bench.load_prompts(cfg)
+    summary = harness.run(cfg, tmp_path, backend, log=lambda *_: None)
+    prompts = harness.load_prompts(cfg)
 
     # tau: the same greedy decodes by the embedded speculative decoder, counted the same way
     dec = SpeculativeDecoder(model, drafter, drafter.config.aux_layer_ids, 3, 0.0, backend.eos_ids)
@@ -137,7 +137,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         ],
     )
     backend = SGLangBackend(cfg, tmp_path)
-    prompt = bench.load_prompts(cfg)[:1]
+    prompt = harness.load_prompts(cfg)[:1]
     (b,) = backend.run_baseline(prompt, 8)
     baseline = backend.launched["baseline"]
     (r,) = backend.run_speculative(prompt, Setting(3, 1, 4), 8)

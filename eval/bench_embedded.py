@@ -1,0 +1,179 @@
+"""The `embedded` backend of the live benchmark: a transformers target and the drafter in this process
+(eval/speculate.py), batch 1, chain drafting (topk 1).
+
+The decoders of eval/speculate.py time nothing; the timed subclasses here time around their phases,
+the device synchronised on both sides of each: the prefill (through the first new token), every
+target verify, every drafter forward (the extends and the draft steps), every whole cycle (draft +
+verify + accept + extend), and the decode (after the first new token until the last).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle3ft.eval.economics import Setting
+from eagle3ft.eval.harness import RequestResult, base_environment, check_drafter_for_run
+from eagle3ft.eval.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timings:
+    """One request's seconds."""
+
+    prefill_s: float = 0.0  # the prompt's forward through the first new token, the drafter's extend included
+    decode_s: float = 0.0  # after the first new token until the last
+    verify_s: list[float] = field(default_factory=list)  # target forward per verify
+    draft_forward_s: list[float] = field(default_factory=list)  # each drafter forward (extends and draft steps)
+    cycle_s: list[float] = field(default_factory=list)  # draft + verify + accept + extend
+
+
+class _Timed:
+    """Times a decoder's prefill and decode into self.timings, one Timings per request."""
+
+    device: torch.device
+    timings: Timings
+
+    def _time(self, into: list[float], fn, *args):
+        sync(self.device)
+        t = time.perf_counter()
+        out = fn(*args)
+        sync(self.device)
+        into.append(time.perf_counter() - t)
+        return out
+
+    def prefill(self, *args):
+        self.timings = Timings()
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = super().prefill(*args)
+        sync(self.device)
+        self._prefilled_at = time.perf_counter()
+        self.timings.prefill_s = self._prefilled_at - t0
+        return out
+
+    def timed_generate(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[Generation, Timings]:
+        g = self.generate(prompt_ids, max_new_tokens)
+        sync(self.device)
+        self.timings.decode_s = time.perf_counter() - self._prefilled_at
+        return g, self.timings
+
+
+class TimedPlainDecoder(_Timed, PlainDecoder):
+    """PlainDecoder, timed: prefill and decode."""
+
+
+class TimedSpeculativeDecoder(_Timed, SpeculativeDecoder):
+    """SpeculativeDecoder, timed: prefill, decode, and per verify, drafter forward and cycle."""
+
+    def extend(self, *args):
+        return self._time(self.timings.draft_forward_s, super().extend, *args)
+
+    def draft_step(self, *args):
+        return self._time(self.timings.draft_forward_s, super().draft_step, *args)
+
+    def verify(self, *args):
+        return self._time(self.timings.verify_s, super().verify, *args)
+
+    def cycle(self, *args):
+        return self._time(self.timings.cycle_s, super().cycle, *args)
+
+
+class EmbeddedBackend:
+    """transformers target + drafter in this process (eval/speculate.py), batch 1."""
+
+    name = "embedded"
+
+    def __init__(self, cfg, run_dir: Path):
+        from eagle3ft.data.chat import ChatFormat
+        from eagle3ft.data.config import resolve_path
+        from eagle3ft.data.targets.hf import load_target
+        from eagle3ft.train.checkpoint import load_drafter
+
+        self.cfg = cfg
+        if cfg.bench.threads:
+            torch.set_num_threads(cfg.bench.threads)
+        ckpt = resolve_path(cfg.eval.checkpoint, base=run_dir)
+        spec = check_drafter_for_run(ckpt, run_dir, "eval.checkpoint")
+        self.model, self.tokenizer = load_target(cfg.target)
+        self.device = next(self.model.parameters()).device
+        c = self.model.config
+        self.aux_layer_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
+        emb = self.model.get_input_embeddings().weight.detach()
+        self.drafter = load_drafter(ckpt, embedding=emb.float()).to(device=self.device, dtype=emb.dtype).eval()
+        self.eos_ids = ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids
+        self.temperature = cfg.bench.temperature
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+
+    def _result(self, i: int, g: Generation, t: Timings) -> RequestResult:
+        spec = g.verify_count > 0
+        return RequestResult(
+            prompt_index=i,
+            prompt_tokens=g.prompt_tokens,
+            new_tokens=len(g.tokens),
+            prefill_s=t.prefill_s,
+            decode_s=t.decode_s,
+            output_ids=g.tokens,
+            verify_count=g.verify_count if spec else None,
+            accept_lengths=g.accept_lengths if spec else None,
+            verify_s=t.verify_s if spec else None,
+            draft_forward_s=t.draft_forward_s if spec else None,
+            cycle_s=t.cycle_s if spec else None,
+        )
+
+    def run_baseline(self, prompts, max_new_tokens):
+        dec = TimedPlainDecoder(self.model, self.eos_ids, self.temperature, self.generator)
+        return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts)]
+
+    def run_speculative(self, prompts, setting, max_new_tokens):
+        if setting.topk != 1 or setting.num_draft_tokens != setting.steps + 1:
+            raise ValueError(f"embedded backend drafts chains only: setting {setting.key} needs topk 1 and num_draft_tokens = steps + 1")
+        dec = TimedSpeculativeDecoder(
+            self.model, self.drafter, self.aux_layer_ids, setting.steps, self.temperature, self.eos_ids, self.generator
+        )
+        return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts)]
+
+    @torch.no_grad()
+    def verify_costs(self, prompt: list[int], sizes: list[int], repeats: int = 5) -> dict[int, float]:
+        """Median seconds of one target forward (with hidden states, as a verify) of n tokens after `prompt`."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        self.model(input_ids=torch.tensor([prompt], device=self.device), past_key_values=cache, use_cache=True)
+        out = {}
+        for n in sizes:
+            ids = torch.tensor([prompt[-1:] * n], device=self.device)
+            times = []
+            for _ in range(repeats + 1):
+                sync(self.device)
+                t = time.perf_counter()
+                self.model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+                sync(self.device)
+                times.append(time.perf_counter() - t)
+                crop_target(cache, len(prompt))
+            out[n] = statistics.median(times[1:])
+        return out
+
+    def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
+        """The drafter's offline tau on these prompts and the plain pass's answers (eval/same_prompts.py)."""
+        from eagle3ft.eval.same_prompts import offline_tau
+
+        return offline_tau(self.model, self.drafter, self.aux_layer_ids, prompts, answers, settings)
+
+    def environment(self) -> dict:
+        return {
+            **base_environment(self.device),
+            "backend": self.name,
+            "target_dtype": str(next(self.model.parameters()).dtype),
+            "drafter_dtype": str(next(self.drafter.parameters()).dtype),
+        }
+

@@ -1,0 +1,321 @@
+"""The live benchmark's harness: plain decoding against speculative decoding on the same prompts,
+whatever decodes them. eval/bench.py picks the backend; eval/bench_embedded.py and eval/bench_sglang.py
+are the two backends.
+
+Prompts come from `bench.prompts` (MT-Bench by default): the first user turn, rendered with the
+target's chat template into token ids once, so every backend decodes exactly the same tokens.
+Runs alternate A B A B: per repetition the baseline pass over all prompts, then one pass per
+`bench.settings` entry; `bench.repetitions` repetitions after one untimed warm-up. Writes
+RUN/bench/runs.jsonl (one line per request and pass), RUN/bench/summary.json (median and
+min-max tok/s per pass kind, tau, seconds per verify / draft forward / cycle, the measured cost
+model, the environment), RUN/bench/economics.json (eval/economics.py on the summary) and
+RUN/bench/calibration.json (these costs, for predicting a later drafter's tok/s: bench.calibration).
+
+Backends sit behind a narrow interface:
+
+    class BenchBackend(Protocol):
+        name: str
+        def run_baseline(self, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]
+        def run_speculative(self, prompts: list[list[int]], setting: Setting, max_new_tokens: int) -> list[RequestResult]
+        def environment(self) -> dict
+    optional:
+        def verify_costs(self, prompt: list[int], sizes: list[int]) -> dict[int, float]
+            seconds of one target forward of n tokens after `prompt` (the economics' verify curve)
+        def offline_tau(self, prompts, answers, settings) -> dict | None
+            the drafter's offline tau on the prompts and the plain pass's answers (summary's
+            offline_same_prompts: offline and live tau on the same tokens; greedy benches only)
+
+`prompts` are token ids (chat template applied, generation prompt included); decoding follows
+`bench.temperature` and stops at the template's end-of-turn/eos ids or at max_new_tokens. A
+RequestResult's decode_s is the time after the first new token until the last one, so tok/s =
+(new_tokens - 1) / decode_s for both kinds of pass; speculative results carry the verify count and
+the tokens emitted per verify (bonus included, SGLang's spec_accept_length); timings per verify /
+draft forward / cycle where the backend can see them (None otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from eagle3ft.eval import economics
+from eagle3ft.eval.economics import Setting, format_table
+
+
+@dataclass
+class RequestResult:
+    prompt_index: int
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_s: float  # after the first new token until the last
+    output_ids: list[int] | None = None
+    verify_count: int | None = None
+    accept_lengths: list[int] | None = None  # tokens emitted per verify, bonus included
+    verify_s: list[float] | None = None
+    draft_forward_s: list[float] | None = None
+    cycle_s: list[float] | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@runtime_checkable
+class BenchBackend(Protocol):
+    name: str
+
+    def run_baseline(self, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]: ...
+
+    def run_speculative(self, prompts: list[list[int]], setting: Setting, max_new_tokens: int) -> list[RequestResult]: ...
+
+    def environment(self) -> dict: ...
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def gpu_clocks() -> list[dict] | None:
+    """nvidia-smi's view of each GPU (clocks, power), or None without nvidia-smi."""
+    fields = "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,power.limit,temperature.gpu,driver_version"
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    keys = fields.split(",")
+    return [dict(zip(keys, (v.strip() for v in line.split(",")))) for line in out.stdout.strip().splitlines()]
+
+
+def base_environment(device: torch.device | str | None = None) -> dict:
+    import transformers
+
+    from eagle3ft.data.config import code_version
+
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    env = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu: {cpu_model()}",
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "code_version": code_version(),
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+    }
+    if dev.type == "cuda":
+        env["cuda"] = torch.version.cuda
+        env["nvidia_smi"] = gpu_clocks()
+    return env
+
+
+# --------------------------------------------------------------------------- the drafter both backends load
+
+
+def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
+    """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
+    else the folder alone (readable weights, consistent d2t/t2d); returns its DrafterSpec. Before any compute."""
+    from eagle3ft.data.drafter_spec import DrafterSpec, check_drafter_folder
+    from eagle3ft.data.store import MANIFEST, FeatureStore
+    from eagle3ft.data.vocab import check_vocab, vocab_from_drafter
+
+    manifest = Path(run_dir) / "features" / MANIFEST
+    if manifest.is_file():
+        return check_drafter_folder(folder, FeatureStore(manifest.parent, verify=False).target, where, str(manifest))
+    if not (Path(folder) / "config.json").is_file():
+        raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
+    spec = DrafterSpec.from_json(Path(folder) / "config.json")
+    check_vocab(*vocab_from_drafter(folder), spec.vocab_size, spec.draft_vocab_size, f"{where} {folder}: draft vocabulary")
+    return spec
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def load_prompts(cfg) -> list[list[int]]:
+    """First user turn of each conversation of `bench.prompts`, chat-templated into token ids."""
+    from eagle3ft.data.chat import ChatFormat
+    from eagle3ft.data.prompts import collect
+    from eagle3ft.data.targets.hf import load_tokenizer
+
+    convs = collect([cfg.bench.prompts], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
+    chat = ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template)
+    out = []
+    for c in convs:
+        first_user = next(i for i, m in enumerate(c.messages) if m["role"] == "user")
+        ids, _ = chat.encode(c.messages[: first_user + 1], add_generation_prompt=True)
+        out.append(ids)
+    if not out:
+        raise ValueError(f"bench.prompts gave no prompts ({cfg.bench.prompts})")
+    return out
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "per_repetition": xs}
+
+
+def _median(xs: list[float]) -> float | None:
+    """Per-cycle times have a long tail (a collection pause, a clock ramp): the median is what a cycle costs."""
+    return statistics.median(xs) if xs else None
+
+
+def _pass_tok_s(results: list[RequestResult]) -> float:
+    """Decode tok/s of one pass over the prompts: all decoded tokens over all decode time."""
+    return sum(r.new_tokens - 1 for r in results) / sum(r.decode_s for r in results)
+
+
+def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int, float] | None) -> dict:
+    """Aggregate raw runs (dicts of RequestResult fields plus mode/setting/repetition)."""
+
+    def passes(mode: str, key: str | None) -> dict[int, list[RequestResult]]:
+        by: dict[int, list[RequestResult]] = {}
+        for r in runs:
+            if r["mode"] == mode and r["setting"] == key:
+                by.setdefault(r["repetition"], []).append(RequestResult(**{k: r[k] for k in RequestResult.__dataclass_fields__}))
+        return by
+
+    base = passes("baseline", None)
+    base_tok_s = [_pass_tok_s(v) for _, v in sorted(base.items())]
+    base_s_per_token = statistics.median(sum(r.decode_s for r in v) / sum(r.new_tokens - 1 for r in v) for v in base.values())
+    baseline_outputs = {(r.prompt_index): r.output_ids for v in base.values() for r in v}
+    spec_rows, draft_fwd, overheads, run_verify = [], [], [], {}
+    for st in settings:
+        sp = passes("speculative", st.key)
+        if not sp:
+            continue
+        allr = [r for v in sp.values() for r in v]
+        acc = [a for r in allr for a in (r.accept_lengths or [])]
+        verifies = sum(r.verify_count or 0 for r in allr)
+        tok_s = [_pass_tok_s(v) for _, v in sorted(sp.items())]
+        verify_s = [t for r in allr for t in (r.verify_s or [])]
+        draft_s = [t for r in allr for t in (r.draft_forward_s or [])]
+        cycle_s = [t for r in allr for t in (r.cycle_s or [])]
+        per_pass = [sum(r.decode_s for r in v) / sum(r.verify_count or 0 for r in v) for v in sp.values() if any(r.verify_count for r in v)]
+        row = {
+            "setting": asdict(st),
+            "key": st.key,
+            "tok_s": spread(tok_s),
+            "tok_s_median": statistics.median(tok_s),
+            "speedup_median": statistics.median(tok_s) / statistics.median(base_tok_s),
+            "tau": sum(acc) / verifies if verifies else None,
+            "verify_count": verifies,
+            "accept_histogram": {str(k): v for k, v in sorted(Counter(acc).items())},
+            "verify_ms": 1e3 * _median(verify_s) if verify_s else None,
+            "draft_forward_ms": 1e3 * _median(draft_s) if draft_s else None,
+            "cycle_s": _median(cycle_s) if cycle_s else _median(per_pass),  # else: decode time / verifies, per pass
+            "cycle_s_per_pass": _median(per_pass),  # decode time / verifies: the mean cycle, what tok/s = tau / cycle holds for
+            "outputs_match_baseline": sum(r.output_ids == baseline_outputs.get(r.prompt_index) for r in allr) / len(allr)
+            if all(r.output_ids is not None for r in allr)
+            else None,
+        }
+        spec_rows.append(row)
+        if draft_s:
+            draft_fwd += draft_s
+        if verify_s:
+            run_verify.setdefault(st.num_draft_tokens, []).extend(verify_s)
+        if cycle_s and verify_s and draft_s:
+            overheads.append(_median(cycle_s) - _median(verify_s) - st.steps * _median(draft_s))
+    if verify_curve or run_verify:
+        verify_costs = {**(verify_curve or {}), **{n: _median(v) for n, v in run_verify.items()}}
+        source = "verify forwards timed inside the benchmark runs, other sizes from backend.verify_costs"
+        draft_forward_s = _median(draft_fwd) or 0.0
+        overhead_s = max(0.0, _median(overheads) or 0.0)
+    else:
+        verify_costs = {r["setting"]["num_draft_tokens"]: r["cycle_s"] for r in spec_rows if r["cycle_s"]}
+        source = "whole draft+verify cycle per setting (decode time / verify count, median over passes): draft cost folded into verify"
+        draft_forward_s, overhead_s = 0.0, 0.0
+    return {
+        "baseline": {"tok_s": spread(base_tok_s), "tok_s_median": statistics.median(base_tok_s), "ms_per_token": 1e3 * base_s_per_token},
+        "speculative": spec_rows,
+        "costs": {
+            "baseline_s_per_token": base_s_per_token,
+            "verify_s": {str(k): v for k, v in sorted(verify_costs.items())},
+            "draft_forward_s": draft_forward_s,
+            "overhead_s": overhead_s,
+            "source": source,
+        },
+    }
+
+
+def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
+    """The benchmark on `backend`: warm-up, interleaved repetitions, summary, economics."""
+    bc = cfg.bench
+    settings = [Setting.of(s) for s in bc.settings]
+    prompts = load_prompts(cfg)
+    out = run_dir / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    log(f"bench: {backend.name}, {len(prompts)} prompts, {bc.max_new_tokens} new tokens, {bc.repetitions} repetitions, settings {[s.key for s in settings]}")
+    backend.run_baseline(prompts[:1], bc.max_new_tokens)  # warm-up, untimed, as long as a timed request: kernels for every length
+    for s in settings:
+        backend.run_speculative(prompts[:1], s, bc.max_new_tokens)
+    runs: list[dict] = []
+    with open(out / "runs.jsonl.tmp", "w") as f:
+
+        def record(rep: int, mode: str, key: str | None, results: list[RequestResult]) -> None:
+            for r in results:
+                row = {"repetition": rep, "mode": mode, "setting": key, **asdict(r), "tok_s": r.tok_s}
+                runs.append(row)
+                f.write(json.dumps(row) + "\n")
+            f.flush()
+            log(f"  rep {rep} {mode:<11} {key or '':<8} {_pass_tok_s(results):8.1f} tok/s")
+
+        for rep in range(bc.repetitions):
+            record(rep, "baseline", None, backend.run_baseline(prompts, bc.max_new_tokens))
+            for s in settings:
+                record(rep, "speculative", s.key, backend.run_speculative(prompts, s, bc.max_new_tokens))
+    os.replace(out / "runs.jsonl.tmp", out / "runs.jsonl")
+    curve = None
+    if hasattr(backend, "verify_costs"):
+        sizes = sorted({1, *range(2, max(s.num_draft_tokens for s in settings) + 3)})
+        curve = backend.verify_costs(prompts[0], sizes)
+    same = None
+    if hasattr(backend, "offline_tau") and bc.temperature == 0:  # offline tau on the tokens the live runs decoded
+        answers = {r["prompt_index"]: r["output_ids"] for r in runs if r["mode"] == "baseline" and r["repetition"] == 0}
+        same = backend.offline_tau(prompts, [answers[i] for i in range(len(prompts))], settings)
+    summary = {
+        "backend": backend.name,
+        "environment": backend.environment(),
+        "prompts": {"source": asdict(bc.prompts), "count": len(prompts), "tokens": [len(p) for p in prompts]},
+        "max_new_tokens": bc.max_new_tokens,
+        "repetitions": bc.repetitions,
+        "temperature": bc.temperature,
+        **summarize(runs, settings, curve),
+        "offline_same_prompts": same,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    ec, _ = economics.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
+    log(format_table(ec))
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    b = s["baseline"]["tok_s"]
+    lines = [f"baseline     {b['median']:8.1f} tok/s ({b['min']:.1f}-{b['max']:.1f})"]
+    for r in s["speculative"]:
+        t = r["tok_s"]
+        lines.append(
+            f"spec {r['key']:<7} {t['median']:8.1f} tok/s ({t['min']:.1f}-{t['max']:.1f})  x{r['speedup_median']:.2f}  tau {r['tau']:.2f}"
+            + (f"  verify {r['verify_ms']:.2f} ms  draft fwd {r['draft_forward_ms']:.2f} ms" if r["verify_ms"] else "")
+        )
+    return "\n".join(lines)
