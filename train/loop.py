@@ -71,7 +71,7 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
         spec = check_drafter_folder(folder, target, "warm start", features)
         if cfg.drafter.draft_vocab_size not in (None, spec.draft_vocab_size):
             raise ValueError(f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's {spec.draft_vocab_size} (its vocab is kept)")
-        layout = Eagle3Config.from_json(folder / "config.json")
+        layout = Eagle3Config.from_spec(spec)
         for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 options change what the trained weights mean
             if getattr(cfg.drafter, flag) not in (None, getattr(layout, flag)):
                 raise ValueError(f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} ({folder}/config.json; its layout is kept)")
