@@ -1,6 +1,7 @@
-"""The drafter's shape as the harvest needs it, read from an SGLang-form config.json.
+"""The drafter's shape, read from an SGLang-form config.json, and the one check of a drafter against a target.
 
-Train and eval import this too; the raw dict stays available for everything else.
+DrafterSpec.from_json is the one reader of a drafter's config.json: the harvest, train and eval import it, and
+train/model.py's Eagle3Config is built from it (the raw dict carries the architecture's other keys).
 """
 
 from __future__ import annotations
@@ -66,12 +67,17 @@ class DrafterSpec:
 
     @classmethod
     def from_json(cls, path: str | Path, draft_vocab_size: int | None = None) -> "DrafterSpec":
+        """The one reader of a drafter's config.json; train's Eagle3Config is built from what it returns."""
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"drafter config not found: {p}")
         raw = read_json(p, "the drafter config")
         if not isinstance(raw, dict):
             raise ValueError(f"{p}: the drafter config is not a JSON object")
+        return cls.from_dict(raw, draft_vocab_size, str(p))
+
+    @classmethod
+    def from_dict(cls, raw: dict, draft_vocab_size: int | None = None, path: str = "drafter config") -> "DrafterSpec":
         try:
             hidden = int(raw["hidden_size"])
             vocab = int(raw["vocab_size"])
@@ -83,12 +89,12 @@ class DrafterSpec:
                 draft_vocab_size=int(draft_vocab_size or raw.get("draft_vocab_size") or vocab),
                 aux_layer_ids=[int(i) for i in ids] if ids is not None else None,
                 raw=raw,
-                path=str(p),
+                path=path,
             )
         except KeyError as e:
-            raise ValueError(f"{p}: drafter config lacks {e.args[0]!r}") from None
+            raise ValueError(f"{path}: drafter config lacks {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{p}: drafter config has a value of the wrong type ({e})") from None
+            raise ValueError(f"{path}: drafter config has a value of the wrong type ({e})") from None
 
     def check_target(self, hidden_size: int, vocab_size: int, num_layers: int) -> list[int]:
         """Raise DrafterMismatch naming both values when the target does not fit; return the aux layer ids."""

@@ -1,6 +1,7 @@
 """The fine-tuning loop: feature store -> TTT unroll -> checkpoints, export and metrics.
 
-`main(cfg, run_dir)` is what `train/finetune.py` calls under `accelerate launch`; every rank runs it.
+`main(cfg, run_dir)` is what `train/finetune.py` calls under `accelerate launch`; every rank runs it:
+setup (data, drafter, optimizer, resume, logs) -> fit (the steps) -> export, over one `Run` that holds the state.
 Reads `run_dir/features` and `run_dir/vocab.safetensors` (or the warm-start drafter's own vocab); with
 `train.features: online`, `run_dir/tokens` and the target's own prefill instead (batches: train/data.py);
 writes `run_dir/ckpt/step-N/`, `run_dir/export/` (the last step), `run_dir/export-best/` (the best step by held-out τ,
@@ -14,8 +15,10 @@ import math
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -29,6 +32,9 @@ from eagle3ft.train.data import TrainData
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
+
+if TYPE_CHECKING:
+    from eagle3ft.train.dist import Dist
 
 
 class NonFiniteLoss(RuntimeError):
@@ -71,7 +77,7 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
         spec = check_drafter_folder(folder, target, "warm start", features)
         if cfg.drafter.draft_vocab_size not in (None, spec.draft_vocab_size):
             raise ValueError(f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's {spec.draft_vocab_size} (its vocab is kept)")
-        layout = Eagle3Config.from_json(folder / "config.json")
+        layout = Eagle3Config.from_spec(spec)
         for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 options change what the trained weights mean
             if getattr(cfg.drafter, flag) not in (None, getattr(layout, flag)):
                 raise ValueError(f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} ({folder}/config.json; its layout is kept)")
@@ -149,15 +155,85 @@ def lr_lambda(tcfg: TrainConfig, total: int):
     return f
 
 
-# --------------------------------------------------------------------------- the loop
+# --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Run:
+    """What setup builds and fit advances: the run's pieces and where it is (the one `state` litgpt's fit carries)."""
+
+    cfg: Config
+    run_dir: Path
+    dist: Dist
+    data: TrainData
+    model: Eagle3Drafter
+    engine: Any  # the TTT objective as dist.prepare wrapped it
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    total: int  # optimizer steps of the whole run
+    lock: Any  # the run folder's lock (dist.lock_run), released at the end
+    heldout: HeldoutTracker | None = None
+    wandb_run: Any = None
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of this epoch this process has consumed
+    start_step: int = 0  # the step this process started (or resumed) at
+    last: dict = field(default_factory=dict)  # the last metrics record
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.run_dir / "train" / "metrics.jsonl"
+
+    def trainer_state(self) -> dict:
+        """What a checkpoint records besides the weights: the step, the data position, the config, the last metrics."""
+        tcfg = self.cfg.train
+        n_order = self.data.order_len(self.epoch)  # samples, or bins when packed
+        consumed = min(n_order, self.batch_in_epoch * self.dist.world * self.data.per_micro_batch)  # of the epoch's seeded order
+        return {
+            "step": self.step, "data": {"epoch": self.epoch, "samples_in_epoch": consumed, "n_train": n_order}, "world_size": self.dist.world,
+            "micro_batch_size": tcfg.micro_batch_size, "grad_accum": tcfg.grad_accum, "total_steps": self.total, "config": to_dict(self.cfg), "last": self.last,
+        }
+
+
+class Meter:
+    """Sums since the last log record: per-depth loss and accuracy counts (5, K), real tokens, micro-batches, seconds."""
+
+    def __init__(self, ttt_steps: int, device: torch.device) -> None:
+        self.stats = torch.zeros(5, ttt_steps, device=device)
+        self.tokens, self.micro, self.t0 = 0, 0, time.perf_counter()
+
+    def add(self, out, tokens: int) -> None:
+        self.stats += torch.stack([out.step_loss, out.correct, out.valid, out.chain_correct, out.chain_valid]).detach()
+        self.tokens += tokens  # real tokens, padding excluded
+        self.micro += 1
+
+    def reset(self) -> None:
+        self.stats.zero_()
+        self.tokens, self.micro, self.t0 = 0, 0, time.perf_counter()
+
+
+# --------------------------------------------------------------------------- setup -> fit -> export
 
 
 def main(cfg: Config, run_dir: str | Path) -> dict:
     """Fine-tune the drafter on run_dir's features (or the target's, online: train/data.py); returns the last metrics record."""
+    run = setup(cfg, Path(run_dir))
+    fit(run)
+    export(run)
+    if run.wandb_run is not None:
+        run.wandb_run.finish()
+    if run.lock is not None:
+        run.lock.release()
+    run.dist.end()
+    return run.last
+
+
+def setup(cfg: Config, run_dir: Path) -> Run:
+    """Data, drafter, processes, optimizer; the resumed position; the logs. Every check runs before any compute."""
     from eagle3ft.train.dist import Dist
 
-    run_dir = Path(run_dir)
     tcfg = cfg.train
+    # 1. data and drafter (checked against the features' identity)
     data = TrainData(cfg, run_dir)
     torch.manual_seed(cfg.seed)
     model = build_drafter(cfg, run_dir, data.target)
@@ -165,135 +241,153 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
         model.compile_blocks()
     objective = TTTObjective(model, tcfg.ttt_steps, tcfg.step_decay, target_head(cfg, data, model), tcfg.loss, tcfg.lk_eta)
 
+    # 2. processes and the run lock; a warm start's vocab becomes the run's
     dist = Dist(tcfg)
     lock = dist.lock_run(run_dir)
     if cfg.drafter.init and dist.is_main:
         note = adopt_drafter_vocab(run_dir, model.d2t, model.t2d, resolve_path(cfg.drafter.init))
         if note:
             dist.print(note)
+
+    # 3. optimizer and LR schedule over the run's optimizer steps
     total = tcfg.max_steps or sum(math.ceil(math.ceil(data.micro_batches(e) / dist.world) / tcfg.grad_accum) for e in range(tcfg.epochs))
     trainable = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg, total))
     engine, optimizer, scheduler = dist.prepare(objective, optimizer, scheduler)
+    run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock)
 
-    step, epoch, batch_in_epoch = 0, 0, 0
-    ckpt = resume_path(run_dir, tcfg.resume)
-    if ckpt is not None:
-        st, rng_note = load_checkpoint(dist, ckpt, cfg.seed)
-        step = st["step"]
-        epoch, batch_in_epoch = resume_position(st, ckpt, data.order_len(st.get("data", {}).get("epoch", 0)), data.per_micro_batch, dist.world)
-        dist.print(f"resumed from {ckpt} at step {step} (epoch {epoch}, {st['data']['samples_in_epoch']} samples of its order consumed; written by {st['world_size']} process(es), now {dist.world}; {rng_note})")
-        if st["total_steps"] != total:
-            dist.print(f"note: {total} optimizer steps now, {st['total_steps']} when the checkpoint was written (set train.max_steps to keep the LR schedule)")
-    heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed=ckpt is not None)
+    # 4. resume: weights, optimizer, RNG, data position; held-out τ
+    resumed = resume(run)
+    run.heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed=resumed)
 
-    log_dir = run_dir / "train"
-    metrics_file = log_dir / "metrics.jsonl"
-    wandb_run = None
+    # 5. logs: metrics.jsonl (cut back to the resumed step), the summary line, wandb
     if dist.is_main:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        if dropped := truncate_metrics(metrics_file, step):
-            dist.print(f"{metrics_file}: dropped {dropped} record(s) past step {step}")
-        n_train = sum(p.numel() for p in trainable)
-        start = f"warm start from {resolve_path(cfg.drafter.init)}" if cfg.drafter.init else "from scratch"
-        dist.print(f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(data)} training samples ({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); {total} optimizer steps")
-        if tcfg.wandb_mode != "disabled":
-            import wandb
+        open_logs(run, sum(p.numel() for p in trainable))
+    return run
 
-            wandb_run = wandb.init(project=tcfg.wandb_project, name=cfg.run_name, mode=tcfg.wandb_mode, dir=str(log_dir), config=to_dict(cfg), resume="allow")
 
-    def trainer_state() -> dict:
-        n_order = data.order_len(epoch)  # samples, or bins when packed
-        consumed = min(n_order, batch_in_epoch * dist.world * data.per_micro_batch)  # of the epoch's seeded order
-        return {
-            "step": step, "data": {"epoch": epoch, "samples_in_epoch": consumed, "n_train": n_order}, "world_size": dist.world,
-            "micro_batch_size": tcfg.micro_batch_size, "grad_accum": tcfg.grad_accum, "total_steps": total, "config": to_dict(cfg), "last": last,
-        }
+def resume(run: Run) -> bool:
+    """Load train.resume's checkpoint (if any) into the prepared engine and move `run` to its step and data position."""
+    ckpt = resume_path(run.run_dir, run.cfg.train.resume)
+    if ckpt is not None:
+        st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed)
+        run.step = st["step"]
+        run.epoch, run.batch_in_epoch = resume_position(st, ckpt, run.data.order_len(st.get("data", {}).get("epoch", 0)), run.data.per_micro_batch, run.dist.world)
+        run.dist.print(f"resumed from {ckpt} at step {run.step} (epoch {run.epoch}, {st['data']['samples_in_epoch']} samples of its order consumed; written by {st['world_size']} process(es), now {run.dist.world}; {rng_note})")
+        if st["total_steps"] != run.total:
+            run.dist.print(f"note: {run.total} optimizer steps now, {st['total_steps']} when the checkpoint was written (set train.max_steps to keep the LR schedule)")
+    run.start_step = run.step
+    return ckpt is not None
 
-    K = tcfg.ttt_steps
-    stats = torch.zeros(5, K, device=dist.device)
-    tokens, micro, last, step_samples = 0, 0, {}, []
-    t_log = time.perf_counter()
-    start_step = step
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not dist.is_main, dynamic_ncols=True)  # ETA from the step rate
-    stop = step >= total
+
+def open_logs(run: Run, n_train: int) -> None:
+    """Main process: the metrics file cut back to the current step, the run's summary line, the wandb run."""
+    cfg, tcfg, dist, log_dir = run.cfg, run.cfg.train, run.dist, run.metrics_file.parent
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if dropped := truncate_metrics(run.metrics_file, run.step):
+        dist.print(f"{run.metrics_file}: dropped {dropped} record(s) past step {run.step}")
+    start = f"warm start from {resolve_path(cfg.drafter.init)}" if cfg.drafter.init else "from scratch"
+    dist.print(f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(run.data)} training samples ({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); {run.total} optimizer steps")
+    if tcfg.wandb_mode != "disabled":
+        import wandb
+
+        run.wandb_run = wandb.init(project=tcfg.wandb_project, name=cfg.run_name, mode=tcfg.wandb_mode, dir=str(log_dir), config=to_dict(cfg), resume="allow")
+
+
+def fit(run: Run) -> None:
+    """Optimizer steps until train.max_steps (or the epochs) or train.stop_after: log, held-out τ, checkpoints."""
+    tcfg, dist, data, engine = run.cfg.train, run.dist, run.data, run.engine
+    meter = Meter(tcfg.ttt_steps, dist.device)
+    step_samples = []
+    bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step", disable=not dist.is_main, dynamic_ncols=True)  # ETA from the step rate
+    stop = run.step >= run.total
     while not stop:
-        for micro_batch in data.epoch(dist, epoch, skip=batch_in_epoch):
+        for micro_batch in data.epoch(dist, run.epoch, skip=run.batch_in_epoch):
             batch, sample_ids = micro_batch.tensors, micro_batch.sample_ids
             step_samples += sample_ids
             with oom_hint(), dist.accumulate(engine):
                 out = engine(batch)
                 if dist.any(not bool(torch.isfinite(out.loss))):
                     bad = dist.gather_ints(sample_ids if not torch.isfinite(out.loss) else [])
-                    raise NonFiniteLoss(f"non-finite loss at step {step + 1} (epoch {epoch}, micro-batch {batch_in_epoch}); sample ids per rank: {bad}")
-                lr = scheduler.get_last_lr()[0]  # the rate this step applies
+                    raise NonFiniteLoss(f"non-finite loss at step {run.step + 1} (epoch {run.epoch}, micro-batch {run.batch_in_epoch}); sample ids per rank: {bad}")
+                lr = run.scheduler.get_last_lr()[0]  # the rate this step applies
                 dist.backward(out.loss)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            stats += torch.stack([out.step_loss, out.correct, out.valid, out.chain_correct, out.chain_valid]).detach()
-            tokens += micro_batch.tokens  # real tokens, padding excluded
-            micro += 1
-            batch_in_epoch += 1
+                run.optimizer.step()
+                run.scheduler.step()
+                run.optimizer.zero_grad()
+            meter.add(out, micro_batch.tokens)
+            run.batch_in_epoch += 1
             if not dist.sync_gradients:
                 continue
-            step += 1
+            run.step += 1
             samples = dist.gather_ints(step_samples)  # every rank's samples of this optimizer step
             step_samples = []
-            eval_now = heldout.due(step, total)
-            if step % tcfg.log_every == 0 or step == total or eval_now:
-                s = dist.reduce_sum(stats)
-                n_tok = int(dist.reduce_sum(torch.tensor(float(tokens), device=dist.device)))
-                n_micro = int(dist.reduce_sum(torch.tensor(float(micro), device=dist.device)))
-                dt = time.perf_counter() - t_log
-                acc = (s[1] / s[2].clamp(min=1)).tolist()
-                cond = (s[3] / s[4].clamp(min=1)).tolist()
-                step_loss = (s[0] / max(n_micro, 1)).tolist()
-                last = {
-                    "step": step, "epoch": epoch,
-                    "loss": sum(tcfg.step_decay**k * step_loss[k] for k in range(K)),
-                    "step_loss": step_loss, "acc": acc, "cond_acc": cond,
-                    "accept_len_est": 1 + sum(math.prod(cond[: k + 1]) for k in range(K)),
-                    "lr": lr, "samples": samples, "tokens": n_tok, "tokens_per_s": n_tok / dt, "s_per_step": dt / tcfg.log_every,
-                    "max_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None,
-                }
+            eval_now = run.heldout.due(run.step, run.total)
+            if run.step % tcfg.log_every == 0 or run.step == run.total or eval_now:
+                run.last = metrics_record(run, meter, lr, samples)
                 if eval_now:
-                    last.update(heldout.run(engine, model.config, step))
+                    run.last.update(run.heldout.run(engine, run.model.config, run.step))
                 if dist.is_main:
-                    with open(metrics_file, "a") as f:
-                        f.write(json.dumps(last) + "\n")
-                    if wandb_run is not None:
-                        flat = {k: v for k, v in last.items() if not isinstance(v, list)}
-                        flat.update({f"{name}/{k}": x for name in ("step_loss", "acc", "cond_acc", "heldout_cond_acc") if name in last for k, x in enumerate(last[name])})
-                        wandb_run.log(flat, step=step)
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
-                stats.zero_()
-                tokens, micro, t_log = 0, 0, time.perf_counter()
+                    log_record(run, bar)
+                meter.reset()
             bar.update(1)
-            done = step >= total or (tcfg.stop_after is not None and step - start_step >= tcfg.stop_after)
-            if step % tcfg.save_every == 0 or done:
-                save_checkpoint(dist, engine, model.config, run_dir, step, trainer_state(), tcfg.keep_checkpoints)
+            done = run.step >= run.total or (tcfg.stop_after is not None and run.step - run.start_step >= tcfg.stop_after)
+            if run.step % tcfg.save_every == 0 or done:
+                save_checkpoint(dist, engine, run.model.config, run.run_dir, run.step, run.trainer_state(), tcfg.keep_checkpoints)
             if done:
                 stop = True
                 break
         else:
-            epoch, batch_in_epoch = epoch + 1, 0
+            run.epoch, run.batch_in_epoch = run.epoch + 1, 0
     bar.close()
-    if step >= total and (step > start_step or not (run_dir / "export").exists()):
-        state = dist.full_state_dict(engine)
-        if dist.is_main:
-            with atomic_dir(run_dir / "export") as tmp:
-                write_drafter(tmp, model.config, drafter_tensors(state, prefix="drafter."))
-                write_card(tmp, "last", step, heldout.latest, heldout.depth)
-            dist.print(f"exported the drafter to {run_dir / 'export'} (SGLang: --speculative-draft-model-path {run_dir / 'export'})")
-            if heldout.latest is not None:
-                best = read_card(run_dir / "export-best") or {}
-                dist.print(f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}; best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {run_dir / 'export-best'}")
-        dist.barrier()
-    if wandb_run is not None:
-        wandb_run.finish()
-    if lock is not None:
-        lock.release()
-    dist.end()
-    return last
+
+
+def metrics_record(run: Run, meter: Meter, lr: float, samples: list) -> dict:
+    """The metrics of the steps since the last record, summed over the processes (a collective: every rank calls it)."""
+    tcfg, dist = run.cfg.train, run.dist
+    K = tcfg.ttt_steps
+    s = dist.reduce_sum(meter.stats)
+    n_tok = int(dist.reduce_sum(torch.tensor(float(meter.tokens), device=dist.device)))
+    n_micro = int(dist.reduce_sum(torch.tensor(float(meter.micro), device=dist.device)))
+    dt = time.perf_counter() - meter.t0
+    acc = (s[1] / s[2].clamp(min=1)).tolist()
+    cond = (s[3] / s[4].clamp(min=1)).tolist()
+    step_loss = (s[0] / max(n_micro, 1)).tolist()
+    return {
+        "step": run.step, "epoch": run.epoch,
+        "loss": sum(tcfg.step_decay**k * step_loss[k] for k in range(K)),
+        "step_loss": step_loss, "acc": acc, "cond_acc": cond,
+        "accept_len_est": 1 + sum(math.prod(cond[: k + 1]) for k in range(K)),
+        "lr": lr, "samples": samples, "tokens": n_tok, "tokens_per_s": n_tok / dt, "s_per_step": dt / tcfg.log_every,
+        "max_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None,
+    }
+
+
+def log_record(run: Run, bar: tqdm) -> None:
+    """Main process: append run.last to metrics.jsonl, send it to wandb, show it on the progress bar."""
+    last = run.last
+    with open(run.metrics_file, "a") as f:
+        f.write(json.dumps(last) + "\n")
+    if run.wandb_run is not None:
+        flat = {k: v for k, v in last.items() if not isinstance(v, list)}
+        flat.update({f"{name}/{k}": x for name in ("step_loss", "acc", "cond_acc", "heldout_cond_acc") if name in last for k, x in enumerate(last[name])})
+        run.wandb_run.log(flat, step=run.step)
+    bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc'][0]:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
+
+
+def export(run: Run) -> None:
+    """run_dir/export: the last step's drafter in SGLang's form, when the run reached its end (once)."""
+    run_dir, dist, heldout, step = run.run_dir, run.dist, run.heldout, run.step
+    if not (step >= run.total and (step > run.start_step or not (run_dir / "export").exists())):
+        return
+    state = dist.full_state_dict(run.engine)
+    if dist.is_main:
+        with atomic_dir(run_dir / "export") as tmp:
+            write_drafter(tmp, run.model.config, drafter_tensors(state, prefix="drafter."))
+            write_card(tmp, "last", step, heldout.latest, heldout.depth)
+        dist.print(f"exported the drafter to {run_dir / 'export'} (SGLang: --speculative-draft-model-path {run_dir / 'export'})")
+        if heldout.latest is not None:
+            best = read_card(run_dir / "export-best") or {}
+            dist.print(f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}; best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {run_dir / 'export-best'}")
+    dist.barrier()

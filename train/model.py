@@ -11,7 +11,6 @@ nh / nkv attention / key-value heads, hd head dim, V target vocab, Vd draft voca
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from eagle3ft.data.drafter_spec import DrafterSpec
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -64,7 +65,17 @@ class Eagle3Config:
     ).split()
 
     @classmethod
+    def from_json(cls, path: str | Path) -> "Eagle3Config":
+        return cls.from_spec(DrafterSpec.from_json(path))
+
+    @classmethod
     def from_dict(cls, d: dict) -> "Eagle3Config":
+        return cls.from_spec(DrafterSpec.from_dict(d))
+
+    @classmethod
+    def from_spec(cls, spec: DrafterSpec) -> "Eagle3Config":
+        """The architecture: the shape as the one reader of config.json parsed it, the layout from the rest of its keys."""
+        d = spec.raw
         if d.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"drafter num_hidden_layers is {d['num_hidden_layers']}; only 1 (SGLang's midlayer) is supported")
         if d.get("tie_word_embeddings"):
@@ -77,28 +88,24 @@ class Eagle3Config:
         if rope.get("rope_type", rope.get("type", "default")) == "default":
             rope = {}
         return cls(
-            hidden_size=d["hidden_size"],
+            hidden_size=spec.hidden_size,
             num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
             intermediate_size=d["intermediate_size"],
-            vocab_size=d["vocab_size"],
-            draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
-            target_hidden_size=d.get("target_hidden_size"),
+            vocab_size=spec.vocab_size,
+            draft_vocab_size=spec.draft_vocab_size,
+            target_hidden_size=spec.target_hidden_size,
             head_dim=d.get("head_dim"),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=rope or None,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
-            aux_layer_ids=(d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"),
+            aux_layer_ids=spec.aux_layer_ids,
             hidden_act=d.get("hidden_act", "silu"),
             fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm")),
             norm_output=bool(d.get("norm_output")),
             extra={k: v for k, v in d.items() if k not in cls._KNOWN},
         )
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> "Eagle3Config":
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_hf_dict(self) -> dict:
         """SGLang's config.json for LlamaForCausalLMEagle3."""
