@@ -20,7 +20,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from eagle3ft.data.config import SourceConfig
+from eagle3ft.config import SourceConfig
 from eagle3ft.data.prompts import iter_records, mtbench_path, raw_messages
 
 CODE = re.compile(

@@ -17,7 +17,7 @@ With --heads, the top-K log-prob head alone, on the final hidden states of the f
   lm_head   the logits alone (what the bare forward spends on its head: the limit)
   fp32      logits.float(), top-K, logsumexp (the capture's head up to commit d989b0a)
   torch     torch.topk on the model's logits and one fused fp32 log-softmax (the head's fallback off CUDA)
-  ours      eagle3ft.data.targets.head.topk_logprobs (on CUDA its two Triton kernels: group maxima, then
+  ours      eagle3ft.targets.head.topk_logprobs (on CUDA its two Triton kernels: group maxima, then
             the entries above the k-th of them; its own chunks, 8,192 rows on CUDA, the others 2,048)
   compiled  torch.compile of top-K + logsumexp(logits.float()) (CUDA only: the best of plain torch)
 each with its largest log-prob error against an fp64 log-softmax of the same logits, and whether its top-K
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.data.config import load_config, resolve_path
-from eagle3ft.data.drafter_spec import DrafterSpec
-from eagle3ft.data.targets.base import Sampling
-from eagle3ft.data.targets.hf import HFTarget, load_target
+from eagle3ft.config import load_config, resolve_path
+from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.targets.base import Sampling
+from eagle3ft.targets.hf import HFTarget, load_target
 
 
 def sync(device: torch.device) -> None:
@@ -49,7 +49,7 @@ def batches(tokenizer, n_batches: int, batch: int, seq: int, mtbench: str | None
     """Real chat sequences of exactly `seq` tokens (MT-Bench questions, repeated to length)."""
     from collections import Counter
 
-    from eagle3ft.data.config import SourceConfig
+    from eagle3ft.config import SourceConfig
     from eagle3ft.data.prompts import iter_records, raw_messages
 
     texts = []
@@ -119,7 +119,7 @@ def timed(fns: dict, rounds: int, device: torch.device, arg, warm_up: bool = Tru
 
 def heads(model, hidden: torch.Tensor, k: int, rounds: int, device: torch.device) -> dict:
     """The head variants of the module docstring on `hidden` (N, H): ms per call and error against fp64."""
-    from eagle3ft.data.targets.head import HEAD_CHUNK_TOKENS, _torch, topk_logprobs  # here: earlier commits lack them
+    from eagle3ft.targets.head import HEAD_CHUNK_TOKENS, _torch, topk_logprobs  # here: earlier commits lack them
     w = model.lm_head.weight
 
     def chunks(fn):

@@ -140,7 +140,7 @@ def main() -> None:
     result["packed_over_padded"] = round(result["layouts"]["packed"]["tokens_per_s"] / result["layouts"]["padded"]["tokens_per_s"], 2)
 
     if a.config:  # the online mode's prefill, on the packed micro-batches' tokens
-        from eagle3ft.data.config import load_config
+        from eagle3ft.config import load_config
         from eagle3ft.train.data import OnlineTarget
 
         cfg = load_config(REPO / a.config, [f"harvest.topk={a.topk}"])

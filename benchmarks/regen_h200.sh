@@ -46,7 +46,7 @@ for ((i = 0; i < SERVERS; i++)); do URLS+=("http://127.0.0.1:$((PORT + i))"); do
 with_servers() {  # with_servers COMMAND...: SERVERS plain servers up, one after another, for the command's lifetime
   local cmd=("$@") i
   for ((i = SERVERS - 1; i >= 0; i--)); do
-    cmd=($PY -m eagle3ft.data.targets.sglang_server --role baseline --config "$CONFIG" --run-dir "$OUT/serve" "${SERVE[@]}" --port $((PORT + i)) -- "${cmd[@]}")
+    cmd=($PY -m eagle3ft.targets.sglang_server --role baseline --config "$CONFIG" --run-dir "$OUT/serve" "${SERVE[@]}" --port $((PORT + i)) -- "${cmd[@]}")
   done
   "${cmd[@]}"
 }

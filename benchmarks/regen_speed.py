@@ -19,7 +19,7 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.data.config import load_config
+from eagle3ft.config import load_config
 from eagle3ft.data.regen import main as regen
 
 

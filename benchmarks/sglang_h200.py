@@ -17,8 +17,8 @@ import torch
 
 
 def export_hf(config: str, out: str, overrides: list[str] | None = None) -> None:
-    from eagle3ft.data.config import load_config
-    from eagle3ft.data.targets.hf import load_target
+    from eagle3ft.config import load_config
+    from eagle3ft.targets.hf import load_target
 
     cfg = load_config(config, overrides)
     cfg.target.device, cfg.target.dtype = "cpu", "float32"

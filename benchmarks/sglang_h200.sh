@@ -55,7 +55,7 @@ HARVEST=(
 serve() {  # serve ROLE RUN_DIR [sets...] -- COMMAND...: the server up for the command's lifetime
   local role=$1 run=$2
   shift 2
-  $PY -m eagle3ft.data.targets.sglang_server --role "$role" --config "$CONFIG" --run-dir "$run" "${COMMON[@]}" "$@"
+  $PY -m eagle3ft.targets.sglang_server --role "$role" --config "$CONFIG" --run-dir "$run" "${COMMON[@]}" "$@"
 }
 
 probe() {

@@ -139,8 +139,8 @@ def double_facts(kind: str, hidden_size_check: int) -> dict:
     import torch
     from sglang_double import DoubleEngine, SGLangDouble
 
-    from eagle3ft.data.config import REPO_ROOT, load_config
-    from eagle3ft.data.targets.hf import load_target
+    from eagle3ft.config import REPO_ROOT, load_config
+    from eagle3ft.targets.hf import load_target
     from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml")

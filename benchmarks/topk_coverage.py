@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.data.config import build_parser, load_config
+from eagle3ft.config import build_parser, load_config
 from eagle3ft.data.store import FeatureStore
-from eagle3ft.data.targets.hf import load_target
+from eagle3ft.targets.hf import load_target
 
 KS = (1, 4, 8, 16, 32, 64)
 

@@ -29,15 +29,15 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.config import Config, HarvestConfig, cli_errors, parse_cli, resolve_path, to_dict
-from eagle3ft.data.drafter_spec import DrafterSpec
+from eagle3ft.config import Config, HarvestConfig, cli_errors, parse_cli, resolve_path, to_dict
+from eagle3ft.drafter_spec import DrafterSpec
 from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
-from eagle3ft.data.targets import open_target
-from eagle3ft.data.targets.base import Request, Sampling, Target
-from eagle3ft.data.targets.hf import load_tokenizer
-from eagle3ft.data.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
+from eagle3ft.targets import open_target
+from eagle3ft.targets.base import Request, Sampling, Target
+from eagle3ft.targets.hf import load_tokenizer
+from eagle3ft.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
 from eagle3ft.runlock import holding
 
 
@@ -327,7 +327,7 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.targets.sglang import SGLangError
+    from eagle3ft.targets.sglang import SGLangError
 
     cfg, run_dir, _ = parse_cli("Harvest target features for EAGLE-3 training.", stage="harvest", argv=argv)
     with holding(run_dir, "harvest"), cli_errors("harvest", StoreError, SGLangError, HarvestRefused):

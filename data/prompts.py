@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, Iterator
 
-from eagle3ft.data.config import SourceConfig, resolve_path
+from eagle3ft.config import SourceConfig, resolve_path
 
 ROLE_NAMES = {
     "system": "system",

@@ -22,7 +22,7 @@ Backends (``harvest.backend``):
   ``input_ids``. Conversations move independently: a finished turn queues the next.
   Failed calls are retried with backoff (``retries``, ``backoff_s``); then the run
   stops with one line naming the server, keeping every committed chunk.
-- ``hf``: the embedded transformers target (data/targets/hf.py) in batches of
+- ``hf``: the embedded transformers target (eagle3ft/targets/hf.py) in batches of
   ``harvest.batch_size``, for CPUs and tests.
 
 A summary (answer tokens, wall time, answer tokens/s, per-split counts) goes to
@@ -48,12 +48,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.config import Config, cli_errors, parse_cli, to_dict
+from eagle3ft.config import Config, cli_errors, parse_cli, to_dict
 from eagle3ft.data.harvest import check_harvest_config, request_seed, sample_id
 from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import SPLITS, StoreError
-from eagle3ft.data.targets.base import Request, Sampling
-from eagle3ft.data.targets.hf import load_tokenizer
+from eagle3ft.targets.base import Request, Sampling
+from eagle3ft.targets.hf import load_tokenizer
 from eagle3ft.data.tokens import TokenSample, TokenWriter, tokenizer_digest
 from eagle3ft.runlock import holding
 
@@ -86,7 +86,7 @@ class SGLangBackend:
     """Plain SGLang servers; `generate(slot, batch)` is one batched /generate call to the slot's server."""
 
     def __init__(self, client_cfg, sampling: Sampling, stop_ids: list[int]):
-        from eagle3ft.data.targets.sglang import HTTPPolicy, server_info
+        from eagle3ft.targets.sglang import HTTPPolicy, server_info
 
         if not client_cfg.urls:
             raise RegenError("harvest.sglang.urls is empty")
@@ -133,7 +133,7 @@ class SGLangBackend:
         return Answer(ids[: g.max_new_tokens], finished)
 
     def generate(self, slot: int, batch: list[Gen]) -> list[Answer]:
-        from eagle3ft.data.targets.sglang import call
+        from eagle3ft.targets.sglang import call
 
         url = self.slots[slot]
         payload = {"input_ids": [g.prompt_ids for g in batch], "sampling_params": [self._params(g) for g in batch]}
@@ -148,7 +148,7 @@ class HFBackend:
     """The embedded transformers target: one worker, batches of harvest.batch_size."""
 
     def __init__(self, cfg: Config, sampling: Sampling, stop_ids: list[int]):
-        from eagle3ft.data.targets.hf import HFTarget, load_target
+        from eagle3ft.targets.hf import HFTarget, load_target
 
         model, tokenizer = load_target(cfg.target)
         self.target = HFTarget(cfg.target, None, model=model, tokenizer=tokenizer)
@@ -405,7 +405,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
 
 
 def cli(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.targets.sglang import SGLangError
+    from eagle3ft.targets.sglang import SGLangError
 
     cfg, run_dir, _ = parse_cli("Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv)
     with holding(run_dir, "regen"), cli_errors("regen", RegenError, SGLangError, StoreError):

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file, save
+
+from eagle3ft.files import read_json, safetensors_keys
 
 SCHEMA_VERSION = 1
 SPLITS = ("train", "heldout")
@@ -68,27 +70,6 @@ def dequantize_aux(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 class StoreError(RuntimeError):
     """A feature store that is missing, empty, of another schema, corrupt, or of another harvest."""
-
-
-class DamagedFile(ValueError):
-    """A file that is there but cannot be read as what it should be (truncated, not JSON, not safetensors)."""
-
-
-def read_json(path: str | Path, what: str):
-    """The JSON in `path`; DamagedFile naming the file when it is not valid JSON."""
-    try:
-        return json.loads(Path(path).read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DamagedFile(f"{path}: {what} is not valid JSON ({e}); the file is truncated or damaged") from None
-
-
-def safetensors_keys(path: str | Path, what: str) -> list[str]:
-    """The tensor names of a safetensors file; DamagedFile naming the file when its header or length is wrong."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    except SafetensorError as e:
-        raise DamagedFile(f"{path}: {what} is not a readable safetensors file ({e}); the file is truncated or damaged") from None
 
 
 _MEMBER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")

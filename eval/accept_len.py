@@ -371,10 +371,10 @@ def format_report(rep: AcceptReport) -> str:
 
 def run(cfg, run_dir: Path) -> AcceptReport:
     """Load the exported drafter and the held-out features of `run_dir`, evaluate, write eval/accept_len.json."""
-    from eagle3ft.data.config import resolve_path
-    from eagle3ft.data.drafter_spec import check_drafter_folder
+    from eagle3ft.config import resolve_path
+    from eagle3ft.drafter_spec import check_drafter_folder
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.data.targets.hf import load_input_embedding, pick_device
+    from eagle3ft.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.checkpoint import load_drafter
 
     ec = cfg.eval
@@ -395,7 +395,7 @@ def run(cfg, run_dir: Path) -> AcceptReport:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import cli_errors, parse_cli
+    from eagle3ft.config import cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
 
     from eagle3ft.eval.preflight import check_or_exit

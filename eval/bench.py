@@ -37,9 +37,9 @@ def run(cfg, run_dir: Path, log=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import cli_errors, parse_cli
+    from eagle3ft.config import cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
-    from eagle3ft.data.targets.sglang import SGLangError
+    from eagle3ft.targets.sglang import SGLangError
 
     from eagle3ft.eval.preflight import check_or_exit
 

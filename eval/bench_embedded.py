@@ -95,8 +95,8 @@ class EmbeddedBackend:
 
     def __init__(self, cfg, run_dir: Path):
         from eagle3ft.data.chat import ChatFormat
-        from eagle3ft.data.config import resolve_path
-        from eagle3ft.data.targets.hf import load_target
+        from eagle3ft.config import resolve_path
+        from eagle3ft.targets.hf import load_target
         from eagle3ft.train.checkpoint import load_drafter
 
         self.cfg = cfg

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.data.config import BenchSetting, resolve_path
-from eagle3ft.data.targets.sglang import HTTPPolicy, SGLangError, call, server_info
-from eagle3ft.data.targets.sglang_server import SGLangServer, server_for
+from eagle3ft.config import BenchSetting, resolve_path
+from eagle3ft.targets.sglang import HTTPPolicy, SGLangError, call, server_info
+from eagle3ft.targets.sglang_server import SGLangServer, server_for
 from eagle3ft.eval.harness import (
     RequestResult,
     base_environment,
@@ -134,7 +134,7 @@ class SGLangBackend:
 
     def __init__(self, cfg, run_dir: Path):
         from eagle3ft.data.chat import ChatFormat
-        from eagle3ft.data.targets.hf import load_tokenizer
+        from eagle3ft.targets.hf import load_tokenizer
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
         if cfg.bench.launch:  # the EAGLE3 servers will load eval.checkpoint: it must fit the features, before any server starts
@@ -326,7 +326,7 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import cli_errors, parse_cli
+    from eagle3ft.config import cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
 
     from eagle3ft.eval.preflight import check_or_exit

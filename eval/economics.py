@@ -417,7 +417,7 @@ def write_prediction(run_dir: Path, cal: dict, offline_tau: dict[str, float]) ->
 
 def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
     """economics.json (+ calibration.json) from this run's summary, and the prediction when bench.calibration is set."""
-    from eagle3ft.data.config import resolve_path
+    from eagle3ft.config import resolve_path
 
     run_dir = Path(run_dir)
     offline = offline_tau_by_setting(run_dir / "eval" / "accept_len.json")
@@ -437,7 +437,7 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import build_parser, parse_cli
+    from eagle3ft.config import build_parser, parse_cli
     from eagle3ft.eval.preflight import check_or_exit
 
     desc = "Speculation economics from a benchmark run; with bench.calibration, tok/s predicted from offline tau."

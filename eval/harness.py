@@ -110,7 +110,7 @@ def gpu_clocks() -> list[dict] | None:
 def base_environment(device: torch.device | str | None = None) -> dict:
     import transformers
 
-    from eagle3ft.data.config import code_version
+    from eagle3ft.config import code_version
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     env = {
@@ -136,9 +136,9 @@ def base_environment(device: torch.device | str | None = None) -> dict:
 def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
     """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
     else the folder alone (readable weights, consistent d2t/t2d); returns its DrafterSpec. Before any compute."""
-    from eagle3ft.data.drafter_spec import DrafterSpec, check_drafter_folder
+    from eagle3ft.drafter_spec import DrafterSpec, check_drafter_folder
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.data.vocab import check_vocab, vocab_from_drafter
+    from eagle3ft.vocab import check_vocab, vocab_from_drafter
 
     manifest = Path(run_dir) / "features" / MANIFEST
     if manifest.is_file():
@@ -157,7 +157,7 @@ def load_prompts(cfg) -> list[list[int]]:
     """First user turn of each conversation of `bench.prompts`, chat-templated into token ids."""
     from eagle3ft.data.chat import ChatFormat
     from eagle3ft.data.prompts import collect
-    from eagle3ft.data.targets.hf import load_tokenizer
+    from eagle3ft.targets.hf import load_tokenizer
 
     convs = collect([cfg.bench.prompts], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
     chat = ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template)

@@ -59,7 +59,7 @@ def missing_drafter(checkpoint: Path, run_dir: Path, config: str) -> str | None:
 
 def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
     """None when `stage` has its inputs in `run_dir`, else one line naming what is missing and how to make it."""
-    from eagle3ft.data.config import resolve_path
+    from eagle3ft.config import resolve_path
 
     if stage not in STAGES:
         raise ValueError(f"preflight stage {stage!r}: expected one of {STAGES}")

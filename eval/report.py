@@ -238,7 +238,7 @@ def prediction_verdict(p: dict) -> str | None:
 
 def build(run_dir: Path, cfg=None) -> dict:
     """report.json, report.md and the plots of `run_dir`; `cfg` supplies bench.calibration when set."""
-    from eagle3ft.data.config import resolve_path
+    from eagle3ft.config import resolve_path
 
     out = run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
@@ -518,7 +518,7 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import parse_cli
+    from eagle3ft.config import parse_cli
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli("Report: training, offline accept length, live benchmark.", stage="report", argv=argv)

@@ -8,5 +8,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=$1 RUN=$2
 shift 2
-python -m eagle3ft.data.targets.sglang_server --role harvest --config "$CONFIG" --run-dir "$RUN" "$@" \
+python -m eagle3ft.targets.sglang_server --role harvest --config "$CONFIG" --run-dir "$RUN" "$@" \
   -- python data/harvest.py --config "$CONFIG" --run-dir "$RUN" "$@"

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROLE=$1 CONFIG=$2 RUN=$3
 shift 3
-exec python -m eagle3ft.data.targets.sglang_server --role "$ROLE" --config "$CONFIG" --run-dir "$RUN" "$@"
+exec python -m eagle3ft.targets.sglang_server --role "$ROLE" --config "$CONFIG" --run-dir "$RUN" "$@"

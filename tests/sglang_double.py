@@ -487,8 +487,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.enable_return_aux_hidden_states and _vt(args.double_version) < AUX_CAPTURE_FROM:
         ap.error(f"unrecognized arguments: --enable-return-aux-hidden-states (SGLang {args.double_version})")
 
-    from eagle3ft.data.config import Config, TargetConfig, load_config
-    from eagle3ft.data.targets.hf import load_target
+    from eagle3ft.config import Config, TargetConfig, load_config
+    from eagle3ft.targets.hf import load_target
 
     cfg = load_config(args.double_config) if args.double_config else Config(target=TargetConfig(kind="hf", path=args.model_path, device="cpu", dtype="float32"))
     model, tok = load_target(cfg.target)
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.speculative_algorithm:
         if args.speculative_algorithm != "EAGLE3" or not args.speculative_draft_model_path:
             ap.error("the double mirrors --speculative-algorithm EAGLE3 with --speculative-draft-model-path")
-        from eagle3ft.data.targets.hf import load_input_embedding
+        from eagle3ft.targets.hf import load_input_embedding
         from eagle3ft.train.checkpoint import load_drafter
 
         drafter = load_drafter(args.speculative_draft_model_path, load_input_embedding(cfg.target)).eval()

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3ft.data.config import REPO_ROOT, Config, ConfigError, load_config, parse_cli
+from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, parse_cli
 
 SHIPPED = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
@@ -112,7 +112,7 @@ def test_not_utf8_config_is_named(tmp_path):
 
 
 def test_cli_errors_print_one_line_and_the_traceback_only_with_debug(monkeypatch, capsys):
-    from eagle3ft.data.config import DEBUG_ENV, cli_errors
+    from eagle3ft.config import DEBUG_ENV, cli_errors
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     with pytest.raises(SystemExit) as e:
@@ -133,7 +133,7 @@ def test_cli_errors_print_one_line_and_the_traceback_only_with_debug(monkeypatch
 
 
 def test_debug_flag_sets_the_env_for_cli_errors(tmp_path, monkeypatch):
-    from eagle3ft.data.config import DEBUG_ENV
+    from eagle3ft.config import DEBUG_ENV
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     parse_cli("t", "harvest", ["--config", str(write(tmp_path, "run_name: x\n")), "--run-dir", str(tmp_path / "r"), "--debug"], record=False)

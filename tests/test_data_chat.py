@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from eagle3ft.data.chat import TEMPLATES, ChatFormat, ChatTemplateError
-from eagle3ft.data.config import TargetConfig
-from eagle3ft.data.targets.hf import load_tokenizer
+from eagle3ft.config import TargetConfig
+from eagle3ft.targets.hf import load_tokenizer
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("EAGLE3FT_UPDATE_GOLDEN") == "1"

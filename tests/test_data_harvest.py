@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.config import REPO_ROOT, ConfigError, load_config
+from eagle3ft.config import REPO_ROOT, ConfigError, load_config
 from eagle3ft.data.harvest import ChunkStats, harvest_chunk, main, run_harvest
 from eagle3ft.data.prompts import Conversation
 from eagle3ft.data.store import FeatureStore
-from eagle3ft.data.targets.base import Request, Sampling
-from eagle3ft.data.targets.hf import HFTarget, load_target
-from eagle3ft.data.vocab import build_vocab, check_vocab, load_vocab
+from eagle3ft.targets.base import Request, Sampling
+from eagle3ft.targets.hf import HFTarget, load_target
+from eagle3ft.vocab import build_vocab, check_vocab, load_vocab
 from test_data_prompts import bad_corpus_lines
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"

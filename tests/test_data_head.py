@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from eagle3ft.data.targets import head
+from eagle3ft.targets import head
 
 
 def logits_with_ties(t: int, V: int, dtype: torch.dtype) -> torch.Tensor:
@@ -58,7 +58,7 @@ def test_triton_kernels_equal_torch_in_the_interpreter():
     # partial), groups of 32, 24 candidate slots: row 2 is flat, overflows them and is redone by torch.
     code = textwrap.dedent("""
         import torch
-        from eagle3ft.data.targets import head
+        from eagle3ft.targets import head
         from tests.test_data_head import TableHead, logits_with_ties
         head.BLOCK, head.GROUP, head.CANDIDATES = 256, 32, 24
         for dtype in (torch.bfloat16, torch.float16):

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from eagle3ft.data.config import SourceConfig, load_config
+from eagle3ft.config import SourceConfig, load_config
 from eagle3ft.data.prompts import HUMANEVAL_ASK, collect, humaneval_path
 
 KW = dict(max_turns=2, regenerate=True, heldout_fraction=0.0, dedupe=True)

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from eagle3ft.data.config import SourceConfig
+from eagle3ft.config import SourceConfig
 from eagle3ft.data.prompts import collect, content_key, iter_json_array, normalize, sharegpt_path, split_of, Skip
 
 

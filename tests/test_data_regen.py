@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.config import REPO_ROOT, SourceConfig, load_config
+from eagle3ft.config import REPO_ROOT, SourceConfig, load_config
 from eagle3ft.data.prompts import collect, merge_split_parts
 from eagle3ft.data.regen import RegenError, cli, main
-from eagle3ft.data.targets.hf import load_target, load_tokenizer
+from eagle3ft.targets.hf import load_target, load_tokenizer
 from eagle3ft.data.tokens import TokenStore
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -143,7 +143,7 @@ def test_cli_error_is_one_line_when_no_server_answers(tmp_path, capsys):
 
 
 def test_embedded_backend_through_the_entry_point(stopping_model, tmp_path, monkeypatch, capsys):
-    import eagle3ft.data.targets.hf as hf
+    import eagle3ft.targets.hf as hf
 
     monkeypatch.setattr(hf, "load_target", lambda cfg: stopping_model)
     cli(["--config", str(TINY), "--run-dir", str(tmp_path), *sum((["--set", s] for s in BASE), []), "--set", "harvest.batch_size=4"])

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3ft.data.config import load_config
+from eagle3ft.config import load_config
 from eagle3ft.data.harvest import check_harvest_config
 from eagle3ft.data.store import FeatureStore, FeatureWriter, StoreError, dequantize_aux, quantize_aux
 from test_data_store import TARGET, H, K, make_sample

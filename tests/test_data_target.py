@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3ft.data.config import load_config
-from eagle3ft.data.drafter_spec import DrafterSpec
-from eagle3ft.data.targets.base import Request, Sampling, Target
-from eagle3ft.data.targets.hf import HFTarget, load_input_embedding, load_output_head, load_target
+from eagle3ft.config import load_config
+from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.targets.base import Request, Sampling, Target
+from eagle3ft.targets.hf import HFTarget, load_input_embedding, load_output_head, load_target
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "configs" / "tiny.yaml"

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from eagle3ft.data.config import load_config
+from eagle3ft.config import load_config
 from eagle3ft.eval import bench, harness, report
 from eagle3ft.eval.economics import Setting
 from eagle3ft.train.checkpoint import export_drafter

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle3ft.data.config import load_config
+from eagle3ft.config import load_config
 from eagle3ft.eval import report
 from eagle3ft.eval.economics import calibration_from_summary
 

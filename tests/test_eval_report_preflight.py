@@ -3,8 +3,8 @@ line that names what is missing and the command that makes it."""
 
 import pytest
 
-from eagle3ft.data.config import load_config
-from eagle3ft.data.targets import hf
+from eagle3ft.config import load_config
+from eagle3ft.targets import hf
 from eagle3ft.eval import accept_len, bench, bench_sglang, economics, preflight, report
 
 CONFIG = "configs/tiny.yaml"

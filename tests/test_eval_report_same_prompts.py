@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from _eval_tiny import AUX, features, greedy_items, prompts, tiny_pair
-from eagle3ft.data.config import load_config
+from eagle3ft.config import load_config
 from eagle3ft.eval import harness
 from eagle3ft.eval.accept_len import evaluate
 from eagle3ft.eval.harness import RequestResult

@@ -118,7 +118,7 @@ class TableHead(torch.nn.Module):
 
 @pytest.mark.parametrize("V,k,dtype", [(163840, 64, torch.bfloat16), (49152, 16, torch.bfloat16), (32000, 32, torch.float16)])
 def test_triton_topk_head_matches_torch_topk_and_fp64_log_softmax(V, k, dtype):
-    from eagle3ft.data.targets import head
+    from eagle3ft.targets import head
 
     n = 9000  # more rows than one CUDA chunk (4 x HEAD_CHUNK_TOKENS)
     g = torch.Generator(device="cuda").manual_seed(V + k)
@@ -145,7 +145,7 @@ def test_triton_topk_head_matches_torch_topk_and_fp64_log_softmax(V, k, dtype):
 
 def test_host_copy_waits_for_the_default_stream():
     """_HostCopies.start copies the tensor as the default stream leaves it, even while that stream is busy."""
-    from eagle3ft.data.targets.hf import _HostCopies
+    from eagle3ft.targets.hf import _HostCopies
 
     src = torch.randn(1 << 20, device="cuda")
     t = torch.zeros_like(src)
@@ -159,7 +159,7 @@ def test_host_copy_waits_for_the_default_stream():
 
 def test_host_copy_source_is_not_reused_while_the_copy_runs():
     """A tensor freed after start() is not handed out again (record_stream) until the side-stream copy has read it."""
-    from eagle3ft.data.targets.hf import _HostCopies
+    from eagle3ft.targets.hf import _HostCopies
 
     t = torch.randn(64 << 20, device="cuda")  # 256 MiB
     expect = t.cpu()
@@ -188,9 +188,9 @@ def tiny_llama(vocab: int = 49152):
 def test_side_stream_capture_matches_a_synchronous_capture(padded):
     """HFTarget's capture (forward hooks, side-stream pinned copies, the Triton head) against one synchronous forward
     of the same batch with output_hidden_states, its tensors copied to the host in order, and an fp64 log-softmax."""
-    from eagle3ft.data.config import TargetConfig
-    from eagle3ft.data.targets.base import Request, Sampling
-    from eagle3ft.data.targets.hf import HFTarget
+    from eagle3ft.config import TargetConfig
+    from eagle3ft.targets.base import Request, Sampling
+    from eagle3ft.targets.hf import HFTarget
 
     model = tiny_llama()
     aux_ids = [0, 1, 2]

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from test_train_checkpoint import k2_like_config, write_k2_like
 from train_fixtures import REPO, TINY_TARGET, write_store
 
-from eagle3ft.data.config import load_config
-from eagle3ft.data.drafter_spec import DrafterMismatch, DrafterSpec, check_drafter
-from eagle3ft.data.vocab import build_vocab, load_vocab, save_vocab
+from eagle3ft.config import load_config
+from eagle3ft.drafter_spec import DrafterMismatch, DrafterSpec, check_drafter
+from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 from eagle3ft.train.checkpoint import export_drafter
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
@@ -26,7 +26,7 @@ TINY_DRAFTER = json.loads((REPO / "configs/drafters/tiny.json").read_text())
 
 def no_compute(monkeypatch):
     """Loading the target (or its embedding) fails the test: the checks must come first."""
-    import eagle3ft.data.targets.hf as hf
+    import eagle3ft.targets.hf as hf
 
     def boom(*a, **k):
         raise AssertionError("the target was loaded before the drafter was checked")

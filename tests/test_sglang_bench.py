@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3ft.data.config import REPO_ROOT, load_config
-from eagle3ft.data.targets.hf import load_target
-from eagle3ft.data.targets.sglang import SGLangError
+from eagle3ft.config import REPO_ROOT, load_config
+from eagle3ft.targets.hf import load_target
+from eagle3ft.targets.sglang import SGLangError
 from eagle3ft.eval import harness
 from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
 from eagle3ft.eval.economics import Setting

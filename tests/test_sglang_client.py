@@ -12,12 +12,12 @@ import pytest
 import requests
 import torch
 
-from eagle3ft.data.config import REPO_ROOT, SGLangClientConfig, load_config
-from eagle3ft.data.drafter_spec import DrafterSpec
-from eagle3ft.data.targets.base import Request, Sampling
-from eagle3ft.data.targets.hf import HFTarget, load_target
-from eagle3ft.data.targets import sglang as sglang_client
-from eagle3ft.data.targets.sglang import HiddenStream, RetryableError, SGLangError, SGLangTarget, server_info, topk_arrays
+from eagle3ft.config import REPO_ROOT, SGLangClientConfig, load_config
+from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.targets.base import Request, Sampling
+from eagle3ft.targets.hf import HFTarget, load_target
+from eagle3ft.targets import sglang as sglang_client
+from eagle3ft.targets.sglang import HiddenStream, RetryableError, SGLangError, SGLangTarget, server_info, topk_arrays
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))

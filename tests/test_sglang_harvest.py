@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3ft.data.config import REPO_ROOT, load_config
+from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import HarvestRefused, run_harvest
 from eagle3ft.data.store import SPLITS, FeatureStore
-from eagle3ft.data.targets.hf import load_target
-from eagle3ft.data.targets.sglang import SGLangError
+from eagle3ft.targets.hf import load_target
+from eagle3ft.targets.sglang import SGLangError
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -98,7 +98,7 @@ def assert_same_store(a: Path, b: Path):
 
 
 def _vocab(run: Path) -> torch.Tensor:
-    from eagle3ft.data.vocab import load_vocab
+    from eagle3ft.vocab import load_vocab
 
     d2t, t2d = load_vocab(run / "vocab.safetensors")
     return torch.cat([d2t, t2d.long()])

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from eagle3ft.data.chat import TEMPLATES
-from eagle3ft.data.config import REPO_ROOT, BenchSetting, load_config, to_dict
-from eagle3ft.data.drafter_spec import DrafterSpec
-from eagle3ft.data.targets.sglang import target_identity
-from eagle3ft.data.targets.sglang_server import LaunchError, build_command, health, main, parse_setting, server_for
+from eagle3ft.config import REPO_ROOT, BenchSetting, load_config, to_dict
+from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.targets.sglang import target_identity
+from eagle3ft.targets.sglang_server import LaunchError, build_command, health, main, parse_setting, server_for
 
 KIMI = REPO_ROOT / "configs/kimi-k25-8gpu.yaml"
 DOUBLE = Path(__file__).parent / "sglang_double.py"

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3ft.data.config import load_config
+from eagle3ft.config import load_config
 from eagle3ft.train.checkpoint import atomic_dir, checkpoints, drafter_tensors, export_drafter, load_drafter, resume_path, sglang_target
 from eagle3ft.train.loop import build_drafter
 from eagle3ft.train.model import DraftCache, Eagle3Config, Eagle3Drafter, export_keys

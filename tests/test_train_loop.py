@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3ft.data.config import load_config
+from eagle3ft.config import load_config
 from eagle3ft.data.store import FeatureWriter, StoreError
 from eagle3ft.train.loop import OutOfMemoryHint, main, oom_hint
 from eagle3ft.train.model import export_keys

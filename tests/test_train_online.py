@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from eagle3ft.data.config import REPO_ROOT, load_config
+from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import run_harvest
 from eagle3ft.data.tokens import TokenSample, TokenWriter
-from eagle3ft.data.vocab import build_vocab, load_vocab, save_vocab
+from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 from eagle3ft.train.data import TrainData, collate_packed, pack_bins, sample_spans
 from eagle3ft.train.ttt import ttt_forward
 from test_train_ttt import batch as ttt_batch

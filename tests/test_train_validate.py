@@ -120,9 +120,9 @@ def test_cli_on_a_run_folder_counts_what_accept_len_counts(tmp_path):
 
     from train_fixtures import REPO, write_store
 
-    from eagle3ft.data.config import load_config
-    from eagle3ft.data.targets.hf import load_input_embedding
-    from eagle3ft.data.vocab import load_vocab
+    from eagle3ft.config import load_config
+    from eagle3ft.targets.hf import load_input_embedding
+    from eagle3ft.vocab import load_vocab
     from eagle3ft.eval.accept_len import run as accept_len_run
     from eagle3ft.train.checkpoint import export_drafter
     from eagle3ft.train.validate import main
@@ -147,8 +147,8 @@ def test_warm_start_keeps_its_layout(tmp_path):
     """drafter.fc_norm / norm_output apply to a scratch drafter; a warm start with another layout is refused."""
     from train_fixtures import REPO, TINY_TARGET, write_store
 
-    from eagle3ft.data.config import load_config
-    from eagle3ft.data.vocab import load_vocab
+    from eagle3ft.config import load_config
+    from eagle3ft.vocab import load_vocab
     from eagle3ft.train.checkpoint import export_drafter
     from eagle3ft.train.loop import build_drafter
 

@@ -4,7 +4,7 @@ Features (`train.features`):
 - offline: the samples of RUN/features, each with its stored aux states and top-k.
 - online: token samples (RUN/tokens from data/tokens.py, else the token ids of RUN/features). The target runs
   beside the drafter on each rank's own micro-batch: one prefill of its samples through the harvest's capture
-  (data/targets/hf.py: forward hooks at the aux layers, the top-k head of data/targets/head.py), under no grad,
+  (eagle3ft/targets/hf.py: forward hooks at the aux layers, the top-k head of eagle3ft/targets/head.py), under no grad,
   in bf16 on CUDA and fp32 on the CPU. The batch then holds exactly what the store would. Nothing is written.
 
 Layout (`train.pack_tokens`):
@@ -29,10 +29,10 @@ from typing import Iterator
 
 import torch
 
-from eagle3ft.data.config import Config, resolve_path
-from eagle3ft.data.drafter_spec import DrafterSpec
+from eagle3ft.config import Config, resolve_path
+from eagle3ft.drafter_spec import DrafterSpec
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate
-from eagle3ft.data.vocab import build_vocab, load_vocab, save_vocab
+from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
 TOKEN_KEYS = ("input_ids", "loss_mask")
 
@@ -127,8 +127,8 @@ class OnlineTarget:
     """The target beside the drafter: a prefill of each micro-batch's samples gives the feature store's keys."""
 
     def __init__(self, cfg: Config) -> None:
-        from eagle3ft.data.targets.base import Sampling
-        from eagle3ft.data.targets.hf import HFTarget, load_target
+        from eagle3ft.targets.base import Sampling
+        from eagle3ft.targets.hf import HFTarget, load_target
 
         dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
         self.cfg = dataclasses.replace(cfg.target, device="cpu", dtype=dtype)  # moved to the rank's device by `to`
@@ -142,7 +142,7 @@ class OnlineTarget:
         self.identity = {"name": info.name, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size, "num_layers": info.num_layers, "aux_layer_ids": list(info.aux_layer_ids)}
 
     def to(self, device: torch.device) -> "OnlineTarget":
-        from eagle3ft.data.targets.hf import HFTarget
+        from eagle3ft.targets.hf import HFTarget
 
         t = self.target
         self.target = HFTarget(self.cfg, self.aux_layer_ids, model=t.model.to(device), tokenizer=t.tokenizer)

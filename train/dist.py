@@ -36,7 +36,7 @@ from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import InitProcessGroupKwargs
 
-from eagle3ft.data.config import TrainConfig, resolve_path
+from eagle3ft.config import TrainConfig, resolve_path
 from eagle3ft.runlock import RunLocked, check_owner, run_lock
 
 PR_SET_PDEATHSIG = 1

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from eagle3ft.data.config import resolve_path
+from eagle3ft.config import resolve_path
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 from eagle3ft.train.ttt import HEAD_CHUNK_BYTES
 

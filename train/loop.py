@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from eagle3ft.data.config import Config, TrainConfig, resolve_path, to_dict
-from eagle3ft.data.drafter_spec import check_drafter, check_drafter_folder
+from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
+from eagle3ft.drafter_spec import check_drafter, check_drafter_folder
 from eagle3ft.data.store import StoreError
-from eagle3ft.data.vocab import load_vocab, save_vocab
+from eagle3ft.vocab import load_vocab, save_vocab
 from eagle3ft.train.checkpoint import atomic_dir, drafter_tensors, load_checkpoint, load_drafter, resume_path, resume_position, save_checkpoint, truncate_metrics, write_drafter
 from eagle3ft.train.data import TrainData
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
@@ -68,7 +68,7 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
 
     `target` is the features' identity; check_drafter refuses a drafter that disagrees with it before any compute.
     """
-    from eagle3ft.data.targets.hf import load_input_embedding
+    from eagle3ft.targets.hf import load_input_embedding
 
     features = str(run_dir / "features" / "manifest.json")
     if cfg.drafter.init:
@@ -136,7 +136,7 @@ def target_head(cfg: Config, data: TrainData, model: Eagle3Drafter) -> torch.Ten
         raise StoreError(f"train.target_source is last_hidden but {data.where} has no last_hidden (harvest.store_last_hidden)")
     if source == "topk" or not has:
         return None
-    from eagle3ft.data.targets.hf import load_output_head
+    from eagle3ft.targets.hf import load_output_head
 
     ids = torch.arange(model.config.draft_vocab_size) + model.d2t
     return load_output_head(cfg.target)[ids].float()

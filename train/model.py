@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3ft.data.drafter_spec import DrafterSpec
+from eagle3ft.drafter_spec import DrafterSpec
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

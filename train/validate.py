@@ -184,10 +184,10 @@ class HeldoutTracker:
 def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     """Held-out τ of an exported drafter (default eval.checkpoint) as training computes it, on one device;
     writes RUN/eval/heldout_tau.json. Its counts are eval/accept_len.py's greedy chain counts on greedy data."""
-    from eagle3ft.data.config import resolve_path
-    from eagle3ft.data.drafter_spec import check_drafter_folder
+    from eagle3ft.config import resolve_path
+    from eagle3ft.drafter_spec import check_drafter_folder
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.data.targets.hf import load_input_embedding, pick_device
+    from eagle3ft.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.checkpoint import load_drafter
     from eagle3ft.train.ttt import TTTObjective
 
@@ -208,7 +208,7 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.data.config import build_parser, cli_errors, parse_cli
+    from eagle3ft.config import build_parser, cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
 
     ap = build_parser("Held-out greedy chain tau of an exported drafter through the TTT unroll (as training logs it).")

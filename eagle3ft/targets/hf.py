@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.data.config import TargetConfig, resolve_path
-from eagle3ft.data.targets.base import Features, Request, Result, Sampling, TargetInfo
-from eagle3ft.data.targets.head import topk_logprobs
+from eagle3ft.config import TargetConfig, resolve_path
+from eagle3ft.targets.base import Features, Request, Result, Sampling, TargetInfo
+from eagle3ft.targets.head import topk_logprobs
 
 CAPTURE_BATCH_TOKENS = 8192  # padded tokens per capture forward on the CPU
 CUDA_ACTIVATION_BYTES = 2 << 30  # on CUDA: one capture forward's transient activations and outputs, at most

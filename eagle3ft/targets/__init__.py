@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-from eagle3ft.data.config import Config
-from eagle3ft.data.drafter_spec import DrafterSpec
-from eagle3ft.data.targets.base import Target
+from eagle3ft.config import Config
+from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.targets.base import Target
 
 
 def open_target(cfg: Config, spec: DrafterSpec) -> Target:
     """The configured backend, checked against the drafter (ValueError) before any harvesting."""
     backend = cfg.harvest.backend
     if backend == "hf":
-        from eagle3ft.data.targets.hf import HFTarget, load_target
+        from eagle3ft.targets.hf import HFTarget, load_target
 
         model, tokenizer = load_target(cfg.target)
         c = model.config
         ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
         return HFTarget(cfg.target, ids, model=model, tokenizer=tokenizer)
     if backend == "sglang":
-        from eagle3ft.data.targets.sglang import SGLangTarget
+        from eagle3ft.targets.sglang import SGLangTarget
 
         target = SGLangTarget(cfg.target, cfg.harvest.sglang, spec)
         info = target.info

@@ -60,7 +60,7 @@ import numpy as np
 import requests
 import torch
 
-from eagle3ft.data.targets.base import Features, Request, Result, Sampling, TargetInfo
+from eagle3ft.targets.base import Features, Request, Result, Sampling, TargetInfo
 
 log = logging.getLogger(__name__)
 
@@ -400,11 +400,11 @@ def target_identity(target_cfg, client_cfg) -> tuple[int, int, int]:
     if all(v is not None for v in given):
         return given  # type: ignore[return-value]
     if target_cfg.kind == "tiny":
-        from eagle3ft.data.targets.hf import load_tokenizer
+        from eagle3ft.targets.hf import load_tokenizer
 
         t = target_cfg.tiny
         return t.hidden_size, len(load_tokenizer(target_cfg)), t.num_hidden_layers
-    from eagle3ft.data.config import resolve_path
+    from eagle3ft.config import resolve_path
 
     path = resolve_path(target_cfg.path) if target_cfg.path else None
     cfg_file = path / "config.json" if path is not None else None

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.data.store import read_json
-from eagle3ft.data.vocab import check_vocab, vocab_from_drafter
+from eagle3ft.files import read_json
+from eagle3ft.vocab import check_vocab, vocab_from_drafter
 
 
 class DrafterMismatch(ValueError):

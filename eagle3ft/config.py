@@ -101,7 +101,7 @@ class SGLangClientConfig:
     timeout_s: float = 600.0
     retries: int = 3
     backoff_s: float = 1.0
-    capture: str = "auto"  # auto | one_request | two_pass (generate, then capture prompt+answer): data/targets/sglang.py
+    capture: str = "auto"  # auto | one_request | two_pass (generate, then capture prompt+answer): eagle3ft/targets/sglang.py
     hidden_size: int | None = None  # the served target's identity, when target.path has no config.json here
     vocab_size: int | None = None
     num_layers: int | None = None

@@ -10,7 +10,7 @@ Three roles, one command builder:
 - ``baseline``: plain serving, for the live benchmark.
 - ``speculative``: EAGLE3 with the exported drafter and one steps/topk/draft-tokens setting.
 
-    python -m eagle3ft.data.targets.sglang_server --config CFG --run-dir RUN --role speculative \
+    python -m eagle3ft.targets.sglang_server --config CFG --run-dir RUN --role speculative \
         --drafter RUN/export --setting 3/1/4 [--port 30001] [--print] [-- COMMAND ...]
 
 runs one server in the foreground until SIGINT/SIGTERM; with ``-- COMMAND``, runs the command
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.data.config import BenchSetting, Config, build_parser, parse_cli, resolve_path
-from eagle3ft.data.drafter_spec import DrafterSpec
+from eagle3ft.config import BenchSetting, Config, build_parser, parse_cli, resolve_path
+from eagle3ft.drafter_spec import DrafterSpec
 
 ROLES = ("harvest", "baseline", "speculative")
 
@@ -79,7 +79,7 @@ def drafter_aux_ids(folder: str | Path, num_layers: int | None = None) -> list[i
         return list(spec.aux_layer_ids)
     if num_layers is None:
         raise LaunchError(f"{folder}: config.json names no eagle_aux_hidden_state_layer_ids")
-    from eagle3ft.data.drafter_spec import default_aux_layer_ids
+    from eagle3ft.drafter_spec import default_aux_layer_ids
 
     return default_aux_layer_ids(num_layers)
 
