@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e '.[test,embedded]'
 	touch $(STAMP)
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q -ra
+
+lint: setup
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"

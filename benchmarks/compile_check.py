@@ -52,8 +52,12 @@ STEP_TENSORS = ("q", "k", "v", "attn", "out", "xn", "ce")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dims", default="tiny", choices=sorted(PRESETS), help="drafter dimensions (configs/drafters/*.json)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--dims", default="tiny", choices=sorted(PRESETS), help="drafter dimensions (configs/drafters/*.json)"
+    )
     p.add_argument("--drafter", default=None, help="a drafter config.json instead of the preset's")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on cuda, fp32 on cpu")
@@ -63,12 +67,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--topk", type=int, default=32, help="stored target top-k")
     p.add_argument("--decay", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--factor", type=float, default=2.0, help="compiled is flagged above factor x eager's error (+ floor)")
-    p.add_argument("--train-steps", type=int, default=0, help="also train N steps per path and compare the loss trajectories")
+    p.add_argument(
+        "--factor", type=float, default=2.0, help="compiled is flagged above factor x eager's error (+ floor)"
+    )
+    p.add_argument(
+        "--train-steps", type=int, default=0, help="also train N steps per path and compare the loss trajectories"
+    )
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--max-grad-norm", type=float, default=0.5)
-    p.add_argument("--emulate", action="store_true",
-                   help="also compile with inductor's emulate_precision_casts (rounds to the dtype where eager does)")
+    p.add_argument(
+        "--emulate",
+        action="store_true",
+        help="also compile with inductor's emulate_precision_casts (rounds to the dtype where eager does)",
+    )
     p.add_argument("--out", default=None, help="JSON report path")
     a = p.parse_args(argv)
     path, seq, batch = PRESETS[a.dims]
@@ -87,7 +98,9 @@ def build_drafter(cfg: Eagle3Config, device: torch.device, seed: int) -> Eagle3D
     torch.manual_seed(seed)
     with torch.device(device):
         m = Eagle3Drafter(cfg)
-    m.inv_freq = m.inv_freq.cpu()  # train/loop.py builds on the CPU: inv_freq is a plain attribute the engine leaves there
+    m.inv_freq = (
+        m.inv_freq.cpu()
+    )  # train/loop.py builds on the CPU: inv_freq is a plain attribute the engine leaves there
     g = torch.Generator(device=device).manual_seed(seed + 1)
     with torch.no_grad():
         for n in (m.norm, m.midlayer.input_layernorm, m.midlayer.hidden_norm, m.midlayer.post_attention_layernorm):
@@ -171,7 +184,12 @@ def run_pass(model: Eagle3Drafter, batch: dict, steps: int, decay: float) -> dic
     tensors["step_loss"] = out.step_loss.detach()
     for (n, _), g in zip(params.items(), grads):
         tensors[f"grad.{n}"] = g
-    return {"tensors": tensors, "loss": float(out.loss.detach()), "correct": out.correct.tolist(), "valid": out.valid.tolist()}
+    return {
+        "tensors": tensors,
+        "loss": float(out.loss.detach()),
+        "correct": out.correct.tolist(),
+        "valid": out.valid.tolist(),
+    }
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -190,7 +208,9 @@ def train_trajectory(model: Eagle3Drafter, batch: dict, a, fused: bool) -> list[
     params = [p for p in model.parameters() if p.requires_grad]
     low = params[0].dtype in (torch.bfloat16, torch.float16)
     masters = [p.detach().float().clone() for p in params] if low else params
-    opt = torch.optim.AdamW(masters, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0, **({"fused": True} if fused else {"foreach": True}))
+    opt = torch.optim.AdamW(
+        masters, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0, **({"fused": True} if fused else {"foreach": True})
+    )
     losses = []
     for _ in range(a.train_steps):
         out = ttt.ttt_forward(model, batch, steps=a.ttt, decay=a.decay)
@@ -223,9 +243,12 @@ def main(argv=None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     cfg = Eagle3Config.from_json(a.drafter)
-    print(f"# {a.dims}: {a.drafter}; H {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x {cfg.head_dim}, "
-          f"ffn {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}; B {a.batch} x T {a.seq}, TTT {a.ttt}; {a.dtype} on {dev}, "
-          f"reference {str(ref_dtype)[6:]} on {ref_dev}; torch {torch.__version__}, ATTENTION={ttt.ATTENTION}", flush=True)
+    print(
+        f"# {a.dims}: {a.drafter}; H {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x {cfg.head_dim}, "
+        f"ffn {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}; B {a.batch} x T {a.seq}, TTT {a.ttt}; {a.dtype} on {dev}, "
+        f"reference {str(ref_dtype)[6:]} on {ref_dev}; torch {torch.__version__}, ATTENTION={ttt.ATTENTION}",
+        flush=True,
+    )
     base = build_drafter(cfg, dev, a.seed)
     batch = make_batch(base, a.batch, a.seq, a.topk, dev, a.seed)
     model = base.to(dtype)  # the weights every path starts from, rounded to the dtype once
@@ -238,13 +261,9 @@ def main(argv=None) -> dict:
     passes, times = {}, {}
     ref_model = fresh(ref_dev, ref_dtype)
     emulate_model = fresh(dev, dtype) if a.emulate else None
-    for name, fn in (
-        ("reference", lambda: run_pass(ref_model, ref_batch, a.ttt, a.decay)),
-        ("eager", lambda: run_pass(model, batch, a.ttt, a.decay)),
-        ("eager_rerun", lambda: run_pass(model, batch, a.ttt, a.decay)),
-    ):
+    for name, m, b in (("reference", ref_model, ref_batch), ("eager", model, batch), ("eager_rerun", model, batch)):
         t0 = time.perf_counter()
-        passes[name] = fn()
+        passes[name] = run_pass(m, b, a.ttt, a.decay)
         times[name] = time.perf_counter() - t0
         print(f"# {name}: loss {passes[name]['loss']:.6f} ({times[name]:.1f} s)", flush=True)
     del ref_model
@@ -253,7 +272,10 @@ def main(argv=None) -> dict:
         t0 = time.perf_counter()
         passes[name] = run_pass(model, batch, a.ttt, a.decay)
         times[name] = time.perf_counter() - t0
-        print(f"# {name}: loss {passes[name]['loss']:.6f} ({times[name]:.1f} s{', compiles included' if name == 'compiled' else ''})", flush=True)
+        print(
+            f"# {name}: loss {passes[name]['loss']:.6f} ({times[name]:.1f} s{', compiles included' if name == 'compiled' else ''})",
+            flush=True,
+        )
     if emulate_model is not None:
         import torch._inductor.config as inductor_config
 
@@ -276,39 +298,72 @@ def main(argv=None) -> dict:
         row["compiled_vs_eager"] = rel_err(passes["compiled"]["tensors"][key], passes["eager"]["tensors"][key])
         row["eager_noise"] = rel_err(passes["eager_rerun"]["tensors"][key], passes["eager"]["tensors"][key])
         if "compiled_emulate" in passes:
-            row["emulate_vs_eager"] = rel_err(passes["compiled_emulate"]["tensors"][key], passes["eager"]["tensors"][key])
+            row["emulate_vs_eager"] = rel_err(
+                passes["compiled_emulate"]["tensors"][key], passes["eager"]["tensors"][key]
+            )
         row["worse"] = row["compiled_vs_ref"] > a.factor * row["eager_vs_ref"] + floor
         rows.append(row)
         if row["worse"] and first_bad is None:
             first_bad = key
 
     extra = ["emulate_vs_eager"] if "compiled_emulate" in passes else []
-    hdr = (f"{'tensor':44s} {'|ref|':>10s} " + " ".join(f"{c + '>ref':>14s}" for c in cols) + f" {'comp>eager':>11s} {'eager noise':>11s}"
-           + "".join(f" {'emul>eager':>11s}" for _ in extra))
-    print("\n## rel error ||a-b||/||b|| against the reference (and compiled against eager)\n" + hdr + "\n" + "-" * len(hdr))
+    hdr = (
+        f"{'tensor':44s} {'|ref|':>10s} "
+        + " ".join(f"{c + '>ref':>14s}" for c in cols)
+        + f" {'comp>eager':>11s} {'eager noise':>11s}"
+        + "".join(f" {'emul>eager':>11s}" for _ in extra)
+    )
+    print(
+        "\n## rel error ||a-b||/||b|| against the reference (and compiled against eager)\n"
+        + hdr
+        + "\n"
+        + "-" * len(hdr)
+    )
     for row in rows:
-        print(f"{row['tensor']:44s} {row['ref_norm']:10.3e} " + " ".join(f"{row[c + '_vs_ref']:14.3e}" for c in cols)
-              + f" {row['compiled_vs_eager']:11.3e} {row['eager_noise']:11.3e}" + "".join(f" {row[e]:11.3e}" for e in extra)
-              + ("  <- compiled worse" if row["worse"] else ""))
+        print(
+            f"{row['tensor']:44s} {row['ref_norm']:10.3e} "
+            + " ".join(f"{row[c + '_vs_ref']:14.3e}" for c in cols)
+            + f" {row['compiled_vs_eager']:11.3e} {row['eager_noise']:11.3e}"
+            + "".join(f" {row[e]:11.3e}" for e in extra)
+            + ("  <- compiled worse" if row["worse"] else "")
+        )
     worst = max(rows, key=lambda r: r["compiled_vs_ref"] / max(r["eager_vs_ref"], 1e-300))
-    verdict = ("AGREE: compiled is within {f}x of eager's error against the reference on every tensor (floor {fl:.1e})".format(f=a.factor, fl=floor)
-               if first_bad is None else f"DIFFER: compiled is further from the reference than eager first at {first_bad}")
-    print(f"\n{verdict}\nworst ratio compiled/eager error: {worst['tensor']} "
-          f"({worst['compiled_vs_ref']:.3e} against {worst['eager_vs_ref']:.3e})")
+    verdict = (
+        "AGREE: compiled is within {f}x of eager's error against the reference on every tensor (floor {fl:.1e})".format(
+            f=a.factor, fl=floor
+        )
+        if first_bad is None
+        else f"DIFFER: compiled is further from the reference than eager first at {first_bad}"
+    )
+    print(
+        f"\n{verdict}\nworst ratio compiled/eager error: {worst['tensor']} "
+        f"({worst['compiled_vs_ref']:.3e} against {worst['eager_vs_ref']:.3e})"
+    )
     if extra:
         import statistics
 
-        gap, emul = statistics.median(r["compiled_vs_eager"] for r in rows), statistics.median(r["emulate_vs_eager"] for r in rows)
-        print(f"emulate_precision_casts: median rel difference to eager {gap:.3e} compiled, {emul:.3e} compiled with eager's "
-              f"roundings ({'the compiled/eager gap is intermediate rounding' if emul < gap / 4 else 'rounding does not explain the gap'})")
+        gap, emul = (
+            statistics.median(r["compiled_vs_eager"] for r in rows),
+            statistics.median(r["emulate_vs_eager"] for r in rows),
+        )
+        print(
+            f"emulate_precision_casts: median rel difference to eager {gap:.3e} compiled, {emul:.3e} compiled with eager's "
+            f"roundings ({'the compiled/eager gap is intermediate rounding' if emul < gap / 4 else 'rounding does not explain the gap'})"
+        )
     fwd = [r for r in rows if r["tensor"].startswith("step")]
     part = next((r["tensor"] for r in fwd if r["compiled_vs_eager"] > max(10 * r["eager_noise"], floor)), None)
-    print("forward: compiled and eager " + (f"first part at {part}" if part else "agree at every step within the floor/noise"))
+    print(
+        "forward: compiled and eager "
+        + (f"first part at {part}" if part else "agree at every step within the floor/noise")
+    )
 
     report = {
         "args": {k: v for k, v in vars(a).items()},
-        "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"},
+        "versions": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        },
         "attention": ttt.ATTENTION,
         "reference": f"{ref_dtype} on {ref_dev}",
         "losses": {c: passes[c]["loss"] for c in passes},
@@ -323,7 +378,9 @@ def main(argv=None) -> dict:
     passes.clear()  # free the captures and gradients before training
     del model
     if a.train_steps:
-        print(f"\n## {a.train_steps} AdamW steps on this batch from the same weights (lr {a.lr}, clip {a.max_grad_norm})")
+        print(
+            f"\n## {a.train_steps} AdamW steps on this batch from the same weights (lr {a.lr}, clip {a.max_grad_norm})"
+        )
         traj = {}
         for name in ("eager", "compiled", "reference"):
             m = fresh(ref_dev, ref_dtype) if name == "reference" else fresh(dev, dtype)
@@ -334,8 +391,11 @@ def main(argv=None) -> dict:
             del m
             print(f"# {name}: " + " ".join(f"{x:.4f}" for x in traj[name]), flush=True)
         last = {k: v[-1] for k, v in traj.items()}
-        print("last loss: " + ", ".join(f"{k} {v:.4f}" for k, v in last.items())
-              + f"; eager-ref {last['eager'] - last['reference']:+.4f}, compiled-ref {last['compiled'] - last['reference']:+.4f}")
+        print(
+            "last loss: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in last.items())
+            + f"; eager-ref {last['eager'] - last['reference']:+.4f}, compiled-ref {last['compiled'] - last['reference']:+.4f}"
+        )
         report["trajectory"] = traj
 
     if a.out:

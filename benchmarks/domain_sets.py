@@ -72,8 +72,12 @@ def main() -> None:
 
     mt = Path(a.mtbench) if a.mtbench else mtbench_path()
     rows = [json.loads(line) for line in mt.read_text().splitlines() if line.strip()]
-    (out / "mtbench-codemath.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["category"] in CODEMATH))
-    (out / "mtbench-general.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["category"] not in CODEMATH))
+    (out / "mtbench-codemath.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if r["category"] in CODEMATH)
+    )
+    (out / "mtbench-general.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows if r["category"] not in CODEMATH)
+    )
     print(
         f"code: {len(picked)} of {seen} records after #{a.skip} ({len(picked) / seen:.0%}): {a.train} train, {a.heldout} held out; "
         f"MT-Bench: {sum(r['category'] in CODEMATH for r in rows)} coding+math, {sum(r['category'] not in CODEMATH for r in rows)} general"

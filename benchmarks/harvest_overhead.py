@@ -120,11 +120,13 @@ def timed(fns: dict, rounds: int, device: torch.device, arg, warm_up: bool = Tru
 def heads(model, hidden: torch.Tensor, k: int, rounds: int, device: torch.device) -> dict:
     """The head variants of the module docstring on `hidden` (N, H): ms per call and error against fp64."""
     from eagle3ft.targets.head import HEAD_CHUNK_TOKENS, _torch, topk_logprobs  # here: earlier commits lack them
+
     w = model.lm_head.weight
 
     def chunks(fn):
         def run(x):
             return [fn(x[a : a + HEAD_CHUNK_TOKENS]) for a in range(0, x.shape[0], HEAD_CHUNK_TOKENS)]
+
         return run
 
     def fp32(x):
@@ -137,9 +139,12 @@ def heads(model, hidden: torch.Tensor, k: int, rounds: int, device: torch.device
         top = logits.topk(k, dim=-1)
         return top.indices, top.values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
 
-    fns = {"lm_head": chunks(lambda x: torch.nn.functional.linear(x, w)), "fp32": chunks(fp32),
-           "torch": chunks(lambda x: _torch(torch.nn.functional.linear(x, w), k)),
-           "ours": lambda x: topk_logprobs(model.lm_head, x, k)}
+    fns = {
+        "lm_head": chunks(lambda x: torch.nn.functional.linear(x, w)),
+        "fp32": chunks(fp32),
+        "torch": chunks(lambda x: _torch(torch.nn.functional.linear(x, w), k)),
+        "ours": lambda x: topk_logprobs(model.lm_head, x, k),
+    }
     if device.type == "cuda":
         fns["compiled"] = chunks(torch.compile(lse, dynamic=False))
     with torch.inference_mode():
@@ -149,13 +154,20 @@ def heads(model, hidden: torch.Tensor, k: int, rounds: int, device: torch.device
         errors, same_topk = {}, {}
         for name in [n for n in fns if n != "lm_head"]:
             out = fns[name](hidden)
-            ids, lps = (torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])) if isinstance(out, list) else out
+            ids, lps = (
+                (torch.cat([o[0] for o in out]), torch.cat([o[1] for o in out])) if isinstance(out, list) else out
+            )
             errors[name] = float((lps.double() - ref.gather(-1, ids.long())).abs().max())
             same_topk[name] = bool(torch.equal(logits.gather(-1, ids.long()), best))
     med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
-    return {"tokens": hidden.shape[0], "ms": med, "ms_range": {n: [min(v) * 1e3, max(v) * 1e3] for n, v in times.items()},
-            "over_lm_head_ms": {n: m - med["lm_head"] for n, m in med.items() if n != "lm_head"}, "max_abs_error": errors,
-            "same_topk_values": same_topk}
+    return {
+        "tokens": hidden.shape[0],
+        "ms": med,
+        "ms_range": {n: [min(v) * 1e3, max(v) * 1e3] for n, v in times.items()},
+        "over_lm_head_ms": {n: m - med["lm_head"] for n, m in med.items() if n != "lm_head"},
+        "max_abs_error": errors,
+        "same_topk_values": same_topk,
+    }
 
 
 def main() -> None:
@@ -199,7 +211,10 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(next(model.parameters()).dtype),
         "torch": torch.__version__,
-        "batch": args.batch, "seq": args.seq, "rounds": args.rounds, "topk": sampling.topk,
+        "batch": args.batch,
+        "seq": args.seq,
+        "rounds": args.rounds,
+        "topk": sampling.topk,
         "aux_layer_ids": list(spec.aux_layer_ids),
         "seconds": times,
         "tokens_per_s": {k: tokens / m for k, m in med.items()},
@@ -220,10 +235,14 @@ def main() -> None:
     print(text)
     if args.heads:
         h = result["heads"]
-        print(f"head on {h['tokens']} tokens, ms over the lm_head alone ({h['ms']['lm_head']:.2f} ms): "
-              + ", ".join(f"{n} {v:+.2f} (err {h['max_abs_error'][n]:.1e})" for n, v in h["over_lm_head_ms"].items()))
-    print(f"\ncapture overhead vs bare forward: {100 * result['overhead']:+.1f}% "
-          f"(bare {result['tokens_per_s']['bare']:.0f} tok/s, capture {result['tokens_per_s']['capture']:.0f} tok/s)")
+        print(
+            f"head on {h['tokens']} tokens, ms over the lm_head alone ({h['ms']['lm_head']:.2f} ms): "
+            + ", ".join(f"{n} {v:+.2f} (err {h['max_abs_error'][n]:.1e})" for n, v in h["over_lm_head_ms"].items())
+        )
+    print(
+        f"\ncapture overhead vs bare forward: {100 * result['overhead']:+.1f}% "
+        f"(bare {result['tokens_per_s']['bare']:.0f} tok/s, capture {result['tokens_per_s']['capture']:.0f} tok/s)"
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 
 from eagle3ft.config import resolve_path
 from eagle3ft.data.store import SPLITS, FeatureWriter, Sample
-from eagle3ft.vocab import build_vocab, save_vocab
 from eagle3ft.train.model import Eagle3Config
+from eagle3ft.vocab import build_vocab, save_vocab
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,18 +50,32 @@ def main(argv: list[str] | None = None) -> None:
 
     tgt = run / "target"
     tgt.mkdir(parents=True, exist_ok=True)
-    (tgt / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": Ht, "vocab_size": V,
-        "num_hidden_layers": a.num_layers, "tie_word_embeddings": False,
-    }, indent=1))
+    (tgt / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": Ht,
+                "vocab_size": V,
+                "num_hidden_layers": a.num_layers,
+                "tie_word_embeddings": False,
+            },
+            indent=1,
+        )
+    )
     if not (tgt / "model.safetensors").is_file():
         emb = (torch.randn(V, Ht, generator=g) * 0.02).to(torch.bfloat16)
         save_file({"model.embed_tokens.weight": emb}, str(tgt / "model.safetensors"))
         del emb
 
     draft_ids = torch.sort(torch.randperm(V, generator=g)[:Vd]).values  # the tokens answers are drawn from
-    target = {"name": "synthetic-k2", "hidden_size": Ht, "vocab_size": V, "num_layers": a.num_layers,
-              "aux_layer_ids": list(dcfg.aux_layer_ids)}
+    target = {
+        "name": "synthetic-k2",
+        "hidden_size": Ht,
+        "vocab_size": V,
+        "num_layers": a.num_layers,
+        "aux_layer_ids": list(dcfg.aux_layer_ids),
+    }
     if (run / "features").exists():
         raise SystemExit(f"{run / 'features'} exists: use a new --run-dir")
     writer = FeatureWriter(run / "features", target, a.topk, False, f"synthetic-k2-seed{a.seed}-{a.samples}x{a.seq}")
@@ -72,14 +86,20 @@ def main(argv: list[str] | None = None) -> None:
             T = a.seq
             ids = draft_ids[torch.randint(0, Vd, (T,), generator=g)]
             mask = torch.zeros(T, dtype=torch.uint8)
-            mask[T // 4:] = 1
+            mask[T // 4 :] = 1
             logits = torch.randn(T, a.topk, generator=g) * 2
             logits[:, 0] += 4  # a peaked distribution
             logp, _ = torch.sort(torch.log_softmax(logits, -1), -1, descending=True)
             topk_ids = draft_ids[torch.randint(0, Vd, (T, a.topk), generator=g)]
             topk_ids[:-1, 0] = ids[1:]  # the argmax is the next token, as on regenerated greedy data
-            s = Sample(sid, ids.to(torch.int32), mask, torch.randn(T, 3 * Ht, generator=g).to(torch.bfloat16),
-                       topk_ids.to(torch.int32), logp)
+            s = Sample(
+                sid,
+                ids.to(torch.int32),
+                mask,
+                torch.randn(T, 3 * Ht, generator=g).to(torch.bfloat16),
+                topk_ids.to(torch.int32),
+                logp,
+            )
             if split == "train":
                 counts += torch.bincount(ids[mask.bool()], minlength=V)
             writer.commit(split, chunk, [s], {})

@@ -56,7 +56,9 @@ def doc_lengths(a) -> list[int]:
     if a.run_dir:
         from eagle3ft.data.tokens import TokenStore
 
-        return [min(n, a.max_len) for n in TokenStore(Path(a.run_dir) / "tokens", verify=False).dataset("train").lengths()]
+        return [
+            min(n, a.max_len) for n in TokenStore(Path(a.run_dir) / "tokens", verify=False).dataset("train").lengths()
+        ]
     g = torch.Generator().manual_seed(a.seed)
     x = torch.randn(a.docs, generator=g).mul(0.8).exp().mul(a.median_len)
     return x.clamp(16, a.max_len).long().tolist()
@@ -71,8 +73,16 @@ def documents(lengths, model, topk, seed) -> list[dict]:
         lp, j = torch.randn(n, 64, generator=g).mul(3).log_softmax(-1).topk(topk, -1)
         mask = torch.ones(n, dtype=torch.long)
         mask[: n // 4] = 0
-        docs.append({"sample_id": i, "input_ids": target_ids[torch.randint(0, c.draft_vocab_size, (n,), generator=g)], "loss_mask": mask,
-                     "aux_hidden": torch.randn(n, 3 * c.target_hidden_size, generator=g).bfloat16(), "topk_ids": target_ids[j], "topk_logprobs": lp})
+        docs.append(
+            {
+                "sample_id": i,
+                "input_ids": target_ids[torch.randint(0, c.draft_vocab_size, (n,), generator=g)],
+                "loss_mask": mask,
+                "aux_hidden": torch.randn(n, 3 * c.target_hidden_size, generator=g).bfloat16(),
+                "topk_ids": target_ids[j],
+                "topk_logprobs": lp,
+            }
+        )
     return docs
 
 
@@ -102,8 +112,13 @@ def main() -> None:
     cap = min(a.max_len, a.pack_tokens)
     order = epoch_order(len(docs), a.seed, 0)
     layouts = {
-        "padded": [collate([docs[i] for i in order[s : s + a.micro]], max_len=a.max_len) for s in range(0, len(docs), a.micro)],
-        "packed": [collate_packed([docs[i] for i in b], budget=a.pack_tokens, cap=cap) for b in pack_bins([min(n, cap) for n in lengths], a.pack_tokens, a.seed, 0)],
+        "padded": [
+            collate([docs[i] for i in order[s : s + a.micro]], max_len=a.max_len) for s in range(0, len(docs), a.micro)
+        ],
+        "packed": [
+            collate_packed([docs[i] for i in b], budget=a.pack_tokens, cap=cap)
+            for b in pack_bins([min(n, cap) for n in lengths], a.pack_tokens, a.seed, 0)
+        ],
     }
 
     def sync():
@@ -122,8 +137,15 @@ def main() -> None:
         sync()
         return time.perf_counter() - t
 
-    result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__, "drafter": a.drafter,
-              "docs": len(docs), "real_tokens": sum(min(n, cap) for n in lengths), "ttt_steps": a.ttt_steps, "layouts": {}}
+    result = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "drafter": a.drafter,
+        "docs": len(docs),
+        "real_tokens": sum(min(n, cap) for n in lengths),
+        "ttt_steps": a.ttt_steps,
+        "layouts": {},
+    }
     for name, batches in layouts.items():
         one_pass(batches[:2])  # warm-up
         slots = sum(b["input_ids"].numel() for b in batches)
@@ -136,8 +158,12 @@ def main() -> None:
         real = sum(int(b["attention_mask"].sum()) for b in layouts[name])
         r["tokens_per_s"] = round(real / statistics.median(r["times_s"]))
         r["tokens_per_s_range"] = [round(real / max(r["times_s"])), round(real / min(r["times_s"]))]
-    result["max_mem_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None  # both layouts
-    result["packed_over_padded"] = round(result["layouts"]["packed"]["tokens_per_s"] / result["layouts"]["padded"]["tokens_per_s"], 2)
+    result["max_mem_gib"] = (
+        round(torch.cuda.max_memory_allocated(dev) / 2**30, 2) if dev.type == "cuda" else None
+    )  # both layouts
+    result["packed_over_padded"] = round(
+        result["layouts"]["packed"]["tokens_per_s"] / result["layouts"]["padded"]["tokens_per_s"], 2
+    )
 
     if a.config:  # the online mode's prefill, on the packed micro-batches' tokens
         from eagle3ft.config import load_config
@@ -157,8 +183,12 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         packed = result["layouts"]["packed"]
         prefill = sum(int(b["attention_mask"].sum()) for b in token_batches) / statistics.median(times)
-        result["online_prefill"] = {"target": cfg.target.name, "tokens_per_s": round(prefill), "times_s": times,
-                                    "packed_step_with_prefill_tokens_per_s": round(1 / (1 / packed["tokens_per_s"] + 1 / prefill))}
+        result["online_prefill"] = {
+            "target": cfg.target.name,
+            "tokens_per_s": round(prefill),
+            "times_s": times,
+            "packed_step_with_prefill_tokens_per_s": round(1 / (1 / packed["tokens_per_s"] + 1 / prefill)),
+        }
     print(json.dumps(result, indent=1))
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -67,12 +67,21 @@ def main(argv: list[str] | None = None) -> None:
         for u in args.url:
             requests.post(u.rstrip("/") + "/flush_cache", timeout=60)
         s = regen(cfg, run)
-        row = {"servers": len(args.url), "in_flight_per_server": c, "prompts_per_request": b, "prompts_in_flight": c * b * len(args.url), **{k: s[k] for k in ("answer_tokens", "answers", "unfinished_answers", "wall_s", "answer_tokens_per_s")}}
+        row = {
+            "servers": len(args.url),
+            "in_flight_per_server": c,
+            "prompts_per_request": b,
+            "prompts_in_flight": c * b * len(args.url),
+            **{k: s[k] for k in ("answer_tokens", "answers", "unfinished_answers", "wall_s", "answer_tokens_per_s")},
+        }
         results.append({**row, "summary": s})
         print(json.dumps(row), flush=True)
     (out / "regen_speed.json").write_text(json.dumps(results, indent=1))
     best = max(results, key=lambda r: r["answer_tokens_per_s"])
-    print(f"best: {best['answer_tokens_per_s']:,.0f} answer tokens/s at {best['in_flight_per_server']} requests x {best['prompts_per_request']} prompts per server ({best['servers']} server(s))", file=sys.stderr)
+    print(
+        f"best: {best['answer_tokens_per_s']:,.0f} answer tokens/s at {best['in_flight_per_server']} requests x {best['prompts_per_request']} prompts per server ({best['servers']} server(s))",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -26,15 +26,37 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 from train_fixtures import write_store  # noqa: E402
 
-COMMON = ["train.warmup_steps=2", "train.lr=3e-3", "train.save_every=2", "train.keep_checkpoints=4", "train.ttt_steps=3", "train.max_steps=8", "train.wandb_mode=disabled"]
+COMMON = [
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "train.save_every=2",
+    "train.keep_checkpoints=4",
+    "train.ttt_steps=3",
+    "train.max_steps=8",
+    "train.wandb_mode=disabled",
+]
 
 
 def launch(acc: str, run: Path, procs: int, *overrides: str, resume: bool = False) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", acc, "--num_processes", str(procs), "--main_process_port", str(port),
-           "train/finetune.py", "--config", "configs/tiny.yaml", "--run-dir", str(run)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        acc,
+        "--num_processes",
+        str(procs),
+        "--main_process_port",
+        str(port),
+        "train/finetune.py",
+        "--config",
+        "configs/tiny.yaml",
+        "--run-dir",
+        str(run),
+    ]
     for o in (*COMMON, *overrides):
         cmd += ["--set", o]
     r = subprocess.run(cmd + (["--resume", "auto"] if resume else []), cwd=REPO, capture_output=True, text=True)
@@ -73,13 +95,33 @@ def main() -> None:
         table = []
         for a, b, c in zip(ref, r2, r1):
             same = sorted(sum(a["samples"], [])) == sorted(sum(b["samples"], [])) == sorted(sum(c["samples"], []))
-            table.append({"step": a["step"], "samples_match": same, "straight": a["loss"], "resumed_on_2": b["loss"], "resumed_on_1": c["loss"],
-                          "rel_diff_on_2": abs(b["loss"] - a["loss"]) / abs(a["loss"]), "rel_diff_on_1": abs(c["loss"] - a["loss"]) / abs(a["loss"])})
-            print(f"  step {a['step']}: samples {'same' if same else 'DIFFER'}; loss {a['loss']:.6f} | on 2 {b['loss']:.6f} | on 1 {c['loss']:.6f}", flush=True)
+            table.append(
+                {
+                    "step": a["step"],
+                    "samples_match": same,
+                    "straight": a["loss"],
+                    "resumed_on_2": b["loss"],
+                    "resumed_on_1": c["loss"],
+                    "rel_diff_on_2": abs(b["loss"] - a["loss"]) / abs(a["loss"]),
+                    "rel_diff_on_1": abs(c["loss"] - a["loss"]) / abs(a["loss"]),
+                }
+            )
+            print(
+                f"  step {a['step']}: samples {'same' if same else 'DIFFER'}; loss {a['loss']:.6f} | on 2 {b['loss']:.6f} | on 1 {c['loss']:.6f}",
+                flush=True,
+            )
         steps_ok = [r["step"] for r in r2] == [r["step"] for r in r1] == list(range(1, 9))
-        result[zero] = {"steps_once_each": steps_ok, "bit_identical_on_2": all(t["rel_diff_on_2"] == 0 for t in table),
-                        "max_rel_diff_on_2": max(t["rel_diff_on_2"] for t in table), "max_rel_diff_on_1": max(t["rel_diff_on_1"] for t in table), "steps": table}
-        print(f"  steps once each: {steps_ok}; max relative loss difference: on 2 {result[zero]['max_rel_diff_on_2']:.2e}, on 1 {result[zero]['max_rel_diff_on_1']:.2e}", flush=True)
+        result[zero] = {
+            "steps_once_each": steps_ok,
+            "bit_identical_on_2": all(t["rel_diff_on_2"] == 0 for t in table),
+            "max_rel_diff_on_2": max(t["rel_diff_on_2"] for t in table),
+            "max_rel_diff_on_1": max(t["rel_diff_on_1"] for t in table),
+            "steps": table,
+        }
+        print(
+            f"  steps once each: {steps_ok}; max relative loss difference: on 2 {result[zero]['max_rel_diff_on_2']:.2e}, on 1 {result[zero]['max_rel_diff_on_1']:.2e}",
+            flush=True,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "resume_world_size.json").write_text(json.dumps(result, indent=1) + "\n")
 

@@ -44,7 +44,9 @@ def make_body(tokens: int, width: int, prompt: int, k: int = 32) -> tuple[bytes,
         "hidden_states": [rows[:prompt].tolist()] + [[r] for r in rows[prompt:].tolist()],
         "e2e_latency": 1.0,
     }
-    body = json.dumps({"text": "x", "output_ids": list(range(tokens - prompt + 1)), "meta_info": meta}, separators=(",", ":")).encode()
+    body = json.dumps(
+        {"text": "x", "output_ids": list(range(tokens - prompt + 1)), "meta_info": meta}, separators=(",", ":")
+    ).encode()
     return body, rows
 
 
@@ -91,7 +93,12 @@ def measure(fn, body: bytes, width: int, rows: np.ndarray, repeats: int) -> dict
     fn(body, width)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return {"seconds": round(best, 4), "MB_per_s": round(scale * len(body) / best / 1e6, 1), "tokens_per_s": round(scale * rows.shape[0] / best, 1), "peak_heap_MB": round(peak / 1e6, 1)}
+    return {
+        "seconds": round(best, 4),
+        "MB_per_s": round(scale * len(body) / best / 1e6, 1),
+        "tokens_per_s": round(scale * rows.shape[0] / best, 1),
+        "peak_heap_MB": round(peak / 1e6, 1),
+    }
 
 
 def main() -> None:
@@ -100,12 +107,29 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1728, 21504])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    methods = {"json": decode_json, "stream-numpy": decode_stream_numpy, "stream": decode_stream, "stream x4": decode_stream_x4}
+    methods = {
+        "json": decode_json,
+        "stream-numpy": decode_stream_numpy,
+        "stream": decode_stream,
+        "stream x4": decode_stream_x4,
+    }
     for width in args.widths:
         body, rows = make_body(args.tokens, width, prompt=args.tokens // 2)
         for name, fn in methods.items():
             r = measure(fn, body, width, rows, args.repeats)
-            print(json.dumps({"width": width, "tokens": args.tokens, "body_MB": round(len(body) / 1e6, 2), "bytes_per_token": round(len(body) / args.tokens), "method": name, **r}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "width": width,
+                        "tokens": args.tokens,
+                        "body_MB": round(len(body) / 1e6, 2),
+                        "bytes_per_token": round(len(body) / args.tokens),
+                        "method": name,
+                        **r,
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

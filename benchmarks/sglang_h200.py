@@ -1,10 +1,10 @@
 """Helpers of benchmarks/sglang_h200.sh (real SGLang on a GPU against the embedded backend).
 
-    python benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml [--set k=v] --out DIR
-        the configured target as an HF folder in bf16 that SGLang loads (no quantization_config)
-    python benchmarks/sglang_h200.py compare-stores RUN_A RUN_B [--out FILE] [--exclude-last]
-        two feature stores of the same harvest (e.g. embedded vs SGLang): token agreement,
-        aux_hidden error and cosine, top-k agreement; JSON to stdout (and FILE)
+python benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml [--set k=v] --out DIR
+    the configured target as an HF folder in bf16 that SGLang loads (no quantization_config)
+python benchmarks/sglang_h200.py compare-stores RUN_A RUN_B [--out FILE] [--exclude-last]
+    two feature stores of the same harvest (e.g. embedded vs SGLang): token agreement,
+    aux_hidden error and cosine, top-k agreement; JSON to stdout (and FILE)
 """
 
 from __future__ import annotations
@@ -35,7 +35,16 @@ def export_hf(config: str, out: str, overrides: list[str] | None = None) -> None
     conf.pop("quantization_config", None)  # SGLang would treat the folder as GGUF-quantized
     conf["torch_dtype"] = "bfloat16"
     (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
-    print(json.dumps({"out": str(out_dir), "hidden_size": conf["hidden_size"], "num_hidden_layers": conf["num_hidden_layers"], "vocab_size": conf["vocab_size"]}))
+    print(
+        json.dumps(
+            {
+                "out": str(out_dir),
+                "hidden_size": conf["hidden_size"],
+                "num_hidden_layers": conf["num_hidden_layers"],
+                "vocab_size": conf["vocab_size"],
+            }
+        )
+    )
 
 
 def compare_stores(run_a: str, run_b: str, exclude_last: bool = False) -> dict:
@@ -71,7 +80,9 @@ def compare_stores(run_a: str, run_b: str, exclude_last: bool = False) -> dict:
             rel.append((ha - hb).norm(dim=-1) / ha.norm(dim=-1).clamp_min(1e-6))
             ta, tb = x["topk_ids"][:k], y["topk_ids"][:k]
             top1.append((ta[:, 0] == tb[:, 0]).float())
-            topk_overlap.append(torch.tensor([len(set(r.tolist()) & set(s.tolist())) / ta.shape[1] for r, s in zip(ta, tb)]))
+            topk_overlap.append(
+                torch.tensor([len(set(r.tolist()) & set(s.tolist())) / ta.shape[1] for r, s in zip(ta, tb)])
+            )
             same = ta[:, 0] == tb[:, 0]
             lp_err.append((x["topk_logprobs"][:k, 0] - y["topk_logprobs"][:k, 0]).abs()[same])
         cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0)  # noqa: E731
@@ -102,7 +113,9 @@ def main() -> None:
     c.add_argument("run_a")
     c.add_argument("run_b")
     c.add_argument("--out")
-    c.add_argument("--exclude-last", action="store_true", help="leave out each sample's final row (one_request capture)")
+    c.add_argument(
+        "--exclude-last", action="store_true", help="leave out each sample's final row (one_request capture)"
+    )
     args = ap.parse_args()
     if args.cmd == "export-hf":
         export_hf(args.config, args.out, args.overrides)

@@ -58,14 +58,36 @@ def facts(url: str, hidden_size: int) -> dict:
         if code == 200 and "server_info_keys_used" not in f:
             info = r.json()
             f["version"] = info.get("version")
-            f["server_info_keys_used"] = sorted(k for k in ("version", "enable_return_hidden_states", "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "speculative_draft_model_path", "enable_return_aux_hidden_states", "return_aux_hidden_state_layer_ids", "internal_states") if k in info)
+            f["server_info_keys_used"] = sorted(
+                k
+                for k in (
+                    "version",
+                    "enable_return_hidden_states",
+                    "speculative_algorithm",
+                    "speculative_num_steps",
+                    "speculative_eagle_topk",
+                    "speculative_num_draft_tokens",
+                    "speculative_draft_model_path",
+                    "enable_return_aux_hidden_states",
+                    "return_aux_hidden_state_layer_ids",
+                    "internal_states",
+                )
+                if k in info
+            )
             states = info.get("internal_states") or [{}]
             f["internal_states_has_avg_spec_accept_length"] = "avg_spec_accept_length" in states[0]
             speculative = bool(info.get("speculative_algorithm"))
     info_path = next((p for p in ("/server_info", "/get_server_info") if f[f"{p}_status"] == 200), None)
     f["flush_cache_status"] = requests.post(url + "/flush_cache", timeout=30).status_code
 
-    req = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0}, "return_hidden_states": True, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": K}
+    req = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0},
+        "return_hidden_states": True,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": K,
+    }
     r = requests.post(url + "/generate", json=req, timeout=300)
     f["capture_status"] = r.status_code
     if r.status_code == 200:
@@ -77,7 +99,11 @@ def facts(url: str, hidden_size: int) -> dict:
         f["top_level_keys"] = sorted(body)
         f["meta_keys"] = sorted(k for k in meta if not k.startswith("spec_") and k not in ("e2e_latency",))
         f["spec_keys"] = sorted(k for k in meta if k.startswith("spec_"))
-        f["finish_reason_keys"] = sorted(meta["finish_reason"]) if isinstance(meta.get("finish_reason"), dict) else repr(meta.get("finish_reason"))
+        f["finish_reason_keys"] = (
+            sorted(meta["finish_reason"])
+            if isinstance(meta.get("finish_reason"), dict)
+            else repr(meta.get("finish_reason"))
+        )
         f["output_ids_len_minus_completion_tokens"] = len(body["output_ids"]) - n
         f["prompt_tokens_minus_P"] = meta["prompt_tokens"] - P
         if hs is not None:
@@ -102,9 +128,13 @@ def facts(url: str, hidden_size: int) -> dict:
             f["input_token_logprobs_first"] = repr(meta["input_token_logprobs"][0][0])
         if f["spec_keys"]:
             hist = meta.get("spec_accept_histogram")
-            f["spec_accept_length_is_completion_over_verify"] = abs(meta["spec_accept_length"] - n / meta["spec_verify_ct"]) < 1e-6
+            f["spec_accept_length_is_completion_over_verify"] = (
+                abs(meta["spec_accept_length"] - n / meta["spec_verify_ct"]) < 1e-6
+            )
             f["spec_histogram_sum_minus_verify_ct"] = (sum(hist) - meta["spec_verify_ct"]) if hist else None
-    r0 = requests.post(url + "/generate", json={**req, "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}, timeout=300)
+    r0 = requests.post(
+        url + "/generate", json={**req, "sampling_params": {"max_new_tokens": 0, "temperature": 0.0}}, timeout=300
+    )
     f["prefill_only_status"] = r0.status_code
     if r0.status_code == 200:
         m0 = r0.json()["meta_info"]
@@ -113,7 +143,12 @@ def facts(url: str, hidden_size: int) -> dict:
         f["prefill_only_output_top_len"] = len(m0.get("output_top_logprobs") or [])
         f["prefill_only_output_token_len"] = len(m0.get("output_token_logprobs") or [])
     events, cumulative, final_spec = [], True, False
-    with requests.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0}, "stream": True}, stream=True, timeout=300) as rs:
+    with requests.post(
+        url + "/generate",
+        json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0.0}, "stream": True},
+        stream=True,
+        timeout=300,
+    ) as rs:
         f["stream_status"] = rs.status_code
         for line in rs.iter_lines():
             if line.startswith(b"data:"):
@@ -124,10 +159,15 @@ def facts(url: str, hidden_size: int) -> dict:
         for ev in parsed:
             cumulative &= len(ev["output_ids"]) == ev["meta_info"]["completion_tokens"]
         f["stream_output_ids_cumulative"] = cumulative
-        f["stream_finish_reason_null_until_last"] = all(e["meta_info"].get("finish_reason") is None for e in parsed[:-1]) and parsed[-1]["meta_info"].get("finish_reason") is not None
+        f["stream_finish_reason_null_until_last"] = (
+            all(e["meta_info"].get("finish_reason") is None for e in parsed[:-1])
+            and parsed[-1]["meta_info"].get("finish_reason") is not None
+        )
         final_spec = any(k.startswith("spec_") for k in parsed[-1]["meta_info"])
         f["stream_last_event_has_spec_fields"] = final_spec
-        f["stream_events_minus_completion_tokens_when_plain"] = (len(parsed) - parsed[-1]["meta_info"]["completion_tokens"]) if not speculative else None
+        f["stream_events_minus_completion_tokens_when_plain"] = (
+            (len(parsed) - parsed[-1]["meta_info"]["completion_tokens"]) if not speculative else None
+        )
     if info_path:
         states = _get(url, info_path)[1].json().get("internal_states") or [{}]
         f["internal_states_has_avg_spec_accept_length_after_requests"] = "avg_spec_accept_length" in states[0]

@@ -69,7 +69,9 @@ def trained_epochs(run: Path) -> float | None:
     p = run / "config.yaml"
     if not p.is_file():
         return None
-    train = ((yaml.safe_load(p.read_text()) or {}).get("stages", {}).get("train") or {}).get("config", {}).get("train", {})
+    train = (
+        ((yaml.safe_load(p.read_text()) or {}).get("stages", {}).get("train") or {}).get("config", {}).get("train", {})
+    )
     return train.get("epochs") if not train.get("max_steps") else None
 
 
@@ -111,7 +113,20 @@ def fit_all(points: list[Point], gain: float) -> list[Fit]:
         a, b, r2 = fit_line(x, y)
         top = max(p.tokens for p in ps)
         factor = math.exp(gain / b) if b > 0 and len(set(x)) >= 2 else None
-        fits.append(Fit(name, setting, len(set(x)), a, b, r2, top, a + b * math.log(top), factor, top * factor if factor else None))
+        fits.append(
+            Fit(
+                name,
+                setting,
+                len(set(x)),
+                a,
+                b,
+                r2,
+                top,
+                a + b * math.log(top),
+                factor,
+                top * factor if factor else None,
+            )
+        )
     return fits
 
 
@@ -129,11 +144,15 @@ def table(points: list[Point], fits: list[Fit], gain: float) -> str:
     for run, tok, ep in sorted({(p.run, p.tokens, p.epochs) for p in points}, key=lambda r: r[1]):
         lines.append(f"  {_si(tok):>13} {('-' if ep is None else f'{ep:g}'):>6}  {run}")
     lines += ["", f"fit tau = a + b*ln(answer tokens); the next +{gain:g} tau takes exp({gain:g}/b) times the data", ""]
-    lines.append(f"{'set':<12} {'setting':<8} {'sizes':>5} {'tau@max':>7} {'b/e-fold':>8} {'b/x2':>6} {'R2':>5} {'x data':>7} {'tokens':>8}")
+    lines.append(
+        f"{'set':<12} {'setting':<8} {'sizes':>5} {'tau@max':>7} {'b/e-fold':>8} {'b/x2':>6} {'R2':>5} {'x data':>7} {'tokens':>8}"
+    )
     for f in fits:
         r2 = "-" if f.r2 is None else f"{f.r2:.2f}"
         xd = "-" if f.data_factor is None else f"{f.data_factor:.3g}"
-        lines.append(f"{f.set:<12} {f.setting:<8} {f.n:>5} {f.tau_at_max:>7.3f} {f.b:>8.3f} {f.b * math.log(2):>6.3f} {r2:>5} {xd:>7} {_si(f.tokens_for_gain):>8}")
+        lines.append(
+            f"{f.set:<12} {f.setting:<8} {f.n:>5} {f.tau_at_max:>7.3f} {f.b:>8.3f} {f.b * math.log(2):>6.3f} {r2:>5} {xd:>7} {_si(f.tokens_for_gain):>8}"
+        )
     return "\n".join(lines)
 
 
@@ -149,7 +168,9 @@ def plot(points: list[Point], fits: list[Fit], out: Path) -> Path:
         for i, f in enumerate(x for x in fits if x.set == name):
             ps = sorted((p for p in points if p.set == name and p.setting == f.setting), key=lambda p: p.tokens)
             color = f"C{i}"
-            ax.scatter([p.tokens for p in ps], [p.tau for p in ps], color=color, label=f"{f.setting} (b={f.b:.3f}/e-fold)")
+            ax.scatter(
+                [p.tokens for p in ps], [p.tau for p in ps], color=color, label=f"{f.setting} (b={f.b:.3f}/e-fold)"
+            )
             lo, hi = ps[0].tokens, (f.tokens_for_gain or ps[-1].tokens)
             xs = [lo * (hi / lo) ** (k / 50) for k in range(51)] if hi > lo else [lo]
             ax.plot(xs, [f.a + f.b * math.log(x) for x in xs], color=color, linestyle="--", linewidth=1)
@@ -174,7 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     points = [p for run in a.runs for p in run_points(run)]
     if a.points:
-        points += [Point(**{k: r.get(k) for k in ("run", "tokens", "set", "setting", "tau", "epochs")}) for r in json.loads(a.points.read_text())]
+        points += [
+            Point(**{k: r.get(k) for k in ("run", "tokens", "set", "setting", "tau", "epochs")})
+            for r in json.loads(a.points.read_text())
+        ]
     if not points:
         ap.error("no points: name run folders or --points")
     fits = fit_all(points, a.gain)

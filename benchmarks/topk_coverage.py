@@ -67,7 +67,9 @@ def coverage(model, items, draws: int, seed: int) -> dict:
                 "K": k,
                 "mass_mean": round(float(mass.mean()), 4),
                 "mass_p05": round(float(mass.quantile(0.05)), 4),
-                "argmax_in_stored_topk": round(float(torch.cat(acc[k]["argmax"]).mean()), 4) if acc[k]["argmax"] else None,
+                "argmax_in_stored_topk": round(float(torch.cat(acc[k]["argmax"]).mean()), 4)
+                if acc[k]["argmax"]
+                else None,
                 "sampled_in_topk": round(float(torch.cat(acc[k]["sampled"]).mean()), 4),
                 "next_in_topk": round(float(torch.cat(acc[k]["next"]).mean()), 4),
             }
@@ -88,15 +90,27 @@ def main() -> None:
     model, _ = load_target(cfg.target)
     t0 = time.time()
     result = coverage(model, (ds[i] for i in range(n)), args.draws, cfg.seed)
-    result.update({"target": cfg.target.name, "split": args.split, "samples": n, "draws_per_position": args.draws, "time_s": round(time.time() - t0, 1)})
+    result.update(
+        {
+            "target": cfg.target.name,
+            "split": args.split,
+            "samples": n,
+            "draws_per_position": args.draws,
+            "time_s": round(time.time() - t0, 1),
+        }
+    )
     out = run / "benchmarks" / "topk_coverage.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(f"{result['positions']} answer positions, {n} samples, {cfg.target.name} (stored top-{result['stored_topk']})")
+    print(
+        f"{result['positions']} answer positions, {n} samples, {cfg.target.name} (stored top-{result['stored_topk']})"
+    )
     print(f"{'K':>3} {'mass mean':>10} {'mass p05':>9} {'argmax in stored':>17} {'sampled in':>11} {'next in':>8}")
     for r in result["rows"]:
         stored = "-" if r["argmax_in_stored_topk"] is None else f"{r['argmax_in_stored_topk']:.4f}"
-        print(f"{r['K']:>3} {r['mass_mean']:>10.4f} {r['mass_p05']:>9.4f} {stored:>17} {r['sampled_in_topk']:>11.4f} {r['next_in_topk']:>8.4f}")
+        print(
+            f"{r['K']:>3} {r['mass_mean']:>10.4f} {r['mass_p05']:>9.4f} {stored:>17} {r['sampled_in_topk']:>11.4f} {r['next_in_topk']:>8.4f}"
+        )
 
 
 if __name__ == "__main__":

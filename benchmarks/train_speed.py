@@ -57,27 +57,60 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-K2 = dict(hidden=7168, target_hidden=7168, heads=64, kv_heads=64, head_dim=128, ffn=18432,
-          draft_vocab=32000, vocab=163840, seq=2048, ttt=7, batch=1, topk=32)
-TINY = dict(hidden=64, target_hidden=64, heads=4, kv_heads=4, head_dim=16, ffn=128,
-            draft_vocab=256, vocab=1024, seq=64, ttt=7, batch=1, topk=32)
+K2 = dict(
+    hidden=7168,
+    target_hidden=7168,
+    heads=64,
+    kv_heads=64,
+    head_dim=128,
+    ffn=18432,
+    draft_vocab=32000,
+    vocab=163840,
+    seq=2048,
+    ttt=7,
+    batch=1,
+    topk=32,
+)
+TINY = dict(
+    hidden=64,
+    target_hidden=64,
+    heads=4,
+    kv_heads=4,
+    head_dim=16,
+    ffn=128,
+    draft_vocab=256,
+    vocab=1024,
+    seq=64,
+    ttt=7,
+    batch=1,
+    topk=32,
+)
 DEFAULT_VARIANTS = ["topk", "hidden"]
 DEFAULT_THEIRS = {"cuda": "flex_attention", "cpu": "sdpa"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--tiny", action="store_true", help="tiny dims, fp32, CPU (unless --device cuda): the CPU check")
     for k, v in K2.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {v} (K2) / {TINY[k]} (tiny)")
-    p.add_argument("--variant", action="append", default=None,
-                   help="one of our variants, options joined by '+': topk|hidden (teacher form), adam=master|fused|bf16, compile "
-                        "(Eagle3Drafter.compile_blocks: norms, q/k/v + rope, MLP), baseline (benchmarks/ttt_baseline.py, the "
-                        "unroll before the speed work), attn=flash|lse, tf32, lse_chunk=N, head_chunk=N; repeat for several "
-                        f"(default: {' and '.join(DEFAULT_VARIANTS)})")
-    p.add_argument("--theirs", default=None,
-                   help="comma list of SpecForge variants, options joined by '+': flex_attention|sdpa, compact; 'none' for "
-                        f"none (default: {DEFAULT_THEIRS['cuda']} on cuda, {DEFAULT_THEIRS['cpu']} on cpu)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        help="one of our variants, options joined by '+': topk|hidden (teacher form), adam=master|fused|bf16, compile "
+        "(Eagle3Drafter.compile_blocks: norms, q/k/v + rope, MLP), baseline (benchmarks/ttt_baseline.py, the "
+        "unroll before the speed work), attn=flash|lse, tf32, lse_chunk=N, head_chunk=N; repeat for several "
+        f"(default: {' and '.join(DEFAULT_VARIANTS)})",
+    )
+    p.add_argument(
+        "--theirs",
+        default=None,
+        help="comma list of SpecForge variants, options joined by '+': flex_attention|sdpa, compact; 'none' for "
+        f"none (default: {DEFAULT_THEIRS['cuda']} on cuda, {DEFAULT_THEIRS['cpu']} on cpu)",
+    )
     p.add_argument("--sides", default=None, help="full override: comma list of ours[:opts] / theirs[:opts]")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda unless --tiny)")
     p.add_argument("--dtype", default=None, help="bf16 | fp32 (default: bf16 on cuda, fp32 on cpu)")
@@ -88,12 +121,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=0.5)
     p.add_argument("--decay", type=float, default=0.8, help="TTT step loss decay (both sides)")
     p.add_argument("--prompt-frac", type=float, default=0.25, help="leading fraction of each row with loss_mask 0")
-    p.add_argument("--draft-boost", type=float, default=6.0, help="logit boost of the draft vocab in the synthetic teacher")
-    p.add_argument("--matmul-n", type=int, default=None, help="size of the square matmul timed for the peak rate (8192 cuda, 512 cpu)")
+    p.add_argument(
+        "--draft-boost", type=float, default=6.0, help="logit boost of the draft vocab in the synthetic teacher"
+    )
+    p.add_argument(
+        "--matmul-n",
+        type=int,
+        default=None,
+        help="size of the square matmul timed for the peak rate (8192 cuda, 512 cpu)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="stop starting new rounds after this many seconds (default 480 on cuda: the device's 600-s call limit)")
-    p.add_argument("--profile", action="store_true", help="after timing, profile one step per side (top ops by device time)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop starting new rounds after this many seconds (default 480 on cuda: the device's 600-s call limit)",
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="after timing, profile one step per side (top ops by device time)"
+    )
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for train_speed[_TAG].json (default $OUT)")
     p.add_argument("--tag", default="", help="suffix of the output files, for several runs into one folder")
     a = p.parse_args(argv)
@@ -105,8 +151,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
     if a.sides is None:
         theirs = a.theirs or DEFAULT_THEIRS["cuda" if a.device.startswith("cuda") else "cpu"]
-        a.sides = ",".join([f"ours:{v}" for v in (a.variant or DEFAULT_VARIANTS)]
-                           + ([] if theirs == "none" else [f"theirs:{t}" for t in theirs.split(",") if t]))
+        a.sides = ",".join(
+            [f"ours:{v}" for v in (a.variant or DEFAULT_VARIANTS)]
+            + ([] if theirs == "none" else [f"theirs:{t}" for t in theirs.split(",") if t])
+        )
     if a.budget_s is None:
         a.budget_s = 480.0 if a.device.startswith("cuda") else float("inf")
     a.matmul_n = a.matmul_n or (8192 if a.device == "cuda" else 512)
@@ -139,7 +187,11 @@ def flop_count(a) -> dict:
         "lm_head": 2 * H * a.draft_vocab,
     }
     attn = sum(4 * nh * hd * ((T + 1) / 2 + k) for k in range(K))
-    fwd = {"fc (once)": 2 * 3 * Ht * H, **{f"{n} (x{K})": v * K for n, v in per_step.items()}, f"attention (sum of {K})": attn}
+    fwd = {
+        "fc (once)": 2 * 3 * Ht * H,
+        **{f"{n} (x{K})": v * K for n, v in per_step.items()},
+        f"attention (sum of {K})": attn,
+    }
     fwd_total = sum(fwd.values())
     return {
         "forward_per_token": fwd,
@@ -278,8 +330,9 @@ class MasterAdamW:
         self.torch, self.params, self.max_grad_norm = torch, list(params), max_grad_norm
         self.same = all(p.dtype == torch.float32 for p in self.params)
         self.masters = self.params if self.same else [p.detach().float().clone() for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, lr=lr, betas=ADAM_BETAS, weight_decay=0.0,
-                                     **({"fused": True} if fused else {"foreach": True}))
+        self.opt = torch.optim.AdamW(
+            self.masters, lr=lr, betas=ADAM_BETAS, weight_decay=0.0, **({"fused": True} if fused else {"foreach": True})
+        )
 
     def step(self):
         torch = self.torch
@@ -299,8 +352,9 @@ class MasterAdamW:
 class BF16AdamW:
     def __init__(self, torch, params, lr, max_grad_norm, fused):
         self.torch, self.params, self.max_grad_norm = torch, list(params), max_grad_norm
-        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=ADAM_BETAS, weight_decay=0.0,
-                                     **({"fused": True} if fused else {"foreach": True}))
+        self.opt = torch.optim.AdamW(
+            self.params, lr=lr, betas=ADAM_BETAS, weight_decay=0.0, **({"fused": True} if fused else {"foreach": True})
+        )
 
     def step(self):
         gn = self.torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
@@ -320,16 +374,27 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
     if "baseline" in flags:
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("ttt_baseline", os.path.join(os.path.dirname(os.path.abspath(__file__)), "ttt_baseline.py"))
+        spec = importlib.util.spec_from_file_location(
+            "ttt_baseline", os.path.join(os.path.dirname(os.path.abspath(__file__)), "ttt_baseline.py")
+        )
         ttt = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(ttt)
     else:
         from eagle3ft.train import ttt
     form = "hidden" if "hidden" in flags else "topk"
-    cfg = Eagle3Config(hidden_size=a.hidden, target_hidden_size=a.target_hidden, num_attention_heads=a.heads,
-                       num_key_value_heads=a.kv_heads, head_dim=a.head_dim, intermediate_size=a.ffn,
-                       vocab_size=a.vocab, draft_vocab_size=a.draft_vocab, rms_norm_eps=1e-6, rope_theta=1e6,
-                       max_position_embeddings=max(4096, a.seq + a.ttt))
+    cfg = Eagle3Config(
+        hidden_size=a.hidden,
+        target_hidden_size=a.target_hidden,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        intermediate_size=a.ffn,
+        vocab_size=a.vocab,
+        draft_vocab_size=a.draft_vocab,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=max(4096, a.seq + a.ttt),
+    )
     with torch.device(device):
         model = Eagle3Drafter(cfg)
     # train/loop.py builds the drafter on the CPU and the engine moves parameters and buffers only, so plain
@@ -365,8 +430,12 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
     import inspect
 
     chunk_param = inspect.signature(ttt.head_cross_entropy).parameters.get("chunk")
-    bind_default = ("HEAD_CHUNK" in knobs and chunk_param is not None and chunk_param.default is not None
-                    and list(inspect.signature(ttt.head_cross_entropy).parameters)[-1] == "chunk")
+    bind_default = (
+        "HEAD_CHUNK" in knobs
+        and chunk_param is not None
+        and chunk_param.default is not None
+        and list(inspect.signature(ttt.head_cross_entropy).parameters)[-1] == "chunk"
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     adam = kv.get("adam", "master")
     adams = {"master": (MasterAdamW, False), "fused": (MasterAdamW, True), "bf16": (BF16AdamW, device.type == "cuda")}
@@ -398,19 +467,24 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
             ttt.head_cross_entropy.__defaults__ = saved_defaults
         return out.loss.detach()
 
-    notes = (("benchmarks/ttt_baseline.py" if "baseline" in flags else "eagle3ft") + f" ttt_forward, teacher={form}"
-             + (f" (top-{a.topk})" if form == "topk" else " (target head rows of the draft vocab)")
-             + {"master": ", AdamW(foreach) on fp32 masters", "fused": ", fused AdamW on fp32 masters",
-                "bf16": ", fused AdamW on the bf16 params"}[adam]
-             + (", compile_blocks" if "compile" in flags else "") + (", tf32" if tf32 else "")
-             + "".join(f", {n}={v}" for n, v in knobs.items()))
+    notes = (
+        ("benchmarks/ttt_baseline.py" if "baseline" in flags else "eagle3ft")
+        + f" ttt_forward, teacher={form}"
+        + (f" (top-{a.topk})" if form == "topk" else " (target head rows of the draft vocab)")
+        + {
+            "master": ", AdamW(foreach) on fp32 masters",
+            "fused": ", fused AdamW on fp32 masters",
+            "bf16": ", fused AdamW on the bf16 params",
+        }[adam]
+        + (", compile_blocks" if "compile" in flags else "")
+        + (", tf32" if tf32 else "")
+        + "".join(f", {n}={v}" for n, v in knobs.items())
+    )
     extra = 2 * a.target_hidden * a.draft_vocab if form == "hidden" else 0
     return step, notes, extra
 
 
 def build_theirs(torch, a, opts, device, dtype, shared, weights_holder):
-    from transformers import LlamaConfig
-
     from specforge.algorithms.eagle3.model import OnlineEagle3Model
     from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
     from specforge.modeling.target.target_head import TargetHead
@@ -419,6 +493,7 @@ def build_theirs(torch, a, opts, device, dtype, shared, weights_holder):
     from specforge.training.backend import FSDPTrainingBackend, ParallelConfig
     from specforge.training.controller import TrainerCore
     from specforge.training.strategies.base import Eagle3TrainStrategy
+    from transformers import LlamaConfig
 
     backends = {"flex_attention", "sdpa"}
     unknown = set(opts) - backends - {"compact"}
@@ -429,10 +504,20 @@ def build_theirs(torch, a, opts, device, dtype, shared, weights_holder):
         raise SystemExit("SpecForge's flex_attention backend has no CPU backward; use theirs:sdpa on the CPU")
     compact = "compact" in opts
     torch_dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
-    cfg = LlamaConfig(hidden_size=a.hidden, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                      head_dim=a.head_dim, intermediate_size=a.ffn, vocab_size=a.vocab, rms_norm_eps=1e-6,
-                      max_position_embeddings=max(4096, a.seq + a.ttt), hidden_act="silu", tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}, torch_dtype=torch_dtype)
+    cfg = LlamaConfig(
+        hidden_size=a.hidden,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        head_dim=a.head_dim,
+        intermediate_size=a.ffn,
+        vocab_size=a.vocab,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=max(4096, a.seq + a.ttt),
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        torch_dtype=torch_dtype,
+    )
     cfg.draft_vocab_size = a.draft_vocab
     cfg.target_hidden_size = a.target_hidden
     with torch.device(device):
@@ -446,7 +531,9 @@ def build_theirs(torch, a, opts, device, dtype, shared, weights_holder):
     draft.freeze_embedding()
     model = OnlineEagle3Model(draft, length=a.ttt, attention_backend=backend).to(device=device, dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="sf-target-") as tmp, torch.device(device):
-        LlamaConfig(hidden_size=a.target_hidden, vocab_size=a.vocab).save_pretrained(tmp)  # TargetHead reads hidden, vocab
+        LlamaConfig(hidden_size=a.target_hidden, vocab_size=a.vocab).save_pretrained(
+            tmp
+        )  # TargetHead reads hidden, vocab
         target_head = TargetHead(tmp)
     target_head.freeze_weights()
     target_head = target_head.eval().to(device=device, dtype=dtype)
@@ -461,9 +548,15 @@ def build_theirs(torch, a, opts, device, dtype, shared, weights_holder):
     core = TrainerCore(strategy, backend_obj)
     b = shared["batch"]
     batch = TrainBatch(
-        sample_ids=[str(i) for i in range(a.batch)], strategy="eagle3",
-        tensors={"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "loss_mask": b["loss_mask"],
-                 "hidden_state": b["aux_hidden"], "target": b["last_hidden"]},
+        sample_ids=[str(i) for i in range(a.batch)],
+        strategy="eagle3",
+        tensors={
+            "input_ids": b["input_ids"],
+            "attention_mask": b["attention_mask"],
+            "loss_mask": b["loss_mask"],
+            "hidden_state": b["aux_hidden"],
+            "target": b["last_hidden"],
+        },
         metadata={"target_repr": "hidden_state"},
     )
     model.train()
@@ -471,9 +564,11 @@ def build_theirs(torch, a, opts, device, dtype, shared, weights_holder):
     def step():
         return core.train_step(batch).loss  # forward, loss, backward, BF16Optimizer step, metrics (float)
 
-    notes = (f"SpecForge TrainerCore.train_step, attention_backend={backend}, teacher="
-             + ("compact (draft rows + streamed full-vocab lse/argmax)" if compact else "full-vocab TargetHead logits")
-             + ", BF16Optimizer (fp32 master AdamW)")
+    notes = (
+        f"SpecForge TrainerCore.train_step, attention_backend={backend}, teacher="
+        + ("compact (draft rows + streamed full-vocab lse/argmax)" if compact else "full-vocab TargetHead logits")
+        + ", BF16Optimizer (fp32 master AdamW)"
+    )
     # full-vocab head each step; compact: the draft rows plus the full vocab streamed for lse/argmax
     extra = 2 * a.target_hidden * (a.vocab + (a.draft_vocab if compact else 0))
     return step, notes, extra
@@ -508,11 +603,15 @@ def versions() -> dict:
 def gpu_info(torch, device) -> dict:
     if device.type != "cuda":
         return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
-    info = {"gpu": torch.cuda.get_device_name(device), "total_memory_GiB": torch.cuda.get_device_properties(device).total_memory / 2**30}
+    info = {
+        "gpu": torch.cuda.get_device_name(device),
+        "total_memory_GiB": torch.cuda.get_device_properties(device).total_memory / 2**30,
+    }
     try:
         q = "clocks.sm,clocks.max.sm,clocks.mem,power.draw,driver_version"
-        info["nvidia_smi"] = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=10).stdout.strip()
+        info["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except Exception as e:  # nvidia-smi is optional
         info["nvidia_smi"] = f"unavailable ({e.__class__.__name__})"
     return info
@@ -533,16 +632,20 @@ def main(argv=None) -> int:
     t_start = time.time()
 
     flops = flop_count(a)
-    print(f"# dims: hidden {a.hidden} (target {a.target_hidden}), heads {a.heads}/{a.kv_heads} x {a.head_dim}, ffn {a.ffn}, "
-          f"draft vocab {a.draft_vocab}, vocab {a.vocab}, seq {a.seq}, batch {a.batch}, TTT {a.ttt}, {a.dtype} on {device}")
+    print(
+        f"# dims: hidden {a.hidden} (target {a.target_hidden}), heads {a.heads}/{a.kv_heads} x {a.head_dim}, ffn {a.ffn}, "
+        f"draft vocab {a.draft_vocab}, vocab {a.vocab}, seq {a.seq}, batch {a.batch}, TTT {a.ttt}, {a.dtype} on {device}"
+    )
     unit, uname = flop_unit(flops["train_per_token"])
     print(f"# {uname} per token (GUIDE section 5), forward:")
     for k, v in flops["forward_per_token"].items():
         print(f"#   {k:<22} {fmt_flop(v, unit)}")
     print(f"#   {'forward total':<22} {fmt_flop(flops['forward_total'], unit)}")
     print(f"#   {'train (x3)':<22} {fmt_flop(flops['train_per_token'], unit)}")
-    print(f"#   not model FLOPs (forward only): full-vocab target head {fmt_flop(flops['extra_target_head_full_vocab'], unit)}, "
-          f"its draft-vocab rows {fmt_flop(flops['extra_target_head_draft_vocab'], unit)}")
+    print(
+        f"#   not model FLOPs (forward only): full-vocab target head {fmt_flop(flops['extra_target_head_full_vocab'], unit)}, "
+        f"its draft-vocab rows {fmt_flop(flops['extra_target_head_draft_vocab'], unit)}"
+    )
 
     rate = matmul_rate(torch, device, dtype, a.matmul_n)
     print(f"# measured matmul rate: {fmt_rate(rate)} ({a.matmul_n}^3 {a.dtype}, median of 10)")
@@ -552,8 +655,10 @@ def main(argv=None) -> int:
     m0 = mem_alloc(torch, device)
     shared = make_batch(torch, a, device, dtype)
     batch_bytes = mem_alloc(torch, device) - m0
-    print(f"# synthetic teacher: target argmax in draft vocab {shared['info']['argmax_in_draft_vocab']:.3f}, "
-          f"draft-vocab mass {shared['info']['draft_vocab_mass']:.3f}; shared inputs {batch_bytes / 2**30:.2f} GiB")
+    print(
+        f"# synthetic teacher: target argmax in draft vocab {shared['info']['argmax_in_draft_vocab']:.3f}, "
+        f"draft-vocab mass {shared['info']['draft_vocab_mass']:.3f}; shared inputs {batch_bytes / 2**30:.2f} GiB"
+    )
 
     timer = Timer(torch, device)
     weights: dict = {}
@@ -592,9 +697,12 @@ def main(argv=None) -> int:
             release(torch, device)
             continue
         side.resident_bytes = mem_alloc(torch, device) - before
-        print(f"# built {spec} in {time.time() - t0:.1f} s (warm-up {a.warmup} steps, losses "
-              f"{', '.join(f'{x:.4f}' for x in side.losses)})"
-              + (f"; resident {side.resident_bytes / 2**30:.2f} GiB" if device.type == "cuda" else "") + f": {side.notes}")
+        print(
+            f"# built {spec} in {time.time() - t0:.1f} s (warm-up {a.warmup} steps, losses "
+            f"{', '.join(f'{x:.4f}' for x in side.losses)})"
+            + (f"; resident {side.resident_bytes / 2**30:.2f} GiB" if device.type == "cuda" else "")
+            + f": {side.notes}"
+        )
         sides.append(side)
     weights.clear()
 
@@ -624,11 +732,28 @@ def main(argv=None) -> int:
                 release(torch, device)
                 continue
             if device.type == "cuda":
-                side.peak_bytes = max(side.peak_bytes, torch.cuda.max_memory_allocated(device) - base + side.resident_bytes)
+                side.peak_bytes = max(
+                    side.peak_bytes, torch.cuda.max_memory_allocated(device) - base + side.resident_bytes
+                )
         rounds_done += 1
-        print(f"# round {r + 1}/{a.rounds}: " + "; ".join(f"{s.name} {statistics.median(s.times_ms[-a.steps:]):.1f} ms" for s in sides))
-        write_json(a, summarize(a, sides, flops, rate, tokens, device), flops, rate, shared, batch_bytes, device, torch,
-                   t_start, rounds_done, failed, profiles={})
+        print(
+            f"# round {r + 1}/{a.rounds}: "
+            + "; ".join(f"{s.name} {statistics.median(s.times_ms[-a.steps :]):.1f} ms" for s in sides)
+        )
+        write_json(
+            a,
+            summarize(a, sides, flops, rate, tokens, device),
+            flops,
+            rate,
+            shared,
+            batch_bytes,
+            device,
+            torch,
+            t_start,
+            rounds_done,
+            failed,
+            profiles={},
+        )
 
     profiles = {}
     if a.profile and sides and time.time() - t_start < a.budget_s + 60:
@@ -660,18 +785,26 @@ def summarize(a, sides: list[Side], flops: dict, rate: float, tokens: int, devic
             continue
         med = statistics.median(s.times_ms)
         tps = tokens / (med / 1e3)
-        rows.append({
-            "side": s.name, "notes": s.notes,
-            "step_ms_median": med, "step_ms_min": min(s.times_ms), "step_ms_max": max(s.times_ms),
-            "tokens_per_s": tps, "tokens_per_s_min": tokens / (max(s.times_ms) / 1e3),
-            "tokens_per_s_max": tokens / (min(s.times_ms) / 1e3),
-            "mfu": tps * flops["train_per_token"] / rate,
-            "extra_flops_per_token": s.extra_flops_per_token,
-            "peak_GiB": s.peak_bytes / 2**30 if device.type == "cuda" else None,
-            "resident_GiB": s.resident_bytes / 2**30 if device.type == "cuda" else None,
-            "loss_first": s.losses[0], "loss_last": s.losses[-1], "timed_steps": len(s.times_ms),
-            "step_ms_all": s.times_ms,
-        })
+        rows.append(
+            {
+                "side": s.name,
+                "notes": s.notes,
+                "step_ms_median": med,
+                "step_ms_min": min(s.times_ms),
+                "step_ms_max": max(s.times_ms),
+                "tokens_per_s": tps,
+                "tokens_per_s_min": tokens / (max(s.times_ms) / 1e3),
+                "tokens_per_s_max": tokens / (min(s.times_ms) / 1e3),
+                "mfu": tps * flops["train_per_token"] / rate,
+                "extra_flops_per_token": s.extra_flops_per_token,
+                "peak_GiB": s.peak_bytes / 2**30 if device.type == "cuda" else None,
+                "resident_GiB": s.resident_bytes / 2**30 if device.type == "cuda" else None,
+                "loss_first": s.losses[0],
+                "loss_last": s.losses[-1],
+                "timed_steps": len(s.times_ms),
+                "step_ms_all": s.times_ms,
+            }
+        )
     base = next((r for r in rows if r["side"].startswith("theirs")), rows[0] if rows else None)
     for r in rows:
         r["base"] = base["side"] if base else None
@@ -680,16 +813,29 @@ def summarize(a, sides: list[Side], flops: dict, rate: float, tokens: int, devic
     return rows
 
 
-def write_json(a, rows, flops, rate, shared, batch_bytes, device, torch, t_start, rounds_done, failed, profiles) -> None:
+def write_json(
+    a, rows, flops, rate, shared, batch_bytes, device, torch, t_start, rounds_done, failed, profiles
+) -> None:
     if not a.out:
         return
     result = {
-        "args": vars(a), "flops": flops, "matmul_rate_flops": rate, "versions": versions(), "device": gpu_info(torch, device),
-        "synthetic_teacher": shared["info"], "shared_inputs_GiB": batch_bytes / 2**30, "rounds_done": rounds_done,
-        "results": rows, "failed": failed, "profiles": profiles, "wall_s": time.time() - t_start,
+        "args": vars(a),
+        "flops": flops,
+        "matmul_rate_flops": rate,
+        "versions": versions(),
+        "device": gpu_info(torch, device),
+        "synthetic_teacher": shared["info"],
+        "shared_inputs_GiB": batch_bytes / 2**30,
+        "rounds_done": rounds_done,
+        "results": rows,
+        "failed": failed,
+        "profiles": profiles,
+        "wall_s": time.time() - t_start,
         "timing": "CUDA events around each step, synchronize after each" if device.type == "cuda" else "perf_counter",
         "memory": "peak = resident (params, optimizer state, buffers after warm-up) + max allocated above the start of "
-                  "the side's timed steps; shared inputs excluded" if device.type == "cuda" else "not measured on the CPU",
+        "the side's timed steps; shared inputs excluded"
+        if device.type == "cuda"
+        else "not measured on the CPU",
     }
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"train_speed{'_' + a.tag if a.tag else ''}.json"), "w") as f:
@@ -711,10 +857,14 @@ def profile_step(torch, device, side: Side, top: int = 25) -> str:
 
 
 def print_table(a, rows, flops, rate, tokens, rounds_done, failed) -> None:
-    print(f"\n## train step, {tokens} tokens/step, {rounds_done} round(s) x {a.steps} timed steps per side, interleaved; "
-          f"MFU vs {fmt_rate(rate)} measured and {flops['train_per_token'] / 1e9:.3f} GFLOP/token (GUIDE section 5)")
-    hdr = (f"{'side':<34} {'step ms median [min-max]':<28} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'resident':>9} "
-           f"{'vs base':>8} {'loss first->last':>18}")
+    print(
+        f"\n## train step, {tokens} tokens/step, {rounds_done} round(s) x {a.steps} timed steps per side, interleaved; "
+        f"MFU vs {fmt_rate(rate)} measured and {flops['train_per_token'] / 1e9:.3f} GFLOP/token (GUIDE section 5)"
+    )
+    hdr = (
+        f"{'side':<34} {'step ms median [min-max]':<28} {'tokens/s':>9} {'MFU':>6} {'peak GiB':>9} {'resident':>9} "
+        f"{'vs base':>8} {'loss first->last':>18}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -722,12 +872,18 @@ def print_table(a, rows, flops, rate, tokens, rounds_done, failed) -> None:
         peak = f"{r['peak_GiB']:.1f}" if r["peak_GiB"] is not None else "n/a"
         res = f"{r['resident_GiB']:.1f}" if r["resident_GiB"] is not None else "n/a"
         ms = f"{r['step_ms_median']:.1f} [{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}]"
-        print(f"{r['side']:<34} {ms:<28} {r['tokens_per_s']:>9.0f} {100 * r['mfu']:>5.1f}% {peak:>9} {res:>9} {sp:>8} "
-              f"{r['loss_first']:>8.4f}->{r['loss_last']:.4f}")
+        print(
+            f"{r['side']:<34} {ms:<28} {r['tokens_per_s']:>9.0f} {100 * r['mfu']:>5.1f}% {peak:>9} {res:>9} {sp:>8} "
+            f"{r['loss_first']:>8.4f}->{r['loss_last']:.4f}"
+        )
     for name, why in failed.items():
         print(f"{name:<34} FAILED: {why}")
     if rows and rows[0]["base"]:
-        goal = "; goal: ours >= 1.5x base tokens/s, >= 50% MFU, peak <= base peak" if rows[0]["base"].startswith("theirs") else ""
+        goal = (
+            "; goal: ours >= 1.5x base tokens/s, >= 50% MFU, peak <= base peak"
+            if rows[0]["base"].startswith("theirs")
+            else ""
+        )
         print(f"base = {rows[0]['base']}{goal}")
 
 

@@ -4,6 +4,7 @@ What the speed work changed is kept here as it was (the fused head loss with rec
 unroll); what it left alone is imported: the targets, shift, TTTOutput, and the SDPA + causal_lse attention
 (train/ttt.py's "lse" path, the same code).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -129,7 +130,9 @@ def ttt_forward(
             match = torch.zeros_like(valid)
             match[valid] = model.draft_to_target(pred) == rows_ahead(target_argmax, valid, 1 + k)
             chain_valid = chain_ok & valid
-            stats[:, k] = torch.stack([step_loss.detach(), match.sum(), n, (chain_valid & match).sum(), chain_valid.sum()]).float()
+            stats[:, k] = torch.stack(
+                [step_loss.detach(), match.sum(), n, (chain_valid & match).sum(), chain_valid.sum()]
+            ).float()
             chain_ok = chain_valid & match
         hidden = out
     return TTTOutput(loss, *stats)
@@ -138,7 +141,9 @@ def ttt_forward(
 class TTTObjective(torch.nn.Module):
     """The drafter plus its TTT loss as one module, so that a distributed engine runs `forward(batch)`."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, target_head: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, drafter: Eagle3Drafter, steps: int, decay: float, target_head: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.drafter, self.steps, self.decay = drafter, steps, decay
         self.register_buffer("target_head", target_head, persistent=False)  # (Vd, Ht) or None

@@ -48,7 +48,11 @@ class NamedTemplate:
 
 TEMPLATES: dict[str, NamedTemplate] = {
     "chatml": NamedTemplate(CHATML_TEMPLATE, "<|im_end|>", ("<|im_start|>", "<|im_end|>")),
-    "kimi-k2": NamedTemplate(KIMI_K2_TEMPLATE, "<|im_end|>", ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>")),
+    "kimi-k2": NamedTemplate(
+        KIMI_K2_TEMPLATE,
+        "<|im_end|>",
+        ("<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"),
+    ),
 }
 
 
@@ -63,7 +67,9 @@ class ChatFormat:
         self.tokenizer = tokenizer
         if template == "auto":
             if not getattr(tokenizer, "chat_template", None):
-                raise ChatTemplateError("the tokenizer has no chat template; set target.chat_template to one of " + ", ".join(TEMPLATES))
+                raise ChatTemplateError(
+                    "the tokenizer has no chat template; set target.chat_template to one of " + ", ".join(TEMPLATES)
+                )
             self.jinja = None
             self.end_of_turn = tokenizer.eos_token
         elif template in TEMPLATES:
@@ -93,7 +99,9 @@ class ChatFormat:
             head = self.render(messages[:i], add_generation_prompt=True)
             upto = self.render(messages[: i + 1])
             if not (text.startswith(head) and text.startswith(upto) and upto.startswith(head)):
-                raise ChatTemplateError(f"template {self.template!r} does not render conversations prefix by prefix (turn {i})")
+                raise ChatTemplateError(
+                    f"template {self.template!r} does not render conversations prefix by prefix (turn {i})"
+                )
             end = upto.rfind(self.end_of_turn, len(head))
             end = end + len(self.end_of_turn) if end >= 0 else len(upto.rstrip())
             spans.append((len(head), end))

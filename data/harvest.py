@@ -28,17 +28,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3ft.data.chat import ChatFormat
 from eagle3ft.config import Config, HarvestConfig, cli_errors, parse_cli, resolve_path, to_dict
-from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
+from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.runlock import holding
 from eagle3ft.targets import open_target
 from eagle3ft.targets.base import Request, Sampling, Target
 from eagle3ft.targets.hf import load_tokenizer
 from eagle3ft.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
-from eagle3ft.runlock import holding
 
 
 @dataclass
@@ -54,7 +54,9 @@ class HarvestRefused(RuntimeError):
     """The target's answers fail a consistency check (T=0: generated tokens that are not its argmax)."""
 
 
-def argmax_check(completion: list[int], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, start: int, tie_eps: float) -> Counter:
+def argmax_check(
+    completion: list[int], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, start: int, tie_eps: float
+) -> Counter:
     """At T=0 every generated token is the target's argmax where it was predicted: completion[j] sits at
     position start + j and row start + j - 1 holds the distribution over it. A token whose log-prob is within
     `tie_eps` of the top-1's passes as a near-tie. A server whose per-token rows are shifted by one (same count)
@@ -65,7 +67,9 @@ def argmax_check(completion: list[int], topk_ids: torch.Tensor, topk_logprobs: t
     ids = topk_ids[start - 1 : start - 1 + n].long()  # (N, K)
     lps = topk_logprobs[start - 1 : start - 1 + n].float()
     tok = torch.tensor(completion, dtype=torch.long)[:, None]
-    lp_tok = torch.where(ids == tok, lps, torch.full_like(lps, -float("inf"))).max(dim=1).values  # -inf: not in the top-k
+    lp_tok = (
+        torch.where(ids == tok, lps, torch.full_like(lps, -float("inf"))).max(dim=1).values
+    )  # -inf: not in the top-k
     top1 = ids[:, 0] == tok[:, 0]
     ok = top1 | (lps[:, 0] - lp_tok <= tie_eps)
     return Counter(checked=n, mismatched=int((~ok).sum()), ties=int((ok & ~top1).sum()))
@@ -97,11 +101,21 @@ def make_sample(conv: Conversation, ids: list[int], mask: list[int], result) -> 
     )
 
 
-def harvest_batch(target: Target, chat: ChatFormat, convs: list[Conversation], h: HarvestConfig, sampling: Sampling, seed: int, stats: ChunkStats) -> dict[str, Sample]:
+def harvest_batch(
+    target: Target,
+    chat: ChatFormat,
+    convs: list[Conversation],
+    h: HarvestConfig,
+    sampling: Sampling,
+    seed: int,
+    stats: ChunkStats,
+) -> dict[str, Sample]:
     """Samples (by conversation key) of one batch; the target writes every assistant turn, turn by turn."""
     stop = tuple(chat.stop_ids)
     out: dict[str, Sample] = {}
-    fixed = [c for c in convs if c.ids is not None or not h.regenerate]  # captured as they are: a token store's ids, or the dataset's answers
+    fixed = [
+        c for c in convs if c.ids is not None or not h.regenerate
+    ]  # captured as they are: a token store's ids, or the dataset's answers
     if fixed:
         reqs, kept = [], []
         for c in fixed:
@@ -139,7 +153,9 @@ def harvest_batch(target: Target, chat: ChatFormat, convs: list[Conversation], h
             if last:
                 out[c.key] = make_sample(c, ids + r.completion_ids, mask + [1] * len(r.completion_ids), r)
                 if sampling.temperature == 0:
-                    stats.argmax += argmax_check(r.completion_ids, r.features.topk_ids, r.features.topk_logprobs, len(ids), h.argmax_tie_eps)
+                    stats.argmax += argmax_check(
+                        r.completion_ids, r.features.topk_ids, r.features.topk_logprobs, len(ids), h.argmax_tie_eps
+                    )
             else:
                 history[c.key].append({"role": "assistant", "content": chat.decode(r.completion_ids)})
                 active.append(c)
@@ -147,13 +163,23 @@ def harvest_batch(target: Target, chat: ChatFormat, convs: list[Conversation], h
     return out
 
 
-def harvest_chunk(target: Target, chat: ChatFormat, convs: list[Conversation], h: HarvestConfig, sampling: Sampling, seed: int, on_batch) -> tuple[list[Sample], ChunkStats]:
+def harvest_chunk(
+    target: Target,
+    chat: ChatFormat,
+    convs: list[Conversation],
+    h: HarvestConfig,
+    sampling: Sampling,
+    seed: int,
+    on_batch,
+) -> tuple[list[Sample], ChunkStats]:
     """One chunk -> its samples in conversation order. Batches group similar prompt lengths.
 
     `on_batch(samples, tokens)` is called after each batch (progress).
     """
     stats = ChunkStats()
-    order = sorted(convs, key=lambda c: (len(c.ids) if c.ids is not None else sum(len(m["content"]) for m in c.messages), c.key))
+    order = sorted(
+        convs, key=lambda c: (len(c.ids) if c.ids is not None else sum(len(m["content"]) for m in c.messages), c.key)
+    )
     done: dict[str, Sample] = {}
     for b in range(0, len(order), h.batch_size):
         batch = order[b : b + h.batch_size]
@@ -175,7 +201,11 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
     h = cfg.harvest
     what = {
         "keys": [(c.key, c.split) for c in convs],
-        "harvest": {k: v for k, v in to_dict(h).items() if k not in ("sglang", "batch_size", "argmax_tie_eps", "argmax_max_mismatch")},
+        "harvest": {
+            k: v
+            for k, v in to_dict(h).items()
+            if k not in ("sglang", "batch_size", "argmax_tie_eps", "argmax_max_mismatch")
+        },
         "chat_template": cfg.target.chat_template,
         "seed": cfg.seed,
     }
@@ -195,7 +225,15 @@ def check_argmax_rate(manifest: dict, chunk: Counter, h: HarvestConfig, where: s
 
 
 def check_harvest_config(h: HarvestConfig) -> None:
-    for name in ("batch_size", "topk", "shard_samples", "max_new_tokens", "max_total_tokens", "max_prompt_tokens", "max_turns"):
+    for name in (
+        "batch_size",
+        "topk",
+        "shard_samples",
+        "max_new_tokens",
+        "max_total_tokens",
+        "max_prompt_tokens",
+        "max_turns",
+    ):
         if getattr(h, name) <= 0:
             raise ValueError(f"harvest.{name} must be positive, got {getattr(h, name)}")
     if not 0.0 <= h.heldout_fraction < 1.0:
@@ -203,7 +241,9 @@ def check_harvest_config(h: HarvestConfig) -> None:
     if h.aux_dtype not in AUX_DTYPES:
         raise ValueError(f"harvest.aux_dtype {h.aux_dtype!r} is not one of {', '.join(AUX_DTYPES)}")
     if h.argmax_tie_eps < 0 or not 0.0 <= h.argmax_max_mismatch <= 1.0:
-        raise ValueError(f"harvest.argmax_tie_eps must be >= 0 and harvest.argmax_max_mismatch in [0, 1], got {h.argmax_tie_eps} and {h.argmax_max_mismatch}")
+        raise ValueError(
+            f"harvest.argmax_tie_eps must be >= 0 and harvest.argmax_max_mismatch in [0, 1], got {h.argmax_tie_eps} and {h.argmax_max_mismatch}"
+        )
 
 
 def masked_token_counts(features_dir: Path, vocab_size: int) -> torch.Tensor:
@@ -242,7 +282,9 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
     def prompt_fits(messages: list[dict]) -> str | None:
         """The prompt of the last turn, before any answer is written, must fit max_prompt_tokens."""
         prompt = [m for m in messages if m["role"] != "assistant"] if h.regenerate else messages[:-1]
-        return "too_long_prompt" if len(chat.encode(prompt, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
+        return (
+            "too_long_prompt" if len(chat.encode(prompt, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
+        )
 
     prompt_skips: Counter = Counter()
     convs = collect(
@@ -257,7 +299,13 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
     if not convs:
         raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")
 
-    identity = {"name": info.name, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size, "num_layers": info.num_layers, "aux_layer_ids": list(info.aux_layer_ids)}
+    identity = {
+        "name": info.name,
+        "hidden_size": info.hidden_size,
+        "vocab_size": info.vocab_size,
+        "num_layers": info.num_layers,
+        "aux_layer_ids": list(info.aux_layer_ids),
+    }
     features_dir = run_dir / "features"
     writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs), h.aux_dtype)
     damaged = writer.damaged()
@@ -271,11 +319,21 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
     chunks = []
     for split in SPLITS:
         members = [c for c in convs if c.split == split]
-        chunks += [(split, i // h.shard_samples, members[i : i + h.shard_samples]) for i in range(0, len(members), h.shard_samples)]
+        chunks += [
+            (split, i // h.shard_samples, members[i : i + h.shard_samples])
+            for i in range(0, len(members), h.shard_samples)
+        ]
     todo = [(s, i, m) for s, i, m in chunks if i not in writer.done(s)]
     run_stats = ChunkStats()
     t_work = time.time()
-    with tqdm(total=len(convs), initial=len(convs) - sum(len(m) for _, _, m in todo), unit="sample", desc="harvest", file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=len(convs),
+        initial=len(convs) - sum(len(m) for _, _, m in todo),
+        unit="sample",
+        desc="harvest",
+        file=sys.stderr,
+        dynamic_ncols=True,
+    ) as bar:
 
         def on_batch(n_samples: int, n_tokens: int) -> None:
             run_stats.captured_tokens += n_tokens
@@ -285,7 +343,15 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
         for split, index, members in todo:
             samples, stats = harvest_chunk(target, chat, members, h, sampling, cfg.seed, on_batch)
             check_argmax_rate(writer.manifest, stats.argmax, h, f"{split} chunk {index}")
-            writer.commit(split, index, samples, dict(stats.skips), {"argmax_check": {k: stats.argmax[k] for k in ("checked", "mismatched", "ties")}} if stats.argmax else None)
+            writer.commit(
+                split,
+                index,
+                samples,
+                dict(stats.skips),
+                {"argmax_check": {k: stats.argmax[k] for k in ("checked", "mismatched", "ties")}}
+                if stats.argmax
+                else None,
+            )
             run_stats.generated_tokens += stats.generated_tokens
             run_stats.unfinished_answers += stats.unfinished_answers
     work_s = time.time() - t_work
@@ -315,9 +381,23 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
             "harvest_s": round(work_s, 2),
             "captured_tokens_per_s": round(run_stats.captured_tokens / max(work_s, 1e-9), 1),
         },
-        "draft_vocab": {"size": int(d2t.numel()), "source": "drafter.init" if frozen is not None else "token counts", "loss_tokens_covered": round(float(counts[t2d].sum()) / max(int(counts.sum()), 1), 4)},
-        "argmax_check": ({"checked": 0, "mismatched": 0, "ties": 0, **m.get("chunk_counts", {}).get("argmax_check", {}), "tie_eps": h.argmax_tie_eps, "max_mismatch": h.argmax_max_mismatch}
-                         if h.temperature == 0 else "off (temperature > 0)"),
+        "draft_vocab": {
+            "size": int(d2t.numel()),
+            "source": "drafter.init" if frozen is not None else "token counts",
+            "loss_tokens_covered": round(float(counts[t2d].sum()) / max(int(counts.sum()), 1), 4),
+        },
+        "argmax_check": (
+            {
+                "checked": 0,
+                "mismatched": 0,
+                "ties": 0,
+                **m.get("chunk_counts", {}).get("argmax_check", {}),
+                "tie_eps": h.argmax_tie_eps,
+                "max_mismatch": h.argmax_max_mismatch,
+            }
+            if h.temperature == 0
+            else "off (temperature > 0)"
+        ),
         "target": identity,
         "topk": h.topk,
         "time_s": round(time.time() - t0, 2),

@@ -145,7 +145,9 @@ def package_file(module: str, rel: str, what: str, pip_name: str) -> Path:
     """A data file shipped inside an installed package, found without importing the package."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the {pip_name} package is not installed (pip install {pip_name}; the embedded extra has it)")
+        raise FileNotFoundError(
+            f"the {pip_name} package is not installed (pip install {pip_name}; the embedded extra has it)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / rel
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found at {path}")
@@ -189,7 +191,7 @@ def iter_humaneval(path: Path, skips: Counter) -> Iterator[object]:
     """HumanEval problems (jsonl, gzipped as the package ships them) as one-turn records asking to complete each stub."""
     import gzip
 
-    with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
+    with gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb") as f:
         for line in f:
             if not line.strip():
                 continue
@@ -221,7 +223,9 @@ def check_source(src: SourceConfig) -> Path:
     path = source_path(src)
     if src.kind == "tokens":
         if not (path / "manifest.json").is_file():
-            raise FileNotFoundError(f"token store not found: {path} (no manifest.json; data/regen.py writes RUN/tokens)")
+            raise FileNotFoundError(
+                f"token store not found: {path} (no manifest.json; data/regen.py writes RUN/tokens)"
+            )
         if src.split not in ("auto", "train", "heldout"):
             raise ValueError(f"source split {src.split!r}: expected auto, train or heldout")
         return path
@@ -265,7 +269,11 @@ def merge_split_parts(records: Iterable[object]) -> Iterator[object]:
     merged: dict | None = None
     base = None
     for r in records:
-        m = _PART_ID.match(r["id"]) if isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("conversations"), list) else None
+        m = (
+            _PART_ID.match(r["id"])
+            if isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("conversations"), list)
+            else None
+        )
         if m and merged is not None and m.group(1) == base:
             merged["conversations"] = merged["conversations"] + r["conversations"]
             continue
@@ -310,7 +318,9 @@ def raw_messages(record: object) -> list[tuple[object, object]]:
     if not isinstance(record, dict):
         raise Skip("malformed")
     if isinstance(record.get("conversations"), list):
-        return [(m.get("from"), m.get("value")) if isinstance(m, dict) else (None, None) for m in record["conversations"]]
+        return [
+            (m.get("from"), m.get("value")) if isinstance(m, dict) else (None, None) for m in record["conversations"]
+        ]
     if isinstance(record.get("messages"), list):
         return [(m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None) for m in record["messages"]]
     if isinstance(record.get("turns"), list):
@@ -335,7 +345,7 @@ def normalize(record: object, max_turns: int, regenerate: bool) -> list[dict]:
             raise Skip("invalid_utf8")
         msgs.append({"role": ROLE_NAMES[role.lower()], "content": content})
     system = msgs[:1] if msgs and msgs[0]["role"] == "system" else []
-    turns = msgs[len(system):]
+    turns = msgs[len(system) :]
     if any(m["role"] == "system" for m in turns):
         raise Skip("bad_turn_order")
     if regenerate:
@@ -355,7 +365,9 @@ def normalize(record: object, max_turns: int, regenerate: bool) -> list[dict]:
 def content_key(messages: list[dict], regenerate: bool) -> str:
     """What defines a sample: the prompts alone when the target writes the answers."""
     kept = [m for m in messages if m["role"] != "assistant"] if regenerate else messages
-    return hashlib.sha256(json.dumps(kept, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")).hexdigest()
+    return hashlib.sha256(
+        json.dumps(kept, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")
+    ).hexdigest()
 
 
 def split_of(key: str, heldout_fraction: float) -> str:

@@ -47,15 +47,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle3ft.data.chat import ChatFormat
 from eagle3ft.config import Config, cli_errors, parse_cli, to_dict
+from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.harvest import check_harvest_config, request_seed, sample_id
 from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import SPLITS, StoreError
-from eagle3ft.targets.base import Request, Sampling
-from eagle3ft.targets.hf import load_tokenizer
 from eagle3ft.data.tokens import TokenSample, TokenWriter, tokenizer_digest
 from eagle3ft.runlock import holding
+from eagle3ft.targets.base import Request, Sampling
+from eagle3ft.targets.hf import load_tokenizer
 
 TOKENS_DIR = "tokens"
 
@@ -95,7 +95,14 @@ class SGLangBackend:
         self.urls = [u.rstrip("/") for u in client_cfg.urls]
         self.policy = HTTPPolicy.of(client_cfg)
         for u in self.urls:  # a clear error before any work when a server is not there
-            server_info(u, HTTPPolicy(timeout_s=min(30.0, self.policy.timeout_s), retries=self.policy.retries, backoff_s=self.policy.backoff_s))
+            server_info(
+                u,
+                HTTPPolicy(
+                    timeout_s=min(30.0, self.policy.timeout_s),
+                    retries=self.policy.retries,
+                    backoff_s=self.policy.backoff_s,
+                ),
+            )
         self.slots = [u for u in self.urls for _ in range(client_cfg.concurrency)]
         self.batch = client_cfg.prompts_per_request
         self.sampling, self.stop_ids = sampling, [int(i) for i in stop_ids]
@@ -103,10 +110,20 @@ class SGLangBackend:
         self._lock = threading.Lock()
 
     def describe(self) -> dict:
-        return {"backend": "sglang", "servers": self.urls, "requests_in_flight_per_server": len(self.slots) // len(self.urls), "prompts_per_request": self.batch}
+        return {
+            "backend": "sglang",
+            "servers": self.urls,
+            "requests_in_flight_per_server": len(self.slots) // len(self.urls),
+            "prompts_per_request": self.batch,
+        }
 
     def _params(self, g: Gen) -> dict:
-        sp = {"max_new_tokens": int(g.max_new_tokens), "temperature": float(self.sampling.temperature), "top_p": float(self.sampling.top_p), "stop_token_ids": self.stop_ids}
+        sp = {
+            "max_new_tokens": int(g.max_new_tokens),
+            "temperature": float(self.sampling.temperature),
+            "top_p": float(self.sampling.top_p),
+            "stop_token_ids": self.stop_ids,
+        }
         if self.sampling.temperature > 0:
             sp["sampling_seed"] = int(g.seed)
         return sp
@@ -118,7 +135,9 @@ class SGLangBackend:
         meta = out.get("meta_info") or {}
         ids = [int(t) for t in ids]
         n = meta.get("completion_tokens")
-        if isinstance(n, int) and len(ids) > n:  # some releases put detokenizer context before the answer (sglang#17240)
+        if (
+            isinstance(n, int) and len(ids) > n
+        ):  # some releases put detokenizer context before the answer (sglang#17240)
             ids = ids[len(ids) - n :]
             with self._lock:
                 self.trimmed += 1
@@ -163,7 +182,9 @@ class HFBackend:
     def generate(self, slot: int, batch: list[Gen]) -> list[Answer]:
         reqs = [Request(g.prompt_ids, g.max_new_tokens, self.stop_ids, capture=False, seed=g.seed) for g in batch]
         results = self.target.process(reqs, self.sampling)
-        return [Answer(r.completion_ids, bool(r.completion_ids) and r.completion_ids[-1] in self.stop_ids) for r in results]
+        return [
+            Answer(r.completion_ids, bool(r.completion_ids) and r.completion_ids[-1] in self.stop_ids) for r in results
+        ]
 
 
 # --------------------------------------------------------------------------- conversations in flight
@@ -196,7 +217,14 @@ class Regenerator:
     """Moves conversations turn by turn through the backend's workers; commits chunks as they complete."""
 
     def __init__(self, cfg: Config, chat: ChatFormat, backend, writer: TokenWriter, bar: tqdm):
-        self.h, self.seed, self.chat, self.backend, self.writer, self.bar = cfg.harvest, cfg.seed, chat, backend, writer, bar
+        self.h, self.seed, self.chat, self.backend, self.writer, self.bar = (
+            cfg.harvest,
+            cfg.seed,
+            chat,
+            backend,
+            writer,
+            bar,
+        )
         self.ready: queue.Queue = queue.Queue()
         self.results: queue.Queue = queue.Queue()
         self.stop = threading.Event()
@@ -273,14 +301,24 @@ class Regenerator:
         pending = list(reversed(todo))
         open_chunks: dict[tuple[str, int], tuple[list[ConvState], Counter]] = {}
         open_convs = 0
-        threads = [threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(len(self.backend.slots))]
+        threads = [
+            threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(len(self.backend.slots))
+        ]
         for t in threads:
             t.start()
         try:
             while pending or open_chunks:
                 while pending and (not open_chunks or open_convs < window):
                     split, index, members = pending.pop()
-                    states = [ConvState(c, (split, index), [m for m in c.messages if m["role"] == "system"], [m for m in c.messages if m["role"] == "user"]) for c in members]
+                    states = [
+                        ConvState(
+                            c,
+                            (split, index),
+                            [m for m in c.messages if m["role"] == "system"],
+                            [m for m in c.messages if m["role"] == "user"],
+                        )
+                        for c in members
+                    ]
                     skips: Counter = Counter()
                     open_chunks[(split, index)] = (states, skips)
                     self.left[(split, index)] = len(states)
@@ -296,7 +334,9 @@ class Regenerator:
                 for s, a in payload:
                     self._take(s, a)
                     self._advance(s, open_chunks[s.chunk][1])
-                self.bar.set_postfix_str(f"answer tok/s {self.stats.answer_tokens / max(time.time() - self.t0, 1e-9):,.0f}", refresh=False)
+                self.bar.set_postfix_str(
+                    f"answer tok/s {self.stats.answer_tokens / max(time.time() - self.t0, 1e-9):,.0f}", refresh=False
+                )
                 open_convs -= self._commit_done(open_chunks)
         finally:
             self.stop.set()
@@ -330,8 +370,24 @@ class Regenerator:
 def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
     """What must match for a rerun to resume: the conversation order and how answers are made."""
     h = to_dict(cfg.harvest)
-    gen_keys = ("sources", "max_turns", "max_prompt_tokens", "max_total_tokens", "max_new_tokens", "temperature", "top_p", "heldout_fraction", "dedupe", "shard_samples")
-    what = {"keys": [(c.key, c.split) for c in convs], "harvest": {k: h[k] for k in gen_keys}, "chat_template": cfg.target.chat_template, "seed": cfg.seed}
+    gen_keys = (
+        "sources",
+        "max_turns",
+        "max_prompt_tokens",
+        "max_total_tokens",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "heldout_fraction",
+        "dedupe",
+        "shard_samples",
+    )
+    what = {
+        "keys": [(c.key, c.split) for c in convs],
+        "harvest": {k: h[k] for k in gen_keys},
+        "chat_template": cfg.target.chat_template,
+        "seed": cfg.seed,
+    }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
@@ -358,26 +414,53 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
 
     def prompt_fits(messages: list[dict]) -> str | None:
         first = [m for m in messages if m["role"] == "system"] + [next(m for m in messages if m["role"] == "user")]
-        return "too_long_prompt" if len(chat.encode(first, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
+        return (
+            "too_long_prompt" if len(chat.encode(first, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
+        )
 
     prompt_skips: Counter = Counter()
-    convs = collect(h.sources, max_turns=h.max_turns, regenerate=True, heldout_fraction=h.heldout_fraction, dedupe=h.dedupe, skips=prompt_skips, check=prompt_fits)
+    convs = collect(
+        h.sources,
+        max_turns=h.max_turns,
+        regenerate=True,
+        heldout_fraction=h.heldout_fraction,
+        dedupe=h.dedupe,
+        skips=prompt_skips,
+        check=prompt_fits,
+    )
     if not convs:
         raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")
 
-    identity = {"target": cfg.target.name, "tokenizer_sha256": tokenizer_digest(tokenizer), "vocab_size": len(tokenizer), "chat_template": cfg.target.chat_template, "stop_ids": list(chat.stop_ids)}
+    identity = {
+        "target": cfg.target.name,
+        "tokenizer_sha256": tokenizer_digest(tokenizer),
+        "vocab_size": len(tokenizer),
+        "chat_template": cfg.target.chat_template,
+        "stop_ids": list(chat.stop_ids),
+    }
     writer = TokenWriter(run_dir / TOKENS_DIR, identity, fingerprint(cfg, convs))
     chunks = []
     for split in reversed(SPLITS):  # held-out first: it is small, and a run cut short still has its eval set
         members = [c for c in convs if c.split == split]
-        chunks += [(split, i // h.shard_samples, members[i : i + h.shard_samples]) for i in range(0, len(members), h.shard_samples)]
+        chunks += [
+            (split, i // h.shard_samples, members[i : i + h.shard_samples])
+            for i in range(0, len(members), h.shard_samples)
+        ]
     todo = [(s, i, m) for s, i, m in chunks if i not in writer.done(s)]
 
     sampling = Sampling(temperature=h.temperature, top_p=h.top_p)
     backend = open_backend(cfg, sampling, chat.stop_ids)
     t_work = time.time()
     done_before = len(convs) - sum(len(m) for _, _, m in todo)
-    with tqdm(total=len(convs), initial=done_before, unit="conv", desc="regen", file=sys.stderr, dynamic_ncols=True, mininterval=1.0) as bar:
+    with tqdm(
+        total=len(convs),
+        initial=done_before,
+        unit="conv",
+        desc="regen",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=1.0,
+    ) as bar:
         regen = Regenerator(cfg, chat, backend, writer, bar)
         regen.run(todo)
     work_s = time.time() - t_work
@@ -397,7 +480,13 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
         "chunks": len(chunks),
         "chunks_resumed": len(chunks) - len(todo),
         "output_ids_trimmed": backend.trimmed,
-        "generation": {**backend.describe(), "max_new_tokens": h.max_new_tokens, "max_total_tokens": h.max_total_tokens, "max_turns": h.max_turns, "temperature": h.temperature},
+        "generation": {
+            **backend.describe(),
+            "max_new_tokens": h.max_new_tokens,
+            "max_total_tokens": h.max_total_tokens,
+            "max_turns": h.max_turns,
+            "temperature": h.temperature,
+        },
         "time_s": round(time.time() - t0, 2),
     }
     (run_dir / TOKENS_DIR / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -407,7 +496,9 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
 def cli(argv: list[str] | None = None) -> None:
     from eagle3ft.targets.sglang import SGLangError
 
-    cfg, run_dir, _ = parse_cli("Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv)
+    cfg, run_dir, _ = parse_cli(
+        "Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv
+    )
     with holding(run_dir, "regen"), cli_errors("regen", RegenError, SGLangError, StoreError):
         summary = main(cfg, run_dir)
     print(json.dumps(summary, indent=1))

@@ -78,7 +78,9 @@ _MEMBER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
 def member(features_dir: Path, name, manifest: Path) -> Path:
     """features_dir/name for a file the manifest lists; StoreError unless it is a plain file name there."""
     if not isinstance(name, str) or not _MEMBER.fullmatch(name):
-        raise StoreError(f"{manifest}: entry {name!r} is not a *.safetensors file name inside {features_dir} (no folders, '..' or absolute paths)")
+        raise StoreError(
+            f"{manifest}: entry {name!r} is not a *.safetensors file name inside {features_dir} (no folders, '..' or absolute paths)"
+        )
     return features_dir / name
 
 
@@ -132,7 +134,15 @@ class FeatureWriter:
     manifest of an existing folder, or the writer refuses to mix harvests.
     """
 
-    def __init__(self, features_dir: str | Path, target: dict, topk: int, has_last_hidden: bool, fingerprint: str, aux_dtype: str = "bf16"):
+    def __init__(
+        self,
+        features_dir: str | Path,
+        target: dict,
+        topk: int,
+        has_last_hidden: bool,
+        fingerprint: str,
+        aux_dtype: str = "bf16",
+    ):
         if aux_dtype not in AUX_DTYPES:
             raise ValueError(f"harvest.aux_dtype {aux_dtype!r} is not one of {', '.join(AUX_DTYPES)}")
         self.dir = Path(features_dir)
@@ -172,7 +182,14 @@ class FeatureWriter:
         """Committed shards that are missing or fail their sha256 (checked before a rerun adds to the store)."""
         return damaged_shards(self.dir, self.manifest["shards"], self.dir / MANIFEST)
 
-    def commit(self, split: str, chunk: int, samples: list[Sample], skips: dict[str, int], counts: dict[str, dict[str, int]] | None = None) -> None:
+    def commit(
+        self,
+        split: str,
+        chunk: int,
+        samples: list[Sample],
+        skips: dict[str, int],
+        counts: dict[str, dict[str, int]] | None = None,
+    ) -> None:
         """Write one chunk's shard (if it kept any sample) and record the chunk as done.
 
         `counts` ({"argmax_check": {"checked": n, ...}}) are summed into the manifest's `chunk_counts` with it."""
@@ -187,7 +204,14 @@ class FeatureWriter:
             _write_atomic(self.dir / name, data)
             n_tok = int(tensors["input_ids"].numel())
             m["shards"].append(
-                {"file": name, "split": split, "chunk": chunk, "samples": len(samples), "tokens": n_tok, "sha256": hashlib.sha256(data).hexdigest()}
+                {
+                    "file": name,
+                    "split": split,
+                    "chunk": chunk,
+                    "samples": len(samples),
+                    "tokens": n_tok,
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                }
             )
             c = m["counts"][split]
             c["samples"] += len(samples)
@@ -214,7 +238,9 @@ class FeatureWriter:
         _write_atomic(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
 
 
-def pack(samples: list[Sample], has_last_hidden: bool, aux_dtype: str = "bf16", hidden_size: int | None = None) -> dict[str, torch.Tensor]:
+def pack(
+    samples: list[Sample], has_last_hidden: bool, aux_dtype: str = "bf16", hidden_size: int | None = None
+) -> dict[str, torch.Tensor]:
     """Concatenate samples along the token axis in the schema's dtypes (aux states in fp8 + scales for "fp8")."""
     keys = [k for k in KEYS if k != "last_hidden" or has_last_hidden]
     out = {k: torch.cat([getattr(s, k) for s in samples]).to(DTYPES[k]).contiguous() for k in keys}
@@ -290,7 +316,9 @@ class FeatureStore:
         """Samples of `split`; `keys` reads only those (e.g. input_ids and loss_mask for online training)."""
         if split not in SPLITS:
             raise ValueError(f"split {split!r} not in {SPLITS}")
-        return FeatureDataset(self.shards(split), self.manifest["has_last_hidden"], keys, self.manifest.get("aux_dtype", "bf16") == "fp8")
+        return FeatureDataset(
+            self.shards(split), self.manifest["has_last_hidden"], keys, self.manifest.get("aux_dtype", "bf16") == "fp8"
+        )
 
 
 class ShardDataset(torch.utils.data.Dataset):
@@ -331,7 +359,9 @@ class ShardDataset(torch.utils.data.Dataset):
 class FeatureDataset(ShardDataset):
     """Samples of one split of the feature store (fp8 aux states come back as bf16)."""
 
-    def __init__(self, shards: list[Path], has_last_hidden: bool, keys: tuple[str, ...] | None = None, aux_fp8: bool = False):
+    def __init__(
+        self, shards: list[Path], has_last_hidden: bool, keys: tuple[str, ...] | None = None, aux_fp8: bool = False
+    ):
         super().__init__(shards)
         self.aux_fp8 = aux_fp8
         self.keys = [k for k in KEYS if (k != "last_hidden" or has_last_hidden) and (keys is None or k in keys)]

@@ -62,7 +62,9 @@ def check_tokenizer(tokens_dir: str | Path, tokenizer) -> None:
     """StoreError unless the store at `tokens_dir` was written with this tokenizer's vocabulary."""
     have = TokenStore(tokens_dir, verify=False).identity.get("tokenizer_sha256")
     if have != tokenizer_digest(tokenizer):
-        raise StoreError(f"{tokens_dir}: the token store was made with another tokenizer (vocabulary sha256 {have} != {tokenizer_digest(tokenizer)})")
+        raise StoreError(
+            f"{tokens_dir}: the token store was made with another tokenizer (vocabulary sha256 {have} != {tokenizer_digest(tokenizer)})"
+        )
 
 
 class TokenWriter:
@@ -92,7 +94,9 @@ class TokenWriter:
             old = json.loads(path.read_text())
             for k in ("schema_version", "kind", "identity", "fingerprint"):
                 if old.get(k) != fresh[k]:
-                    raise StoreError(f"{self.dir} holds tokens with another {k} ({old.get(k)!r} != {fresh[k]!r}); use a new run dir")
+                    raise StoreError(
+                        f"{self.dir} holds tokens with another {k} ({old.get(k)!r} != {fresh[k]!r}); use a new run dir"
+                    )
             self.manifest = old
         else:
             self.manifest = fresh
@@ -111,7 +115,16 @@ class TokenWriter:
             name = shard_name(split, chunk)
             _write_atomic(self.dir / name, data)
             n_tok = int(tensors["input_ids"].numel())
-            m["shards"].append({"file": name, "split": split, "chunk": chunk, "samples": len(samples), "tokens": n_tok, "sha256": hashlib.sha256(data).hexdigest()})
+            m["shards"].append(
+                {
+                    "file": name,
+                    "split": split,
+                    "chunk": chunk,
+                    "samples": len(samples),
+                    "tokens": n_tok,
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                }
+            )
             c = m["counts"][split]
             c["samples"] += len(samples)
             c["tokens"] += n_tok

@@ -77,7 +77,9 @@ class DrafterConfig:
     init: str | None = None  # an existing drafter folder (SGLang form) to warm-start from; None = scratch
     draft_vocab_size: int | None = None  # overrides the json's value (scratch only)
     fc_norm: bool | None = None  # EAGLE-3.1 per-aux-layer RMSNorm before fc; overrides the json's (scratch only)
-    norm_output: bool | None = None  # EAGLE-3.1 post-norm hidden fed to the next draft step; overrides the json's (scratch only)
+    norm_output: bool | None = (
+        None  # EAGLE-3.1 post-norm hidden fed to the next draft step; overrides the json's (scratch only)
+    )
 
 
 @dataclass
@@ -85,10 +87,14 @@ class SourceConfig:
     """One prompt source."""
 
     kind: str = "sharegpt"  # sharegpt | mtbench | chitchat | humaneval | file | tokens
-    path: str | None = None  # kind=file: a json, jsonl or parquet file; kind=tokens: a token store (RUN/tokens, data/regen.py)
+    path: str | None = (
+        None  # kind=file: a json, jsonl or parquet file; kind=tokens: a token store (RUN/tokens, data/regen.py)
+    )
     limit: int | None = None  # keep at most this many conversations from this source
     split: str = "auto"  # auto (held-out fraction applies) | train | heldout
-    categories: list[str] = field(default_factory=list)  # keep only records whose "category" is one of these (MT-Bench: math, reasoning, coding, ...)
+    categories: list[str] = field(
+        default_factory=list
+    )  # keep only records whose "category" is one of these (MT-Bench: math, reasoning, coding, ...)
 
 
 @dataclass
@@ -101,7 +107,9 @@ class SGLangClientConfig:
     timeout_s: float = 600.0
     retries: int = 3
     backoff_s: float = 1.0
-    capture: str = "auto"  # auto | one_request | two_pass (generate, then capture prompt+answer): eagle3ft/targets/sglang.py
+    capture: str = (
+        "auto"  # auto | one_request | two_pass (generate, then capture prompt+answer): eagle3ft/targets/sglang.py
+    )
     hidden_size: int | None = None  # the served target's identity, when target.path has no config.json here
     vocab_size: int | None = None
     num_layers: int | None = None
@@ -128,7 +136,9 @@ class HarvestConfig:
     dedupe: bool = True
     shard_samples: int = 256  # samples per shard
     argmax_tie_eps: float = 0.05  # T=0 check: a generated token whose log-prob is within this of the top-1's counts as the argmax (near-tie)
-    argmax_max_mismatch: float = 0.05  # T=0 check: refuse the harvest when more than this fraction of generated tokens are not the argmax
+    argmax_max_mismatch: float = (
+        0.05  # T=0 check: refuse the harvest when more than this fraction of generated tokens are not the argmax
+    )
     sglang: SGLangClientConfig = field(default_factory=SGLangClientConfig)
 
 
@@ -159,13 +169,17 @@ class TrainConfig:
     precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32; fills the DeepSpeed json's "auto"
     target_source: str = "auto"  # auto (last_hidden when stored, else top-k) | topk | last_hidden
     compile: bool = False  # torch.compile the drafter's norms, q/k/v + rope and MLP (needs triton on CUDA)
-    stop_after: int | None = None  # end this invocation after this many optimizer steps (a job time limit); resume continues
+    stop_after: int | None = (
+        None  # end this invocation after this many optimizer steps (a job time limit); resume continues
+    )
     loss: str = "ce"  # ce | tv (1 - Σ min(p, q)) | lk (-log Σ min(p, q)) | lk_hybrid (exp(-η·α)·KL + (1 - exp(-η·α))·TV): train/ttt.py
     lk_eta: float = 3.0  # η of lk_hybrid
     eval_every: int = 200  # held-out greedy chain τ (depth eval.steps) every this many optimizer steps and at the end; 0 = at the end only
     eval_samples: int = 256  # the first this many held-out samples form the fixed held-out set (train/validate.py)
     features: str = "offline"  # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
-    pack_tokens: int | None = None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
+    pack_tokens: int | None = (
+        None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
+    )
 
 
 @dataclass
@@ -204,7 +218,9 @@ class BenchConfig:
     baseline_url: str | None = None  # sglang: an already-running plain server
     speculative_url: str | None = None  # sglang: an already-running EAGLE3 server
     launch: bool = False  # sglang: start/stop the servers with launch/ recipes
-    calibration: str | None = None  # another run's bench/calibration.json: predict this run's tok/s from its offline tau
+    calibration: str | None = (
+        None  # another run's bench/calibration.json: predict this run's tok/s from its offline tau
+    )
 
 
 @dataclass
@@ -227,9 +243,15 @@ class ServeConfig:
     launch_cmd: list[str] = field(default_factory=lambda: ["-m", "sglang.launch_server"])  # after `python`
     harvest_capture: str = "eagle3"  # eagle3: a draft model makes the server return its aux layers (any version) | aux_flag: SGLang >= 0.5.23, no draft
     harvest_draft: str | None = None  # drafter folder (SGLang form) for harvest_capture=eagle3; default drafter.init
-    harvest_setting: BenchSetting = field(default_factory=lambda: BenchSetting(1, 1, 2))  # the cheapest speculation while harvesting
-    aux_capture_args: list[str] = field(default_factory=lambda: ["--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids"])  # harvest_capture=aux_flag; the ids follow the last one
-    harvest_env: dict[str, str] = field(default_factory=lambda: {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})  # logprobs before temperature, as the store wants
+    harvest_setting: BenchSetting = field(
+        default_factory=lambda: BenchSetting(1, 1, 2)
+    )  # the cheapest speculation while harvesting
+    aux_capture_args: list[str] = field(
+        default_factory=lambda: ["--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids"]
+    )  # harvest_capture=aux_flag; the ids follow the last one
+    harvest_env: dict[str, str] = field(
+        default_factory=lambda: {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+    )  # logprobs before temperature, as the store wants
     log_dir: str | None = None  # server logs; default <run-dir>/serve
     stop_grace_s: float = 30.0  # SIGTERM, then SIGKILL after this long
     max_servers: int = 0  # bench.launch: servers up at once (0 = all; 1 when one server fills the node)
@@ -281,7 +303,9 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         names = {f.name for f in dataclasses.fields(tp)}
         unknown = sorted(set(value) - names)
         if unknown:
-            raise ConfigError(f"unknown config key '{where + '.' if where else ''}{unknown[0]}' (known: {', '.join(sorted(names))})")
+            raise ConfigError(
+                f"unknown config key '{where + '.' if where else ''}{unknown[0]}' (known: {', '.join(sorted(names))})"
+            )
         kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in value.items()}
         return tp(**kwargs)
     origin = typing.get_origin(tp)
@@ -372,8 +396,16 @@ def code_version() -> str:
     from eagle3ft import __version__
 
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         if sha.returncode == 0:
             return f"{__version__}+g{sha.stdout.strip()}{'-dirty' if dirty.stdout.strip() else ''}"
     except (OSError, subprocess.SubprocessError):
@@ -409,7 +441,14 @@ def resolve_path(p: str | None, base: Path = REPO_ROOT) -> Path | None:
 def build_parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--config", required=True, help="YAML config file")
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help="dotted override, repeatable")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="dotted override, repeatable",
+    )
     ap.add_argument("--run-dir", required=True, help="the run folder (created if missing)")
     ap.add_argument("--debug", action="store_true", help=f"show the traceback behind an error (or set {DEBUG_ENV}=1)")
     return ap
@@ -433,7 +472,13 @@ def cli_errors(prog: str, *more: type[BaseException]):
         raise SystemExit(1) from None
 
 
-def parse_cli(description: str, stage: str, argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None, record: bool = True):
+def parse_cli(
+    description: str,
+    stage: str,
+    argv: list[str] | None = None,
+    parser: argparse.ArgumentParser | None = None,
+    record: bool = True,
+):
     """Parse the three shared options (plus any the stage's parser adds), load, save.
 
     Returns (config, run_dir, namespace). A bad config exits 2 with a one-line message. With

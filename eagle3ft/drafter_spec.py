@@ -24,7 +24,14 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
-def check_drafter(drafter, target: dict, where: str, features: str | None = None, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None) -> list[int]:
+def check_drafter(
+    drafter,
+    target: dict,
+    where: str,
+    features: str | None = None,
+    d2t: torch.Tensor | None = None,
+    t2d: torch.Tensor | None = None,
+) -> list[int]:
     """The one check of a drafter against a target or a feature store; train, eval, the bench and the harvest call it
     before any compute. Returns the aux layer ids (SGLang's default when the drafter names none).
 
@@ -36,20 +43,30 @@ def check_drafter(drafter, target: dict, where: str, features: str | None = None
     other = "features' target" if features else "target"
     tail = f" ({features})" if features else ""
     if drafter.target_hidden_size != target["hidden_size"]:
-        raise DrafterMismatch(f"{where}: drafter target_hidden_size {drafter.target_hidden_size} != {other} hidden_size {target['hidden_size']}{tail}")
+        raise DrafterMismatch(
+            f"{where}: drafter target_hidden_size {drafter.target_hidden_size} != {other} hidden_size {target['hidden_size']}{tail}"
+        )
     if drafter.vocab_size != target["vocab_size"]:
-        raise DrafterMismatch(f"{where}: drafter vocab_size {drafter.vocab_size} != {other} vocab_size {target['vocab_size']}{tail}")
+        raise DrafterMismatch(
+            f"{where}: drafter vocab_size {drafter.vocab_size} != {other} vocab_size {target['vocab_size']}{tail}"
+        )
     if not 0 < drafter.draft_vocab_size <= target["vocab_size"]:
-        raise DrafterMismatch(f"{where}: drafter draft_vocab_size {drafter.draft_vocab_size} not in (0, {other} vocab_size {target['vocab_size']}]{tail}")
+        raise DrafterMismatch(
+            f"{where}: drafter draft_vocab_size {drafter.draft_vocab_size} not in (0, {other} vocab_size {target['vocab_size']}]{tail}"
+        )
     num_layers = target["num_layers"]
     ids = list(drafter.aux_layer_ids) if drafter.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
     if len(ids) != 3:
         raise DrafterMismatch(f"{where}: drafter aux layer ids {ids}: EAGLE-3 fuses exactly 3 layers")
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
-        raise DrafterMismatch(f"{where}: drafter aux layer ids {bad} outside the {other}'s layers 0..{num_layers - 1} (num_layers {num_layers}){tail}")
+        raise DrafterMismatch(
+            f"{where}: drafter aux layer ids {bad} outside the {other}'s layers 0..{num_layers - 1} (num_layers {num_layers}){tail}"
+        )
     if target.get("aux_layer_ids") is not None and ids != list(target["aux_layer_ids"]):
-        raise DrafterMismatch(f"{where}: drafter aux layer ids {ids} != {'features' if features else 'target'}' aux layer ids {list(target['aux_layer_ids'])}{tail}")
+        raise DrafterMismatch(
+            f"{where}: drafter aux layer ids {ids} != {'features' if features else 'target'}' aux layer ids {list(target['aux_layer_ids'])}{tail}"
+        )
     if d2t is not None or t2d is not None:
         check_vocab(d2t, t2d, target["vocab_size"], drafter.draft_vocab_size, f"{where}: draft vocabulary")
     return ids
@@ -98,7 +115,9 @@ class DrafterSpec:
 
     def check_target(self, hidden_size: int, vocab_size: int, num_layers: int) -> list[int]:
         """Raise DrafterMismatch naming both values when the target does not fit; return the aux layer ids."""
-        return check_drafter(self, {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_layers": num_layers}, self.path)
+        return check_drafter(
+            self, {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_layers": num_layers}, self.path
+        )
 
 
 def check_drafter_folder(folder: str | Path, target: dict, where: str, features: str | None = None) -> DrafterSpec:

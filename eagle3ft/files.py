@@ -26,4 +26,6 @@ def safetensors_keys(path: str | Path, what: str) -> list[str]:
         with safe_open(path, framework="pt") as f:
             return list(f.keys())
     except SafetensorError as e:
-        raise DamagedFile(f"{path}: {what} is not a readable safetensors file ({e}); the file is truncated or damaged") from None
+        raise DamagedFile(
+            f"{path}: {what} is not a readable safetensors file ({e}); the file is truncated or damaged"
+        ) from None

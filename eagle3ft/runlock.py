@@ -63,7 +63,9 @@ def describe(owner: dict) -> str:
 
 
 def _stale(owner: dict) -> bool:
-    return owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int) and not pid_alive(owner["pid"])
+    return (
+        owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int) and not pid_alive(owner["pid"])
+    )
 
 
 class RunLock:
@@ -72,7 +74,12 @@ class RunLock:
     def __init__(self, run_dir: str | Path, stage: str) -> None:
         self.path = lock_path(run_dir).resolve()
         self.stage = stage
-        self.owner = {"host": socket.gethostname(), "pid": os.getpid(), "stage": stage, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self.owner = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "stage": stage,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
 
     def acquire(self) -> "RunLock":
         if self.path in _held:
@@ -87,18 +94,26 @@ class RunLock:
                 if owner is None:
                     continue  # released meanwhile: try again
                 if owner and _stale(owner):
-                    print(f"{self.stage}: taking over the stale lock {self.path} of {describe(owner)}: that process is gone", file=sys.stderr, flush=True)
+                    print(
+                        f"{self.stage}: taking over the stale lock {self.path} of {describe(owner)}: that process is gone",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self._remove_if(owner)
                     continue
                 if not owner:
                     time.sleep(0.05)  # its owner is still writing it
                     continue
-                raise RunLocked(f"{self.path.parent} is in use by {describe(owner)}; wait for it to finish (or, if it is gone, delete {self.path})")
+                raise RunLocked(
+                    f"{self.path.parent} is in use by {describe(owner)}; wait for it to finish (or, if it is gone, delete {self.path})"
+                )
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self.owner) + "\n")
             _held[self.path] = [1, self.owner]
             return self
-        raise RunLocked(f"{self.path}: could not take the lock (it kept changing hands); delete it if no stage is running")
+        raise RunLocked(
+            f"{self.path}: could not take the lock (it kept changing hands); delete it if no stage is running"
+        )
 
     def _remove_if(self, owner: dict) -> None:
         if read_owner(self.path) == owner:

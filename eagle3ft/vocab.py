@@ -70,7 +70,9 @@ def vocab_from_drafter(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return found["d2t"].to(torch.int64), found["t2d"].to(torch.bool)
 
 
-def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str = "draft vocabulary") -> None:
+def check_vocab(
+    d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str = "draft vocabulary"
+) -> None:
     """Raise ValueError naming `where` unless d2t/t2d describe the same `draft_vocab_size` tokens of a `vocab_size` target:
     integer d2t of draft_vocab_size entries, bool t2d of vocab_size, every d2t[i] + i a distinct target id in range
     that t2d marks, and t2d marking no other."""
@@ -79,17 +81,27 @@ def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_voc
     if t2d.dtype != torch.bool or t2d.dim() != 1:
         raise ValueError(f"{where}: t2d must be a 1-D bool tensor, got {t2d.dtype} of shape {tuple(t2d.shape)}")
     if d2t.numel() != draft_vocab_size or t2d.numel() != vocab_size:
-        raise ValueError(f"{where}: vocab sizes d2t {d2t.numel()} / t2d {t2d.numel()} != draft {draft_vocab_size} / target {vocab_size}")
+        raise ValueError(
+            f"{where}: vocab sizes d2t {d2t.numel()} / t2d {t2d.numel()} != draft {draft_vocab_size} / target {vocab_size}"
+        )
     target_ids = torch.arange(draft_vocab_size) + d2t.to(torch.int64)
     out = ((target_ids < 0) | (target_ids >= vocab_size)).nonzero().flatten()
     if out.numel():
         i = int(out[0])
-        raise ValueError(f"{where}: d2t maps {out.numel()} draft ids outside the target vocab [0, {vocab_size}), first draft id {i} -> {int(target_ids[i])}")
+        raise ValueError(
+            f"{where}: d2t maps {out.numel()} draft ids outside the target vocab [0, {vocab_size}), first draft id {i} -> {int(target_ids[i])}"
+        )
     if int(target_ids.unique().numel()) != draft_vocab_size:
-        raise ValueError(f"{where}: d2t maps several draft ids to one target id ({int(target_ids.unique().numel())} distinct of {draft_vocab_size})")
+        raise ValueError(
+            f"{where}: d2t maps several draft ids to one target id ({int(target_ids.unique().numel())} distinct of {draft_vocab_size})"
+        )
     unmarked = (~t2d[target_ids]).nonzero().flatten()
     if unmarked.numel():
         i = int(unmarked[0])
-        raise ValueError(f"{where}: d2t and t2d disagree: {unmarked.numel()} draft ids map to target ids t2d does not mark, first draft id {i} -> {int(target_ids[i])}")
+        raise ValueError(
+            f"{where}: d2t and t2d disagree: {unmarked.numel()} draft ids map to target ids t2d does not mark, first draft id {i} -> {int(target_ids[i])}"
+        )
     if int(t2d.sum()) != draft_vocab_size:
-        raise ValueError(f"{where}: d2t and t2d disagree: t2d marks {int(t2d.sum())} target ids, d2t maps {draft_vocab_size}")
+        raise ValueError(
+            f"{where}: d2t and t2d disagree: t2d marks {int(t2d.sum())} target ids, d2t maps {draft_vocab_size}"
+        )

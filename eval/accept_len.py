@@ -201,7 +201,9 @@ def _depth_valid(s: SampleInputs, depth: int, greedy: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def chain_acceptance(drafter: Eagle3Drafter, s: SampleInputs, steps: int, temperature: float = 1.0, chunk: int = 512) -> ChainResult:
+def chain_acceptance(
+    drafter: Eagle3Drafter, s: SampleInputs, steps: int, temperature: float = 1.0, chunk: int = 512
+) -> ChainResult:
     """The teacher-forced chain unroll over every root of one sample (see the module docstring)."""
     T = s.input_ids.shape[0]
     dev = s.input_ids.device
@@ -236,7 +238,9 @@ def sampled_alpha(draft_logits, topk_ids, topk_logprobs, t2d_idx, temperature: f
 
 
 @torch.no_grad()
-def tree_accept(drafter: Eagle3Drafter, s: SampleInputs, steps: int, topk: int, num_draft_tokens: int, chunk: int = 256):
+def tree_accept(
+    drafter: Eagle3Drafter, s: SampleInputs, steps: int, topk: int, num_draft_tokens: int, chunk: int = 256
+):
     """Greedy accept length (bonus included) per root of SGLang's tree; (T-1,) long and (T-1,) bool valid."""
     T = s.input_ids.shape[0]
     dev = s.input_ids.device
@@ -260,7 +264,14 @@ def tree_accept(drafter: Eagle3Drafter, s: SampleInputs, steps: int, topk: int, 
         for depth in range(1, steps):
             r_rep = roots[:, None].expand(n, topk).reshape(-1)
             h, lg, ent = _node_step(
-                drafter, cache, n_prefix, front_tok.reshape(-1), front_h.reshape(n * topk, -1), r_rep, front_anc.reshape(n * topk, -1), depth
+                drafter,
+                cache,
+                n_prefix,
+                front_tok.reshape(-1),
+                front_h.reshape(n * topk, -1),
+                r_rep,
+                front_anc.reshape(n * topk, -1),
+                depth,
             )
             child_lp, child_tk = F.log_softmax(lg.float(), dim=-1).topk(topk, dim=-1)  # (n*topk, topk)
             cand_sc = (front_sc.reshape(-1, 1) + child_lp).reshape(n, topk * topk)
@@ -277,7 +288,13 @@ def tree_accept(drafter: Eagle3Drafter, s: SampleInputs, steps: int, topk: int, 
             h = h.reshape(n, topk, -1)
             ent = ent.reshape(n, topk)
             front_h = h.gather(1, parent_slot[..., None].expand(-1, -1, h.shape[-1]))
-            front_anc = torch.cat([front_anc.gather(1, parent_slot[..., None].expand(-1, -1, front_anc.shape[-1])), ent.gather(1, parent_slot)[..., None]], dim=2)
+            front_anc = torch.cat(
+                [
+                    front_anc.gather(1, parent_slot[..., None].expand(-1, -1, front_anc.shape[-1])),
+                    ent.gather(1, parent_slot)[..., None],
+                ],
+                dim=2,
+            )
             n_nodes += topk * topk
         cache.crop(n_prefix)
         scores, tok, par, dep = (torch.cat(x, dim=1) for x in (all_sc, all_tok, all_par, all_dep))
@@ -320,7 +337,15 @@ class AcceptReport:
         return asdict(self)
 
 
-def evaluate(drafter: Eagle3Drafter, samples, steps: int, topk: int = 1, num_draft_tokens: int | None = None, temperature: float = 0.0, device="cpu") -> AcceptReport:
+def evaluate(
+    drafter: Eagle3Drafter,
+    samples,
+    steps: int,
+    topk: int = 1,
+    num_draft_tokens: int | None = None,
+    temperature: float = 0.0,
+    device="cpu",
+) -> AcceptReport:
     """Offline tau over an iterable of store items (dicts as FeatureStore.dataset yields)."""
     t0 = time.perf_counter()
     num_draft_tokens = num_draft_tokens or steps + 1
@@ -359,21 +384,29 @@ def evaluate(drafter: Eagle3Drafter, samples, steps: int, topk: int = 1, num_dra
 
 
 def format_report(rep: AcceptReport) -> str:
-    lines = [f"offline accept length over {rep.samples} samples, {rep.roots} roots: tau = {rep.headline_tau:.3f} ({rep.headline})"]
+    lines = [
+        f"offline accept length over {rep.samples} samples, {rep.roots} roots: tau = {rep.headline_tau:.3f} ({rep.headline})"
+    ]
     lines.append(f"{'depth':>5} {'a_k greedy':>10} {'a_k sampled':>11} {'acc_k uncond':>12} {'chains':>7}")
     for gr, sr in zip(rep.greedy["per_depth"], rep.sampled["per_depth"]):
-        lines.append(f"{gr['depth']:>5} {gr['a_k']:>10.3f} {sr['a_k']:>11.3f} {gr['acc_k_unconditional']:>12.3f} {gr['chains']:>7}")
-    lines.append(f"tau chain greedy {rep.greedy['tau']:.3f}; sampled (T={rep.sampled['temperature']:g}) {rep.sampled['tau']:.3f}")
+        lines.append(
+            f"{gr['depth']:>5} {gr['a_k']:>10.3f} {sr['a_k']:>11.3f} {gr['acc_k_unconditional']:>12.3f} {gr['chains']:>7}"
+        )
+    lines.append(
+        f"tau chain greedy {rep.greedy['tau']:.3f}; sampled (T={rep.sampled['temperature']:g}) {rep.sampled['tau']:.3f}"
+    )
     if rep.tree:
-        lines.append(f"tau tree {rep.steps}/{rep.topk}/{rep.num_draft_tokens} (greedy) {rep.tree['tau']:.3f} over {rep.tree['roots']} roots")
+        lines.append(
+            f"tau tree {rep.steps}/{rep.topk}/{rep.num_draft_tokens} (greedy) {rep.tree['tau']:.3f} over {rep.tree['roots']} roots"
+        )
     return "\n".join(lines)
 
 
 def run(cfg, run_dir: Path) -> AcceptReport:
     """Load the exported drafter and the held-out features of `run_dir`, evaluate, write eval/accept_len.json."""
     from eagle3ft.config import resolve_path
-    from eagle3ft.drafter_spec import check_drafter_folder
     from eagle3ft.data.store import MANIFEST, FeatureStore
+    from eagle3ft.drafter_spec import check_drafter_folder
     from eagle3ft.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.checkpoint import load_drafter
 
@@ -388,8 +421,16 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     rep = evaluate(drafter, (ds[i] for i in range(n)), ec.steps, ec.topk, ec.num_draft_tokens, ec.temperature, device)
     out = run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    held_out = [asdict(s) for s in cfg.harvest.sources if s.split in ("heldout", "auto")]  # where the held-out split came from
-    data = {"features": str(run_dir / "features"), "split": "heldout", "samples_in_split": len(ds), "sources": held_out, "heldout_fraction": cfg.harvest.heldout_fraction}
+    held_out = [
+        asdict(s) for s in cfg.harvest.sources if s.split in ("heldout", "auto")
+    ]  # where the held-out split came from
+    data = {
+        "features": str(run_dir / "features"),
+        "split": "heldout",
+        "samples_in_split": len(ds),
+        "sources": held_out,
+        "heldout_fraction": cfg.harvest.heldout_fraction,
+    }
     (out / "accept_len.json").write_text(json.dumps({**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2))
     return rep
 
@@ -397,10 +438,11 @@ def run(cfg, run_dir: Path) -> AcceptReport:
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.config import cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
-
     from eagle3ft.eval.preflight import check_or_exit
 
-    cfg, run_dir, args = parse_cli("Offline accept length of the drafter on held-out features.", stage="eval", argv=argv)
+    cfg, run_dir, args = parse_cli(
+        "Offline accept length of the drafter on held-out features.", stage="eval", argv=argv
+    )
     check_or_exit("accept_len.py", "eval", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 

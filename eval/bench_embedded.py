@@ -94,8 +94,8 @@ class EmbeddedBackend:
     name = "embedded"
 
     def __init__(self, cfg, run_dir: Path):
-        from eagle3ft.data.chat import ChatFormat
         from eagle3ft.config import resolve_path
+        from eagle3ft.data.chat import ChatFormat
         from eagle3ft.targets.hf import load_target
         from eagle3ft.train.checkpoint import load_drafter
 
@@ -136,7 +136,9 @@ class EmbeddedBackend:
 
     def run_speculative(self, prompts, setting, max_new_tokens):
         if setting.topk != 1 or setting.num_draft_tokens != setting.steps + 1:
-            raise ValueError(f"embedded backend drafts chains only: setting {setting.key} needs topk 1 and num_draft_tokens = steps + 1")
+            raise ValueError(
+                f"embedded backend drafts chains only: setting {setting.key} needs topk 1 and num_draft_tokens = steps + 1"
+            )
         dec = TimedSpeculativeDecoder(
             self.model, self.drafter, self.aux_layer_ids, setting.steps, self.temperature, self.eos_ids, self.generator
         )
@@ -176,4 +178,3 @@ class EmbeddedBackend:
             "target_dtype": str(next(self.model.parameters()).dtype),
             "drafter_dtype": str(next(self.drafter.parameters()).dtype),
         }
-

@@ -39,8 +39,7 @@ from pathlib import Path
 import requests
 
 from eagle3ft.config import BenchSetting, resolve_path
-from eagle3ft.targets.sglang import HTTPPolicy, SGLangError, call, server_info
-from eagle3ft.targets.sglang_server import SGLangServer, server_for
+from eagle3ft.eval.economics import Setting
 from eagle3ft.eval.harness import (
     RequestResult,
     base_environment,
@@ -51,7 +50,8 @@ from eagle3ft.eval.harness import (
     run,
     spread,
 )
-from eagle3ft.eval.economics import Setting
+from eagle3ft.targets.sglang import HTTPPolicy, SGLangError, call, server_info
+from eagle3ft.targets.sglang_server import SGLangServer, server_for
 
 ENV_PREFIXES = ("NCCL_", "SGLANG_", "CUDA_", "TORCH_", "NVIDIA_", "PYTORCH_")
 SERVER_ARGS_KEPT = (
@@ -93,7 +93,12 @@ def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tup
     meta: dict = {}
     out: list[int] = []
     try:
-        resp = requests.post(url + "/generate", json={"input_ids": ids, "sampling_params": sp, "stream": True}, stream=True, timeout=(10.0, timeout_s))
+        resp = requests.post(
+            url + "/generate",
+            json={"input_ids": ids, "sampling_params": sp, "stream": True},
+            stream=True,
+            timeout=(10.0, timeout_s),
+        )
     except requests.RequestException as e:
         raise SGLangError(f"{url}/generate: {e}") from None
     with resp:
@@ -114,7 +119,9 @@ def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tup
             meta = ev["meta_info"]
             got = ev.get("output_ids") or []
             n = int(meta.get("completion_tokens", len(got)))
-            out = list(got) if len(got) == n else out + list(got)  # cumulative (default) or incremental (--stream-output)
+            out = (
+                list(got) if len(got) == n else out + list(got)
+            )  # cumulative (default) or incremental (--stream-output)
             if n > 0:
                 first = now if first is None else first
                 last = now
@@ -137,7 +144,9 @@ class SGLangBackend:
         from eagle3ft.targets.hf import load_tokenizer
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
-        if cfg.bench.launch:  # the EAGLE3 servers will load eval.checkpoint: it must fit the features, before any server starts
+        if (
+            cfg.bench.launch
+        ):  # the EAGLE3 servers will load eval.checkpoint: it must fit the features, before any server starts
             check_drafter_for_run(resolve_path(cfg.eval.checkpoint, base=self.run_dir), self.run_dir, "eval.checkpoint")
         self.eos_ids = list(ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template).stop_ids)
         self.timeout_s = float(cfg.harvest.sglang.timeout_s)
@@ -154,7 +163,11 @@ class SGLangBackend:
     # ------------------------------------------------------------------ servers
 
     def _sp(self, max_new_tokens: int) -> dict:
-        return {"max_new_tokens": int(max_new_tokens), "temperature": float(self.cfg.bench.temperature), "stop_token_ids": self.eos_ids}
+        return {
+            "max_new_tokens": int(max_new_tokens),
+            "temperature": float(self.cfg.bench.temperature),
+            "stop_token_ids": self.eos_ids,
+        }
 
     def url(self, setting: Setting | None) -> str:
         """The server for the baseline (None) or one speculative setting, started when bench.launch."""
@@ -165,16 +178,30 @@ class SGLangBackend:
             url = given.rstrip("/")
             si = self._info(key, url)
             if setting is None and si.speculative:
-                raise SGLangError(f"bench.baseline_url {url} runs {si.raw.get('speculative_algorithm')}: the baseline must be plain")
+                raise SGLangError(
+                    f"bench.baseline_url {url} runs {si.raw.get('speculative_algorithm')}: the baseline must be plain"
+                )
             if setting is not None:
-                have = (si.raw.get("speculative_num_steps"), si.raw.get("speculative_eagle_topk"), si.raw.get("speculative_num_draft_tokens"))
-                if si.raw.get("speculative_algorithm") != "EAGLE3" or have != (setting.steps, setting.topk, setting.num_draft_tokens):
+                have = (
+                    si.raw.get("speculative_num_steps"),
+                    si.raw.get("speculative_eagle_topk"),
+                    si.raw.get("speculative_num_draft_tokens"),
+                )
+                if si.raw.get("speculative_algorithm") != "EAGLE3" or have != (
+                    setting.steps,
+                    setting.topk,
+                    setting.num_draft_tokens,
+                ):
                     if not bc.launch:
-                        raise SGLangError(f"bench.speculative_url {url} serves {si.raw.get('speculative_algorithm')} {'/'.join(map(str, have))}, not EAGLE3 {setting.key}; set bench.launch to start the others")
+                        raise SGLangError(
+                            f"bench.speculative_url {url} serves {si.raw.get('speculative_algorithm')} {'/'.join(map(str, have))}, not EAGLE3 {setting.key}; set bench.launch to start the others"
+                        )
                     return self._launch(key, setting)
             return url
         if not bc.launch:
-            raise SGLangError(f"no server for {key}: set bench.{'baseline' if setting is None else 'speculative'}_url or bench.launch: true")
+            raise SGLangError(
+                f"no server for {key}: set bench.{'baseline' if setting is None else 'speculative'}_url or bench.launch: true"
+            )
         return self._launch(key, setting)
 
     def _info(self, key: str, url: str):
@@ -196,7 +223,14 @@ class SGLangBackend:
             server = server_for(self.cfg, self.run_dir, "baseline", port)
         else:
             drafter = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
-            server = server_for(self.cfg, self.run_dir, "speculative", port, drafter, BenchSetting(setting.steps, setting.topk, setting.num_draft_tokens))
+            server = server_for(
+                self.cfg,
+                self.run_dir,
+                "speculative",
+                port,
+                drafter,
+                BenchSetting(setting.steps, setting.topk, setting.num_draft_tokens),
+            )
         server.start()
         try:
             server.wait_healthy()
@@ -228,7 +262,20 @@ class SGLangBackend:
         acc = accept_lengths_from(meta, n)
         spec = {k: v for k, v in meta.items() if k.startswith("spec_")}
         with self._lock:
-            self._log.write(json.dumps({"setting": key, "prompt_index": i, "completion_tokens": n, "prefill_s": prefill_s, "decode_s": decode_s, "e2e_latency": meta.get("e2e_latency"), **spec}) + "\n")
+            self._log.write(
+                json.dumps(
+                    {
+                        "setting": key,
+                        "prompt_index": i,
+                        "completion_tokens": n,
+                        "prefill_s": prefill_s,
+                        "decode_s": decode_s,
+                        "e2e_latency": meta.get("e2e_latency"),
+                        **spec,
+                    }
+                )
+                + "\n"
+            )
             if "spec_accept_length" in spec:
                 self.request_tau.setdefault(key, []).append(float(spec["spec_accept_length"]))
         return RequestResult(
@@ -268,7 +315,9 @@ class SGLangBackend:
         metas: list[dict] = []
 
         def one(ids):
-            body, _, _ = call(url, "/generate", {"input_ids": ids, "sampling_params": self._sp(max_new)}, policy, what="bench request")
+            body, _, _ = call(
+                url, "/generate", {"input_ids": ids, "sampling_params": self._sp(max_new)}, policy, what="bench request"
+            )
             return body["meta_info"]
 
         t0 = time.perf_counter()
@@ -277,7 +326,12 @@ class SGLangBackend:
         wall = time.perf_counter() - t0
         tokens = sum(int(m["completion_tokens"]) for m in metas)
         verifies = sum(int(m.get("spec_verify_ct") or 0) for m in metas)
-        return {"wall_s": wall, "new_tokens": tokens, "tok_s": tokens / wall, "tau": tokens / verifies if verifies else None}
+        return {
+            "wall_s": wall,
+            "new_tokens": tokens,
+            "tok_s": tokens / wall,
+            "tau": tokens / verifies if verifies else None,
+        }
 
     # ------------------------------------------------------------------ environment
 
@@ -288,7 +342,10 @@ class SGLangBackend:
         taus = {}
         for key in sorted(set(self.server_tau) | set(self.request_tau)):
             req = self.request_tau.get(key, [])
-            taus[key] = {"server_avg_spec_accept_length": self.server_tau.get(key), "request_spec_accept_length_mean": statistics.mean(req) if req else None}
+            taus[key] = {
+                "server_avg_spec_accept_length": self.server_tau.get(key),
+                "request_spec_accept_length_mean": statistics.mean(req) if req else None,
+            }
         return {
             **base_environment(),
             "backend": self.name,
@@ -317,7 +374,12 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
                 log(f"  concurrency {c} rep {rep} {key:<11} {r['tok_s']:8.1f} tok/s")
         base = statistics.median(r["tok_s"] for r in rows["baseline"])
         out["levels"][str(c)] = {
-            key: {"tok_s": spread([r["tok_s"] for r in rs]), "speedup_median": statistics.median(r["tok_s"] for r in rs) / base, "tau": rs[-1]["tau"], "runs": rs}
+            key: {
+                "tok_s": spread([r["tok_s"] for r in rs]),
+                "speedup_median": statistics.median(r["tok_s"] for r in rs) / base,
+                "tau": rs[-1]["tau"],
+                "runs": rs,
+            }
             for key, rs in rows.items()
         }
     path = Path(run_dir) / "bench" / "concurrency.json"
@@ -328,10 +390,13 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.config import cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
-
     from eagle3ft.eval.preflight import check_or_exit
 
-    cfg, run_dir, args = parse_cli("Live benchmark on SGLang servers: batch 1 (eval/bench.py), then the concurrency levels.", stage="bench", argv=argv)
+    cfg, run_dir, args = parse_cli(
+        "Live benchmark on SGLang servers: batch 1 (eval/bench.py), then the concurrency levels.",
+        stage="bench",
+        argv=argv,
+    )
     check_or_exit("bench_sglang.py", "bench", cfg, run_dir, args.config)
     if cfg.bench.backend != "sglang":
         raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")

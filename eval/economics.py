@@ -117,7 +117,13 @@ GOAL_SPEEDUPS = (1.0, 1.5, 2.0)  # speed-ups over plain decoding the report pric
 def reach(cm: CostModel, tok_s: float, setting: Setting, candidates: list[Setting] = CHAINS) -> dict:
     """The tau `setting` needs for `tok_s`, whether a cycle can emit it, else the shallowest chain where it fits."""
     need = cm.tau_for(tok_s, setting)
-    row = {"tok_s": tok_s, "speedup": tok_s / cm.baseline_tok_s, "setting": setting.key, "tau_needed": need, "max_tau": max_tau(setting)}
+    row = {
+        "tok_s": tok_s,
+        "speedup": tok_s / cm.baseline_tok_s,
+        "setting": setting.key,
+        "tau_needed": need,
+        "max_tau": max_tau(setting),
+    }
     row["reachable"] = need <= row["max_tau"]
     if not row["reachable"]:
         fits = [c for c in candidates if cm.tau_for(tok_s, c) <= max_tau(c)]
@@ -134,7 +140,9 @@ def reach_text(r: dict) -> str:
         return f"{head}, within its maximum {r['max_tau']}"
     out = f"{head}: out of reach, a {r['setting']} cycle emits at most {r['max_tau']} tokens"
     if r.get("needed_setting"):
-        out += f"; the shallowest chain where it fits is {r['needed_setting']} (tau {r['needed_setting_tau']:.2f} needed"
+        out += (
+            f"; the shallowest chain where it fits is {r['needed_setting']} (tau {r['needed_setting_tau']:.2f} needed"
+        )
         out += ", verify cost extrapolated beyond the measured sizes)" if r.get("extrapolated") else ")"
     else:
         out += f"; no chain up to {CHAINS[-1].key} reaches it at these costs"
@@ -167,7 +175,9 @@ class Economics:
     best_basis: str | None = None  # which tau chose the best setting: live or offline
     # every setting with an offline tau (benchmarked or not), priced with the measured costs
     offline_predictions: list[dict] = field(default_factory=list)
-    reach: list[dict] = field(default_factory=list)  # the tau each benchmarked setting needs for GOAL_SPEEDUPS (and --tok-s)
+    reach: list[dict] = field(
+        default_factory=list
+    )  # the tau each benchmarked setting needs for GOAL_SPEEDUPS (and --tok-s)
     calibrated: dict | None = None  # this run's offline tau priced with another run's costs, against what it measured
 
     def to_dict(self) -> dict:
@@ -205,7 +215,12 @@ def calibration_from_summary(summary: dict, source_run: str, target: str | None 
             cycle, basis = r["tau"] / r["tok_s_median"], "tau live / tok/s median"
         else:
             continue
-        settings[r["key"]] = {"cycle_s": cycle, "cycle_basis": basis, "tau_live": r.get("tau"), "tok_s_median": r.get("tok_s_median")}
+        settings[r["key"]] = {
+            "cycle_s": cycle,
+            "cycle_basis": basis,
+            "tau_live": r.get("tau"),
+            "tok_s_median": r.get("tok_s_median"),
+        }
     return {
         "schema": CALIBRATION_SCHEMA,
         "source_run": source_run,
@@ -213,7 +228,10 @@ def calibration_from_summary(summary: dict, source_run: str, target: str | None 
         "target": target,
         "device": env.get("device"),
         "environment": {k: env[k] for k in ("torch", "transformers", "torch_threads", "code_version") if k in env},
-        "prompts": {"source": summary.get("prompts", {}).get("source"), "count": summary.get("prompts", {}).get("count")},
+        "prompts": {
+            "source": summary.get("prompts", {}).get("source"),
+            "count": summary.get("prompts", {}).get("count"),
+        },
         "max_new_tokens": summary.get("max_new_tokens"),
         "baseline_s_per_token": summary["costs"]["baseline_s_per_token"],
         "baseline_tok_s": summary["baseline"]["tok_s_median"],
@@ -227,12 +245,16 @@ def load_calibration(path: str | Path) -> dict:
     try:
         cal = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CalibrationError(f"{path}: no such calibration file (bench.calibration; every eval/bench.py run writes RUN/bench/calibration.json)") from None
+        raise CalibrationError(
+            f"{path}: no such calibration file (bench.calibration; every eval/bench.py run writes RUN/bench/calibration.json)"
+        ) from None
     except (OSError, json.JSONDecodeError) as e:
         raise CalibrationError(f"{path}: not a calibration file ({e})") from None
     missing = [k for k in ("schema", "baseline_s_per_token", "costs", "settings") if k not in cal]
     if missing or cal["schema"] != CALIBRATION_SCHEMA:
-        raise CalibrationError(f"{path}: not a schema-{CALIBRATION_SCHEMA} calibration file (missing {missing or 'nothing'}, schema {cal.get('schema')})")
+        raise CalibrationError(
+            f"{path}: not a schema-{CALIBRATION_SCHEMA} calibration file (missing {missing or 'nothing'}, schema {cal.get('schema')})"
+        )
     return {**cal, "path": str(path)}
 
 
@@ -265,7 +287,12 @@ def join(prediction: dict, summary: dict | None, target: str | None = None) -> d
     cal = prediction["calibration"]
     if summary is None:
         return out
-    for k, mine in (("backend", summary.get("backend")), ("device", summary.get("environment", {}).get("device")), ("max_new_tokens", summary.get("max_new_tokens")), ("target", target)):
+    for k, mine in (
+        ("backend", summary.get("backend")),
+        ("device", summary.get("environment", {}).get("device")),
+        ("max_new_tokens", summary.get("max_new_tokens")),
+        ("target", target),
+    ):
         if cal.get(k) is not None and mine is not None and cal[k] != mine:
             out["warnings"].append(f"{k} differs: calibration {cal[k]!r}, this run {mine!r}")
     measured = {r["key"]: r for r in summary["speculative"]}
@@ -285,7 +312,11 @@ def join(prediction: dict, summary: dict | None, target: str | None = None) -> d
 
 
 def analyse(
-    summary: dict, offline_tau: dict[str, float] | None = None, calibration: dict | None = None, tok_s: float | None = None, target: str | None = None
+    summary: dict,
+    offline_tau: dict[str, float] | None = None,
+    calibration: dict | None = None,
+    tok_s: float | None = None,
+    target: str | None = None,
 ) -> Economics:
     """Predicted against measured for every benchmarked setting, and the best of them.
 
@@ -316,7 +347,9 @@ def analyse(
         )
     best, basis = None, None
     for b in ("live", "offline"):
-        scored = [(getattr(r, f"predicted_tok_s_{b}_tau"), r.setting) for r in rows if getattr(r, f"predicted_tok_s_{b}_tau")]
+        scored = [
+            (getattr(r, f"predicted_tok_s_{b}_tau"), r.setting) for r in rows if getattr(r, f"predicted_tok_s_{b}_tau")
+        ]
         if scored:
             best, basis = max(scored)[1], b
             break
@@ -324,7 +357,13 @@ def analyse(
     for key, tau in sorted(offline_tau.items()):
         st = Setting(*map(int, key.split("/")))
         offline_rows.append(
-            {"setting": key, "tau_offline": tau, "cycle_ms": 1e3 * cm.cycle_s(st), "break_even_tau": cm.break_even_tau(st), "predicted_tok_s": cm.tok_per_s(tau, st)}
+            {
+                "setting": key,
+                "tau_offline": tau,
+                "cycle_ms": 1e3 * cm.cycle_s(st),
+                "break_even_tau": cm.break_even_tau(st),
+                "predicted_tok_s": cm.tok_per_s(tau, st),
+            }
         )
     goals = [g * cm.baseline_tok_s for g in GOAL_SPEEDUPS] + ([tok_s] if tok_s else [])
     reach_rows = [reach(cm, r, Setting.of(s["setting"])) for r in goals for s in summary["speculative"]]
@@ -379,7 +418,9 @@ def format_table(ec: Economics) -> str:
 
 def format_prediction(p: dict) -> str:
     c = p["calibration"]
-    lines = [f"predicted from offline tau with the costs of {c['source_run']} ({c['backend']}, {c['device']}; {c['path']}):"]
+    lines = [
+        f"predicted from offline tau with the costs of {c['source_run']} ({c['backend']}, {c['device']}; {c['path']}):"
+    ]
     lines += [f"  warning: {w}" for w in p.get("warnings", [])]
     for r in p["rows"]:
         line = f"  {r['setting']:>7} tau offline {r['tau_offline']:.2f} x cycle {r['cycle_ms']:.2f} ms ({r['cycle_basis']}) -> {r['predicted_tok_s']:.1f} tok/s (x{r['predicted_speedup']:.2f})"
@@ -430,7 +471,9 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
     summary = json.loads(summary_path.read_text())
     ec = analyse(summary, offline, cal, tok_s, target)
     if ec.calibrated and Path(cal["source_run"]).resolve() == run_dir.resolve():
-        ec.calibrated["warnings"].append("the calibration comes from this very run: its prediction restates the measurement")
+        ec.calibrated["warnings"].append(
+            "the calibration comes from this very run: its prediction restates the measurement"
+        )
     (run_dir / "bench" / "economics.json").write_text(json.dumps(ec.to_dict(), indent=2))
     write_calibration(run_dir, summary, target)
     return ec, pred
@@ -442,7 +485,9 @@ def main(argv: list[str] | None = None) -> None:
 
     desc = "Speculation economics from a benchmark run; with bench.calibration, tok/s predicted from offline tau."
     parser = build_parser(desc)
-    parser.add_argument("--tok-s", type=float, default=None, help="a decode throughput to price: the tau each setting needs for it")
+    parser.add_argument(
+        "--tok-s", type=float, default=None, help="a decode throughput to price: the tau each setting needs for it"
+    )
     cfg, run_dir, args = parse_cli(desc, stage="economics", argv=argv, parser=parser)
     check_or_exit("economics.py", "economics", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
@@ -456,7 +501,9 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(ec))
     elif pred is not None:
         print(format_prediction(pred))
-        print(f"no {run_dir / 'bench' / 'summary.json'} yet: this prediction is in {run_dir / 'bench' / 'prediction.json'}")
+        print(
+            f"no {run_dir / 'bench' / 'summary.json'} yet: this prediction is in {run_dir / 'bench' / 'prediction.json'}"
+        )
 
 
 if __name__ == "__main__":

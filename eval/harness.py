@@ -76,7 +76,9 @@ class BenchBackend(Protocol):
 
     def run_baseline(self, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]: ...
 
-    def run_speculative(self, prompts: list[list[int]], setting: Setting, max_new_tokens: int) -> list[RequestResult]: ...
+    def run_speculative(
+        self, prompts: list[list[int]], setting: Setting, max_new_tokens: int
+    ) -> list[RequestResult]: ...
 
     def environment(self) -> dict: ...
 
@@ -96,9 +98,13 @@ def cpu_model() -> str:
 
 def gpu_clocks() -> list[dict] | None:
     """nvidia-smi's view of each GPU (clocks, power), or None without nvidia-smi."""
-    fields = "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,power.limit,temperature.gpu,driver_version"
+    fields = (
+        "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,power.limit,temperature.gpu,driver_version"
+    )
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     if out.returncode != 0:
@@ -136,8 +142,8 @@ def base_environment(device: torch.device | str | None = None) -> dict:
 def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
     """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
     else the folder alone (readable weights, consistent d2t/t2d); returns its DrafterSpec. Before any compute."""
-    from eagle3ft.drafter_spec import DrafterSpec, check_drafter_folder
     from eagle3ft.data.store import MANIFEST, FeatureStore
+    from eagle3ft.drafter_spec import DrafterSpec, check_drafter_folder
     from eagle3ft.vocab import check_vocab, vocab_from_drafter
 
     manifest = Path(run_dir) / "features" / MANIFEST
@@ -146,7 +152,9 @@ def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
     if not (Path(folder) / "config.json").is_file():
         raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
     spec = DrafterSpec.from_json(Path(folder) / "config.json")
-    check_vocab(*vocab_from_drafter(folder), spec.vocab_size, spec.draft_vocab_size, f"{where} {folder}: draft vocabulary")
+    check_vocab(
+        *vocab_from_drafter(folder), spec.vocab_size, spec.draft_vocab_size, f"{where} {folder}: draft vocabulary"
+    )
     return spec
 
 
@@ -159,7 +167,9 @@ def load_prompts(cfg) -> list[list[int]]:
     from eagle3ft.data.prompts import collect
     from eagle3ft.targets.hf import load_tokenizer
 
-    convs = collect([cfg.bench.prompts], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
+    convs = collect(
+        [cfg.bench.prompts], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter()
+    )
     chat = ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template)
     out = []
     for c in convs:
@@ -192,12 +202,16 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         by: dict[int, list[RequestResult]] = {}
         for r in runs:
             if r["mode"] == mode and r["setting"] == key:
-                by.setdefault(r["repetition"], []).append(RequestResult(**{k: r[k] for k in RequestResult.__dataclass_fields__}))
+                by.setdefault(r["repetition"], []).append(
+                    RequestResult(**{k: r[k] for k in RequestResult.__dataclass_fields__})
+                )
         return by
 
     base = passes("baseline", None)
     base_tok_s = [_pass_tok_s(v) for _, v in sorted(base.items())]
-    base_s_per_token = statistics.median(sum(r.decode_s for r in v) / sum(r.new_tokens - 1 for r in v) for v in base.values())
+    base_s_per_token = statistics.median(
+        sum(r.decode_s for r in v) / sum(r.new_tokens - 1 for r in v) for v in base.values()
+    )
     baseline_outputs = {(r.prompt_index): r.output_ids for v in base.values() for r in v}
     spec_rows, draft_fwd, overheads, run_verify = [], [], [], {}
     for st in settings:
@@ -211,7 +225,11 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         verify_s = [t for r in allr for t in (r.verify_s or [])]
         draft_s = [t for r in allr for t in (r.draft_forward_s or [])]
         cycle_s = [t for r in allr for t in (r.cycle_s or [])]
-        per_pass = [sum(r.decode_s for r in v) / sum(r.verify_count or 0 for r in v) for v in sp.values() if any(r.verify_count for r in v)]
+        per_pass = [
+            sum(r.decode_s for r in v) / sum(r.verify_count or 0 for r in v)
+            for v in sp.values()
+            if any(r.verify_count for r in v)
+        ]
         row = {
             "setting": asdict(st),
             "key": st.key,
@@ -224,8 +242,11 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
             "verify_ms": 1e3 * _median(verify_s) if verify_s else None,
             "draft_forward_ms": 1e3 * _median(draft_s) if draft_s else None,
             "cycle_s": _median(cycle_s) if cycle_s else _median(per_pass),  # else: decode time / verifies, per pass
-            "cycle_s_per_pass": _median(per_pass),  # decode time / verifies: the mean cycle, what tok/s = tau / cycle holds for
-            "outputs_match_baseline": sum(r.output_ids == baseline_outputs.get(r.prompt_index) for r in allr) / len(allr)
+            "cycle_s_per_pass": _median(
+                per_pass
+            ),  # decode time / verifies: the mean cycle, what tok/s = tau / cycle holds for
+            "outputs_match_baseline": sum(r.output_ids == baseline_outputs.get(r.prompt_index) for r in allr)
+            / len(allr)
             if all(r.output_ids is not None for r in allr)
             else None,
         }
@@ -246,7 +267,11 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         source = "whole draft+verify cycle per setting (decode time / verify count, median over passes): draft cost folded into verify"
         draft_forward_s, overhead_s = 0.0, 0.0
     return {
-        "baseline": {"tok_s": spread(base_tok_s), "tok_s_median": statistics.median(base_tok_s), "ms_per_token": 1e3 * base_s_per_token},
+        "baseline": {
+            "tok_s": spread(base_tok_s),
+            "tok_s_median": statistics.median(base_tok_s),
+            "ms_per_token": 1e3 * base_s_per_token,
+        },
         "speculative": spec_rows,
         "costs": {
             "baseline_s_per_token": base_s_per_token,
@@ -265,8 +290,12 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
     prompts = load_prompts(cfg)
     out = run_dir / "bench"
     out.mkdir(parents=True, exist_ok=True)
-    log(f"bench: {backend.name}, {len(prompts)} prompts, {bc.max_new_tokens} new tokens, {bc.repetitions} repetitions, settings {[s.key for s in settings]}")
-    backend.run_baseline(prompts[:1], bc.max_new_tokens)  # warm-up, untimed, as long as a timed request: kernels for every length
+    log(
+        f"bench: {backend.name}, {len(prompts)} prompts, {bc.max_new_tokens} new tokens, {bc.repetitions} repetitions, settings {[s.key for s in settings]}"
+    )
+    backend.run_baseline(
+        prompts[:1], bc.max_new_tokens
+    )  # warm-up, untimed, as long as a timed request: kernels for every length
     for s in settings:
         backend.run_speculative(prompts[:1], s, bc.max_new_tokens)
     runs: list[dict] = []

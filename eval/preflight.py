@@ -49,7 +49,9 @@ def missing_drafter(checkpoint: Path, run_dir: Path, config: str) -> str | None:
     lacking = [f for f in DRAFTER_FILES if not (checkpoint / f).is_file()]
     if not lacking:
         return None
-    what = f"no drafter at {checkpoint}" if not checkpoint.exists() else f"{checkpoint} has no {' and no '.join(lacking)}"
+    what = (
+        f"no drafter at {checkpoint}" if not checkpoint.exists() else f"{checkpoint} has no {' and no '.join(lacking)}"
+    )
     if checkpoint != run_dir / "export":
         return f"{what} (eval.checkpoint): point --set eval.checkpoint=DIR at an exported drafter folder"
     ckpts = _checkpoints(run_dir)
@@ -85,7 +87,10 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
         return drafter() or f"no {need}: run {stage_command(script, config, run_dir)}"
     if metrics.is_file() or offline.is_file() or summary.is_file():
         return None
-    return drafter() or f"nothing to report in {run_dir} (no {offline}, no {summary}): run {stage_command('eval/accept_len.py', config, run_dir)}"
+    return (
+        drafter()
+        or f"nothing to report in {run_dir} (no {offline}, no {summary}): run {stage_command('eval/accept_len.py', config, run_dir)}"
+    )
 
 
 def check_or_exit(prog: str, stage: str, cfg, run_dir: Path, config: str) -> None:

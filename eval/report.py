@@ -81,7 +81,13 @@ def plot_train(metrics: list[dict], heldout: list[dict], out: Path) -> Path:
     if est:
         axt.plot(*zip(*est), color="tab:gray", label="training-batch estimate (batches just trained on)")
     if heldout:
-        axt.plot([h["step"] for h in heldout], [h["heldout_tau"] for h in heldout], "o-", color="tab:green", label="held-out tau (chain greedy)")
+        axt.plot(
+            [h["step"] for h in heldout],
+            [h["heldout_tau"] for h in heldout],
+            "o-",
+            color="tab:green",
+            label="held-out tau (chain greedy)",
+        )
     axt.set_xlabel("optimizer step")
     axt.set_ylabel("accept length tau")
     axt.grid(alpha=0.3)
@@ -96,7 +102,14 @@ def plot_accept(acc: dict, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     g, s = acc["greedy"]["per_depth"], acc["sampled"]["per_depth"]
     depths = [r["depth"] for r in g]
-    bars = ax.bar(depths, [r["attempts"] for r in g], 0.6, color="tab:blue", alpha=0.35, label="attempts (greedy): chains that reached depth k")
+    bars = ax.bar(
+        depths,
+        [r["attempts"] for r in g],
+        0.6,
+        color="tab:blue",
+        alpha=0.35,
+        label="attempts (greedy): chains that reached depth k",
+    )
     ax.bar_label(bars, labels=[f"{r['attempts']:.0f}" for r in g], fontsize=8)
     ax.set_xticks(depths)
     ax.set_xlabel("draft depth k")
@@ -104,14 +117,24 @@ def plot_accept(acc: dict, out: Path) -> Path:
     ax.set_ylim(0, 1.15 * max([r["attempts"] for r in g] + [1]))
     ax2 = ax.twinx()
     ax2.plot(depths, [r["a_k"] for r in g], "o-", color="tab:blue", label="a_k greedy = accepted / attempts")
-    ax2.plot(depths, [r["a_k"] for r in s], "s--", color="tab:orange", label=f"a_k sampled T={acc['sampled']['temperature']:g}")
-    ax2.plot(depths, [r["acc_k_unconditional"] for r in g], "x:", color="tab:gray", label="acc_k unconditional (not tau)")
+    ax2.plot(
+        depths,
+        [r["a_k"] for r in s],
+        "s--",
+        color="tab:orange",
+        label=f"a_k sampled T={acc['sampled']['temperature']:g}",
+    )
+    ax2.plot(
+        depths, [r["acc_k_unconditional"] for r in g], "x:", color="tab:gray", label="acc_k unconditional (not tau)"
+    )
     ax2.set_ylabel("acceptance rate")
     ax2.set_ylim(0, 1.05)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper right")
-    ax.set_title(f"Offline acceptance per depth, {acc['roots']} roots; tau greedy {acc['greedy']['tau']:.2f}", fontsize=10)
+    ax.set_title(
+        f"Offline acceptance per depth, {acc['roots']} roots; tau greedy {acc['greedy']['tau']:.2f}", fontsize=10
+    )
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, out)
 
@@ -119,7 +142,10 @@ def plot_accept(acc: dict, out: Path) -> Path:
 def plot_tau(rows: list[dict], out: Path, same_prompts: dict[str, float] | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(rows))
-    bars = [("offline, held-out features", [r["tau_offline"] for r in rows]), ("live (benchmark)", [r["tau_live"] for r in rows])]
+    bars = [
+        ("offline, held-out features", [r["tau_offline"] for r in rows]),
+        ("live (benchmark)", [r["tau_live"] for r in rows]),
+    ]
     if same_prompts:
         bars.insert(1, ("offline, the bench's own prompts", [same_prompts.get(r["setting"]) for r in rows]))
     w = 0.8 / len(bars)
@@ -147,10 +173,23 @@ def plot_tok_s(summary: dict, econ: dict, out: Path) -> Path:
     err = [[m - r["tok_s"]["min"] for m, r in zip(med, spec)], [r["tok_s"]["max"] - m for m, r in zip(med, spec)]]
     ax.errorbar(n, med, yerr=err, fmt="o", capsize=4, label="speculative, measured (median, min-max)")
     pred = {r["setting"]: r["predicted_tok_s_live_tau"] for r in econ["settings"]}
-    ax.plot(n, [pred.get(Setting.of(r["setting"]).key) or float("nan") for r in spec], "x", color="tab:green", label="predicted from costs at live tau")
+    ax.plot(
+        n,
+        [pred.get(Setting.of(r["setting"]).key) or float("nan") for r in spec],
+        "x",
+        color="tab:green",
+        label="predicted from costs at live tau",
+    )
     cal = {r["setting"]: r["predicted_tok_s"] for r in (econ.get("calibrated") or {}).get("rows", [])}
     if cal:
-        ax.plot(n, [cal.get(r["key"], float("nan")) for r in spec], "+", color="tab:purple", markersize=10, label="predicted from offline tau, calibrated costs")
+        ax.plot(
+            n,
+            [cal.get(r["key"], float("nan")) for r in spec],
+            "+",
+            color="tab:purple",
+            markersize=10,
+            label="predicted from offline tau, calibrated costs",
+        )
     ax.axhline(base["median"], color="tab:red", ls="--", label=f"baseline {base['median']:.1f} tok/s = break-even")
     ax.axhspan(base["min"], base["max"], color="tab:red", alpha=0.1)
     ax.set_xlabel("draft tokens per verify (root included)")
@@ -159,7 +198,9 @@ def plot_tok_s(summary: dict, econ: dict, out: Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    ax.set_title(f"Live decode speed ({summary['backend']}, {summary['environment'].get('device', '')[:40]})", fontsize=9)
+    ax.set_title(
+        f"Live decode speed ({summary['backend']}, {summary['environment'].get('device', '')[:40]})", fontsize=9
+    )
     be = [r["break_even_tau"] for r in econ["settings"]]
     ax2.plot(n, be, "r--o", label="break-even tau (cycle / baseline step)")
     ax2.plot(n, [r["tau_live"] or float("nan") for r in econ["settings"]], "o", label="live tau")
@@ -243,7 +284,11 @@ def build(run_dir: Path, cfg=None) -> dict:
     out = run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
     metrics, heldout = read_metrics(run_dir / "train" / "metrics.jsonl")
-    est = {str(m["step"]): m["accept_len_est"] for m in metrics if m["step"] in {h["step"] for h in heldout} and "accept_len_est" in m}
+    est = {
+        str(m["step"]): m["accept_len_est"]
+        for m in metrics
+        if m["step"] in {h["step"] for h in heldout} and "accept_len_est" in m
+    }
     exports = {name: card for name in ("export", "export-best") if (card := _read_json(run_dir / name / "card.json"))}
     acc = _read_json(out / "accept_len.json")
     if acc and acc.get("checkpoint"):
@@ -264,7 +309,9 @@ def build(run_dir: Path, cfg=None) -> dict:
         plots["accept_per_depth"] = plot_accept(acc, out / "accept_per_depth.png").name
     same = (summary or {}).get("offline_same_prompts")
     if econ and econ["settings"]:
-        plots["tau_offline_vs_live"] = plot_tau(econ["settings"], out / "tau_offline_vs_live.png", (same or {}).get("settings")).name
+        plots["tau_offline_vs_live"] = plot_tau(
+            econ["settings"], out / "tau_offline_vs_live.png", (same or {}).get("settings")
+        ).name
         plots["tok_s_vs_draft_tokens"] = plot_tok_s(summary, econ, out / "tok_s_vs_draft_tokens.png").name
     headline = {}
     if acc:
@@ -289,7 +336,13 @@ def build(run_dir: Path, cfg=None) -> dict:
         "run_dir": str(run_dir),
         "headline": headline,
         "verdict": verdict(headline) or (prediction_verdict(prediction) if prediction and not summary else None),
-        "train": {"steps": len(metrics), "last": metrics[-1] if metrics else None, "heldout": heldout, "accept_len_est": est, "exports": exports},
+        "train": {
+            "steps": len(metrics),
+            "last": metrics[-1] if metrics else None,
+            "heldout": heldout,
+            "accept_len_est": est,
+            "exports": exports,
+        },
         "accept_len": acc,
         "bench": summary,
         "economics": econ,
@@ -331,11 +384,18 @@ def _md_train(r: dict) -> list[str]:
     if not t and not held:
         return L + ["no train/metrics.jsonl", ""]
     if t:
-        L += [f"{r['train']['steps']} logged steps; last step {t['step']}: loss {t['loss']:.3f}, depth-1 accuracy {t['acc'][0]:.3f}.", ""]
+        L += [
+            f"{r['train']['steps']} logged steps; last step {t['step']}: loss {t['loss']:.3f}, depth-1 accuracy {t['acc'][0]:.3f}.",
+            "",
+        ]
         if "accept_len_est" in t:
             L += [
                 f"Training-batch τ estimate (`accept_len_est`): {t['accept_len_est']:.2f} at step {t['step']}"
-                + (f", over the {t['tokens']:,} tokens of the batches since the previous log" if t.get("tokens") else "")
+                + (
+                    f", over the {t['tokens']:,} tokens of the batches since the previous log"
+                    if t.get("tokens")
+                    else ""
+                )
                 + ". It is measured on batches just trained on, teacher-forced: an optimistic in-sample figure, not the held-out τ below.",
                 "",
             ]
@@ -352,13 +412,23 @@ def _md_train(r: dict) -> list[str]:
         ]
         est = r["train"].get("accept_len_est", {})
         for h in _thin(held, {best, len(held) - 1}):
-            L.append(f"| {h['step']} | {h['heldout_tau']:.3f}{' (best)' if h is held[best] else ''} | {_f(est.get(str(h['step'])))} |")
+            L.append(
+                f"| {h['step']} | {h['heldout_tau']:.3f}{' (best)' if h is held[best] else ''} | {_f(est.get(str(h['step'])))} |"
+            )
         L.append("")
     else:
         L += ["No held-out τ was logged while training (no `heldout_tau` records in train/metrics.jsonl).", ""]
     for name, card in r["train"].get("exports", {}).items():
-        tau = f", held-out τ {card['heldout_tau']:.3f} at step {card.get('heldout_step')}" if "heldout_tau" in card else ""
-        role = "the last step, what SGLang is pointed at by default" if card.get("which") == "last" else "the best step by held-out τ"
+        tau = (
+            f", held-out τ {card['heldout_tau']:.3f} at step {card.get('heldout_step')}"
+            if "heldout_tau" in card
+            else ""
+        )
+        role = (
+            "the last step, what SGLang is pointed at by default"
+            if card.get("which") == "last"
+            else "the best step by held-out τ"
+        )
         L += [f"- `{name}/`: {role}: step {card.get('step')}{tau}."]
     if r["train"].get("exports"):
         L.append("")
@@ -436,7 +506,10 @@ def _md_bench(s: dict | None, e: dict | None, a: dict | None) -> list[str]:
             "",
         ]
     else:
-        L += ["τ offline here is on the held-out features, other prompts than the benchmark's; this backend does not score the bench's own outputs offline.", ""]
+        L += [
+            "τ offline here is on the held-out features, other prompts than the benchmark's; this backend does not score the bench's own outputs offline.",
+            "",
+        ]
     return L
 
 
@@ -444,7 +517,9 @@ def _reach_cell(r: dict) -> str:
     if r["reachable"]:
         return f"{r['tau_needed']:.2f}"
     need = r.get("needed_setting")
-    return f"{r['tau_needed']:.2f}: out of reach" + (f", needs {need}{'*' if r.get('extrapolated') else ''}" if need else ", no chain reaches it")
+    return f"{r['tau_needed']:.2f}: out of reach" + (
+        f", needs {need}{'*' if r.get('extrapolated') else ''}" if need else ", no chain reaches it"
+    )
 
 
 def _md_economics(s: dict | None, e: dict | None, prediction: dict | None) -> list[str]:
@@ -467,17 +542,26 @@ def _md_economics(s: dict | None, e: dict | None, prediction: dict | None) -> li
             "The τ each setting needs for a speed-up over plain decoding (a τ above the setting's maximum cannot happen there; "
             "* = the deeper setting's verify cost is extrapolated flat beyond the measured sizes):",
             "",
-            "| setting | max τ | " + " | ".join(f"τ for x{g:.2f} ({g / e['baseline_ms_per_token'] * 1e3:.1f} tok/s)" for g in goals) + " |",
+            "| setting | max τ | "
+            + " | ".join(f"τ for x{g:.2f} ({g / e['baseline_ms_per_token'] * 1e3:.1f} tok/s)" for g in goals)
+            + " |",
             "|---|---:|" + "---:|" * len(goals),
         ]
         for key in dict.fromkeys(r["setting"] for r in e["reach"]):
             cells = {round(r["speedup"], 6): r for r in e["reach"] if r["setting"] == key}
-            L.append(f"| {key} | {next(iter(cells.values()))['max_tau']} | " + " | ".join(_reach_cell(cells[g]) if g in cells else "—" for g in goals) + " |")
+            L.append(
+                f"| {key} | {next(iter(cells.values()))['max_tau']} | "
+                + " | ".join(_reach_cell(cells[g]) if g in cells else "—" for g in goals)
+                + " |"
+            )
         L.append("")
     if e["offline_predictions"]:
         L += ["Offline τ priced with the measured costs (settings not benchmarked included):", "",
               "| setting | τ offline | cycle ms | break-even τ | predicted tok/s |", "|---|---:|---:|---:|---:|"]  # fmt: skip
-        L += [f"| {o['setting']} | {o['tau_offline']:.2f} | {o['cycle_ms']:.2f} | {o['break_even_tau']:.2f} | {o['predicted_tok_s']:.1f} |" for o in e["offline_predictions"]]
+        L += [
+            f"| {o['setting']} | {o['tau_offline']:.2f} | {o['cycle_ms']:.2f} | {o['break_even_tau']:.2f} | {o['predicted_tok_s']:.1f} |"
+            for o in e["offline_predictions"]
+        ]
         L += [""]
     if e.get("calibrated"):
         L += _md_calibrated(e["calibrated"])
@@ -488,7 +572,9 @@ def _md_calibrated(p: dict) -> list[str]:
     c = p["calibration"]
     L = [
         f"Predicted from offline τ alone with the costs calibrated in another run ({c['source_run']}: {c['backend']}, {c['device']}; "
-        f"{c['path']}): tok/s = τ offline / calibrated cycle" + (" (this prediction was written before this run's benchmark)" if p.get("made_before_bench") else "") + ".",
+        f"{c['path']}): tok/s = τ offline / calibrated cycle"
+        + (" (this prediction was written before this run's benchmark)" if p.get("made_before_bench") else "")
+        + ".",
         "",
     ]
     L += [f"- warning: {w}" for w in p.get("warnings", [])] + ([""] if p.get("warnings") else [])
@@ -521,7 +607,9 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3ft.config import parse_cli
     from eagle3ft.eval.preflight import check_or_exit
 
-    cfg, run_dir, args = parse_cli("Report: training, offline accept length, live benchmark.", stage="report", argv=argv)
+    cfg, run_dir, args = parse_cli(
+        "Report: training, offline accept length, live benchmark.", stage="report", argv=argv
+    )
     check_or_exit("report.py", "report", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 

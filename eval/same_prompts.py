@@ -27,10 +27,23 @@ def features(model, aux_layer_ids: list[int], prompt: list[int], answer: list[in
     mask = torch.zeros(ids.shape[1], dtype=torch.long, device=device)
     mask[len(prompt) :] = 1
     aux = aux_from_hidden_states(out.hidden_states, aux_layer_ids)[0]  # (T, 3H)
-    return {"input_ids": ids[0], "loss_mask": mask, "aux_hidden": aux, "topk_ids": lp.indices, "topk_logprobs": lp.values}
+    return {
+        "input_ids": ids[0],
+        "loss_mask": mask,
+        "aux_hidden": aux,
+        "topk_ids": lp.indices,
+        "topk_logprobs": lp.values,
+    }
 
 
-def offline_tau(model, drafter, aux_layer_ids: list[int], prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
+def offline_tau(
+    model,
+    drafter,
+    aux_layer_ids: list[int],
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    settings: list[Setting],
+) -> dict | None:
     """Chain-greedy offline tau per chain setting (d/1/d+1 up to the deepest benchmarked) on these prompts and answers."""
     depth = max((s.steps for s in settings if s.topk == 1), default=0)
     if depth == 0:

@@ -115,7 +115,9 @@ def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[in
     return m, int(best[m])
 
 
-def verify_sampled(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None) -> tuple[int, int]:
+def verify_sampled(
+    p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[int, int]:
     """Speculative sampling. p (K+1, V) target probabilities, q (K, V) draft probabilities in the
     target vocabulary, drafts (K,) sampled from q -> (accepted drafts, next token)."""
     K = drafts.shape[0]
@@ -147,7 +149,16 @@ class DecodeState:
 class SpeculativeDecoder:
     """Target (transformers causal LM) + Eagle3Drafter, chain drafting of `steps` tokens per cycle."""
 
-    def __init__(self, target, drafter: Eagle3Drafter, aux_layer_ids, steps: int, temperature: float = 0.0, eos_ids=(), generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        target,
+        drafter: Eagle3Drafter,
+        aux_layer_ids,
+        steps: int,
+        temperature: float = 0.0,
+        eos_ids=(),
+        generator: torch.Generator | None = None,
+    ):
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         self.target, self.drafter = target, drafter

@@ -21,14 +21,24 @@ VOCAB, DRAFT_VOCAB, AUX = 320, 160, [0, 1, 2]
 
 def tiny_target(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).double().eval()
 
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (int(torch.randint(6, 14, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(0, VOCAB, (int(torch.randint(6, 14, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 @torch.no_grad()
@@ -38,8 +48,13 @@ def features(target, ids: list[int], prompt_len: int, topk: int = 16) -> dict:
     lp = F.log_softmax(out.logits[0].double(), dim=-1).topk(topk, dim=-1)
     mask = torch.zeros(len(ids), dtype=torch.long)
     mask[prompt_len:] = 1
-    return {"input_ids": torch.tensor(ids), "loss_mask": mask, "aux_hidden": aux_from_hidden_states(out.hidden_states, AUX)[0],
-            "topk_ids": lp.indices, "topk_logprobs": lp.values}
+    return {
+        "input_ids": torch.tensor(ids),
+        "loss_mask": mask,
+        "aux_hidden": aux_from_hidden_states(out.hidden_states, AUX)[0],
+        "topk_ids": lp.indices,
+        "topk_logprobs": lp.values,
+    }
 
 
 def greedy_items(target, ps: list[list[int]], new_tokens: int) -> list[dict]:
@@ -49,8 +64,16 @@ def greedy_items(target, ps: list[list[int]], new_tokens: int) -> list[dict]:
 def fitted_drafter(target, items: list[dict], steps: int = 200, seed: int = 0) -> Eagle3Drafter:
     """A drafter whose draft vocab is the items' most frequent tokens, fitted on depth 1 (and 2)."""
     torch.manual_seed(seed)
-    cfg = Eagle3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
-                       draft_vocab_size=DRAFT_VOCAB, aux_layer_ids=AUX, rms_norm_eps=1e-6)
+    cfg = Eagle3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        draft_vocab_size=DRAFT_VOCAB,
+        aux_layer_ids=AUX,
+        rms_norm_eps=1e-6,
+    )
     d = Eagle3Drafter(cfg).double()
     counts = torch.bincount(torch.cat([it["input_ids"] for it in items]), minlength=VOCAB).double()
     counts += torch.rand(VOCAB, generator=torch.Generator().manual_seed(seed)) * 1e-3  # break ties, fill the vocab

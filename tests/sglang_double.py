@@ -107,16 +107,26 @@ class DoubleEngine:
     ):
         self.model, self.tokenizer = model, tokenizer
         self.drafter = drafter
-        self.aux_layer_ids = list(drafter.config.aux_layer_ids) if drafter is not None else (list(aux_layer_ids) if aux_layer_ids else None)
+        self.aux_layer_ids = (
+            list(drafter.config.aux_layer_ids)
+            if drafter is not None
+            else (list(aux_layer_ids) if aux_layer_ids else None)
+        )
         if drafter is not None:
             if spec_topk != 1 or spec_num_draft_tokens != spec_steps + 1:
-                raise ValueError(f"the double mirrors chain drafting only (topk 1, num_draft_tokens = steps + 1), got {spec_steps}/{spec_topk}/{spec_num_draft_tokens}")
+                raise ValueError(
+                    f"the double mirrors chain drafting only (topk 1, num_draft_tokens = steps + 1), got {spec_steps}/{spec_topk}/{spec_num_draft_tokens}"
+                )
             if self.aux_layer_ids is None:
                 raise ValueError("the draft model's config names no eagle_aux_hidden_state_layer_ids")
         self.spec = (spec_steps, spec_topk, spec_num_draft_tokens)
         eos = tokenizer.eos_token_id
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.model_eos = {int(e) for e in ([eos] if eos is not None else []) + (list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else [])}
+        self.model_eos = {
+            int(e)
+            for e in ([eos] if eos is not None else [])
+            + (list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else [])
+        }
         self.lock = threading.Lock()
         self.spec_tokens = 0
         self.spec_verifies = 0
@@ -130,7 +140,9 @@ class DoubleEngine:
 
         max_new = int(sp.get("max_new_tokens", 128))
         temperature = float(sp.get("temperature", 1.0))
-        stops = set(int(i) for i in sp.get("stop_token_ids") or []) | (set() if sp.get("ignore_eos") else self.model_eos)
+        stops = set(int(i) for i in sp.get("stop_token_ids") or []) | (
+            set() if sp.get("ignore_eos") else self.model_eos
+        )
         gen = torch.Generator().manual_seed(int(sp.get("sampling_seed", 0)))
         if max_new == 0:
             return [], None, None
@@ -151,7 +163,9 @@ class DoubleEngine:
         if isinstance(sps, list) and len(sps) != len(prompts):
             raise BadRequest(f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
         key = "input_ids" if req.get("input_ids") is not None else "text"
-        per = [{**req, key: p, "sampling_params": sps[i] if isinstance(sps, list) else sps} for i, p in enumerate(prompts)]
+        per = [
+            {**req, key: p, "sampling_params": sps[i] if isinstance(sps, list) else sps} for i, p in enumerate(prompts)
+        ]
         if key == "input_ids":
             per = [{k: v for k, v in r.items() if k != "text"} for r in per]
         return [self.generate(r) for r in per]
@@ -188,10 +202,16 @@ class DoubleEngine:
                 self.spec_tokens += len(tokens)
                 self.spec_verifies += spec.verify_count
         P, N = len(ids), len(tokens)
-        finished_by_stop = N > 0 and (tokens[-1] in (set(int(i) for i in sp.get("stop_token_ids") or []) | self.model_eos)) and not sp.get("ignore_eos")
+        finished_by_stop = (
+            N > 0
+            and (tokens[-1] in (set(int(i) for i in sp.get("stop_token_ids") or []) | self.model_eos))
+            and not sp.get("ignore_eos")
+        )
         meta: dict[str, Any] = {
             "id": req.get("rid") or uuid.uuid4().hex,
-            "finish_reason": {"type": "stop", "matched": tokens[-1]} if finished_by_stop else {"type": "length", "length": N},
+            "finish_reason": {"type": "stop", "matched": tokens[-1]}
+            if finished_by_stop
+            else {"type": "length", "length": N},
             "prompt_tokens": P,
             "weight_version": "default",
             "num_retractions": 0,
@@ -263,7 +283,14 @@ def _is_batch(req: dict) -> bool:
 class SGLangDouble:
     """The HTTP side: a ThreadingHTTPServer on 127.0.0.1, ephemeral port unless given."""
 
-    def __init__(self, engine: DoubleEngine, version: str = "0.5.17", server_args: dict | None = None, port: int = 0, server_info_paths=("/server_info", "/get_server_info")):
+    def __init__(
+        self,
+        engine: DoubleEngine,
+        version: str = "0.5.17",
+        server_args: dict | None = None,
+        port: int = 0,
+        server_info_paths=("/server_info", "/get_server_info"),
+    ):
         if version not in VERSIONS:
             raise ValueError(f"double version {version!r}: one of {VERSIONS}")
         self.engine, self.version = engine, version
@@ -293,7 +320,9 @@ class SGLangDouble:
             args["enable_return_aux_hidden_states"] = aux_only
             args["return_aux_hidden_state_layer_ids"] = engine.aux_layer_ids if aux_only else None
         elif engine.aux_layer_ids is not None and not engine.speculative:
-            raise ValueError(f"aux capture without a draft model needs SGLang >= {AUX_CAPTURE_FROM}, the double plays {version}")
+            raise ValueError(
+                f"aux capture without a draft model needs SGLang >= {AUX_CAPTURE_FROM}, the double plays {version}"
+            )
         args.update(server_args or {})
         self.server_args = args
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
@@ -308,7 +337,13 @@ class SGLangDouble:
         state = {"last_gen_throughput": 0.0}
         if e.speculative and e.spec_verifies:
             state["avg_spec_accept_length"] = e.spec_tokens / e.spec_verifies
-        return {**self.server_args, "max_total_num_tokens": 1 << 16, "max_req_input_len": 1 << 15, "internal_states": [state], "version": self.version}
+        return {
+            **self.server_args,
+            "max_total_num_tokens": 1 << 16,
+            "max_req_input_len": 1 << 15,
+            "internal_states": [state],
+            "version": self.version,
+        }
 
     def _handler(self):
         double = self
@@ -330,7 +365,16 @@ class SGLangDouble:
                 self._send(code, json.dumps(obj, separators=(",", ":")).encode())
 
             def _error(self, code: int, message: str) -> None:
-                self._json(code, {"object": "error", "message": message, "type": "BadRequest" if code == 400 else "InternalServerError", "param": None, "code": code})
+                self._json(
+                    code,
+                    {
+                        "object": "error",
+                        "message": message,
+                        "type": "BadRequest" if code == 400 else "InternalServerError",
+                        "param": None,
+                        "code": code,
+                    },
+                )
 
             def do_GET(self):
                 path = self.path.split("?")[0]
@@ -339,7 +383,16 @@ class SGLangDouble:
                 elif path in double.server_info_paths:
                     self._json(200, double.server_info())
                 elif path == "/get_model_info":
-                    self._json(200, {"model_path": double.server_args["model_path"], "tokenizer_path": double.server_args["tokenizer_path"], "is_generation": True, "preferred_sampling_params": None, "weight_version": "default"})
+                    self._json(
+                        200,
+                        {
+                            "model_path": double.server_args["model_path"],
+                            "tokenizer_path": double.server_args["tokenizer_path"],
+                            "is_generation": True,
+                            "preferred_sampling_params": None,
+                            "weight_version": "default",
+                        },
+                    )
                 elif path == "/flush_cache":
                     self._send(200, b"Cache flushed.\n", "text/plain")
                 else:
@@ -408,13 +461,26 @@ class SGLangDouble:
                     self.wfile.flush()
 
                 meta, ids = out["meta_info"], out["output_ids"]
-                base = {k: meta[k] for k in ("id", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens", "dp_rank")}
+                base = {
+                    k: meta[k]
+                    for k in ("id", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens", "dp_rank")
+                }
                 n = 0
                 for i, (delay, k) in enumerate(timeline):
                     time.sleep(delay)
                     n += k
                     if i < len(timeline) - 1:
-                        chunk = {"text": double.engine.tokenizer.decode(ids[:n], skip_special_tokens=True), "output_ids": ids[:n], "meta_info": {**base, "finish_reason": None, "completion_tokens": n, "cached_tokens": 0, "cached_tokens_details": None}}
+                        chunk = {
+                            "text": double.engine.tokenizer.decode(ids[:n], skip_special_tokens=True),
+                            "output_ids": ids[:n],
+                            "meta_info": {
+                                **base,
+                                "finish_reason": None,
+                                "completion_tokens": n,
+                                "cached_tokens": 0,
+                                "cached_tokens_details": None,
+                            },
+                        }
                     else:
                         chunk = out
                     event(json.dumps(chunk, separators=(",", ":")).encode())
@@ -455,7 +521,9 @@ class SGLangDouble:
 def main(argv: list[str] | None = None) -> None:
     """Serve the double in the foreground with SGLang's launch flags (those the launcher emits)."""
     ap = argparse.ArgumentParser(description="SGLang protocol double")
-    ap.add_argument("--double-config", help="eagle3ft config whose target the double serves (default: the HF folder --model-path)")
+    ap.add_argument(
+        "--double-config", help="eagle3ft config whose target the double serves (default: the HF folder --model-path)"
+    )
     ap.add_argument("--double-version", default="0.5.17", choices=VERSIONS)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--tokenizer-path")
@@ -490,7 +558,11 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3ft.config import Config, TargetConfig, load_config
     from eagle3ft.targets.hf import load_target
 
-    cfg = load_config(args.double_config) if args.double_config else Config(target=TargetConfig(kind="hf", path=args.model_path, device="cpu", dtype="float32"))
+    cfg = (
+        load_config(args.double_config)
+        if args.double_config
+        else Config(target=TargetConfig(kind="hf", path=args.model_path, device="cpu", dtype="float32"))
+    )
     model, tok = load_target(cfg.target)
     drafter = None
     if args.speculative_algorithm:
@@ -500,8 +572,23 @@ def main(argv: list[str] | None = None) -> None:
         from eagle3ft.train.checkpoint import load_drafter
 
         drafter = load_drafter(args.speculative_draft_model_path, load_input_embedding(cfg.target)).eval()
-    engine = DoubleEngine(model, tok, args.return_aux_hidden_state_layer_ids, drafter, args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
-    names = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path, "tp_size": args.tp_size, "speculative_draft_model_path": args.speculative_draft_model_path, "enable_return_hidden_states": args.enable_return_hidden_states, "skip_tokenizer_init": args.skip_tokenizer_init}
+    engine = DoubleEngine(
+        model,
+        tok,
+        args.return_aux_hidden_state_layer_ids,
+        drafter,
+        args.speculative_num_steps,
+        args.speculative_eagle_topk,
+        args.speculative_num_draft_tokens,
+    )
+    names = {
+        "model_path": args.model_path,
+        "tokenizer_path": args.tokenizer_path or args.model_path,
+        "tp_size": args.tp_size,
+        "speculative_draft_model_path": args.speculative_draft_model_path,
+        "enable_return_hidden_states": args.enable_return_hidden_states,
+        "skip_tokenizer_init": args.skip_tokenizer_init,
+    }
     double = SGLangDouble(engine, args.double_version, names, port=args.port)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=double.httpd.shutdown, daemon=True).start())
     print(f"double serving {double.url} (SGLang {args.double_version})", flush=True)

@@ -38,7 +38,9 @@ def test_unknown_key_in_list_item_is_named(tmp_path):
 
 def test_dotted_overrides_parse_yaml_values(tmp_path):
     p = write(tmp_path, "train:\n  lr: 1.0e-4\n")
-    cfg = load_config(p, ["train.lr=2e-3", "train.max_steps=7", "harvest.sources=[{kind: mtbench, limit: 2}]", "train.resume=auto"])
+    cfg = load_config(
+        p, ["train.lr=2e-3", "train.max_steps=7", "harvest.sources=[{kind: mtbench, limit: 2}]", "train.resume=auto"]
+    )
     assert cfg.train.lr == 2e-3 and cfg.train.max_steps == 7 and cfg.train.resume == "auto"
     assert cfg.harvest.sources[0].kind == "mtbench" and cfg.harvest.sources[0].limit == 2
     with pytest.raises(ConfigError, match=r"train\.nope"):
@@ -86,10 +88,15 @@ def test_every_shipped_config_loads(path):
 
 
 def test_yaml_syntax_errors_name_the_file_or_the_set_and_the_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"c\.yaml: line 4, column 12: YAML syntax error: while parsing a flow sequence \(line 3, column 7\)") as e:
+    with pytest.raises(
+        ConfigError,
+        match=r"c\.yaml: line 4, column 12: YAML syntax error: while parsing a flow sequence \(line 3, column 7\)",
+    ) as e:
         load_config(write(tmp_path, "run_name: x\ntrain:\n  lr: [1, 2\n  ttt_steps: 3\n"))
     assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match=r"--set 'harvest.sources=\[\{kind: x': line 1, column \d+: YAML syntax error"):
+    with pytest.raises(
+        ConfigError, match=r"--set 'harvest.sources=\[\{kind: x': line 1, column \d+: YAML syntax error"
+    ):
         load_config(write(tmp_path, "run_name: x\n"), ["harvest.sources=[{kind: x"])
 
 
@@ -136,5 +143,10 @@ def test_debug_flag_sets_the_env_for_cli_errors(tmp_path, monkeypatch):
     from eagle3ft.config import DEBUG_ENV
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    parse_cli("t", "harvest", ["--config", str(write(tmp_path, "run_name: x\n")), "--run-dir", str(tmp_path / "r"), "--debug"], record=False)
+    parse_cli(
+        "t",
+        "harvest",
+        ["--config", str(write(tmp_path, "run_name: x\n")), "--run-dir", str(tmp_path / "r"), "--debug"],
+        record=False,
+    )
     assert os.environ[DEBUG_ENV] == "1"

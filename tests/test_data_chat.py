@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3ft.data.chat import TEMPLATES, ChatFormat, ChatTemplateError
 from eagle3ft.config import TargetConfig
+from eagle3ft.data.chat import TEMPLATES, ChatFormat, ChatTemplateError
 from eagle3ft.targets.hf import load_tokenizer
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -42,7 +42,9 @@ def smol_tokenizer():
 @pytest.fixture(scope="module")
 def kimi_tokenizer(smol_tokenizer):
     tok = copy.deepcopy(smol_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"]})
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"]}
+    )
     return tok
 
 
@@ -50,8 +52,18 @@ def check_golden(name: str, chat: ChatFormat) -> None:
     got = []
     for conv in CONVERSATIONS:
         ids, mask = chat.encode(conv)
-        prompt_ids, prompt_mask = chat.encode(conv[:-1] if conv[-1]["role"] == "assistant" else conv, add_generation_prompt=True)
-        got.append({"messages": conv, "input_ids": ids, "loss_mask": mask, "prompt_ids": prompt_ids, "prompt_mask": prompt_mask})
+        prompt_ids, prompt_mask = chat.encode(
+            conv[:-1] if conv[-1]["role"] == "assistant" else conv, add_generation_prompt=True
+        )
+        got.append(
+            {
+                "messages": conv,
+                "input_ids": ids,
+                "loss_mask": mask,
+                "prompt_ids": prompt_ids,
+                "prompt_mask": prompt_mask,
+            }
+        )
     path = GOLDEN / f"chat_{name}.json"
     if UPDATE:
         path.write_text(json.dumps(got, ensure_ascii=False, indent=None) + "\n")

@@ -12,16 +12,16 @@ from collections import Counter
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_data_prompts import bad_corpus_lines
 
-from eagle3ft.data.chat import ChatFormat
 from eagle3ft.config import REPO_ROOT, ConfigError, load_config
-from eagle3ft.data.harvest import ChunkStats, harvest_chunk, main, run_harvest
+from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.harvest import harvest_chunk, main, run_harvest
 from eagle3ft.data.prompts import Conversation
 from eagle3ft.data.store import FeatureStore
 from eagle3ft.targets.base import Request, Sampling
 from eagle3ft.targets.hf import HFTarget, load_target
 from eagle3ft.vocab import build_vocab, check_vocab, load_vocab
-from test_data_prompts import bad_corpus_lines
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 HARVEST = REPO_ROOT / "data" / "harvest.py"
@@ -76,7 +76,10 @@ def test_answers_are_the_targets_own_and_features_match_a_fresh_capture(harveste
         start = max(i for i in range(len(mask)) if mask[i] == 0) + 1  # the last assistant turn
         prompt, answer = ids[:start], ids[start:]
         assert 0 < len(answer) <= cfg.harvest.max_new_tokens
-        (again,) = target.process([Request(prompt, cfg.harvest.max_new_tokens, tuple(chat.stop_ids), capture=True)], Sampling(topk=cfg.harvest.topk))
+        (again,) = target.process(
+            [Request(prompt, cfg.harvest.max_new_tokens, tuple(chat.stop_ids), capture=True)],
+            Sampling(topk=cfg.harvest.topk),
+        )
         assert again.completion_ids == answer
         torch.testing.assert_close(again.features.aux_hidden.float(), item["aux_hidden"].float(), atol=0.02, rtol=0.02)
         assert (again.features.topk_ids.long() == item["topk_ids"]).float().mean() > 0.99
@@ -101,8 +104,13 @@ def test_warm_start_keeps_the_drafters_vocab(tmp_path):
     t2d = torch.zeros(49152, dtype=torch.bool)
     t2d[target_ids] = True
     save_file({"d2t": target_ids - torch.arange(512), "t2d": t2d}, str(ckpt / "model.safetensors"))
-    cfg = tiny_cfg(f"drafter.init={ckpt}", "harvest.sources=[{kind: sharegpt, limit: 2}]", "harvest.max_new_tokens=4", "harvest.max_turns=1",
-                   "harvest.store_last_hidden=true")
+    cfg = tiny_cfg(
+        f"drafter.init={ckpt}",
+        "harvest.sources=[{kind: sharegpt, limit: 2}]",
+        "harvest.max_new_tokens=4",
+        "harvest.max_turns=1",
+        "harvest.store_last_hidden=true",
+    )
     summary = run_harvest(cfg, tmp_path / "run")
     assert summary["draft_vocab"]["source"] == "drafter.init"
     item = FeatureStore(tmp_path / "run" / "features").dataset("train")[0]
@@ -120,7 +128,10 @@ def test_nonfinite_hidden_states_are_skipped(tiny_model):
     with torch.no_grad():
         model.model.embed_tokens.weight[poison] = float("nan")
     target = HFTarget(cfg.target, [0, 1, 2], model=model, tokenizer=tok)
-    convs = [Conversation([{"role": "user", "content": text}], "test", key, "train") for text, key in (("Say hi.", "a" * 64), ("zebra", "b" * 64))]
+    convs = [
+        Conversation([{"role": "user", "content": text}], "test", key, "train")
+        for text, key in (("Say hi.", "a" * 64), ("zebra", "b" * 64))
+    ]
     samples, stats = harvest_chunk(target, chat, convs, cfg.harvest, Sampling(topk=4), 0, lambda n, t: None)
     assert [s.sample_id for s in samples] == [int("a" * 15, 16)] and stats.skips == Counter({"nonfinite_features": 1})
 
@@ -145,8 +156,15 @@ def test_config_errors_come_before_compute(tmp_path, capsys):
 
 
 def harvest_cmd(run_dir):
-    sets = ["harvest.sources=[{kind: sharegpt, limit: 16}]", "harvest.shard_samples=2", "harvest.batch_size=2", "harvest.max_new_tokens=48"]
-    return [sys.executable, str(HARVEST), "--config", str(TINY), "--run-dir", str(run_dir)] + [a for s in sets for a in ("--set", s)]
+    sets = [
+        "harvest.sources=[{kind: sharegpt, limit: 16}]",
+        "harvest.shard_samples=2",
+        "harvest.batch_size=2",
+        "harvest.max_new_tokens=48",
+    ]
+    return [sys.executable, str(HARVEST), "--config", str(TINY), "--run-dir", str(run_dir)] + [
+        a for s in sets for a in ("--set", s)
+    ]
 
 
 def store_records(features):
@@ -164,7 +182,9 @@ def test_sigkill_mid_harvest_then_rerun_equals_an_uninterrupted_run(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "tests")}
     subprocess.run(harvest_cmd(tmp_path / "whole"), check=True, env=env, capture_output=True)
 
-    proc = subprocess.Popen(harvest_cmd(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        harvest_cmd(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     manifest = tmp_path / "killed" / "features" / "manifest.json"
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:

@@ -20,7 +20,11 @@ def test_humaneval_ships_its_164_problems_as_one_turn_prompts():
     first = convs[0]
     assert first.split == "heldout" and first.source == "humaneval" and len(first.messages) == 1
     text = first.messages[0]["content"]
-    assert text.startswith("Complete the following Python function.") and "def has_close_elements(" in text and text.endswith("```")
+    assert (
+        text.startswith("Complete the following Python function.")
+        and "def has_close_elements(" in text
+        and text.endswith("```")
+    )
 
 
 def test_humaneval_from_a_local_file_and_a_limit(tmp_path):
@@ -32,19 +36,26 @@ def test_humaneval_from_a_local_file_and_a_limit(tmp_path):
     convs = collect([SourceConfig(kind="humaneval", path=str(p), limit=1)], skips=skips, **KW)
     assert [c.messages[0]["content"] for c in convs] == [HUMANEVAL_ASK.format(prompt="def f():\n")]
     skips = Counter()
-    assert len(collect([SourceConfig(kind="humaneval", path=str(p))], skips=skips, **KW)) == 2 and skips["malformed"] == 1
+    assert (
+        len(collect([SourceConfig(kind="humaneval", path=str(p))], skips=skips, **KW)) == 2 and skips["malformed"] == 1
+    )
 
 
 def test_mtbench_math_categories():
     skips = Counter()
-    convs = collect([SourceConfig(kind="mtbench", categories=["math", "reasoning"], split="heldout")], skips=skips, **KW)
+    convs = collect(
+        [SourceConfig(kind="mtbench", categories=["math", "reasoning"], split="heldout")], skips=skips, **KW
+    )
     assert len(convs) == 20  # MT-Bench has 10 questions per category
     everything = collect([SourceConfig(kind="mtbench")], skips=Counter(), **KW)
     assert len(everything) == 80 and {c.key for c in convs} < {c.key for c in everything}
 
 
 def test_sources_in_yaml():
-    cfg = load_config(None, ["harvest.sources=[{kind: humaneval, split: heldout}, {kind: mtbench, categories: [math], split: heldout}]"])
+    cfg = load_config(
+        None,
+        ["harvest.sources=[{kind: humaneval, split: heldout}, {kind: mtbench, categories: [math], split: heldout}]"],
+    )
     assert cfg.harvest.sources[0].kind == "humaneval" and cfg.harvest.sources[1].categories == ["math"]
     with pytest.raises(ValueError, match="humaneval"):
         collect([SourceConfig(kind="gsm8k")], skips=Counter(), **KW)

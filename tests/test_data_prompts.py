@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from eagle3ft.config import SourceConfig
-from eagle3ft.data.prompts import collect, content_key, iter_json_array, normalize, sharegpt_path, split_of, Skip
+from eagle3ft.data.prompts import Skip, collect, content_key, iter_json_array, normalize, sharegpt_path, split_of
 
 
 def sharegpt_record(i, turns=1):
@@ -57,11 +57,22 @@ def test_sharegpt_small_limit_reads_only_the_head():
 
 
 def test_normalize_roles_and_turns():
-    rec = {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "a"}, {"from": "gpt", "value": "b"},
-                             {"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}, {"from": "human", "value": "e"}]}
+    rec = {
+        "conversations": [
+            {"from": "gpt", "value": "Hi!"},
+            {"from": "human", "value": "a"},
+            {"from": "gpt", "value": "b"},
+            {"from": "human", "value": "c"},
+            {"from": "gpt", "value": "d"},
+            {"from": "human", "value": "e"},
+        ]
+    }
     assert normalize(rec, 2, regenerate=False) == [
-        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
     assert normalize(rec, 2, regenerate=True) == [{"role": "user", "content": "a"}, {"role": "user", "content": "c"}]
     sys_rec = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}]}
     assert normalize(sys_rec, 1, True)[0] == {"role": "system", "content": "be brief"}
@@ -75,7 +86,14 @@ def test_bad_input_is_skipped_and_counted(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b"\n".join(bad_corpus_lines()) + b"\n")
     skips = Counter()
-    convs = collect([SourceConfig(kind="file", path=str(path))], max_turns=2, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=skips)
+    convs = collect(
+        [SourceConfig(kind="file", path=str(path))],
+        max_turns=2,
+        regenerate=True,
+        heldout_fraction=0.0,
+        dedupe=True,
+        skips=skips,
+    )
     assert [c.messages[0]["content"] for c in convs] == ["Name a colour.", "question 7.0"]
     assert len(convs[1].messages) == 2 and convs[0].source == f"file:{path}"
     assert skips == {"malformed": 2, "empty": 2, "unknown_role": 1, "invalid_utf8": 1, "blank_line": 1, "duplicate": 1}
@@ -86,10 +104,26 @@ def test_split_is_a_fixed_function_of_content_and_sources_can_force_it(tmp_path)
     splits = [split_of(content_key(m, True), 0.1) for m in msgs]
     assert splits == [split_of(content_key(m, True), 0.1) for m in msgs]
     assert 0.07 < splits.count("heldout") / len(splits) < 0.13
-    assert content_key([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], True) == content_key([{"role": "user", "content": "q"}], True)
-    mt = collect([SourceConfig(kind="mtbench", split="heldout")], max_turns=2, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
+    assert content_key([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], True) == content_key(
+        [{"role": "user", "content": "q"}], True
+    )
+    mt = collect(
+        [SourceConfig(kind="mtbench", split="heldout")],
+        max_turns=2,
+        regenerate=True,
+        heldout_fraction=0.0,
+        dedupe=True,
+        skips=Counter(),
+    )
     assert len(mt) == 80 and {c.split for c in mt} == {"heldout"} and all(len(c.messages) == 2 for c in mt)
-    sg = collect([SourceConfig(kind="sharegpt", limit=6)], max_turns=1, regenerate=True, heldout_fraction=0.5, dedupe=True, skips=Counter())
+    sg = collect(
+        [SourceConfig(kind="sharegpt", limit=6)],
+        max_turns=1,
+        regenerate=True,
+        heldout_fraction=0.5,
+        dedupe=True,
+        skips=Counter(),
+    )
     assert len(sg) == 6 and [c.split for c in sg] == [split_of(c.key, 0.5) for c in sg]
 
 
@@ -100,9 +134,21 @@ def test_json_and_parquet_through_datasets(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(records))
     datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "a.parquet"))
     for name in ("a.json", "a.parquet"):
-        convs = collect([SourceConfig(kind="file", path=str(tmp_path / name), limit=3)], max_turns=1, regenerate=False,
-                        heldout_fraction=0.0, dedupe=True, skips=Counter())
+        convs = collect(
+            [SourceConfig(kind="file", path=str(tmp_path / name), limit=3)],
+            max_turns=1,
+            regenerate=False,
+            heldout_fraction=0.0,
+            dedupe=True,
+            skips=Counter(),
+        )
         assert [c.messages[1]["content"] for c in convs] == ["answer 0.0", "answer 1.0", "answer 2.0"]
     with pytest.raises(FileNotFoundError, match="not found"):
-        collect([SourceConfig(kind="file", path=str(tmp_path / "missing.jsonl"))], max_turns=1, regenerate=True,
-                heldout_fraction=0.0, dedupe=True, skips=Counter())
+        collect(
+            [SourceConfig(kind="file", path=str(tmp_path / "missing.jsonl"))],
+            max_turns=1,
+            regenerate=True,
+            heldout_fraction=0.0,
+            dedupe=True,
+            skips=Counter(),
+        )

@@ -13,22 +13,35 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3ft.data.chat import ChatFormat
 from eagle3ft.config import REPO_ROOT, SourceConfig, load_config
+from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import collect, merge_split_parts
 from eagle3ft.data.regen import RegenError, cli, main
-from eagle3ft.targets.hf import load_target, load_tokenizer
 from eagle3ft.data.tokens import TokenStore
+from eagle3ft.targets.hf import load_target
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
-BASE = ["harvest.sources=[{kind: sharegpt, limit: 7}, {kind: mtbench, limit: 2, split: heldout}]", "harvest.shard_samples=2", "harvest.max_turns=3", "harvest.max_new_tokens=16"]
+BASE = [
+    "harvest.sources=[{kind: sharegpt, limit: 7}, {kind: mtbench, limit: 2, split: heldout}]",
+    "harvest.shard_samples=2",
+    "harvest.max_turns=3",
+    "harvest.max_new_tokens=16",
+]
 
 
 def sglang_cfg(urls, *extra):
-    sets = BASE + ["harvest.backend=sglang", f"harvest.sglang.urls=[{', '.join(urls)}]", "harvest.sglang.concurrency=2", "harvest.sglang.prompts_per_request=3", "harvest.sglang.retries=1", "harvest.sglang.backoff_s=0.01", *extra]
+    sets = BASE + [
+        "harvest.backend=sglang",
+        f"harvest.sglang.urls=[{', '.join(urls)}]",
+        "harvest.sglang.concurrency=2",
+        "harvest.sglang.prompts_per_request=3",
+        "harvest.sglang.retries=1",
+        "harvest.sglang.backoff_s=0.01",
+        *extra,
+    ]
     return load_config(TINY, sets)
 
 
@@ -79,25 +92,40 @@ def reference(doubles, tmp_path_factory):
 
 def items(run: Path) -> dict:
     store = TokenStore(run / "tokens")
-    return {s: [(x["sample_id"], x["input_ids"].tolist(), x["loss_mask"].tolist()) for x in store.dataset(s)] for s in ("train", "heldout")}
+    return {
+        s: [(x["sample_id"], x["input_ids"].tolist(), x["loss_mask"].tolist()) for x in store.dataset(s)]
+        for s in ("train", "heldout")
+    }
 
 
 def test_multi_turn_prompts_carry_the_targets_own_answer_ids(reference, doubles):
     run, summary = reference
     store = TokenStore(run / "tokens")
-    assert store.complete and summary["counts"]["train"]["samples"] == 7 and summary["counts"]["heldout"]["samples"] == 2
+    assert (
+        store.complete and summary["counts"]["train"]["samples"] == 7 and summary["counts"]["heldout"]["samples"] == 2
+    )
     turns = sum(summary["counts"][s]["turns"] for s in ("train", "heldout"))
     assert turns > 9, "some conversations must reach a second turn"
-    assert summary["answers"] == turns and summary["answer_tokens"] == sum(summary["counts"][s]["loss_tokens"] for s in ("train", "heldout"))
+    assert summary["answers"] == turns and summary["answer_tokens"] == sum(
+        summary["counts"][s]["loss_tokens"] for s in ("train", "heldout")
+    )
     log = doubles[0].engine.log
     answered = {tuple(p): o for p, o in log}
-    later = [(p, o) for p, o in log if any(len(q) < len(p) and p[: len(q) + len(a)] == list(q) + a for q, a in answered.items())]
+    later = [
+        (p, o)
+        for p, o in log
+        if any(len(q) < len(p) and p[: len(q) + len(a)] == list(q) + a for q, a in answered.items())
+    ]
     assert later, "a turn-2 prompt starts with turn 1's prompt and its regenerated ids"
 
     def expected_mask(seq: list[int]) -> list[int]:
         """1 on every answer the double gave along the chain of turns that built `seq`, 0 elsewhere."""
         prompt, answer = next((list(p), o) for p, o in answered.items() if list(p) + o == seq)
-        prev = [list(q) + a for q, a in answered.items() if len(q) + len(a) <= len(prompt) and prompt[: len(q) + len(a)] == list(q) + a]
+        prev = [
+            list(q) + a
+            for q, a in answered.items()
+            if len(q) + len(a) <= len(prompt) and prompt[: len(q) + len(a)] == list(q) + a
+        ]
         head = expected_mask(max(prev, key=len)) if prev else []
         return head + [0] * (len(prompt) - len(head)) + [1] * len(answer)
 
@@ -137,7 +165,20 @@ def test_a_server_dying_mid_run_stops_with_its_name_and_a_rerun_completes_equal(
 
 def test_cli_error_is_one_line_when_no_server_answers(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        cli(["--config", str(TINY), "--run-dir", str(tmp_path), "--set", "harvest.backend=sglang", "--set", "harvest.sglang.urls=[http://127.0.0.1:9]", "--set", "harvest.sglang.retries=0"])
+        cli(
+            [
+                "--config",
+                str(TINY),
+                "--run-dir",
+                str(tmp_path),
+                "--set",
+                "harvest.backend=sglang",
+                "--set",
+                "harvest.sglang.urls=[http://127.0.0.1:9]",
+                "--set",
+                "harvest.sglang.retries=0",
+            ]
+        )
     err = capsys.readouterr().err.strip()
     assert e.value.code == 1 and err.startswith("regen: error: ") and "127.0.0.1:9" in err and "\n" not in err
 
@@ -146,7 +187,17 @@ def test_embedded_backend_through_the_entry_point(stopping_model, tmp_path, monk
     import eagle3ft.targets.hf as hf
 
     monkeypatch.setattr(hf, "load_target", lambda cfg: stopping_model)
-    cli(["--config", str(TINY), "--run-dir", str(tmp_path), *sum((["--set", s] for s in BASE), []), "--set", "harvest.batch_size=4"])
+    cli(
+        [
+            "--config",
+            str(TINY),
+            "--run-dir",
+            str(tmp_path),
+            *sum((["--set", s] for s in BASE), []),
+            "--set",
+            "harvest.batch_size=4",
+        ]
+    )
     summary = json.loads(capsys.readouterr().out)
     assert summary["generation"]["backend"] == "hf" and summary["counts"]["train"]["samples"] == 7
     for split, rows in items(tmp_path).items():
@@ -157,9 +208,27 @@ def test_embedded_backend_through_the_entry_point(stopping_model, tmp_path, monk
 
 
 def test_sharegpt_split_parts_are_joined_in_order():
-    recs = [{"id": "a_0", "conversations": [1]}, {"id": "a_5", "conversations": [2, 3]}, {"id": "b", "conversations": [4]}, {"id": "c_0", "conversations": [5]}, {"id": "a_0", "conversations": [6]}]
-    assert list(merge_split_parts(recs)) == [{"id": "a", "conversations": [1, 2, 3]}, {"id": "b", "conversations": [4]}, {"id": "c", "conversations": [5]}, {"id": "a", "conversations": [6]}]
-    convs = collect([SourceConfig(kind="sharegpt")], max_turns=10_000, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
+    recs = [
+        {"id": "a_0", "conversations": [1]},
+        {"id": "a_5", "conversations": [2, 3]},
+        {"id": "b", "conversations": [4]},
+        {"id": "c_0", "conversations": [5]},
+        {"id": "a_0", "conversations": [6]},
+    ]
+    assert list(merge_split_parts(recs)) == [
+        {"id": "a", "conversations": [1, 2, 3]},
+        {"id": "b", "conversations": [4]},
+        {"id": "c", "conversations": [5]},
+        {"id": "a", "conversations": [6]},
+    ]
+    convs = collect(
+        [SourceConfig(kind="sharegpt")],
+        max_turns=10_000,
+        regenerate=True,
+        heldout_fraction=0.0,
+        dedupe=True,
+        skips=Counter(),
+    )
     assert 9000 < len(convs) < 9461  # 17,671 items are 9,460 conversations, a few duplicate or unusable
     users = [sum(m["role"] == "user" for m in c.messages) for c in convs]
     assert sum(users) > 55_000 and max(users) > 100
@@ -180,7 +249,14 @@ def test_harvest_captures_exactly_a_token_stores_ids(reference, tmp_path):
 
 def test_chitchat_conversations_alternate_speakers():
     skips: Counter = Counter()
-    convs = collect([SourceConfig(kind="chitchat", limit=300)], max_turns=10_000, regenerate=False, heldout_fraction=0.0, dedupe=True, skips=skips)
+    convs = collect(
+        [SourceConfig(kind="chitchat", limit=300)],
+        max_turns=10_000,
+        regenerate=False,
+        heldout_fraction=0.0,
+        dedupe=True,
+        skips=skips,
+    )
     assert len(convs) == 300 and all(c.source == "chitchat" for c in convs)
     for c in convs:
         roles = [m["role"] for m in c.messages]

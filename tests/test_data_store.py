@@ -50,7 +50,11 @@ def test_round_trip(store_dir):
     assert m["counts"]["train"]["samples"] == 5 and m["counts"]["heldout"]["samples"] == 1
     assert m["counts"]["train"]["tokens"] == sum(len(s.input_ids) for s in train)
     assert m["chunk_skips"] == {"too_long": 1, "nonfinite_features": 2}
-    assert [s["file"] for s in m["shards"]] == ["train-00000.safetensors", "train-00001.safetensors", "heldout-00000.safetensors"]
+    assert [s["file"] for s in m["shards"]] == [
+        "train-00000.safetensors",
+        "train-00001.safetensors",
+        "heldout-00000.safetensors",
+    ]
     with safe_open(path / "train-00000.safetensors", framework="pt") as f:
         assert f.get_tensor("input_ids").dtype == torch.int32 and f.get_tensor("loss_mask").dtype == torch.uint8
         assert f.get_tensor("aux_hidden").dtype == torch.bfloat16 and f.get_tensor("offsets").tolist() == [0, 3, 7, 12]
@@ -142,7 +146,10 @@ def test_truncated_manifest_and_vocab_are_named(store_dir, tmp_path_factory):
     text = manifest.read_bytes()
     manifest.write_bytes(text[: len(text) // 2])
     for open_it in (lambda: FeatureStore(path), lambda: FeatureWriter(path, TARGET, K, True, "fp")):
-        with pytest.raises(DamagedFile, match=rf"{manifest}: the feature store's manifest is not valid JSON \(.*\); the file is truncated or damaged") as e:
+        with pytest.raises(
+            DamagedFile,
+            match=rf"{manifest}: the feature store's manifest is not valid JSON \(.*\); the file is truncated or damaged",
+        ) as e:
             open_it()
         assert "\n" not in str(e.value)
     d = tmp_path_factory.mktemp("vocab")
@@ -150,14 +157,26 @@ def test_truncated_manifest_and_vocab_are_named(store_dir, tmp_path_factory):
     save_vocab(d / "vocab.safetensors", d2t, t2d)
     data = (d / "vocab.safetensors").read_bytes()
     (d / "vocab.safetensors").write_bytes(data[:-7])
-    with pytest.raises(DamagedFile, match=rf"{d / 'vocab.safetensors'}: the draft vocabulary is not a readable safetensors file .*truncated"):
+    with pytest.raises(
+        DamagedFile,
+        match=rf"{d / 'vocab.safetensors'}: the draft vocabulary is not a readable safetensors file .*truncated",
+    ):
         load_vocab(d / "vocab.safetensors")
     save_file({"d2t": d2t}, str(d / "half.safetensors"))
     with pytest.raises(ValueError, match=r"half\.safetensors: the draft vocabulary has no t2d"):
         load_vocab(d / "half.safetensors")
 
 
-@pytest.mark.parametrize("entry", ["../outside.safetensors", "/etc/outside.safetensors", "sub/train-00000.safetensors", ".hidden.safetensors", "manifest.json"])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "../outside.safetensors",
+        "/etc/outside.safetensors",
+        "sub/train-00000.safetensors",
+        ".hidden.safetensors",
+        "manifest.json",
+    ],
+)
 def test_manifest_entries_cannot_point_outside_the_store(store_dir, entry):
     path, _, _ = store_dir
     outside = path.parent / "outside.safetensors"
@@ -165,7 +184,10 @@ def test_manifest_entries_cannot_point_outside_the_store(store_dir, entry):
     m = json.loads((path / "manifest.json").read_text())
     m["shards"][0]["file"] = entry
     (path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(StoreError, match=rf"entry '{re.escape(entry)}' is not a \*\.safetensors file name inside {re.escape(str(path))}"):
+    with pytest.raises(
+        StoreError,
+        match=rf"entry '{re.escape(entry)}' is not a \*\.safetensors file name inside {re.escape(str(path))}",
+    ):
         FeatureStore(path, verify=False)
     m["shards"][0]["file"] = "train-00000.safetensors"
     m["token_counts"] = "../outside.safetensors"
@@ -195,7 +217,9 @@ def _vocab(target_ids: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tenso
 
 def test_check_vocab_names_each_inconsistency():
     check_vocab(*_vocab([1, 4, 7], 10), 10, 3)
-    with pytest.raises(ValueError, match=r"w: d2t maps 1 draft ids outside the target vocab \[0, 10\), first draft id 2 -> 12"):
+    with pytest.raises(
+        ValueError, match=r"w: d2t maps 1 draft ids outside the target vocab \[0, 10\), first draft id 2 -> 12"
+    ):
         check_vocab(*_vocab([1, 4, 12], 10), 10, 3, "w")
     with pytest.raises(ValueError, match="outside the target vocab"):
         check_vocab(*_vocab([-1, 4, 7], 10), 10, 3)
@@ -206,7 +230,9 @@ def test_check_vocab_names_each_inconsistency():
     with pytest.raises(ValueError, match="t2d marks 4 target ids, d2t maps 3"):
         check_vocab(d2t, t2d, 10, 3)
     t2d[4] = False
-    with pytest.raises(ValueError, match=r"disagree: 1 draft ids map to target ids t2d does not mark, first draft id 1 -> 4"):
+    with pytest.raises(
+        ValueError, match=r"disagree: 1 draft ids map to target ids t2d does not mark, first draft id 1 -> 4"
+    ):
         check_vocab(d2t, t2d, 10, 3)
     with pytest.raises(ValueError, match="vocab sizes"):
         check_vocab(*_vocab([1, 4, 7], 10), 10, 4)

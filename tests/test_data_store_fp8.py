@@ -3,11 +3,11 @@
 import pytest
 import torch
 from safetensors import safe_open
+from test_data_store import TARGET, H, K, make_sample
 
 from eagle3ft.config import load_config
 from eagle3ft.data.harvest import check_harvest_config
 from eagle3ft.data.store import FeatureStore, FeatureWriter, StoreError, dequantize_aux, quantize_aux
-from test_data_store import TARGET, H, K, make_sample
 
 
 def test_quantize_round_trip_is_within_e4m3_rounding():
@@ -37,7 +37,10 @@ def test_fp8_store_reads_back_as_bf16_and_is_smaller(tmp_path):
     store = FeatureStore(tmp_path / "fp8")
     assert store.manifest["aux_dtype"] == "fp8"
     with safe_open(tmp_path / "fp8" / "train-00000.safetensors", framework="pt") as f:
-        assert f.get_tensor("aux_hidden").dtype == torch.float8_e4m3fn and f.get_tensor("aux_scale").shape == (sum(len(s.input_ids) for s in samples), 3)
+        assert f.get_tensor("aux_hidden").dtype == torch.float8_e4m3fn and f.get_tensor("aux_scale").shape == (
+            sum(len(s.input_ids) for s in samples),
+            3,
+        )
     tokens = sum(len(s.input_ids) for s in samples)
     assert sizes["bf16"] - sizes["fp8"] == pytest.approx(tokens * (3 * H * 2 - 3 * H - 12), abs=200)
     for item, s in zip(store.dataset("train"), samples):
@@ -48,7 +51,9 @@ def test_fp8_store_reads_back_as_bf16_and_is_smaller(tmp_path):
 
 
 def test_aux_dtype_is_checked_and_never_mixed(tmp_path):
-    FeatureWriter(tmp_path, TARGET, K, True, "fp", aux_dtype="fp8").commit("train", 0, [], {})  # the manifest is written
+    FeatureWriter(tmp_path, TARGET, K, True, "fp", aux_dtype="fp8").commit(
+        "train", 0, [], {}
+    )  # the manifest is written
     with pytest.raises(StoreError, match="another aux_dtype"):
         FeatureWriter(tmp_path, TARGET, K, True, "fp")
     with pytest.raises(ValueError, match="harvest.aux_dtype 'int4'"):

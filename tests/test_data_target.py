@@ -28,7 +28,9 @@ def layer_outputs_by_hook(model, ids):
     """Output of each decoder layer, captured by forward hooks: the definition of 'output of layer i'."""
     got = {}
     hooks = [
-        layer.register_forward_hook(lambda mod, args, out, i=i: got.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+        layer.register_forward_hook(
+            lambda mod, args, out, i=i: got.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
         for i, layer in enumerate(model.model.layers)
     ]
     try:
@@ -60,7 +62,9 @@ def test_capture_matches_full_logits_and_padding_is_harmless(cfg, tiny):
     model, tok = tiny
     target = HFTarget(cfg.target, [0, 1, 2], model=model, tokenizer=tok)
     short, long = [5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18]
-    res = target.process([Request(short, 0, (2,), True), Request(long, 0, (2,), True)], Sampling(topk=8, last_hidden=True))
+    res = target.process(
+        [Request(short, 0, (2,), True), Request(long, 0, (2,), True)], Sampling(topk=8, last_hidden=True)
+    )
     for seq, r in zip((short, long), res):
         with torch.no_grad():
             out = model(input_ids=torch.tensor([seq]), output_hidden_states=True)
@@ -88,7 +92,7 @@ def test_batched_left_padded_generation_equals_one_by_one(cfg, tiny):
         for _ in range(6):  # plain argmax decoding without a cache
             with torch.no_grad():
                 seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-        assert seq[len(p):] == b.completion_ids
+        assert seq[len(p) :] == b.completion_ids
 
 
 def test_tiny_target_is_seeded_and_weights_load(cfg, tiny):

@@ -21,7 +21,13 @@ IDENTITY = {"target": "t", "tokenizer": "tok", "chat_template": "auto"}
 
 def sample(i: int) -> TokenSample:
     n = 3 + i % 5
-    return TokenSample(sample_id=1000 + i, input_ids=[(7 * i + t) % 50 for t in range(n)], loss_mask=[int(t >= 2) for t in range(n)], turns=1 + i % 2, unfinished=int(i % 3 == 0))
+    return TokenSample(
+        sample_id=1000 + i,
+        input_ids=[(7 * i + t) % 50 for t in range(n)],
+        loss_mask=[int(t >= 2) for t in range(n)],
+        turns=1 + i % 2,
+        unfinished=int(i % 3 == 0),
+    )
 
 
 def chunks(n_chunks: int, per: int = 3):
@@ -51,7 +57,9 @@ def test_round_trip_counts_and_items(tmp_path):
         c = store.counts(split)
         assert c["samples"] == len(samples) and c["tokens"] == sum(len(s.input_ids) for s in samples)
         assert c["loss_tokens"] == sum(sum(s.loss_mask) for s in samples)
-        assert c["turns"] == sum(s.turns for s in samples) and c["unfinished_answers"] == sum(s.unfinished for s in samples)
+        assert c["turns"] == sum(s.turns for s in samples) and c["unfinished_answers"] == sum(
+            s.unfinished for s in samples
+        )
     assert store.manifest["chunk_skips"] == {"too_long": 6}
 
 

@@ -10,18 +10,36 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/tiny.yaml"
-TRAIN = ["--set", "train.max_steps=8", "--set", "train.save_every=4", "--set", "train.wandb_mode=disabled", "--set", "train.ttt_steps=3"]
+TRAIN = [
+    "--set",
+    "train.max_steps=8",
+    "--set",
+    "train.save_every=4",
+    "--set",
+    "train.wandb_mode=disabled",
+    "--set",
+    "train.ttt_steps=3",
+]
 BENCH = ["--set", "bench.max_new_tokens=8", "--set", "bench.repetitions=3"]
 
 
 def _run(args: list[str], run_dir: Path) -> str:
-    p = subprocess.run(args + ["--config", CONFIG, "--run-dir", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        args + ["--config", CONFIG, "--run-dir", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert p.returncode == 0, f"{' '.join(args)} failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout
 
 
 def _train(run_dir: Path, *extra: str) -> str:
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu-2proc.yaml", "train/finetune.py"]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "configs/accelerate/cpu-2proc.yaml",
+        "train/finetune.py",
+    ]
     return _run(launch + ["--resume", "auto", *TRAIN, *extra], run_dir)
 
 

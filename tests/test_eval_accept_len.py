@@ -26,7 +26,9 @@ def test_counts_by_hand():
     both = ChainCounts.from_alpha(alpha[:2], valid[:2]) + ChainCounts.from_alpha(alpha[2:], valid[2:])
     assert both.tau() == pytest.approx(c.tau())
     # sampled (fractional) acceptance: expected counts
-    s = ChainCounts.from_alpha(torch.tensor([[0.5, 0.4], [1.0, 0.5]], dtype=torch.float64), torch.ones(2, 2, dtype=torch.bool))
+    s = ChainCounts.from_alpha(
+        torch.tensor([[0.5, 0.4], [1.0, 0.5]], dtype=torch.float64), torch.ones(2, 2, dtype=torch.bool)
+    )
     assert s.attempts == pytest.approx([2.0, 1.5]) and s.accepts == pytest.approx([1.5, 0.7])
     assert s.tau() == pytest.approx(1 + 0.75 + 0.75 * 0.7 / 1.5)
 
@@ -77,7 +79,12 @@ def test_evaluate_report(setup):
     rep = evaluate(drafter, heldout, steps=STEPS, topk=2, num_draft_tokens=6)
     assert rep.samples == 4 and rep.roots > 60
     assert [r["depth"] for r in rep.greedy["per_depth"]] == [1, 2, 3]
-    assert rep.settings["1/1/2"]["tau"] <= rep.settings["2/1/3"]["tau"] <= rep.settings["3/1/4"]["tau"] == pytest.approx(rep.greedy["tau"])
+    assert (
+        rep.settings["1/1/2"]["tau"]
+        <= rep.settings["2/1/3"]["tau"]
+        <= rep.settings["3/1/4"]["tau"]
+        == pytest.approx(rep.greedy["tau"])
+    )
     assert rep.tree["tau"] >= 1.0 and rep.headline == "tree (greedy)"
     # the sampled figures are checked against a Monte-Carlo draw in test_sampled_acceptance_matches_monte_carlo
 
@@ -93,8 +100,12 @@ def test_sampled_acceptance_matches_monte_carlo(setup, temperature):
     g = torch.Generator().manual_seed(0)
     s = SampleInputs.of(heldout[2])
     T, V, Vd = s.input_ids.shape[0], drafter.config.vocab_size, drafter.config.draft_vocab_size
-    with torch.no_grad():  # entry t (aux of token t, embedding of t+1) drafts token t+2, whose target distribution is row t+1
-        _, logits = drafter.step(s.input_ids[1:][None], drafter.fuse(s.aux_hidden[:-1][None]), torch.arange(T - 1)[None], DraftCache())
+    with (
+        torch.no_grad()
+    ):  # entry t (aux of token t, embedding of t+1) drafts token t+2, whose target distribution is row t+1
+        _, logits = drafter.step(
+            s.input_ids[1:][None], drafter.fuse(s.aux_hidden[:-1][None]), torch.arange(T - 1)[None], DraftCache()
+        )
     q = torch.zeros(T - 1, V, dtype=torch.float64)
     q[:, torch.arange(Vd) + drafter.d2t] = torch.softmax(logits[0].double() / temperature, dim=-1)
     p = torch.zeros(T - 1, V, dtype=torch.float64)
@@ -108,7 +119,9 @@ def test_sampled_acceptance_matches_monte_carlo(setup, temperature):
     assert 0.05 < float(mc.mean()) < 0.95  # neither trivially rejected nor trivially accepted
     valid = res.sampled_valid[:, 0]
     rep = evaluate(drafter, [heldout[2]], STEPS, temperature=temperature)
-    assert rep.sampled["per_depth"][0]["a_k"] == pytest.approx(float(mc[valid].mean()), abs=5 * 0.5 / (n * int(valid.sum())) ** 0.5)
+    assert rep.sampled["per_depth"][0]["a_k"] == pytest.approx(
+        float(mc[valid].mean()), abs=5 * 0.5 / (n * int(valid.sum())) ** 0.5
+    )
 
 
 def _naive_tree_accept(drafter, s, r: int, steps: int, topk: int, num_draft_tokens: int) -> int:
@@ -116,7 +129,9 @@ def _naive_tree_accept(drafter, s, r: int, steps: int, topk: int, num_draft_toke
     the drafter down its own path from the prefix (the live chain computation), nothing batched."""
     t = r - 1
     cache = DraftCache()
-    h0, lg0 = drafter.step(s.input_ids[1 : t + 2][None], drafter.fuse(s.aux_hidden[: t + 1][None]), torch.arange(t + 1)[None], cache)
+    h0, lg0 = drafter.step(
+        s.input_ids[1 : t + 2][None], drafter.fuse(s.aux_hidden[: t + 1][None]), torch.arange(t + 1)[None], cache
+    )
     h0, lg0 = h0[:, -1:], lg0[0, -1]
 
     def child_logp(path):

@@ -17,12 +17,18 @@ def bench_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("bench")
     torch.manual_seed(0)
     drafter = Eagle3Drafter(Eagle3Config.from_json("configs/drafters/tiny.json"))
-    drafter.t2d[: drafter.config.draft_vocab_size] = True  # d2t 0: draft id i is target id i (the bench checks the vocab)
+    drafter.t2d[: drafter.config.draft_vocab_size] = (
+        True  # d2t 0: draft id i is target id i (the bench checks the vocab)
+    )
     export_drafter(drafter, run / "export")
     cfg = load_config(
         "configs/tiny.yaml",
-        ["bench.prompts.limit=2", "bench.max_new_tokens=6", "bench.repetitions=2",
-         "bench.settings=[{steps: 1, topk: 1, num_draft_tokens: 2}, {steps: 3, topk: 1, num_draft_tokens: 4}]"],
+        [
+            "bench.prompts.limit=2",
+            "bench.max_new_tokens=6",
+            "bench.repetitions=2",
+            "bench.settings=[{steps: 1, topk: 1, num_draft_tokens: 2}, {steps: 3, topk: 1, num_draft_tokens: 4}]",
+        ],
     )
     backend = bench.make_backend(cfg, run)
     summary = harness.run(cfg, run, backend, log=lambda *a: None)
@@ -35,7 +41,11 @@ def test_runs_are_interleaved_and_complete(bench_run):
     rows = [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 3 * 2  # repetitions x (baseline + 2 settings) x prompts
     order = [(r["repetition"], r["mode"], r["setting"]) for r in rows[::2]]
-    assert order == [(rep, m, s) for rep in range(2) for m, s in [("baseline", None), ("speculative", "1/1/2"), ("speculative", "3/1/4")]]
+    assert order == [
+        (rep, m, s)
+        for rep in range(2)
+        for m, s in [("baseline", None), ("speculative", "1/1/2"), ("speculative", "3/1/4")]
+    ]
     for r in rows:
         assert r["new_tokens"] <= 6 and r["decode_s"] > 0
         if r["mode"] == "speculative":
@@ -64,12 +74,29 @@ def test_embedded_backend_refuses_trees(bench_run):
 
 def test_summarize_without_verify_curve_uses_cycles():
     def row(rep, mode, key, decode_s, accepts):
-        return {"repetition": rep, "mode": mode, "setting": key, "prompt_index": 0, "prompt_tokens": 5, "new_tokens": 11,
-                "prefill_s": 0.1, "decode_s": decode_s, "output_ids": None, "verify_count": len(accepts) if accepts else None,
-                "accept_lengths": accepts, "verify_s": None, "draft_forward_s": None, "cycle_s": None}
+        return {
+            "repetition": rep,
+            "mode": mode,
+            "setting": key,
+            "prompt_index": 0,
+            "prompt_tokens": 5,
+            "new_tokens": 11,
+            "prefill_s": 0.1,
+            "decode_s": decode_s,
+            "output_ids": None,
+            "verify_count": len(accepts) if accepts else None,
+            "accept_lengths": accepts,
+            "verify_s": None,
+            "draft_forward_s": None,
+            "cycle_s": None,
+        }
 
-    runs = [row(0, "baseline", None, 1.0, None), row(0, "speculative", "3/1/4", 0.5, [2, 3, 2, 3]),
-            row(1, "baseline", None, 2.0, None), row(1, "speculative", "3/1/4", 0.4, [2, 3, 2, 3])]
+    runs = [
+        row(0, "baseline", None, 1.0, None),
+        row(0, "speculative", "3/1/4", 0.5, [2, 3, 2, 3]),
+        row(1, "baseline", None, 2.0, None),
+        row(1, "speculative", "3/1/4", 0.4, [2, 3, 2, 3]),
+    ]
     s = harness.summarize(runs, [Setting(3, 1, 4)], None)
     assert s["baseline"]["tok_s"]["per_repetition"] == [10.0, 5.0]
     assert s["costs"]["baseline_s_per_token"] == pytest.approx(0.15)  # median of 0.1 and 0.2
@@ -95,17 +122,34 @@ def test_costs_are_medians_so_a_slow_pass_does_not_move_them():
     def row(rep, mode, setting, decode_s, cycle=None, verifies=None):
         n = 33
         spec = mode == "speculative"
-        return {"repetition": rep, "mode": mode, "setting": setting, "prompt_index": 0, "prompt_tokens": 10, "new_tokens": n,
-                "prefill_s": 0.01, "decode_s": decode_s, "output_ids": None, "verify_count": verifies if spec else None,
-                "accept_lengths": [2] * verifies if spec and verifies else None,
-                "verify_s": [cycle * 0.8] * verifies if cycle else None, "draft_forward_s": [cycle * 0.05] * (3 * verifies) if cycle else None,
-                "cycle_s": [cycle] * verifies if cycle else None}
+        return {
+            "repetition": rep,
+            "mode": mode,
+            "setting": setting,
+            "prompt_index": 0,
+            "prompt_tokens": 10,
+            "new_tokens": n,
+            "prefill_s": 0.01,
+            "decode_s": decode_s,
+            "output_ids": None,
+            "verify_count": verifies if spec else None,
+            "accept_lengths": [2] * verifies if spec and verifies else None,
+            "verify_s": [cycle * 0.8] * verifies if cycle else None,
+            "draft_forward_s": [cycle * 0.05] * (3 * verifies) if cycle else None,
+            "cycle_s": [cycle] * verifies if cycle else None,
+        }
 
     st = Setting(3, 1, 4)
     timed = [row(r, "baseline", None, 0.32) for r in range(3)]
-    timed += [row(0, "speculative", st.key, 0.8, cycle=0.05, verifies=16)] + [row(r, "speculative", st.key, 0.16, cycle=0.01, verifies=16) for r in (1, 2)]
+    timed += [row(0, "speculative", st.key, 0.8, cycle=0.05, verifies=16)] + [
+        row(r, "speculative", st.key, 0.16, cycle=0.01, verifies=16) for r in (1, 2)
+    ]
     s = harness.summarize(timed, [st], None)
     assert s["speculative"][0]["cycle_s"] == pytest.approx(0.01) and s["costs"]["verify_s"]["4"] == pytest.approx(0.008)
-    whole_cycle = [{**r, "verify_s": None, "draft_forward_s": None, "cycle_s": None} for r in timed]  # what SGLang gives
+    whole_cycle = [
+        {**r, "verify_s": None, "draft_forward_s": None, "cycle_s": None} for r in timed
+    ]  # what SGLang gives
     s = harness.summarize(whole_cycle, [st], None)
-    assert s["speculative"][0]["cycle_s"] == pytest.approx(0.16 / 16) and s["costs"]["verify_s"]["4"] == pytest.approx(0.01)
+    assert s["speculative"][0]["cycle_s"] == pytest.approx(0.16 / 16) and s["costs"]["verify_s"]["4"] == pytest.approx(
+        0.01
+    )

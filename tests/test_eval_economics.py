@@ -46,11 +46,31 @@ def test_cycle_includes_draft_forwards_and_interpolates_verify():
 
 def test_analyse_picks_best_and_reports_predictions():
     summary = {
-        "costs": {"baseline_s_per_token": 0.01, "verify_s": {"3": 0.012, "4": 0.013, "6": 0.02}, "draft_forward_s": 0.002, "overhead_s": 0.0},
+        "costs": {
+            "baseline_s_per_token": 0.01,
+            "verify_s": {"3": 0.012, "4": 0.013, "6": 0.02},
+            "draft_forward_s": 0.002,
+            "overhead_s": 0.0,
+        },
         "speculative": [
-            {"setting": {"steps": 2, "topk": 1, "num_draft_tokens": 3}, "tau": 2.2, "tok_s_median": 130.0, "cycle_s": 0.016},
-            {"setting": {"steps": 3, "topk": 1, "num_draft_tokens": 4}, "tau": 2.8, "tok_s_median": 140.0, "cycle_s": 0.019},
-            {"setting": {"steps": 5, "topk": 1, "num_draft_tokens": 6}, "tau": 2.9, "tok_s_median": 96.0, "cycle_s": 0.030},
+            {
+                "setting": {"steps": 2, "topk": 1, "num_draft_tokens": 3},
+                "tau": 2.2,
+                "tok_s_median": 130.0,
+                "cycle_s": 0.016,
+            },
+            {
+                "setting": {"steps": 3, "topk": 1, "num_draft_tokens": 4},
+                "tau": 2.8,
+                "tok_s_median": 140.0,
+                "cycle_s": 0.019,
+            },
+            {
+                "setting": {"steps": 5, "topk": 1, "num_draft_tokens": 6},
+                "tau": 2.9,
+                "tok_s_median": 96.0,
+                "cycle_s": 0.030,
+            },
         ],
     }
     ec = analyse(summary, {"3/1/4": 2.5})
@@ -81,7 +101,9 @@ def test_tau_out_of_reach_names_the_setting_that_would_be_needed():
     assert "out of reach" in text and "at most 3" in text and "4/1/5" in text and "extrapolated" in text
     ok = reach(cm, 82, S324)  # break-even: tau 2.38 fits under 3
     assert ok["reachable"] and ok["speedup"] == pytest.approx(1.0) and "within its maximum 3" in reach_text(ok)
-    assert max_tau(Setting(3, 1, 4)) == 4 and max_tau(Setting(5, 4, 3)) == 3  # a tree verifies num_draft_tokens - 1 drafts
+    assert (
+        max_tau(Setting(3, 1, 4)) == 4 and max_tau(Setting(5, 4, 3)) == 3
+    )  # a tree verifies num_draft_tokens - 1 drafts
 
 
 def test_reach_says_when_no_chain_can_reach():
@@ -93,13 +115,24 @@ def test_reach_says_when_no_chain_can_reach():
 # --------------------------------------------------------------------------- calibration: predict, then compare
 
 
-def _summary(base_s_per_token: float, rows: list[tuple[str, float, float, float]], backend="embedded", device="cpu: X") -> dict:
+def _summary(
+    base_s_per_token: float, rows: list[tuple[str, float, float, float]], backend="embedded", device="cpu: X"
+) -> dict:
     """rows: (key, tau live, tok/s median, mean cycle s)."""
     spec = []
     for key, tau, tok_s, cycle in rows:
         st, tk, n = map(int, key.split("/"))
-        spec.append({"setting": {"steps": st, "topk": tk, "num_draft_tokens": n}, "key": key, "tau": tau, "tok_s_median": tok_s,
-                     "speedup_median": tok_s * base_s_per_token, "cycle_s": cycle * 0.9, "cycle_s_per_pass": cycle})
+        spec.append(
+            {
+                "setting": {"steps": st, "topk": tk, "num_draft_tokens": n},
+                "key": key,
+                "tau": tau,
+                "tok_s_median": tok_s,
+                "speedup_median": tok_s * base_s_per_token,
+                "cycle_s": cycle * 0.9,
+                "cycle_s_per_pass": cycle,
+            }
+        )
     return {
         "backend": backend, "environment": {"device": device, "torch": "2.11"}, "max_new_tokens": 64,
         "prompts": {"source": {"kind": "mtbench", "limit": 8}, "count": 8},
@@ -123,7 +156,9 @@ def test_calibration_predicts_a_later_run_from_offline_tau_alone(tmp_path):
     pred = predict(cal, offline)
     by = {r["setting"]: r for r in pred["rows"]}
     assert by["3/1/4"]["predicted_tok_s"] == pytest.approx(2.6 / 0.020) and by["3/1/4"]["cycle_basis"] == "measured"
-    assert by["3/1/4"]["predicted_speedup"] == pytest.approx(1.3) and by["3/1/4"]["break_even_tau"] == pytest.approx(2.0)
+    assert by["3/1/4"]["predicted_speedup"] == pytest.approx(1.3) and by["3/1/4"]["break_even_tau"] == pytest.approx(
+        2.0
+    )
     # 1/1/2 never ran in A: priced with A's cost model, 1 draft forward + the verify of 2 (flat below 3: 12 ms)
     assert by["1/1/2"]["cycle_basis"] == "cost model" and by["1/1/2"]["cycle_ms"] == pytest.approx(14.0)
 
@@ -132,7 +167,9 @@ def test_calibration_predicts_a_later_run_from_offline_tau_alone(tmp_path):
     j = join(pred, b, target="smol")
     r = {x["setting"]: x for x in j["rows"]}["3/1/4"]
     assert r["measured_tok_s"] == 125.0 and r["error_pct"] == pytest.approx(100 * (130 - 125) / 125)
-    assert r["predicted_tok_s_live_tau"] == pytest.approx(2.55 / 0.020) and r["error_pct_live_tau"] == pytest.approx(100 * (127.5 - 125) / 125)
+    assert r["predicted_tok_s_live_tau"] == pytest.approx(2.55 / 0.020) and r["error_pct_live_tau"] == pytest.approx(
+        100 * (127.5 - 125) / 125
+    )
     assert r["speedup_error_pct"] == pytest.approx(100 * (1.3 - 125 * 0.0105) / (125 * 0.0105))
     assert "measured_tok_s" not in {x["setting"]: x for x in j["rows"]}["1/1/2"]
     assert j["warnings"] == ["device differs: calibration 'cpu: X', this run 'cpu: Y'"]
@@ -177,6 +214,17 @@ def test_economics_entry_point_predicts_before_the_bench_and_compares_after(tmp_
     assert "measured 110.0 (x1.10), error +9.1%" in capsys.readouterr().out
     econ = json.loads((run_b / "bench" / "economics.json").read_text())
     assert econ["calibrated"]["rows"][0]["error_pct"] == pytest.approx(100 * 10 / 110)
-    assert json.loads((run_b / "bench" / "prediction.json").read_text())["made_before_bench"]  # still the one made before
-    main(["--config", "configs/tiny.yaml", "--run-dir", str(run_b), "--set", f"bench.calibration={run_b / 'bench' / 'calibration.json'}"])
+    assert json.loads((run_b / "bench" / "prediction.json").read_text())[
+        "made_before_bench"
+    ]  # still the one made before
+    main(
+        [
+            "--config",
+            "configs/tiny.yaml",
+            "--run-dir",
+            str(run_b),
+            "--set",
+            f"bench.calibration={run_b / 'bench' / 'calibration.json'}",
+        ]
+    )
     assert "warning: the calibration comes from this very run" in capsys.readouterr().out

@@ -4,8 +4,8 @@ line that names what is missing and the command that makes it."""
 import pytest
 
 from eagle3ft.config import load_config
-from eagle3ft.targets import hf
 from eagle3ft.eval import accept_len, bench, bench_sglang, economics, preflight, report
+from eagle3ft.targets import hf
 
 CONFIG = "configs/tiny.yaml"
 
@@ -39,7 +39,10 @@ def _touch(path):
 def test_offline_eval_needs_features_then_a_drafter(tmp_path, capsys):
     run = tmp_path / "run"
     err = _stop(accept_len.main, run, capsys)
-    assert err.startswith("accept_len.py: error: no ") and "features/manifest.json: harvest first: python data/harvest.py" in err
+    assert (
+        err.startswith("accept_len.py: error: no ")
+        and "features/manifest.json: harvest first: python data/harvest.py" in err
+    )
     _touch(run / "features" / "manifest.json")
     err = _stop(accept_len.main, run, capsys)
     assert f"no drafter at {run / 'export'}: train one: accelerate launch" in err
@@ -51,7 +54,9 @@ def test_a_run_cut_short_before_the_export_is_told_to_resume(tmp_path, capsys):
     _touch(run / "features" / "manifest.json")
     for n in (4, 12, 8):
         (run / "ckpt" / f"step-{n}").mkdir(parents=True)
-    assert "training stopped at ckpt/step-12 before the export; resume it: accelerate launch" in _stop(accept_len.main, run, capsys)
+    assert "training stopped at ckpt/step-12 before the export; resume it: accelerate launch" in _stop(
+        accept_len.main, run, capsys
+    )
     _touch(run / "export" / "config.json")  # an export cut short
     assert f"{run / 'export'} has no model.safetensors" in _stop(accept_len.main, run, capsys)
 
@@ -86,8 +91,12 @@ def test_economics_and_report_name_the_stage_that_makes_their_input(tmp_path, ca
     assert "no drafter at" in _stop(report.main, run, capsys)
     _touch(run / "export" / "config.json")
     _touch(run / "export" / "model.safetensors")
-    assert f"bench/summary.json: run python eval/bench.py --config {CONFIG} --run-dir {run}" in _stop(economics.main, run, capsys)
-    assert "nothing to report" in _stop(report.main, run, capsys) and "eval/accept_len.py" in _stop(report.main, run, capsys)
+    assert f"bench/summary.json: run python eval/bench.py --config {CONFIG} --run-dir {run}" in _stop(
+        economics.main, run, capsys
+    )
+    assert "nothing to report" in _stop(report.main, run, capsys) and "eval/accept_len.py" in _stop(
+        report.main, run, capsys
+    )
     _touch(tmp_path / "cal.json")
     err = _stop(economics.main, run, capsys, f"bench.calibration={tmp_path / 'cal.json'}")
     assert "eval/accept_len.json: run python eval/accept_len.py" in err

@@ -3,13 +3,13 @@ and the tau is eval/accept_len.py's on them, next to the live tau of the same gr
 
 import pytest
 import torch
-
 from _eval_tiny import AUX, features, greedy_items, prompts, tiny_pair
+
 from eagle3ft.config import load_config
 from eagle3ft.eval import harness
 from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.eval.harness import RequestResult
 from eagle3ft.eval.economics import Setting
+from eagle3ft.eval.harness import RequestResult
 from eagle3ft.eval.same_prompts import features as bench_features
 from eagle3ft.eval.same_prompts import offline_tau
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
@@ -32,12 +32,16 @@ def test_offline_tau_on_the_bench_answers_tracks_the_live_tau():
     answers = [greedy_decode(target, p, 24).tokens for p in ps]
     res = offline_tau(target, drafter, AUX, ps, answers, [Setting(1, 1, 2), Setting(3, 1, 4)])
     ref = evaluate(drafter, greedy_items(target, ps, 24), 3, 1, 4, 0.0)
-    assert res["settings"] == {k: v["tau"] for k, v in ref.settings.items()} and res["roots"] == ref.roots == sum(len(a) - 1 for a in answers)
+    assert res["settings"] == {k: v["tau"] for k, v in ref.settings.items()} and res["roots"] == ref.roots == sum(
+        len(a) - 1 for a in answers
+    )
     dec = SpeculativeDecoder(target, drafter, AUX, 3)
     gens = [dec.generate(p, 24) for p in ps]
     live = sum(sum(g.accept_lengths) for g in gens) / sum(g.verify_count for g in gens)
     assert res["settings"]["3/1/4"] > 1.3  # the fitted drafter is accepted often: the comparison is not 1 against 1
-    assert res["settings"]["3/1/4"] == pytest.approx(live, rel=0.05)  # same tokens; only the cycle roots (and the last, cut cycle) differ
+    assert res["settings"]["3/1/4"] == pytest.approx(
+        live, rel=0.05
+    )  # same tokens; only the cycle roots (and the last, cut cycle) differ
     assert offline_tau(target, drafter, AUX, ps, answers, [Setting(3, 2, 6)]) is None  # trees: no chain to score
 
 
@@ -73,7 +77,9 @@ def test_the_bench_scores_the_first_plain_pass_answers_offline(tmp_path):
     backend = _Backend()
     summary = harness.run(cfg, tmp_path, backend, log=lambda *a: None)
     prompts, answers, keys = backend.got
-    assert answers == [[100, 0, 7, 8, 9], [101, 0, 7, 8, 9]] and len(prompts) == 2 and keys == ["3/1/4"]  # repetition 0's
+    assert (
+        answers == [[100, 0, 7, 8, 9], [101, 0, 7, 8, 9]] and len(prompts) == 2 and keys == ["3/1/4"]
+    )  # repetition 0's
     assert summary["offline_same_prompts"]["settings"] == {"3/1/4": 1.9}
     cfg.bench.temperature = 0.7  # sampled answers are not the target's greedy path: not scored
     assert harness.run(cfg, tmp_path, _Backend(), log=lambda *a: None)["offline_same_prompts"] is None

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
+from _eval_tiny import AUX, prompts, tiny_pair
 
 from eagle3ft.eval.bench_embedded import TimedSpeculativeDecoder
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode, verify_greedy, verify_sampled
@@ -85,6 +85,8 @@ def test_sampled_verification_matches_target_distribution():
 def test_sampled_speculation_runs_and_records(pair):
     target, drafter = pair
     g = torch.Generator().manual_seed(3)
-    spec = SpeculativeDecoder(target, drafter, AUX, steps=3, temperature=0.8, generator=g).generate(prompts(1, seed=7)[0], 30)
+    spec = SpeculativeDecoder(target, drafter, AUX, steps=3, temperature=0.8, generator=g).generate(
+        prompts(1, seed=7)[0], 30
+    )
     assert len(spec.tokens) == 30 and spec.verify_count == len(spec.accept_lengths)
     assert all(1 <= a <= 4 for a in spec.accept_lengths)

@@ -71,7 +71,9 @@ def test_flash_ttt_attention_matches_explicit_mask_fp64(monkeypatch, nh, nkv, T,
     assert out.dtype == torch.bfloat16
     x64 = [t.detach().double().requires_grad_() for t in x]
     ref = explicit_attention(x64[0], x64[1], x64[2], x64[3::2], x64[4::2])
-    w = torch.randn(ref.shape, device="cuda", dtype=torch.float64, generator=torch.Generator(device="cuda").manual_seed(1))
+    w = torch.randn(
+        ref.shape, device="cuda", dtype=torch.float64, generator=torch.Generator(device="cuda").manual_seed(1)
+    )
     grads = torch.autograd.grad((out.double() * w).sum(), x)
     ref_grads = torch.autograd.grad((ref * w).sum(), x64)
     # the same computation in plain bf16 torch ops: the error any bf16 implementation has
@@ -116,7 +118,9 @@ class TableHead(torch.nn.Module):
         return self.table[h[:, 0].long()]
 
 
-@pytest.mark.parametrize("V,k,dtype", [(163840, 64, torch.bfloat16), (49152, 16, torch.bfloat16), (32000, 32, torch.float16)])
+@pytest.mark.parametrize(
+    "V,k,dtype", [(163840, 64, torch.bfloat16), (49152, 16, torch.bfloat16), (32000, 32, torch.float16)]
+)
 def test_triton_topk_head_matches_torch_topk_and_fp64_log_softmax(V, k, dtype):
     from eagle3ft.targets import head
 
@@ -137,7 +141,9 @@ def test_triton_topk_head_matches_torch_topk_and_fp64_log_softmax(V, k, dtype):
     full = torch.log_softmax(table.double(), -1)
     assert (lps[:, :-1] >= lps[:, 1:]).all()
     torch.testing.assert_close(lps.double(), full.gather(-1, ids.long()), rtol=0, atol=5e-5)
-    torch.testing.assert_close(lps[2].double(), torch.full((k,), -math.log(V), dtype=torch.float64, device="cuda"), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        lps[2].double(), torch.full((k,), -math.log(V), dtype=torch.float64, device="cuda"), rtol=0, atol=1e-5
+    )
 
 
 # --------------------------------------------------------------------------- side-stream capture
@@ -178,8 +184,16 @@ def tiny_llama(vocab: int = 49152):
     """A random 4-layer Llama built in code (no files), bf16 on CUDA."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=512, max_position_embeddings=4096, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=512,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
 
@@ -194,7 +208,12 @@ def test_side_stream_capture_matches_a_synchronous_capture(padded):
 
     model = tiny_llama()
     aux_ids = [0, 1, 2]
-    target = HFTarget(TargetConfig(name="tiny-cuda", kind="tiny"), aux_ids, model=model, tokenizer=SimpleNamespace(pad_token_id=0, eos_token_id=0))
+    target = HFTarget(
+        TargetConfig(name="tiny-cuda", kind="tiny"),
+        aux_ids,
+        model=model,
+        tokenizer=SimpleNamespace(pad_token_id=0, eos_token_id=0),
+    )
     g = torch.Generator().manual_seed(3)
     lens = [700, 333, 1024, 5] if padded else [512, 512, 512]
     seqs = [torch.randint(1, 49152, (n,), generator=g).tolist() for n in lens]
@@ -225,7 +244,9 @@ def test_side_stream_capture_matches_a_synchronous_capture(padded):
         assert torch.equal(f.last_hidden, last[rows].to(torch.bfloat16))
         top = logits[rows].topk(k, -1)
         assert torch.equal(logits[rows].gather(-1, f.topk_ids.long()), top.values)
-        torch.testing.assert_close(f.topk_logprobs.double(), full[rows].gather(-1, f.topk_ids.long()), rtol=0, atol=5e-5)
+        torch.testing.assert_close(
+            f.topk_logprobs.double(), full[rows].gather(-1, f.topk_ids.long()), rtol=0, atol=5e-5
+        )
 
 
 # --------------------------------------------------------------------------- compile at realistic size
@@ -242,8 +263,12 @@ def test_compiled_step_matches_eager_at_k2_dims(tmp_path):
     """train.compile at Kimi-K2 drafter dims (seq 1024, TTT 7, bf16): against an fp32 reference, the compiled
     forward of every step, the loss and every gradient are as close as eager's (benchmarks/compile_check.py)."""
     cc = load_compile_check()
-    report = cc.main(["--dims", "k2", "--seq", "1024", "--device", "cuda", "--dtype", "bf16", "--out", str(tmp_path / "k2.json")])
+    report = cc.main(
+        ["--dims", "k2", "--seq", "1024", "--device", "cuda", "--dtype", "bf16", "--out", str(tmp_path / "k2.json")]
+    )
     rows = {r["tensor"]: r for r in report["rows"]}
     assert report["first_worse"] is None, report["verdict"]
     assert rows["loss"]["compiled_vs_eager"] < 5e-3
-    assert all(r["compiled_vs_ref"] < 5e-2 for r in report["rows"]), max(report["rows"], key=lambda r: r["compiled_vs_ref"])
+    assert all(r["compiled_vs_ref"] < 5e-2 for r in report["rows"]), max(
+        report["rows"], key=lambda r: r["compiled_vs_ref"]
+    )

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_train_checkpoint import k2_like_config, write_k2_like
+from test_train_checkpoint import write_k2_like
 from train_fixtures import REPO, TINY_TARGET, write_store
 
 from eagle3ft.config import load_config
 from eagle3ft.drafter_spec import DrafterMismatch, DrafterSpec, check_drafter
-from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 from eagle3ft.train.checkpoint import export_drafter
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
 TINY = REPO / "configs/tiny.yaml"
 TINY_DRAFTER = json.loads((REPO / "configs/drafters/tiny.json").read_text())
@@ -57,12 +57,21 @@ def test_one_check_for_targets_and_features():
     spec = DrafterSpec.from_json(REPO / "configs/drafters/tiny.json")
     assert check_drafter(spec, TINY_TARGET, "w", "m.json") == [0, 1, 2]
     cfg = Eagle3Config.from_dict({**TINY_DRAFTER, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}})
-    with pytest.raises(DrafterMismatch, match=r"^w: drafter aux layer ids \[0, 1, 3\] != features' aux layer ids \[0, 1, 2\] \(m\.json\)$"):
+    with pytest.raises(
+        DrafterMismatch,
+        match=r"^w: drafter aux layer ids \[0, 1, 3\] != features' aux layer ids \[0, 1, 2\] \(m\.json\)$",
+    ):
         check_drafter(cfg, TINY_TARGET, "w", "m.json")
-    assert check_drafter(cfg, {**TINY_TARGET, "aux_layer_ids": None}, "w") == [0, 1, 3]  # a live target has no ids of its own
+    assert check_drafter(cfg, {**TINY_TARGET, "aux_layer_ids": None}, "w") == [
+        0,
+        1,
+        3,
+    ]  # a live target has no ids of its own
     with pytest.raises(DrafterMismatch, match=r"drafter target_hidden_size 96 != features' target hidden_size 64"):
         check_drafter(Eagle3Config.from_dict({**TINY_DRAFTER, "target_hidden_size": 96}), TINY_TARGET, "w", "m.json")
-    with pytest.raises(DrafterMismatch, match=r"drafter draft_vocab_size 60000 not in \(0, features' target vocab_size 49152\]"):
+    with pytest.raises(
+        DrafterMismatch, match=r"drafter draft_vocab_size 60000 not in \(0, features' target vocab_size 49152\]"
+    ):
         check_drafter(Eagle3Config.from_dict({**TINY_DRAFTER, "draft_vocab_size": 60000}), TINY_TARGET, "w", "m.json")
     d2t, t2d = build_vocab(torch.arange(49152), 512)
     check_drafter(spec, TINY_TARGET, "w", "m.json", d2t, t2d)
@@ -71,12 +80,21 @@ def test_one_check_for_targets_and_features():
         check_drafter(spec, TINY_TARGET, "w", "m.json", d2t, t2d)
 
 
-@pytest.mark.parametrize("damage, message", [
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}}, r"drafter aux layer ids \[0, 1, 3\] != features' aux layer ids \[0, 1, 2\] \(.*manifest\.json\)"),
-    ({"target_hidden_size": 96}, r"drafter target_hidden_size 96 != features' target hidden_size 64"),
-    ("truncate", r"export/model\.safetensors: the drafter's weights file is not a readable safetensors file \(.*\); the file is truncated or damaged"),
-    ("t2d", r"draft vocabulary: d2t and t2d disagree"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}},
+            r"drafter aux layer ids \[0, 1, 3\] != features' aux layer ids \[0, 1, 2\] \(.*manifest\.json\)",
+        ),
+        ({"target_hidden_size": 96}, r"drafter target_hidden_size 96 != features' target hidden_size 64"),
+        (
+            "truncate",
+            r"export/model\.safetensors: the drafter's weights file is not a readable safetensors file \(.*\); the file is truncated or damaged",
+        ),
+        ("t2d", r"draft vocabulary: d2t and t2d disagree"),
+    ],
+)
 def test_offline_eval_refuses_a_bad_drafter_in_one_line_before_compute(run, damage, message, monkeypatch, capsys):
     from eagle3ft.eval.accept_len import main
 
@@ -92,7 +110,12 @@ def test_offline_eval_refuses_a_bad_drafter_in_one_line_before_compute(run, dama
     with pytest.raises(SystemExit) as e:
         main(["--config", str(TINY), "--run-dir", str(run)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 1 and len(err) == 1 and err[0].startswith("accept_len.py: error: ") and re.search(message, err[0]), err
+    assert (
+        e.value.code == 1
+        and len(err) == 1
+        and err[0].startswith("accept_len.py: error: ")
+        and re.search(message, err[0])
+    ), err
     assert not (run / "eval" / "accept_len.json").exists()
 
 
@@ -105,17 +128,27 @@ def test_the_benches_refuse_a_drafter_that_disagrees_with_the_features_before_co
     with pytest.raises(SystemExit) as e:
         main(["--config", str(TINY), "--run-dir", str(run)])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 1 and err.startswith("bench.py: error: eval.checkpoint ") and "drafter aux layer ids [0, 1, 3] != features' aux layer ids [0, 1, 2]" in err
+    assert (
+        e.value.code == 1
+        and err.startswith("bench.py: error: eval.checkpoint ")
+        and "drafter aux layer ids [0, 1, 3] != features' aux layer ids [0, 1, 2]" in err
+    )
     cfg = load_config(TINY, ["bench.backend=sglang", "bench.launch=true"])
     with pytest.raises(DrafterMismatch, match=r"aux layer ids \[0, 1, 3\]"):  # before any server is started
         SGLangBackend(cfg, run)
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("d2t_range", r"warm start .*/k2: draft vocabulary: d2t maps 1 draft ids outside the target vocab \[0, 49152\)"),
-    ("t2d", r"warm start .*/k2: draft vocabulary: d2t and t2d disagree"),
-    ("truncate", r"k2/model\.safetensors: the drafter's weights file is not a readable safetensors file"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            "d2t_range",
+            r"warm start .*/k2: draft vocabulary: d2t maps 1 draft ids outside the target vocab \[0, 49152\)",
+        ),
+        ("t2d", r"warm start .*/k2: draft vocabulary: d2t and t2d disagree"),
+        ("truncate", r"k2/model\.safetensors: the drafter's weights file is not a readable safetensors file"),
+    ],
+)
 def test_train_refuses_a_bad_warm_start_drafter_in_one_line_before_compute(run, damage, message, monkeypatch, capsys):
     from eagle3ft.train.finetune import cli
 
@@ -131,9 +164,22 @@ def test_train_refuses_a_bad_warm_start_drafter_in_one_line_before_compute(run, 
         weights.write_bytes(weights.read_bytes()[: len(weights.read_bytes()) // 2])
     no_compute(monkeypatch)
     with pytest.raises(SystemExit) as e:
-        cli(["--config", str(TINY), "--run-dir", str(run), "--set", f"drafter.init={run / 'k2'}", "--set", "train.wandb_mode=disabled"])
+        cli(
+            [
+                "--config",
+                str(TINY),
+                "--run-dir",
+                str(run),
+                "--set",
+                f"drafter.init={run / 'k2'}",
+                "--set",
+                "train.wandb_mode=disabled",
+            ]
+        )
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 1 and len(err) == 1 and err[0].startswith("finetune: error: ") and re.search(message, err[0]), err
+    assert (
+        e.value.code == 1 and len(err) == 1 and err[0].startswith("finetune: error: ") and re.search(message, err[0])
+    ), err
 
 
 def test_scratch_training_refuses_an_inconsistent_run_vocab(run, monkeypatch):
@@ -143,10 +189,15 @@ def test_scratch_training_refuses_an_inconsistent_run_vocab(run, monkeypatch):
     t2d[int(torch.nonzero(~t2d)[0])] = True  # one more marked than d2t maps
     save_vocab(run / "vocab.safetensors", d2t, t2d)
     no_compute(monkeypatch)
-    with pytest.raises(ValueError, match=r"vocab\.safetensors: draft vocabulary: d2t and t2d disagree: t2d marks 513 target ids, d2t maps 512"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab\.safetensors: draft vocabulary: d2t and t2d disagree: t2d marks 513 target ids, d2t maps 512",
+    ):
         build_drafter(load_config(TINY), run, TINY_TARGET)
     (run / "vocab.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
-    with pytest.raises(ValueError, match=r"vocab\.safetensors: the draft vocabulary is not a readable safetensors file"):
+    with pytest.raises(
+        ValueError, match=r"vocab\.safetensors: the draft vocabulary is not a readable safetensors file"
+    ):
         build_drafter(load_config(TINY), run, TINY_TARGET)
 
 
@@ -162,7 +213,9 @@ def test_warm_start_rewrites_the_run_vocab_with_the_drafters(run):
     other = init["d2t"].clone()
     other[[0, 1]] = other[[1, 0]] + torch.tensor([1, -1])  # swap the first two target ids
     save_vocab(run / "vocab.safetensors", other, init["t2d"])
-    assert "differed from it in 2 of 256 d2t and 0 of 49152 t2d entries" in adopt_drafter_vocab(run, init["d2t"], init["t2d"], run / "k2")
+    assert "differed from it in 2 of 256 d2t and 0 of 49152 t2d entries" in adopt_drafter_vocab(
+        run, init["d2t"], init["t2d"], run / "k2"
+    )
     (run / "vocab.safetensors").write_bytes(b"junk")
     assert "was unreadable" in adopt_drafter_vocab(run, init["d2t"], init["t2d"], run / "k2")
     assert torch.equal(load_vocab(run / "vocab.safetensors")[0], init["d2t"])
@@ -171,7 +224,20 @@ def test_warm_start_rewrites_the_run_vocab_with_the_drafters(run):
 def test_harvest_rerun_over_a_damaged_complete_store_reports_it(tmp_path, capsys):
     from eagle3ft.data.harvest import main
 
-    argv = ["--config", str(TINY), "--run-dir", str(tmp_path), "--set", "harvest.sources=[{kind: sharegpt, limit: 2}]", "--set", "harvest.shard_samples=1", "--set", "harvest.max_new_tokens=8", "--set", "harvest.max_turns=1"]
+    argv = [
+        "--config",
+        str(TINY),
+        "--run-dir",
+        str(tmp_path),
+        "--set",
+        "harvest.sources=[{kind: sharegpt, limit: 2}]",
+        "--set",
+        "harvest.shard_samples=1",
+        "--set",
+        "harvest.max_new_tokens=8",
+        "--set",
+        "harvest.max_turns=1",
+    ]
     main(argv)
     first = json.loads(capsys.readouterr().out)
     assert first["argmax_check"]["checked"] > 0 and first["argmax_check"]["mismatched"] == 0
@@ -184,9 +250,16 @@ def test_harvest_rerun_over_a_damaged_complete_store_reports_it(tmp_path, capsys
     with pytest.raises(SystemExit) as e:
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert e.value.code == 1 and err == f"harvest: error: {tmp_path / 'features'}: 1 committed shard(s) are damaged (train-00001.safetensors: fails its sha256 check): restore them, or harvest into a new run dir"
+    assert (
+        e.value.code == 1
+        and err
+        == f"harvest: error: {tmp_path / 'features'}: 1 committed shard(s) are damaged (train-00001.safetensors: fails its sha256 check): restore them, or harvest into a new run dir"
+    )
     manifest = tmp_path / "features" / "manifest.json"
     manifest.write_bytes(manifest.read_bytes()[:200])
     with pytest.raises(SystemExit):
         main(argv)
-    assert re.search(rf"^harvest: error: {re.escape(str(manifest))}: the feature store's manifest is not valid JSON", capsys.readouterr().err.strip().splitlines()[-1])
+    assert re.search(
+        rf"^harvest: error: {re.escape(str(manifest))}: the feature store's manifest is not valid JSON",
+        capsys.readouterr().err.strip().splitlines()[-1],
+    )

@@ -35,14 +35,22 @@ def plant(run, **owner) -> dict:
 def test_the_lock_names_its_owner_and_goes_away_after(tmp_path):
     with run_lock(tmp_path / "run", "eval"):
         owner = json.loads((tmp_path / "run" / LOCK_NAME).read_text())
-        assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname() and owner["stage"] == "eval" and owner["started"]
+        assert (
+            owner["pid"] == os.getpid()
+            and owner["host"] == socket.gethostname()
+            and owner["stage"] == "eval"
+            and owner["started"]
+        )
         check_owner(tmp_path / "run", socket.gethostname(), os.getpid())
     assert not (tmp_path / "run" / LOCK_NAME).exists()
 
 
 def test_a_second_writer_stops_naming_the_owner(tmp_path, live_pid):
     owner = plant(tmp_path, pid=live_pid)
-    with pytest.raises(RunLocked, match=rf"^{tmp_path} is in use by harvest \(pid {live_pid} on {socket.gethostname()}, since 2026-11-30T10:00:00\+0000\); wait") as e:
+    with pytest.raises(
+        RunLocked,
+        match=rf"^{tmp_path} is in use by harvest \(pid {live_pid} on {socket.gethostname()}, since 2026-11-30T10:00:00\+0000\); wait",
+    ) as e:
         run_lock(tmp_path, "train").acquire()
     assert "\n" not in str(e.value)
     assert json.loads((tmp_path / LOCK_NAME).read_text()) == owner  # untouched
@@ -92,10 +100,17 @@ def test_a_lock_left_by_a_stage_that_raised_is_removed_at_exit(tmp_path):
     assert r.returncode == 4 and not (tmp_path / LOCK_NAME).exists()
 
 
-@pytest.mark.parametrize("module, entry", [
-    ("eagle3ft.data.harvest", "main"), ("eagle3ft.data.regen", "cli"), ("eagle3ft.eval.accept_len", "main"),
-    ("eagle3ft.eval.bench", "main"), ("eagle3ft.eval.economics", "main"), ("eagle3ft.eval.report", "main"),
-])
+@pytest.mark.parametrize(
+    "module, entry",
+    [
+        ("eagle3ft.data.harvest", "main"),
+        ("eagle3ft.data.regen", "cli"),
+        ("eagle3ft.eval.accept_len", "main"),
+        ("eagle3ft.eval.bench", "main"),
+        ("eagle3ft.eval.economics", "main"),
+        ("eagle3ft.eval.report", "main"),
+    ],
+)
 def test_every_stage_stops_on_a_folder_in_use_and_writes_nothing(tmp_path, live_pid, capsys, module, entry):
     import importlib
 
@@ -103,7 +118,9 @@ def test_every_stage_stops_on_a_folder_in_use_and_writes_nothing(tmp_path, live_
 
     owner = plant(tmp_path, pid=live_pid, stage="train")
     with pytest.raises(SystemExit) as e:
-        getattr(importlib.import_module(module), entry)(["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path)])
+        getattr(importlib.import_module(module), entry)(
+            ["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path)]
+        )
     assert e.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"error: {tmp_path} is in use by train (pid {live_pid} on {owner['host']}" in err[0]

@@ -11,19 +11,25 @@ import pytest
 import torch
 
 from eagle3ft.config import REPO_ROOT, load_config
-from eagle3ft.targets.hf import load_target
-from eagle3ft.targets.sglang import SGLangError
 from eagle3ft.eval import harness
 from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
 from eagle3ft.eval.economics import Setting
 from eagle3ft.eval.speculate import SpeculativeDecoder
+from eagle3ft.targets.hf import load_target
+from eagle3ft.targets.sglang import SGLangError
 from eagle3ft.train.checkpoint import export_drafter
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
 
-BENCH = ["bench.backend=sglang", "bench.prompts={kind: mtbench, limit: 2}", "bench.max_new_tokens=16", "bench.repetitions=2", "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"]
+BENCH = [
+    "bench.backend=sglang",
+    "bench.prompts={kind: mtbench, limit: 2}",
+    "bench.max_new_tokens=16",
+    "bench.repetitions=2",
+    "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,9 @@ def tiny():
 def doubles(tiny):
     _, model, tok, drafter = tiny
     base = SGLangDouble(DoubleEngine(model, tok), version="0.5.17").start()
-    spec = SGLangDouble(DoubleEngine(model, tok, drafter=drafter, spec_steps=3, spec_topk=1, spec_num_draft_tokens=4), version="0.5.17").start()
+    spec = SGLangDouble(
+        DoubleEngine(model, tok, drafter=drafter, spec_steps=3, spec_topk=1, spec_num_draft_tokens=4), version="0.5.17"
+    ).start()
     yield base, spec
     base.stop()
     spec.stop()
@@ -56,7 +64,10 @@ def doubles(tiny):
 def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
     cfg0, model, tok, drafter = tiny
     base, spec = doubles
-    cfg = load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}", "bench.concurrency=[1, 2]"])
+    cfg = load_config(
+        REPO_ROOT / "configs/tiny.yaml",
+        BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}", "bench.concurrency=[1, 2]"],
+    )
     backend = SGLangBackend(cfg, tmp_path)
     summary = harness.run(cfg, tmp_path, backend, log=lambda *_: None)
     prompts = harness.load_prompts(cfg)
@@ -72,7 +83,11 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
 
     runs = [json.loads(line) for line in (tmp_path / "bench/runs.jsonl").read_text().splitlines()]
     for r in runs:
-        assert r["tok_s"] == pytest.approx((r["new_tokens"] - 1) / r["decode_s"]) if r["decode_s"] > 0 else r["new_tokens"] <= 1
+        assert (
+            r["tok_s"] == pytest.approx((r["new_tokens"] - 1) / r["decode_s"])
+            if r["decode_s"] > 0
+            else r["new_tokens"] <= 1
+        )
     spec_runs = [r for r in runs if r["mode"] == "speculative"]
     assert [r["output_ids"] for r in spec_runs[: len(gens)]] == [g.tokens for g in gens]
 
@@ -80,9 +95,14 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
     taus = env["sglang_tau"]["3/1/4"]
     served = spec.engine.spec_tokens / spec.engine.spec_verifies  # the double's lifetime average, as SGLang's
     assert taus["server_avg_spec_accept_length"][-1] == pytest.approx(served)
-    assert env["servers"]["3/1/4"]["speculative_num_draft_tokens"] == 4 and env["servers"]["baseline"]["version"] == "0.5.17"
+    assert (
+        env["servers"]["3/1/4"]["speculative_num_draft_tokens"] == 4
+        and env["servers"]["baseline"]["version"] == "0.5.17"
+    )
     requests_log = [json.loads(line) for line in (tmp_path / "bench/sglang_requests.jsonl").read_text().splitlines()]
-    assert {r["setting"] for r in requests_log} == {"baseline", "3/1/4"} and all("spec_accept_histogram" in r for r in requests_log if r["setting"] != "baseline")
+    assert {r["setting"] for r in requests_log} == {"baseline", "3/1/4"} and all(
+        "spec_accept_histogram" in r for r in requests_log if r["setting"] != "baseline"
+    )
 
     econ = json.loads((tmp_path / "bench/economics.json").read_text())
     assert econ and summary["costs"]["verify_s"]["4"] > 0  # cycle time measured from the server per setting
@@ -98,7 +118,9 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
 
 def test_speculative_url_serves_only_its_setting(tiny, doubles, tmp_path):
     base, spec = doubles
-    cfg = load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}"])
+    cfg = load_config(
+        REPO_ROOT / "configs/tiny.yaml", BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}"]
+    )
     backend = SGLangBackend(cfg, tmp_path)
     with pytest.raises(SGLangError, match="serves EAGLE3 3/1/4, not EAGLE3 2/1/3"):
         backend.url(Setting(2, 1, 3))
@@ -141,11 +163,18 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
     (b,) = backend.run_baseline(prompt, 8)
     baseline = backend.launched["baseline"]
     (r,) = backend.run_speculative(prompt, Setting(3, 1, 4), 8)
-    assert baseline.proc.poll() is not None and list(backend.launched) == ["3/1/4"]  # max_servers 1: the baseline was stopped
+    assert baseline.proc.poll() is not None and list(backend.launched) == [
+        "3/1/4"
+    ]  # max_servers 1: the baseline was stopped
     assert r.output_ids == b.output_ids and r.verify_count >= 1 and sum(r.accept_lengths) >= r.new_tokens - 1
     env = backend.environment()
-    assert "--speculative-num-draft-tokens 4" in env["launched"]["3/1/4"] and env["servers"]["3/1/4"]["speculative_draft_model_path"] == str(tmp_path / "export")
+    assert "--speculative-num-draft-tokens 4" in env["launched"]["3/1/4"] and env["servers"]["3/1/4"][
+        "speculative_draft_model_path"
+    ] == str(tmp_path / "export")
     server = backend.launched["3/1/4"]
     backend.close()
     assert server.proc.poll() is not None and not backend.launched
-    assert sorted(p.name for p in (tmp_path / "serve").iterdir()) == [f"baseline-{port}.log", f"speculative-3-1-4-{port + 1}.log"]
+    assert sorted(p.name for p in (tmp_path / "serve").iterdir()) == [
+        f"baseline-{port}.log",
+        f"speculative-3-1-4-{port + 1}.log",
+    ]

@@ -14,9 +14,9 @@ import torch
 
 from eagle3ft.config import REPO_ROOT, SGLangClientConfig, load_config
 from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.targets import sglang as sglang_client
 from eagle3ft.targets.base import Request, Sampling
 from eagle3ft.targets.hf import HFTarget, load_target
-from eagle3ft.targets import sglang as sglang_client
 from eagle3ft.targets.sglang import HiddenStream, RetryableError, SGLangError, SGLangTarget, server_info, topk_arrays
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 
@@ -32,7 +32,9 @@ def tiny():
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
     model, tok = load_target(cfg.target)
     c = model.config
-    ids = DrafterSpec.from_json(REPO_ROOT / cfg.drafter.config).check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
+    ids = DrafterSpec.from_json(REPO_ROOT / cfg.drafter.config).check_target(
+        c.hidden_size, c.vocab_size, c.num_hidden_layers
+    )
     return cfg, model, tok, ids
 
 
@@ -56,7 +58,9 @@ def drafter(tiny):
 
 def make_target(tiny, urls: list[str], **client) -> SGLangTarget:
     cfg, _, _, _ = tiny
-    return SGLangTarget(cfg.target, SGLangClientConfig(urls=urls, **client), DrafterSpec.from_json(REPO_ROOT / cfg.drafter.config))
+    return SGLangTarget(
+        cfg.target, SGLangClientConfig(urls=urls, **client), DrafterSpec.from_json(REPO_ROOT / cfg.drafter.config)
+    )
 
 
 def requests_for(tok, max_new: int = 12) -> list[Request]:
@@ -73,7 +77,11 @@ def assert_same(ref, got, last_row_repeats: bool):
             assert g.features is None
             continue
         a, b = r.features, g.features
-        assert b.aux_hidden.dtype == torch.bfloat16 and b.topk_ids.dtype == torch.int32 and b.topk_logprobs.dtype == torch.float32
+        assert (
+            b.aux_hidden.dtype == torch.bfloat16
+            and b.topk_ids.dtype == torch.int32
+            and b.topk_logprobs.dtype == torch.float32
+        )
         assert b.aux_hidden.shape == a.aux_hidden.shape and b.topk_ids.shape == a.topk_ids.shape
         n = a.aux_hidden.shape[0] - (1 if last_row_repeats and r.completion_ids else 0)
         torch.testing.assert_close(b.aux_hidden[:n].float(), a.aux_hidden[:n].float(), atol=1e-2, rtol=1e-2)
@@ -99,7 +107,10 @@ def test_eagle3_server_two_pass_matches_embedded_exactly(tiny, embedded, drafter
     cfg, model, tok, ids = tiny
     reqs = requests_for(tok)
     ref = embedded.process(reqs, SAMPLING)
-    with SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d1, SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d2:
+    with (
+        SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d1,
+        SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d2,
+    ):
         target = make_target(tiny, [d1.url, d2.url], concurrency=2, capture="auto")
         assert target._strategy(d1.url) == "two_pass"
         got = target.process(reqs, SAMPLING)
@@ -110,15 +121,23 @@ def test_eagle3_server_two_pass_matches_embedded_exactly(tiny, embedded, drafter
 def test_server_that_cannot_give_aux_states_is_refused(tiny, embedded):
     cfg, model, tok, ids = tiny
     with SGLangDouble(DoubleEngine(model, tok), version="0.5.17") as plain:
-        with pytest.raises(SGLangError, match=r"last layer only.*0\.5\.17 can: --speculative-algorithm EAGLE3 .*eagle3\)$"):
+        with pytest.raises(
+            SGLangError, match=r"last layer only.*0\.5\.17 can: --speculative-algorithm EAGLE3 .*eagle3\)$"
+        ):
             make_target(tiny, [plain.url])
     with SGLangDouble(DoubleEngine(model, tok), version="0.5.23") as plain:
-        with pytest.raises(SGLangError, match=r"0\.5\.23 can: .*or aux capture without a draft \(serve.harvest_capture: aux_flag\)"):
+        with pytest.raises(
+            SGLangError, match=r"0\.5\.23 can: .*or aux capture without a draft \(serve.harvest_capture: aux_flag\)"
+        ):
             make_target(tiny, [plain.url])
     with SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=[0, 1, 1]), version="0.5.23") as wrong:
         with pytest.raises(SGLangError, match=r"captures layers \[0, 1, 1\]"):
             make_target(tiny, [wrong.url])
-    with SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=ids), version="0.5.23", server_args={"enable_return_hidden_states": False}) as off:
+    with SGLangDouble(
+        DoubleEngine(model, tok, aux_layer_ids=ids),
+        version="0.5.23",
+        server_args={"enable_return_hidden_states": False},
+    ) as off:
         with pytest.raises(SGLangError, match="--enable-return-hidden-states"):
             make_target(tiny, [off.url])
 
@@ -189,7 +208,9 @@ def test_bad_request_is_not_retried(tiny, embedded, drafter):
     with SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d:
         target = make_target(tiny, [d.url], concurrency=1, capture="one_request", **FAST)
         with pytest.raises(SGLangError, match="HTTP 400.*Either text or input_ids"):
-            sglang_client.call(d.url, "/generate", {"sampling_params": {"max_new_tokens": 4}}, target.policy, what="request 0")
+            sglang_client.call(
+                d.url, "/generate", {"sampling_params": {"max_new_tokens": 4}}, target.policy, what="request 0"
+            )
         assert d.requests == 1
 
 
@@ -200,7 +221,15 @@ def test_client_reads_the_real_flat_decode_layout(tiny, embedded):
     reqs = requests_for(tok)[:1]
     ref = embedded.process(reqs, SAMPLING)
     with SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=ids), version="0.5.23") as d:
-        raw = requests.post(d.url + "/generate", json={"input_ids": reqs[0].prompt_ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}, "return_hidden_states": True}, timeout=60).json()
+        raw = requests.post(
+            d.url + "/generate",
+            json={
+                "input_ids": reqs[0].prompt_ids,
+                "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True},
+                "return_hidden_states": True,
+            },
+            timeout=60,
+        ).json()
         hs = raw["meta_info"]["hidden_states"]
         assert len(hs) == 5 and len(hs[0]) == len(reqs[0].prompt_ids)
         assert all(len(e) == 3 * model.config.hidden_size and all(isinstance(x, float) for x in e) for e in hs[1:])
@@ -214,8 +243,14 @@ def test_client_reads_the_real_flat_decode_layout(tiny, embedded):
 def _body(rows: np.ndarray, flat_decode_rows: bool, prompt_rows: int) -> bytes:
     block = rows[:prompt_rows].tolist()
     dec = [r if flat_decode_rows else [r] for r in rows[prompt_rows:].tolist()]
-    meta = {"id": "x", "input_top_logprobs": [None, [[-0.5, 7, None], [-1.5, 3, None]]], "hidden_states": [block] + dec, "completion_tokens": 3, "e2e_latency": 0.1}
-    return json.dumps({"text": "a]}b],\"c", "output_ids": [1, 2, 3], "meta_info": meta}, separators=(",", ":")).encode()
+    meta = {
+        "id": "x",
+        "input_top_logprobs": [None, [[-0.5, 7, None], [-1.5, 3, None]]],
+        "hidden_states": [block] + dec,
+        "completion_tokens": 3,
+        "e2e_latency": 0.1,
+    }
+    return json.dumps({"text": 'a]}b],"c', "output_ids": [1, 2, 3], "meta_info": meta}, separators=(",", ":")).encode()
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -230,7 +265,11 @@ def test_hidden_stream_any_chunking(flat, chunk, n, width):
         s.feed(body[a : a + chunk])
     doc, hidden = s.finish()
     assert np.array_equal(hidden, rows)
-    assert doc["meta_info"]["hidden_states"] is None and doc["text"] == 'a]}b],"c' and doc["meta_info"]["e2e_latency"] == 0.1
+    assert (
+        doc["meta_info"]["hidden_states"] is None
+        and doc["text"] == 'a]}b],"c'
+        and doc["meta_info"]["e2e_latency"] == 0.1
+    )
     assert doc == {**json.loads(body), "meta_info": {**json.loads(body)["meta_info"], "hidden_states": None}}
 
 

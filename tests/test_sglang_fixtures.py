@@ -53,7 +53,9 @@ def test_compare_catches_drift(facts):
     fewer_keys = dict(double, meta_keys=[k for k in double["meta_keys"] if k != "num_retractions"])
     assert [d.split(":")[0] for d in probe.compare(real, nested)] == ["hidden_decode_entry_depths"]
     assert [d.split(":")[0] for d in probe.compare(real, fewer_keys)] == ["meta_keys"]
-    assert [d.split(":")[0] for d in probe.compare(real, {k: v for k, v in double.items() if k != "prefill_only_status"})] == ["prefill_only_status"]
+    assert [
+        d.split(":")[0] for d in probe.compare(real, {k: v for k, v in double.items() if k != "prefill_only_status"})
+    ] == ["prefill_only_status"]
 
 
 def test_finish_reason_keys_compare_as_a_shape():

@@ -19,11 +19,21 @@ from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
 
-SMALL = ["harvest.sources=[{kind: sharegpt, limit: 6}, {kind: mtbench, limit: 2, split: heldout}]", "harvest.shard_samples=2", "harvest.batch_size=2"]
+SMALL = [
+    "harvest.sources=[{kind: sharegpt, limit: 6}, {kind: mtbench, limit: 2, split: heldout}]",
+    "harvest.shard_samples=2",
+    "harvest.batch_size=2",
+]
 
 
 def sglang_config(url: str, *extra: str):
-    sets = SMALL + ["harvest.backend=sglang", f"harvest.sglang.urls=[{url}]", "harvest.sglang.retries=1", "harvest.sglang.backoff_s=0.01", *extra]
+    sets = SMALL + [
+        "harvest.backend=sglang",
+        f"harvest.sglang.urls=[{url}]",
+        "harvest.sglang.retries=1",
+        "harvest.sglang.backoff_s=0.01",
+        *extra,
+    ]
     return load_config(REPO_ROOT / "configs/tiny.yaml", sets)
 
 
@@ -67,8 +77,12 @@ class ShiftedEngine(DoubleEngine):
 
 
 MODES = {
-    "0.5.23-aux-capture": lambda model, tok: SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=[0, 1, 2]), version="0.5.23"),
-    "0.5.17-eagle3": lambda model, tok: SGLangDouble(DoubleEngine(model, tok, drafter=tiny_drafter(model)), version="0.5.17"),  # the recorded mode
+    "0.5.23-aux-capture": lambda model, tok: SGLangDouble(
+        DoubleEngine(model, tok, aux_layer_ids=[0, 1, 2]), version="0.5.23"
+    ),
+    "0.5.17-eagle3": lambda model, tok: SGLangDouble(
+        DoubleEngine(model, tok, drafter=tiny_drafter(model)), version="0.5.17"
+    ),  # the recorded mode
 }
 
 
@@ -108,7 +122,9 @@ def _vocab(run: Path) -> torch.Tensor:
 def test_harvest_through_sglang_equals_embedded(embedded_run, double, tmp_path):
     run, ref = embedded_run
     summary = run_harvest(sglang_config(double.url, "harvest.sglang.capture=two_pass"), tmp_path)
-    assert summary["samples"] == ref["samples"] and summary["tokens"] == ref["tokens"] and summary["skips"] == ref["skips"]
+    assert (
+        summary["samples"] == ref["samples"] and summary["tokens"] == ref["tokens"] and summary["skips"] == ref["skips"]
+    )
     assert_same_store(run, tmp_path)
 
 
@@ -138,9 +154,21 @@ def test_a_server_that_shifts_its_rows_is_refused_at_t0(tmp_path, capture):
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
     model, tok = load_target(cfg.target)
     with SGLangDouble(ShiftedEngine(model, tok, aux_layer_ids=[0, 1, 2]), version="0.5.23") as d:
-        with pytest.raises(HarvestRefused, match=r"harvest refused at train chunk 0: \d+ of \d+ tokens generated at T=0 are not the target's argmax"):
-            run_harvest(sglang_config(d.url, f"harvest.sglang.capture={capture}", "harvest.sources=[{kind: sharegpt, limit: 2}]"), tmp_path)
-    manifest = json.loads((tmp_path / "features" / "manifest.json").read_text()) if (tmp_path / "features" / "manifest.json").exists() else {"shards": []}
+        with pytest.raises(
+            HarvestRefused,
+            match=r"harvest refused at train chunk 0: \d+ of \d+ tokens generated at T=0 are not the target's argmax",
+        ):
+            run_harvest(
+                sglang_config(
+                    d.url, f"harvest.sglang.capture={capture}", "harvest.sources=[{kind: sharegpt, limit: 2}]"
+                ),
+                tmp_path,
+            )
+    manifest = (
+        json.loads((tmp_path / "features" / "manifest.json").read_text())
+        if (tmp_path / "features" / "manifest.json").exists()
+        else {"shards": []}
+    )
     assert manifest["shards"] == []
 
 

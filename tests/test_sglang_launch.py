@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3ft.data.chat import TEMPLATES
 from eagle3ft.config import REPO_ROOT, BenchSetting, load_config, to_dict
+from eagle3ft.data.chat import TEMPLATES
 from eagle3ft.drafter_spec import DrafterSpec
 from eagle3ft.targets.sglang import target_identity
 from eagle3ft.targets.sglang_server import LaunchError, build_command, health, main, parse_setting, server_for
@@ -44,16 +44,25 @@ def test_kimi_flagship_validates_without_a_gpu(tmp_path):
     assert cfg.target.chat_template in TEMPLATES and cfg.harvest.backend == "sglang" and cfg.bench.backend == "sglang"
 
     base = build_command(cfg, "baseline")
-    assert flag(base.argv, "--tp-size") == "8" and "--trust-remote-code" in base.argv and "--speculative-algorithm" not in base.argv
+    assert (
+        flag(base.argv, "--tp-size") == "8"
+        and "--trust-remote-code" in base.argv
+        and "--speculative-algorithm" not in base.argv
+    )
     assert flag(base.argv, "--model-path") == "/models/Kimi-K2.5" and base.env["NCCL_DEBUG"] == "WARN"
 
     spec_cmd = build_command(cfg, "speculative", port=30001, drafter=tmp_path / "export", setting=cfg.bench.settings[0])
-    assert [flag(spec_cmd.argv, f"--speculative-{n}") for n in ("algorithm", "num-steps", "eagle-topk", "num-draft-tokens")] == ["EAGLE3", "3", "1", "4"]
+    assert [
+        flag(spec_cmd.argv, f"--speculative-{n}") for n in ("algorithm", "num-steps", "eagle-topk", "num-draft-tokens")
+    ] == ["EAGLE3", "3", "1", "4"]
     assert spec_cmd.url == "http://127.0.0.1:30001" and "--enable-return-hidden-states" not in spec_cmd.argv
 
     harvest = build_command(cfg, "harvest", drafter=kimi_draft(tmp_path))
     assert "--enable-return-hidden-states" in harvest.argv and harvest.env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
-    assert flag(harvest.argv, "--speculative-num-draft-tokens") == "2" and flag(harvest.argv, "--cuda-graph-max-bs") == "64"
+    assert (
+        flag(harvest.argv, "--speculative-num-draft-tokens") == "2"
+        and flag(harvest.argv, "--cuda-graph-max-bs") == "64"
+    )
 
 
 def test_harvest_draft_must_capture_the_drafters_layers(tmp_path):
@@ -66,7 +75,10 @@ def test_harvest_draft_must_capture_the_drafters_layers(tmp_path):
     cfg.serve.harvest_capture = "aux_flag"
     argv = build_command(cfg, "harvest").argv
     i = argv.index("--enable-return-aux-hidden-states")
-    assert argv[i + 1 : i + 5] == ["--return-aux-hidden-state-layer-ids", "2", "30", "58"] and "--speculative-algorithm" not in argv
+    assert (
+        argv[i + 1 : i + 5] == ["--return-aux-hidden-state-layer-ids", "2", "30", "58"]
+        and "--speculative-algorithm" not in argv
+    )
 
 
 def test_settings_sglang_refuses_are_refused():
@@ -84,7 +96,14 @@ def test_settings_sglang_refuses_are_refused():
 def test_target_identity_from_the_model_folder(tmp_path):
     cfg = load_config(KIMI)
     cfg.harvest.sglang.hidden_size = None
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {"hidden_size": 7168, "vocab_size": 163840, "num_hidden_layers": 61}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["KimiK25ForConditionalGeneration"],
+                "text_config": {"hidden_size": 7168, "vocab_size": 163840, "num_hidden_layers": 61},
+            }
+        )
+    )
     cfg.target.path = str(tmp_path)
     assert target_identity(cfg.target, cfg.harvest.sglang) == (7168, 163840, 61)
     cfg.target.path = str(tmp_path / "absent")
@@ -93,7 +112,21 @@ def test_target_identity_from_the_model_folder(tmp_path):
 
 
 def test_print_shows_the_command(tmp_path, capsys):
-    main(["--config", str(KIMI), "--run-dir", str(tmp_path), "--role", "speculative", "--drafter", "/d", "--setting", "2/1/3", "--print"])
+    main(
+        [
+            "--config",
+            str(KIMI),
+            "--run-dir",
+            str(tmp_path),
+            "--role",
+            "speculative",
+            "--drafter",
+            "/d",
+            "--setting",
+            "2/1/3",
+            "--print",
+        ]
+    )
     out = capsys.readouterr().out
     assert "NCCL_DEBUG=WARN" in out and "--speculative-num-draft-tokens 3" in out and "--tp-size 8" in out
 
@@ -108,7 +141,12 @@ def _double_config(tmp_path: Path, extra: list[str]):
     cfg.serve.model_path = str(tmp_path / "model")
     cfg.serve.port = port
     cfg.serve.harvest_capture = "aux_flag"
-    cfg.serve.extra_args = ["--double-config", str(REPO_ROOT / "configs/tiny.yaml"), "--double-version", "0.5.23"] + extra
+    cfg.serve.extra_args = [
+        "--double-config",
+        str(REPO_ROOT / "configs/tiny.yaml"),
+        "--double-version",
+        "0.5.23",
+    ] + extra
     cfg.serve.startup_timeout_s = 120.0
     cfg.serve.stop_grace_s = 10.0
     return cfg
@@ -124,10 +162,29 @@ def test_launch_run_a_command_against_the_server_then_stop_it(tmp_path):
     url = f"http://127.0.0.1:{cfg.serve.port}"
     probe = "import json, sys, urllib.request; open(sys.argv[1], 'w').write(urllib.request.urlopen(sys.argv[2] + '/server_info').read().decode()); sys.exit(3)"
     with pytest.raises(SystemExit) as exit_:
-        main(["--config", str(config), "--run-dir", str(tmp_path), "--role", "harvest", "--", sys.executable, "-c", probe, str(tmp_path / "info.json"), url])
+        main(
+            [
+                "--config",
+                str(config),
+                "--run-dir",
+                str(tmp_path),
+                "--role",
+                "harvest",
+                "--",
+                sys.executable,
+                "-c",
+                probe,
+                str(tmp_path / "info.json"),
+                url,
+            ]
+        )
     assert exit_.value.code == 3  # the command's status
     info = json.loads((tmp_path / "info.json").read_text())
-    assert info["return_aux_hidden_state_layer_ids"] == [0, 1, 2] and info["version"] == "0.5.23" and info["model_path"] == cfg.serve.model_path
+    assert (
+        info["return_aux_hidden_state_layer_ids"] == [0, 1, 2]
+        and info["version"] == "0.5.23"
+        and info["model_path"] == cfg.serve.model_path
+    )
     assert not health(url, 1.0)  # stopped
     log = next((tmp_path / "serve").glob("harvest-*.log")).read_text()
     assert "--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids 0 1 2" in log
@@ -135,7 +192,8 @@ def test_launch_run_a_command_against_the_server_then_stop_it(tmp_path):
 
 def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
     cfg = _double_config(tmp_path, ["--no-such-flag"])
-    with pytest.raises(LaunchError, match="(?s)exited with 2 before answering /health.*unrecognized arguments: --no-such-flag"):
+    with pytest.raises(
+        LaunchError, match="(?s)exited with 2 before answering /health.*unrecognized arguments: --no-such-flag"
+    ):
         with server_for(cfg, tmp_path, "baseline"):
             pass
-

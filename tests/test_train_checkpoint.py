@@ -7,12 +7,20 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from train_fixtures import REPO, TINY_TARGET
 
 from eagle3ft.config import load_config
-from eagle3ft.train.checkpoint import atomic_dir, checkpoints, drafter_tensors, export_drafter, load_drafter, resume_path, sglang_target
+from eagle3ft.train.checkpoint import (
+    atomic_dir,
+    checkpoints,
+    drafter_tensors,
+    export_drafter,
+    load_drafter,
+    resume_path,
+    sglang_target,
+)
 from eagle3ft.train.loop import build_drafter
 from eagle3ft.train.model import DraftCache, Eagle3Config, Eagle3Drafter, export_keys
-from train_fixtures import REPO, TINY_TARGET
 
 
 def k2_like_config(**over) -> dict:
@@ -21,12 +29,35 @@ def k2_like_config(**over) -> dict:
     Same layout: heads == kv heads, heads x head_dim != hidden, DeepSeek-style yarn rope, bf16.
     """
     return {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 64, "target_hidden_size": 64,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 24, "intermediate_size": 160,
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 131072,
-        "rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
-        "vocab_size": 49152, "draft_vocab_size": 256, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bias": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}, **over,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "target_hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "head_dim": 24,
+        "intermediate_size": 160,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "vocab_size": 49152,
+        "draft_vocab_size": 256,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bias": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True},
+        **over,
     }
 
 
@@ -63,9 +94,13 @@ def test_export_then_load_round_trips_every_key(tmp_path):
             assert torch.equal(f.get_tensor(k), written[k]), k
     cfg = json.loads((tmp_path / "export" / "config.json").read_text())
     assert {k: cfg.get(k) for k in k2_like_config()} == k2_like_config()  # every original field kept, unchanged
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [0, 1, 2]
     # the loaded drafter runs
-    out, logits = m.step(torch.tensor([[1, 2, 3]]), m.fuse(torch.randn(1, 3, 192).bfloat16()), torch.arange(3)[None], DraftCache())
+    out, logits = m.step(
+        torch.tensor([[1, 2, 3]]), m.fuse(torch.randn(1, 3, 192).bfloat16()), torch.arange(3)[None], DraftCache()
+    )
     assert logits.shape == (1, 3, 256) and torch.isfinite(logits.float()).all()
 
 
@@ -89,11 +124,20 @@ def test_every_export_key_lands_in_an_sglang_parameter():
     assert sglang_target("embed_tokens.weight") is None and sglang_target("model.layers.0.mlp.down_proj.weight") is None
 
 
-@pytest.mark.parametrize("over, message", [
-    ({"hidden_size": 96, "target_hidden_size": 96}, "drafter target_hidden_size 96 != features' target hidden_size 64"),
-    ({"vocab_size": 50000}, "drafter vocab_size 50000 != features' target vocab_size 49152"),
-    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, r"drafter aux layer ids \[1, 2, 3\] != features' aux layer ids \[0, 1, 2\]"),
-])
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (
+            {"hidden_size": 96, "target_hidden_size": 96},
+            "drafter target_hidden_size 96 != features' target hidden_size 64",
+        ),
+        ({"vocab_size": 50000}, "drafter vocab_size 50000 != features' target vocab_size 49152"),
+        (
+            {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}},
+            r"drafter aux layer ids \[1, 2, 3\] != features' aux layer ids \[0, 1, 2\]",
+        ),
+    ],
+)
 def test_warm_start_refuses_a_drafter_that_disagrees_with_the_features(tmp_path, over, message):
     (tmp_path / "k2").mkdir()
     (tmp_path / "k2" / "config.json").write_text(json.dumps(k2_like_config(**over)))
@@ -132,7 +176,9 @@ def test_metrics_past_the_resumed_step_are_dropped_in_one_rename(tmp_path):
     from eagle3ft.train.checkpoint import truncate_metrics
 
     f = tmp_path / "metrics.jsonl"
-    f.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4, 5)) + '{"step": 6, "lo')  # cut short by a kill
+    f.write_text(
+        "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3, 4, 5)) + '{"step": 6, "lo'
+    )  # cut short by a kill
     assert truncate_metrics(f, 4) == 2
     assert [json.loads(x)["step"] for x in f.read_text().splitlines()] == [1, 2, 3, 4]
     assert truncate_metrics(f, 4) == 0 and truncate_metrics(tmp_path / "none.jsonl", 4) == 0
@@ -150,4 +196,7 @@ def test_the_data_position_must_split_over_the_new_processes(tmp_path):
         resume_position(st, tmp_path, 16, 4, 2)
     with pytest.raises(CheckpointError, match="written for 16 training samples, the store has 20"):
         resume_position(st, tmp_path, 20, 1, 2)
-    assert resume_position({"data": {"epoch": 1, "samples_in_epoch": 16, "n_train": 16}}, tmp_path, 16, 4, 3) == (2, 0)  # epoch done
+    assert resume_position({"data": {"epoch": 1, "samples_in_epoch": 16, "n_train": 16}}, tmp_path, 16, 4, 3) == (
+        2,
+        0,
+    )  # epoch done

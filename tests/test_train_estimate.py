@@ -3,17 +3,23 @@
 import json
 
 import torch
+from train_fixtures import REPO
 
 from eagle3ft.train.estimate import activation_bytes_per_token_step, estimate, main
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 from eagle3ft.train.ttt import ttt_forward
-from train_fixtures import REPO
 
 
 def test_kimi_k2_parameter_count_and_memory(capsys):
     raw = json.loads((REPO / "configs/drafters/kimi-k2.json").read_text())
     e = main(["--drafter", str(REPO / "configs/drafters/kimi-k2.json"), "--gpus", "8"])
-    H, Ht, I, q, kv = raw["hidden_size"], raw["target_hidden_size"], raw["intermediate_size"], raw["num_attention_heads"] * raw["head_dim"], raw["num_key_value_heads"] * raw["head_dim"]
+    H, Ht, I, q, kv = (
+        raw["hidden_size"],
+        raw["target_hidden_size"],
+        raw["intermediate_size"],
+        raw["num_attention_heads"] * raw["head_dim"],
+        raw["num_key_value_heads"] * raw["head_dim"],
+    )
     trainable = 3 * Ht * H + 2 * H * (q + 2 * kv) + q * H + 3 * H * I + 4 * H + H * raw["draft_vocab_size"]
     assert e.trainable_params == trainable
     assert e.frozen_params == raw["vocab_size"] * H
@@ -26,12 +32,25 @@ def test_kimi_k2_parameter_count_and_memory(capsys):
 
 def test_activation_count_matches_what_autograd_saves():
     """The per-token formula against the bytes autograd really keeps, on a small bf16 drafter."""
-    cfg = Eagle3Config(hidden_size=128, num_attention_heads=8, num_key_value_heads=8, head_dim=16, intermediate_size=320, vocab_size=1000, draft_vocab_size=100)
+    cfg = Eagle3Config(
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=16,
+        intermediate_size=320,
+        vocab_size=1000,
+        draft_vocab_size=100,
+    )
     T, K = 96, 3
     m = Eagle3Drafter(cfg).to(torch.bfloat16)
     m.t2d[:100] = True
-    batch = {"input_ids": torch.randint(0, 100, (1, T)), "loss_mask": torch.ones(1, T, dtype=torch.long), "aux_hidden": torch.randn(1, T, 384).bfloat16(),
-             "topk_ids": torch.randint(0, 100, (1, T, 4)), "topk_logprobs": torch.log_softmax(torch.randn(1, T, 4), -1)}
+    batch = {
+        "input_ids": torch.randint(0, 100, (1, T)),
+        "loss_mask": torch.ones(1, T, dtype=torch.long),
+        "aux_hidden": torch.randn(1, T, 384).bfloat16(),
+        "topk_ids": torch.randint(0, 100, (1, T, 4)),
+        "topk_logprobs": torch.log_softmax(torch.randn(1, T, 4), -1),
+    }
     storages = {}
 
     def pack(t):
@@ -42,7 +61,10 @@ def test_activation_count_matches_what_autograd_saves():
         ttt_forward(m, batch, steps=K)
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
     measured = sum(n for ptr, n in storages.items() if ptr not in params) / (T * K)
-    assert abs(measured / activation_bytes_per_token_step(cfg) - 1) < 0.15, (measured, activation_bytes_per_token_step(cfg))
+    assert abs(measured / activation_bytes_per_token_step(cfg) - 1) < 0.15, (
+        measured,
+        activation_bytes_per_token_step(cfg),
+    )
 
 
 def test_estimate_allocates_nothing():
@@ -50,6 +72,8 @@ def test_estimate_allocates_nothing():
     import resource
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
-    e = estimate(Eagle3Config.from_json(REPO / "configs/drafters/kimi-k2.json"), gpus=8, seq=2048, micro_batch=1, ttt_steps=7)
+    e = estimate(
+        Eagle3Config.from_json(REPO / "configs/drafters/kimi-k2.json"), gpus=8, seq=2048, micro_batch=1, ttt_steps=7
+    )
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2**20
     assert e.tokens_per_gpu == 2048 and e.largest_param == 163840 * 7168

@@ -6,16 +6,22 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_train_checkpoint import write_k2_like
+from train_fixtures import REPO, TINY_TARGET, launch, write_store
 
 from eagle3ft.config import load_config
 from eagle3ft.data.store import FeatureWriter, StoreError
 from eagle3ft.train.loop import OutOfMemoryHint, main, oom_hint
 from eagle3ft.train.model import export_keys
-from test_train_checkpoint import write_k2_like
-from train_fixtures import REPO, TINY_TARGET, launch, write_store
 
 TINY = REPO / "configs/tiny.yaml"
-COMMON = ("train.warmup_steps=2", "train.lr=3e-3", "train.save_every=2", "train.keep_checkpoints=2", "train.ttt_steps=3")
+COMMON = (
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "train.save_every=2",
+    "train.keep_checkpoints=2",
+    "train.ttt_steps=3",
+)
 
 
 def metrics(run: Path) -> list[dict]:
@@ -83,7 +89,9 @@ def test_two_ranks_split_the_data_and_a_run_leaves_checkpoints_and_export(straig
         rank0, rank1 = r["samples"]
         assert len(rank0) == len(rank1) == 1 and rank0 != rank1, r["samples"]  # micro batch 1 per rank
         seen += rank0 + rank1
-    assert len(set(seen)) == 12 and set(seen) <= set(range(16))  # 6 steps x 2 ranks: 12 of the 16 training samples, none twice
+    assert len(set(seen)) == 12 and set(seen) <= set(
+        range(16)
+    )  # 6 steps x 2 ranks: 12 of the 16 training samples, none twice
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert sorted(p.name for p in (straight / "ckpt").iterdir()) == ["step-4", "step-6"]  # keep 2
     state = json.loads((straight / "ckpt" / "step-6" / "trainer_state.json").read_text())
@@ -103,7 +111,12 @@ def test_resume_gives_the_same_losses_as_a_straight_run(straight, tmp_path):
     resumed, ref = metrics(tmp_path), metrics(straight)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(resumed, ref):  # the same processes, the same order of sums: bit-identical
-        assert (a["samples"], a["loss"], a["step_loss"], a["lr"]) == (b["samples"], b["loss"], b["step_loss"], b["lr"]), a["step"]
+        assert (a["samples"], a["loss"], a["step_loss"], a["lr"]) == (
+            b["samples"],
+            b["loss"],
+            b["step_loss"],
+            b["lr"],
+        ), a["step"]
     assert "resume: auto" in (tmp_path / "config.yaml").read_text()
     a, b = load_file(tmp_path / "export" / "model.safetensors"), load_file(straight / "export" / "model.safetensors")
     for k in a:  # the final weights also depend on the restored optimizer state of steps 5 and 6
@@ -118,10 +131,14 @@ def test_zero3_trains_like_zero2_and_exports_whole_weights(straight, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
     z3, z2 = load_file(tmp_path / "export" / "model.safetensors"), load_file(straight / "export" / "model.safetensors")
     assert set(z3) == set(z2)
-    for k in z2:  # whole, gathered weights with ZeRO-2's values (same data, seed and steps): a shard or a stale copy differs
+    for k in (
+        z2
+    ):  # whole, gathered weights with ZeRO-2's values (same data, seed and steps): a shard or a stale copy differs
         assert z3[k].shape == z2[k].shape, k
         torch.testing.assert_close(z3[k], z2[k], rtol=1e-3, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
-    assert not torch.equal(z2["fc.weight"], load_file(straight / "ckpt" / "step-4" / "model.safetensors")["fc.weight"])  # the weights moved in steps 5-6
+    assert not torch.equal(
+        z2["fc.weight"], load_file(straight / "ckpt" / "step-4" / "model.safetensors")["fc.weight"]
+    )  # the weights moved in steps 5-6
 
 
 @pytest.mark.slow
@@ -133,9 +150,13 @@ def test_warm_start_keeps_the_drafters_vocab_and_exports_every_key(tmp_path):
     out = load_file(tmp_path / "export" / "model.safetensors")
     assert set(out) == set(init) == set(export_keys())
     assert torch.equal(out["d2t"], init["d2t"]) and torch.equal(out["t2d"], init["t2d"])
-    run_vocab = load_file(tmp_path / "vocab.safetensors")  # the harvest's (512 tokens) was replaced by the drafter's, saying so
+    run_vocab = load_file(
+        tmp_path / "vocab.safetensors"
+    )  # the harvest's (512 tokens) was replaced by the drafter's, saying so
     assert torch.equal(run_vocab["d2t"], init["d2t"]) and torch.equal(run_vocab["t2d"], init["t2d"])
-    assert "had 512 draft tokens, the drafter 256; rewrote it with the warm-start drafter's d2t/t2d" in r.stdout + r.stderr
+    assert (
+        "had 512 draft tokens, the drafter 256; rewrote it with the warm-start drafter's d2t/t2d" in r.stdout + r.stderr
+    )
     for k in init:
         assert out[k].shape == init[k].shape, k
     assert not torch.equal(out["lm_head.weight"].float(), init["lm_head.weight"].float())  # it trained
@@ -149,8 +170,9 @@ def test_non_finite_loss_stops_naming_step_and_sample(tmp_path):
     shard = tmp_path / "features" / "train-00000.safetensors"
     t = load_file(shard)
     t["aux_hidden"][t["offsets"][2] : t["offsets"][3]] = float("nan")  # sample id 2
-    from eagle3ft.data.store import _sha256
     from safetensors.torch import save_file
+
+    from eagle3ft.data.store import _sha256
 
     save_file(t, str(shard))
     manifest = json.loads((tmp_path / "features" / "manifest.json").read_text())

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb, repeat_kv
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    repeat_kv,
+)
 
 from eagle3ft.train.model import DraftCache, Eagle3Config, Eagle3Drafter, export_keys
 
@@ -14,8 +20,19 @@ H, NH, NKV, HD, I, V, VD = 32, 4, 2, 8, 48, 50, 20
 
 def make(rope_scaling=None, seed=0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = Eagle3Config(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD, intermediate_size=I, vocab_size=V, draft_vocab_size=VD,
-                       rms_norm_eps=1e-5, rope_theta=500.0, rope_scaling=rope_scaling, max_position_embeddings=64)
+    cfg = Eagle3Config(
+        hidden_size=H,
+        num_attention_heads=NH,
+        num_key_value_heads=NKV,
+        head_dim=HD,
+        intermediate_size=I,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        rms_norm_eps=1e-5,
+        rope_theta=500.0,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=64,
+    )
     m = Eagle3Drafter(cfg)
     with torch.no_grad():
         m.embed_tokens.weight.normal_()
@@ -29,9 +46,17 @@ def make(rope_scaling=None, seed=0) -> Eagle3Drafter:
 def hf_config(m: Eagle3Drafter) -> LlamaConfig:
     c = m.config
     rope = {"rope_type": "default", "rope_theta": c.rope_theta, **(c.rope_scaling or {})}
-    return LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=c.num_attention_heads,
-                       num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-                       max_position_embeddings=c.max_position_embeddings, rope_parameters=rope, vocab_size=c.vocab_size)
+    return LlamaConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters=rope,
+        vocab_size=c.vocab_size,
+    )
 
 
 def test_checkpoint_keys_are_sglangs():
@@ -39,10 +64,21 @@ def test_checkpoint_keys_are_sglangs():
     keys = sorted(k for k in m.state_dict() if k != "embed_tokens.weight")
     assert keys == sorted(export_keys())
     assert set(keys) == {
-        "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight",
-        "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-        "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight",
-        "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+        "fc.weight",
+        "midlayer.input_layernorm.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.self_attn.k_proj.weight",
+        "midlayer.self_attn.v_proj.weight",
+        "midlayer.self_attn.o_proj.weight",
+        "midlayer.post_attention_layernorm.weight",
+        "midlayer.mlp.gate_proj.weight",
+        "midlayer.mlp.up_proj.weight",
+        "midlayer.mlp.down_proj.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
     }
     sd = m.state_dict()
     assert sd["midlayer.self_attn.q_proj.weight"].shape == (NH * HD, 2 * H)
@@ -66,12 +102,21 @@ def test_norms_and_mlp_match_transformers():
     torch.testing.assert_close(m.midlayer.mlp(x), ref(x))
 
 
-@pytest.mark.parametrize("rope_scaling", [
-    None,
-    {"rope_type": "linear", "factor": 2.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1},
-])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 2.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1},
+    ],
+)
 def test_rope_matches_transformers(rope_scaling):
     m = make(rope_scaling)
     ref = LlamaRotaryEmbedding(hf_config(m))
@@ -84,7 +129,15 @@ def test_rope_matches_transformers(rope_scaling):
 
 def test_unknown_rope_type_is_refused():
     with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
-        Eagle3Config.from_dict({"hidden_size": 8, "num_attention_heads": 2, "intermediate_size": 16, "vocab_size": 10, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+        Eagle3Config.from_dict(
+            {
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "intermediate_size": 16,
+                "vocab_size": 10,
+                "rope_scaling": {"rope_type": "longrope", "factor": 2.0},
+            }
+        )
 
 
 def reference_layer(m: Eagle3Drafter, ids, hidden, pos):
@@ -158,7 +211,11 @@ def test_draft_to_target_and_config_round_trip(tmp_path):
     m = make()
     assert m.draft_to_target(torch.tensor([0, 3, 7])).tolist() == [0, 6, 14]
     d = m.config.to_hf_dict()
-    assert d["architectures"] == ["LlamaForCausalLMEagle3"] and d["num_hidden_layers"] == 1 and d["tie_word_embeddings"] is False
+    assert (
+        d["architectures"] == ["LlamaForCausalLMEagle3"]
+        and d["num_hidden_layers"] == 1
+        and d["tie_word_embeddings"] is False
+    )
     assert Eagle3Config.from_dict(d).to_hf_dict() == d
 
 
@@ -167,8 +224,19 @@ def test_draft_to_target_and_config_round_trip(tmp_path):
 
 def make31(fc_norm: bool, norm_output: bool, seed: int = 0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = Eagle3Config(hidden_size=H, num_attention_heads=NH, num_key_value_heads=NKV, head_dim=HD, intermediate_size=I, vocab_size=V, draft_vocab_size=VD,
-                       target_hidden_size=24, rms_norm_eps=1e-5, fc_norm=fc_norm, norm_output=norm_output)
+    cfg = Eagle3Config(
+        hidden_size=H,
+        num_attention_heads=NH,
+        num_key_value_heads=NKV,
+        head_dim=HD,
+        intermediate_size=I,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        target_hidden_size=24,
+        rms_norm_eps=1e-5,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
+    )
     m = Eagle3Drafter(cfg).double()
     with torch.no_grad():
         m.embed_tokens.weight.normal_()
@@ -221,7 +289,16 @@ def test_flags_off_is_todays_drafter():
     from eagle3ft.train.ttt import ttt_forward
 
     g = json.loads((Path(__file__).parent / "golden/drafter_eagle3_head.json").read_text())
-    cfg = Eagle3Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, intermediate_size=24, vocab_size=40, draft_vocab_size=12, rms_norm_eps=1e-5)
+    cfg = Eagle3Config(
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=24,
+        vocab_size=40,
+        draft_vocab_size=12,
+        rms_norm_eps=1e-5,
+    )
     m = Eagle3Drafter(cfg).double()
     m.load_state_dict({k: torch.tensor(v, dtype=m.state_dict()[k].dtype) for k, v in g["state"].items()})
     assert m.fc_norm is None and set(g["state"]) == set(m.state_dict())
@@ -231,8 +308,13 @@ def test_flags_off_is_todays_drafter():
     h2, lg2 = m.step(ids[:, :1], h[:, -1:], torch.tensor([[5]]), cache)
     for ours, key in ((h, "hidden"), (lg, "logits"), (h2, "hidden2"), (lg2, "logits2")):
         torch.testing.assert_close(ours, torch.tensor(g[key], dtype=torch.float64), rtol=1e-12, atol=1e-12)
-    batch = {"input_ids": ids, "loss_mask": torch.ones(1, 6, dtype=torch.long), "aux_hidden": aux, "topk_ids": torch.tensor(g["topk_ids"]),
-             "topk_logprobs": torch.tensor(g["topk_logprobs"])}
+    batch = {
+        "input_ids": ids,
+        "loss_mask": torch.ones(1, 6, dtype=torch.long),
+        "aux_hidden": aux,
+        "topk_ids": torch.tensor(g["topk_ids"]),
+        "topk_logprobs": torch.tensor(g["topk_logprobs"]),
+    }
     out = ttt_forward(m, batch, steps=3)
     assert out.loss.item() == pytest.approx(g["ttt_loss"], rel=1e-12)
     assert out.step_loss.tolist() == pytest.approx(g["ttt_step_loss"], rel=1e-12)

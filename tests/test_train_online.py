@@ -7,16 +7,16 @@ import json
 
 import pytest
 import torch
+from test_train_ttt import batch as ttt_batch
+from test_train_ttt import drafter
+from train_fixtures import launch
 
 from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import run_harvest
 from eagle3ft.data.tokens import TokenSample, TokenWriter
-from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 from eagle3ft.train.data import TrainData, collate_packed, pack_bins, sample_spans
 from eagle3ft.train.ttt import ttt_forward
-from test_train_ttt import batch as ttt_batch
-from test_train_ttt import drafter
-from train_fixtures import launch
+from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 
@@ -31,7 +31,14 @@ class OneRank:
 
 
 def tiny_cfg(*overrides):
-    return load_config(TINY, ["harvest.sources=[{kind: sharegpt, limit: 6}, {kind: mtbench, limit: 2, split: heldout}]", "harvest.max_new_tokens=8", *overrides])
+    return load_config(
+        TINY,
+        [
+            "harvest.sources=[{kind: sharegpt, limit: 6}, {kind: mtbench, limit: 2, split: heldout}]",
+            "harvest.max_new_tokens=8",
+            *overrides,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +78,30 @@ def write_tokens(run, harvested):
     """RUN/tokens holding the harvested train samples' ids and masks (what data/regen.py writes)."""
     data = TrainData(tiny_cfg(), harvested)
     writer = TokenWriter(run / "tokens", {"target": "tiny"}, "test")
-    writer.commit("train", 0, [TokenSample(s["sample_id"], s["input_ids"].tolist(), s["loss_mask"].tolist()) for s in map(data.dataset.__getitem__, range(len(data)))])
+    writer.commit(
+        "train",
+        0,
+        [
+            TokenSample(s["sample_id"], s["input_ids"].tolist(), s["loss_mask"].tolist())
+            for s in map(data.dataset.__getitem__, range(len(data)))
+        ],
+    )
     writer.finish()
 
 
 def test_online_reads_the_token_store_when_there_is_one(harvested, tmp_path):
     """RUN/tokens (data/tokens.py) is the online token source; its samples get the target's features."""
     write_tokens(tmp_path, harvested)
-    save_vocab(tmp_path / "vocab.safetensors", *build_vocab(torch.zeros(49152, dtype=torch.int64), 512))  # as from an empty train split
+    save_vocab(
+        tmp_path / "vocab.safetensors", *build_vocab(torch.zeros(49152, dtype=torch.int64), 512)
+    )  # as from an empty train split
     cfg = tiny_cfg("train.features=online", "train.micro_batch_size=2")
     data = TrainData(cfg, tmp_path)
     assert data.where == str(tmp_path / "tokens") and data.store is None
     for new, harvest in zip(load_vocab(tmp_path / "vocab.safetensors"), load_vocab(harvested / "vocab.safetensors")):
-        assert torch.equal(new, harvest)  # rewritten from the tokens it trains on: the harvest's counts of the same samples
+        assert torch.equal(
+            new, harvest
+        )  # rewritten from the tokens it trains on: the harvest's counts of the same samples
     got = next(iter(data.epoch(OneRank(), 0)))
     want = next(iter(TrainData(tiny_cfg("train.micro_batch_size=2"), harvested).epoch(OneRank(), 0)))
     assert got.sample_ids == want.sample_ids
@@ -119,8 +137,10 @@ def test_pack_bins_are_first_fit_decreasing_deterministic_and_complete():
 
 
 def test_collate_packed_layout_and_spans():
-    items = [{"sample_id": 7, "input_ids": torch.arange(1, 5), "loss_mask": torch.ones(4, dtype=torch.long)},
-             {"sample_id": 9, "input_ids": torch.arange(10, 16), "loss_mask": torch.ones(6, dtype=torch.long)}]
+    items = [
+        {"sample_id": 7, "input_ids": torch.arange(1, 5), "loss_mask": torch.ones(4, dtype=torch.long)},
+        {"sample_id": 9, "input_ids": torch.arange(10, 16), "loss_mask": torch.ones(6, dtype=torch.long)},
+    ]
     b = collate_packed(items, budget=12, cap=5)
     assert b["input_ids"].tolist() == [[1, 2, 3, 4, 10, 11, 12, 13, 14, 0, 0, 0]]
     assert b["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2]]
@@ -143,7 +163,9 @@ def test_packed_batch_trains_as_one_sample_per_row(monkeypatch, attention):
         for v in rows.values():
             v[i, n:] = 0
     rows["attention_mask"] = (torch.arange(10) < torch.tensor(lens)[:, None]).long()
-    items = [{"sample_id": i, **{k: v[i, :n] for k, v in rows.items() if k != "attention_mask"}} for i, n in enumerate(lens)]
+    items = [
+        {"sample_id": i, **{k: v[i, :n] for k, v in rows.items() if k != "attention_mask"}} for i, n in enumerate(lens)
+    ]
     packed = collate_packed(items, budget=40, cap=10)
     packed.pop("sample_id")
     ref = ttt_forward(m, rows, steps=4)
@@ -167,7 +189,9 @@ def test_packed_varlen_flash_matches_rows_on_cuda():
     for i, n in enumerate(lens):
         for v in rows.values():
             v[i, n:] = 0
-    items = [{"sample_id": i, **{k: v[i, :n] for k, v in rows.items() if k != "attention_mask"}} for i, n in enumerate(lens)]
+    items = [
+        {"sample_id": i, **{k: v[i, :n] for k, v in rows.items() if k != "attention_mask"}} for i, n in enumerate(lens)
+    ]
     packed = {k: v.cuda() for k, v in collate_packed(items, budget=256, cap=100).items() if k != "sample_id"}
     ref_model = drafter(seed=3).cuda()
     model = copy.deepcopy(ref_model).bfloat16()
@@ -191,7 +215,15 @@ def metrics(run):
 def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
     """2 CPU ranks, online features from a token store alone (its vocab built on the way), packed rows: each rank
     its own bins; a stop + resume sees the same samples."""
-    common = ("train.features=online", "train.pack_tokens=128", "train.max_len=96", "train.max_steps=4", "train.save_every=2", "train.warmup_steps=1", "train.ttt_steps=2")
+    common = (
+        "train.features=online",
+        "train.pack_tokens=128",
+        "train.max_len=96",
+        "train.max_steps=4",
+        "train.save_every=2",
+        "train.warmup_steps=1",
+        "train.ttt_steps=2",
+    )
     straight, split = tmp_path / "straight", tmp_path / "split"
     for run in (straight, split):
         run.mkdir()
@@ -209,7 +241,6 @@ def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
     r = launch(split, *common, extra=("--resume", "auto"))
     assert r.returncode == 0, r.stderr[-4000:]
     assert [x["samples"] for x in metrics(split)] == [x["samples"] for x in rows]
-
 
 
 def test_online_heldout_tau_equals_the_offline_one(harvested):

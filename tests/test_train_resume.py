@@ -19,12 +19,19 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_fixtures import REPO, launch, write_store
 
 from eagle3ft.runlock import LOCK_NAME
 from eagle3ft.train.checkpoint import FORMAT, CheckpointError, StateTensors, read_json, read_trainer_state
-from train_fixtures import REPO, launch, write_store
 
-COMMON = ("train.warmup_steps=2", "train.lr=3e-3", "train.save_every=2", "train.keep_checkpoints=3", "train.ttt_steps=3", "train.max_steps=6")
+COMMON = (
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "train.save_every=2",
+    "train.keep_checkpoints=3",
+    "train.ttt_steps=3",
+    "train.max_steps=6",
+)
 ONE_PROC = ("train.grad_accum=2",)  # 1 process x 2 micro-batches = the 2-process step
 
 
@@ -57,11 +64,22 @@ def plant(path: Path, marker: Path) -> None:
 
 # Every file the DeepSpeed/accelerate resume read with torch.load(weights_only=False) or pickle, and a few likely names.
 OLD_FILES = (
-    "state/random_states_0.pkl", "state/random_states_1.pkl", "state/scheduler.bin", "state/optimizer.bin", "state/pytorch_model.bin",
-    "state/sampler.bin", "state/custom_checkpoint_0.pkl", "state/pytorch_model/mp_rank_00_model_states.pt",
-    "state/pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt", "state/pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt",
-    "state/pytorch_model/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "state/pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
-    "optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin",
+    "state/random_states_0.pkl",
+    "state/random_states_1.pkl",
+    "state/scheduler.bin",
+    "state/optimizer.bin",
+    "state/pytorch_model.bin",
+    "state/sampler.bin",
+    "state/custom_checkpoint_0.pkl",
+    "state/pytorch_model/mp_rank_00_model_states.pt",
+    "state/pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "state/pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "state/pytorch_model/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "state/pytorch_model/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+    "training_args.bin",
 )
 
 
@@ -132,17 +150,31 @@ def test_resume_on_the_same_world_size_is_bit_identical_and_loads_no_pickle(stra
     for name in OLD_FILES:
         plant(run / "ckpt" / "step-4" / name, marker)
     state = json.loads((run / "ckpt" / "step-4" / "trainer_state.json").read_text())
-    assert state["format"] == FORMAT and state["data"] == {"epoch": 0, "samples_in_epoch": 8, "n_train": 16} and state["world_size"] == 2
+    assert (
+        state["format"] == FORMAT
+        and state["data"] == {"epoch": 0, "samples_in_epoch": 8, "n_train": 16}
+        and state["world_size"] == 2
+    )
     ok(launch(run, *COMMON, extra=("--resume", "auto")))
     assert not marker.exists()
     resumed, straight_rows = metrics(run), metrics(ref)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]  # no step twice
     for a, b in zip(resumed, straight_rows):
-        assert (a["samples"], a["loss"], a["step_loss"], a["lr"]) == (b["samples"], b["loss"], b["step_loss"], b["lr"]), a["step"]
+        assert (a["samples"], a["loss"], a["step_loss"], a["lr"]) == (
+            b["samples"],
+            b["loss"],
+            b["step_loss"],
+            b["lr"],
+        ), a["step"]
     x, y = load_file(run / "export" / "model.safetensors"), load_file(ref / "export" / "model.safetensors")
     assert all(torch.equal(x[k], y[k]) for k in y)
-    s_a, s_b = load_file(run / "ckpt" / "step-6" / "state.safetensors"), load_file(ref / "ckpt" / "step-6" / "state.safetensors")
-    assert set(s_a) == set(s_b) and all(torch.equal(s_a[k], s_b[k]) for k in s_b if not k.startswith("rank"))  # masters and moments
+    s_a, s_b = (
+        load_file(run / "ckpt" / "step-6" / "state.safetensors"),
+        load_file(ref / "ckpt" / "step-6" / "state.safetensors"),
+    )
+    assert set(s_a) == set(s_b) and all(
+        torch.equal(s_a[k], s_b[k]) for k in s_b if not k.startswith("rank")
+    )  # masters and moments
 
 
 @pytest.mark.slow
@@ -213,7 +245,9 @@ def test_a_planted_state_file_stops_the_resume_naming_it(straight, tmp_path):
     r = launch(run, *COMMON, procs=1, extra=("--resume", "auto"))
     assert r.returncode == 1 and not marker.exists()
     err = [line for line in r.stderr.splitlines() if line.startswith("finetune: error:")]
-    assert err and f"{run / 'ckpt' / 'step-4' / 'state.safetensors'}: not a readable safetensors file" in err[0], r.stderr[-3000:]
+    assert err and f"{run / 'ckpt' / 'step-4' / 'state.safetensors'}: not a readable safetensors file" in err[0], (
+        r.stderr[-3000:]
+    )
 
 
 # --------------------------------------------------------------------------- run lock and launcher death
@@ -223,9 +257,24 @@ def launch_cmd(run_dir: Path, *overrides: str, procs: int = 2) -> list[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "configs/accelerate/cpu-2proc.yaml"), "--num_processes", str(procs),
-           "--main_process_port", str(port), str(REPO / "train/finetune.py"), "--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(run_dir),
-           "--set", "train.wandb_mode=disabled"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate/cpu-2proc.yaml"),
+        "--num_processes",
+        str(procs),
+        "--main_process_port",
+        str(port),
+        str(REPO / "train/finetune.py"),
+        "--config",
+        str(REPO / "configs/tiny.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "train.wandb_mode=disabled",
+    ]
     for o in overrides:
         cmd += ["--set", o]
     return cmd
@@ -252,7 +301,13 @@ def ranks_of(run_dir: Path, launcher: int) -> list[int]:
 def test_killing_the_launchers_process_group_leaves_no_rank_and_the_lock_is_taken_over(tmp_path):
     write_store(tmp_path)
     log = open(tmp_path / "launch.log", "w")
-    p = subprocess.Popen(launch_cmd(tmp_path, "train.max_steps=100000", "train.save_every=100000", "train.ttt_steps=3"), cwd=REPO, stdout=log, stderr=log, start_new_session=True)
+    p = subprocess.Popen(
+        launch_cmd(tmp_path, "train.max_steps=100000", "train.save_every=100000", "train.ttt_steps=3"),
+        cwd=REPO,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
     ranks: list[int] = []
     try:
         deadline = time.time() + 240
@@ -274,7 +329,13 @@ def test_killing_the_launchers_process_group_leaves_no_rank_and_the_lock_is_take
             os.kill(pid, signal.SIGKILL)
         log.close()
     assert (tmp_path / LOCK_NAME).exists()  # the killed rank 0 could not remove it: stale
-    r = subprocess.run(launch_cmd(tmp_path, "train.max_steps=1", "train.ttt_steps=3", procs=1), cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        launch_cmd(tmp_path, "train.max_steps=1", "train.ttt_steps=3", procs=1),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     ok(r)
     assert f"taking over the stale lock {tmp_path / LOCK_NAME} of train (pid {owner['pid']}" in r.stderr
     assert not (tmp_path / LOCK_NAME).exists()
@@ -285,11 +346,18 @@ def test_a_second_training_on_a_locked_run_folder_stops_naming_the_owner(tmp_pat
     write_store(tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        owner = {"host": socket.gethostname(), "pid": holder.pid, "stage": "harvest", "started": "2026-11-30T10:00:00+0000"}
+        owner = {
+            "host": socket.gethostname(),
+            "pid": holder.pid,
+            "stage": "harvest",
+            "started": "2026-11-30T10:00:00+0000",
+        }
         (tmp_path / LOCK_NAME).write_text(json.dumps(owner))
         r = launch(tmp_path, "train.max_steps=1", "train.ttt_steps=3")
         assert r.returncode != 0
-        assert f"finetune: error: {tmp_path} is in use by harvest (pid {holder.pid} on {owner['host']}" in r.stderr, r.stderr[-3000:]
+        assert f"finetune: error: {tmp_path} is in use by harvest (pid {holder.pid} on {owner['host']}" in r.stderr, (
+            r.stderr[-3000:]
+        )
         assert not (tmp_path / "ckpt").exists() and json.loads((tmp_path / LOCK_NAME).read_text()) == owner
     finally:
         holder.kill()

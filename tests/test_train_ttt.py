@@ -8,7 +8,16 @@ import torch
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 from eagle3ft.train.ttt import head_cross_entropy, shift, target_to_draft_map, topk_to_draft, ttt_forward
 
-CFG = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, vocab_size=40, draft_vocab_size=12, rope_theta=10000.0)
+CFG = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    vocab_size=40,
+    draft_vocab_size=12,
+    rope_theta=10000.0,
+)
 
 
 def drafter(seed=0, **kw) -> Eagle3Drafter:
@@ -78,14 +87,18 @@ def test_uniform_drafter_hand_values():
     torch.testing.assert_close(out.step_loss, torch.full((3,), math.log(CFG["draft_vocab_size"])))
 
 
-def reference_ttt(m: Eagle3Drafter, b: dict, steps: int, decay: float, target_head: torch.Tensor | None = None) -> torch.Tensor:
+def reference_ttt(
+    m: Eagle3Drafter, b: dict, steps: int, decay: float, target_head: torch.Tensor | None = None
+) -> torch.Tensor:
     """The unroll written plainly: concatenated keys, an explicit (T, (k+1)T) mask, full logits."""
     ids, aux = b["input_ids"], b["aux_hidden"]
     B, T = ids.shape
     rep = CFG["num_attention_heads"] // CFG["num_key_value_heads"]
     hidden = m.fuse(aux)
     pos = torch.arange(T).expand(B, T)
-    draft_ids, p_k, has = topk_to_draft(b["topk_ids"], b["topk_logprobs"], target_to_draft_map(m.d2t, CFG["vocab_size"]))
+    draft_ids, p_k, has = topk_to_draft(
+        b["topk_ids"], b["topk_logprobs"], target_to_draft_map(m.d2t, CFG["vocab_size"])
+    )
     p = torch.zeros(B, T, CFG["draft_vocab_size"]).scatter_add_(-1, draft_ids, p_k)
     if target_head is not None:  # the exact draft-vocab softmax of the target's logits
         p, has = torch.softmax(b["last_hidden"] @ target_head.t(), -1), torch.ones_like(has)

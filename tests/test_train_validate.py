@@ -91,19 +91,38 @@ def test_loop_logs_heldout_tau_and_keeps_the_best_export(tmp_path):
     arch = json.loads((REPO / "configs/drafters/tiny.json").read_text()) | {"fc_norm": True}
     (tmp_path / "tiny31.json").write_text(json.dumps(arch))  # fc_norm from the json, norm_output from the override
     write_store(tmp_path, n_train=12, n_heldout=3)
-    r = launch(tmp_path, "train.max_steps=5", "train.eval_every=2", "train.log_every=4", "train.save_every=10", "train.warmup_steps=1",
-               "train.loss=lk_hybrid", f"drafter.config={tmp_path / 'tiny31.json'}", "drafter.norm_output=true")
+    r = launch(
+        tmp_path,
+        "train.max_steps=5",
+        "train.eval_every=2",
+        "train.log_every=4",
+        "train.save_every=10",
+        "train.warmup_steps=1",
+        "train.loss=lk_hybrid",
+        f"drafter.config={tmp_path / 'tiny31.json'}",
+        "drafter.norm_output=true",
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [2, 4, 5] and all("loss" in x for x in rows)
     held = [x for x in rows if "heldout_tau" in x]
     assert [x["step"] for x in held] == [2, 4, 5]
-    assert held[0]["heldout_tokens"] > 0 and len(held[0]["heldout_cond_acc"]) == 3 and all(x["heldout_tau"] >= 1 for x in held)
+    assert (
+        held[0]["heldout_tokens"] > 0
+        and len(held[0]["heldout_cond_acc"]) == 3
+        and all(x["heldout_tau"] >= 1 for x in held)
+    )
     best = max(held, key=lambda x: x["heldout_tau"])  # the first of equal ones is kept
     best_card = json.loads((tmp_path / "export-best" / "card.json").read_text())
     last_card = json.loads((tmp_path / "export" / "card.json").read_text())
-    assert best_card["which"] == "best" and best_card["step"] == best["step"] and best_card["heldout_tau"] == best["heldout_tau"]
-    assert last_card["which"] == "last" and last_card["step"] == 5 and last_card["heldout_tau"] == held[-1]["heldout_tau"]
+    assert (
+        best_card["which"] == "best"
+        and best_card["step"] == best["step"]
+        and best_card["heldout_tau"] == best["heldout_tau"]
+    )
+    assert (
+        last_card["which"] == "last" and last_card["step"] == 5 and last_card["heldout_tau"] == held[-1]["heldout_tau"]
+    )
     assert [x["heldout_best"] for x in held].count(True) >= 1 and held[-1]["heldout_best_tau"] == best["heldout_tau"]
     cfg = json.loads((tmp_path / "export" / "config.json").read_text())
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True
@@ -121,11 +140,11 @@ def test_cli_on_a_run_folder_counts_what_accept_len_counts(tmp_path):
     from train_fixtures import REPO, write_store
 
     from eagle3ft.config import load_config
-    from eagle3ft.targets.hf import load_input_embedding
-    from eagle3ft.vocab import load_vocab
     from eagle3ft.eval.accept_len import run as accept_len_run
+    from eagle3ft.targets.hf import load_input_embedding
     from eagle3ft.train.checkpoint import export_drafter
     from eagle3ft.train.validate import main
+    from eagle3ft.vocab import load_vocab
 
     write_store(tmp_path, n_train=2, n_heldout=4)
     cfg = load_config(REPO / "configs/tiny.yaml")
@@ -148,9 +167,9 @@ def test_warm_start_keeps_its_layout(tmp_path):
     from train_fixtures import REPO, TINY_TARGET, write_store
 
     from eagle3ft.config import load_config
-    from eagle3ft.vocab import load_vocab
     from eagle3ft.train.checkpoint import export_drafter
     from eagle3ft.train.loop import build_drafter
+    from eagle3ft.vocab import load_vocab
 
     write_store(tmp_path)
     m = Eagle3Drafter(Eagle3Config.from_json(REPO / "configs/drafters/tiny.json"))

@@ -18,10 +18,25 @@ from eagle3ft.data.store import FeatureWriter, Sample
 from eagle3ft.vocab import build_vocab, save_vocab
 
 REPO = Path(__file__).resolve().parent.parent
-TINY_TARGET = {"name": "tiny-llama", "hidden_size": 64, "vocab_size": 49152, "num_layers": 4, "aux_layer_ids": [0, 1, 2]}
+TINY_TARGET = {
+    "name": "tiny-llama",
+    "hidden_size": 64,
+    "vocab_size": 49152,
+    "num_layers": 4,
+    "aux_layer_ids": [0, 1, 2],
+}
 
 
-def write_store(run_dir: Path, n_train: int = 16, n_heldout: int = 2, seq: int = 24, topk: int = 4, draft_vocab: int = 512, seed: int = 0, target: dict | None = None) -> Path:
+def write_store(
+    run_dir: Path,
+    n_train: int = 16,
+    n_heldout: int = 2,
+    seq: int = 24,
+    topk: int = 4,
+    draft_vocab: int = 512,
+    seed: int = 0,
+    target: dict | None = None,
+) -> Path:
     """run_dir/features (+ vocab.safetensors) with `n_train` + `n_heldout` samples of length ~seq."""
     target = target or TINY_TARGET
     g = torch.Generator().manual_seed(seed)
@@ -52,14 +67,37 @@ def write_store(run_dir: Path, n_train: int = 16, n_heldout: int = 2, seq: int =
     return run_dir / "features"
 
 
-def launch(run_dir: Path, *overrides: str, procs: int = 2, config: str = "configs/tiny.yaml", extra: tuple = (), timeout: int = 600) -> subprocess.CompletedProcess:
+def launch(
+    run_dir: Path,
+    *overrides: str,
+    procs: int = 2,
+    config: str = "configs/tiny.yaml",
+    extra: tuple = (),
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
     """`accelerate launch` train/finetune.py for real (procs CPU processes), wandb disabled."""
     acc = REPO / "configs/accelerate/cpu-2proc.yaml"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(acc), "--num_processes", str(procs), "--main_process_port", str(port),
-           str(REPO / "train/finetune.py"), "--config", str(REPO / config), "--run-dir", str(run_dir), "--set", "train.wandb_mode=disabled"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(acc),
+        "--num_processes",
+        str(procs),
+        "--main_process_port",
+        str(port),
+        str(REPO / "train/finetune.py"),
+        "--config",
+        str(REPO / config),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "train.wandb_mode=disabled",
+    ]
     for o in overrides:
         cmd += ["--set", o]
     return subprocess.run(cmd + list(extra), cwd=REPO, capture_output=True, text=True, timeout=timeout)

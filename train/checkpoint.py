@@ -31,7 +31,13 @@ from safetensors.torch import save_file
 
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter, export_keys
 
-CONFIG, WEIGHTS, TRAINER_STATE, STATE_TENSORS, STATE_JSON = "config.json", "model.safetensors", "trainer_state.json", "state.safetensors", "state.json"
+CONFIG, WEIGHTS, TRAINER_STATE, STATE_TENSORS, STATE_JSON = (
+    "config.json",
+    "model.safetensors",
+    "trainer_state.json",
+    "state.safetensors",
+    "state.json",
+)
 FORMAT = "eagle3ft-train-state-2"
 IGNORED_KEYS = ("embed_tokens.weight",)  # filled from the target by SGLang and by `load_drafter`
 
@@ -53,7 +59,13 @@ SGLANG_PARAMS = {
 }
 # parameters SGLang builds only when the drafter's config.json sets fc_norm (or use_aux_norm): EAGLE-3.1
 SGLANG_FC_NORM_PARAMS = {f"model.fc_norm.{i}.weight": {""} for i in range(3)}
-SGLANG_STACKED = ((".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"), (".gate_proj", ".gate_up_proj", "0"), (".up_proj", ".gate_up_proj", "1"))
+SGLANG_STACKED = (
+    (".q_proj", ".qkv_proj", "q"),
+    (".k_proj", ".qkv_proj", "k"),
+    (".v_proj", ".qkv_proj", "v"),
+    (".gate_proj", ".gate_up_proj", "0"),
+    (".up_proj", ".gate_up_proj", "1"),
+)
 
 
 def sglang_target(key: str) -> tuple[str, str] | None:
@@ -157,7 +169,9 @@ def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> E
     model.to(dtype)
     if embedding is not None:
         if tuple(embedding.shape) != tuple(model.embed_tokens.weight.shape):
-            raise ValueError(f"target embedding shape {tuple(embedding.shape)} != drafter's (vocab_size, hidden_size) {tuple(model.embed_tokens.weight.shape)}")
+            raise ValueError(
+                f"target embedding shape {tuple(embedding.shape)} != drafter's (vocab_size, hidden_size) {tuple(model.embed_tokens.weight.shape)}"
+            )
         tensors = {**tensors, "embed_tokens.weight": embedding}
     model.load_state_dict(tensors, strict=False)  # keys checked above; embed_tokens stays as built without `embedding`
     return model
@@ -168,7 +182,11 @@ def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> E
 
 def checkpoints(run_dir: Path) -> list[Path]:
     """Complete ckpt/step-N folders, oldest first."""
-    found = [p for p in (Path(run_dir) / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+", p.name) and (p / TRAINER_STATE).is_file()]
+    found = [
+        p
+        for p in (Path(run_dir) / "ckpt").glob("step-*")
+        if re.fullmatch(r"step-\d+", p.name) and (p / TRAINER_STATE).is_file()
+    ]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -277,14 +295,18 @@ def load_checkpoint(dist, path: Path, seed: int) -> tuple[dict, str]:
         opt = meta["optimizer"]
         shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in dist.trainable()}
         if list(shapes) != opt["params"]:
-            raise CheckpointError(f"{path / STATE_JSON}: trainable parameters {opt['params']} differ from the drafter's {list(shapes)}")
+            raise CheckpointError(
+                f"{path / STATE_JSON}: trainable parameters {opt['params']} differ from the drafter's {list(shapes)}"
+            )
         for name, shape in shapes.items():
             for k in ("fp32", *opt["moments"]):
                 key = f"{k}.{name}"
                 if key not in tensors:
                     raise CheckpointError(f"{tensors.path}: no tensor {key}")
                 if tensors.shape(key) != shape:
-                    raise CheckpointError(f"{tensors.path}: {key} has shape {list(tensors.shape(key))}, the drafter's is {list(shape)}")
+                    raise CheckpointError(
+                        f"{tensors.path}: {key} has shape {list(tensors.shape(key))}, the drafter's is {list(shape)}"
+                    )
         note = dist.load_training_state(tensors, meta, seed)
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{path / STATE_JSON}: missing or malformed entry {e}") from None
@@ -299,9 +321,13 @@ def resume_position(st: dict, path: Path, n_train: int, micro_batch_size: int, w
     """
     data = st.get("data")
     if not isinstance(data, dict) or not {"epoch", "samples_in_epoch", "n_train"} <= set(data):
-        raise CheckpointError(f"{Path(path) / TRAINER_STATE}: no data position (data.epoch, data.samples_in_epoch, data.n_train)")
+        raise CheckpointError(
+            f"{Path(path) / TRAINER_STATE}: no data position (data.epoch, data.samples_in_epoch, data.n_train)"
+        )
     if data["n_train"] != n_train:
-        raise CheckpointError(f"{Path(path) / TRAINER_STATE}: written for {data['n_train']} training samples, the store has {n_train}")
+        raise CheckpointError(
+            f"{Path(path) / TRAINER_STATE}: written for {data['n_train']} training samples, the store has {n_train}"
+        )
     epoch, done = data["epoch"], data["samples_in_epoch"]
     if done >= n_train:
         return epoch + 1, 0

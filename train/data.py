@@ -30,8 +30,8 @@ from typing import Iterator
 import torch
 
 from eagle3ft.config import Config, resolve_path
-from eagle3ft.drafter_spec import DrafterSpec
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate
+from eagle3ft.drafter_spec import DrafterSpec
 from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
 TOKEN_KEYS = ("input_ids", "loss_mask")
@@ -86,7 +86,9 @@ def pack_bins(lengths: list[int], budget: int, seed: int, epoch: int) -> list[li
         while node:
             free[node] = max(free[2 * node], free[2 * node + 1])
             node //= 2
-    shuffle = torch.randperm(len(bins), generator=torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919)).tolist()
+    shuffle = torch.randperm(
+        len(bins), generator=torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919)
+    ).tolist()
     return [bins[j] for j in shuffle]
 
 
@@ -130,7 +132,9 @@ class OnlineTarget:
         from eagle3ft.targets.base import Sampling
         from eagle3ft.targets.hf import HFTarget, load_target
 
-        dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
+        dtype = (
+            cfg.target.dtype if cfg.target.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
+        )
         self.cfg = dataclasses.replace(cfg.target, device="cpu", dtype=dtype)  # moved to the rank's device by `to`
         model, tokenizer = load_target(self.cfg)
         c = model.config
@@ -139,7 +143,13 @@ class OnlineTarget:
         self.target = HFTarget(self.cfg, self.aux_layer_ids, model=model, tokenizer=tokenizer)
         self.sampling = Sampling(topk=cfg.harvest.topk, last_hidden=cfg.harvest.store_last_hidden)
         info = self.target.info
-        self.identity = {"name": info.name, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size, "num_layers": info.num_layers, "aux_layer_ids": list(info.aux_layer_ids)}
+        self.identity = {
+            "name": info.name,
+            "hidden_size": info.hidden_size,
+            "vocab_size": info.vocab_size,
+            "num_layers": info.num_layers,
+            "aux_layer_ids": list(info.aux_layer_ids),
+        }
 
     def to(self, device: torch.device) -> "OnlineTarget":
         from eagle3ft.targets.hf import HFTarget
@@ -157,7 +167,12 @@ class OnlineTarget:
         feats = self.target.capture([flat_ids[a : a + n] for a, n in spans], self.sampling, to_host=False)
         rows = torch.cat([torch.arange(a, a + n) for a, n in spans]).to(device)  # (N,) the real rows of (B*T)
         out = {}
-        for key, dtype in (("aux_hidden", None), ("topk_ids", torch.long), ("topk_logprobs", None), ("last_hidden", None)):
+        for key, dtype in (
+            ("aux_hidden", None),
+            ("topk_ids", torch.long),
+            ("topk_logprobs", None),
+            ("last_hidden", None),
+        ):
             parts = [getattr(f, key) for f in feats]
             if parts[0] is None:
                 continue
@@ -185,7 +200,9 @@ def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train
         return TokenStore(tokens).dataset(split), str(tokens)
     if store is not None:
         return store.dataset(split, keys=TOKEN_KEYS), str(store.dir)
-    raise StoreError(f"train.features is online but {run_dir} has neither a token store (tokens/) nor a feature store (features/)")
+    raise StoreError(
+        f"train.features is online but {run_dir} has neither a token store (tokens/) nor a feature store (features/)"
+    )
 
 
 def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
@@ -211,7 +228,10 @@ def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
     save_vocab(tmp, d2t, t2d)
     os.replace(tmp, path)
     if os.environ.get("RANK", "0") == "0":
-        print(f"wrote {path}: the {spec.draft_vocab_size} most frequent loss-masked tokens of {where} (online training)", flush=True)
+        print(
+            f"wrote {path}: the {spec.draft_vocab_size} most frequent loss-masked tokens of {where} (online training)",
+            flush=True,
+        )
 
 
 class TrainData:
@@ -225,7 +245,9 @@ class TrainData:
             raise ValueError(f"train.pack_tokens must be positive or null, got {tcfg.pack_tokens}")
         self.cfg, self.online, self._bins = cfg, None, {}
         features = run_dir / "features"
-        self.store = FeatureStore(features) if tcfg.features == "offline" or (features / MANIFEST).is_file() else None  # also the held-out split
+        self.store = (
+            FeatureStore(features) if tcfg.features == "offline" or (features / MANIFEST).is_file() else None
+        )  # also the held-out split
         if tcfg.features == "offline":
             self.dataset, self.where = self.store.dataset("train"), str(self.store.dir)
             self.target, self.has_last_hidden = self.store.target, self.store.manifest.get("has_last_hidden", False)
@@ -248,7 +270,11 @@ class TrainData:
         """(held-out items, where they are, features): the feature store's held-out split offline (features None);
         online, the held-out token samples and the function that adds the target's features to a collated batch."""
         if self.online is None:
-            return (self.store.dataset("heldout") if self.store is not None else []), str(self.run_dir / "features"), None
+            return (
+                (self.store.dataset("heldout") if self.store is not None else []),
+                str(self.run_dir / "features"),
+                None,
+            )
         ds, where = token_dataset(self.run_dir, self.store, "heldout")
 
         def features(batch: dict) -> dict:
@@ -280,10 +306,18 @@ class TrainData:
         tcfg = self.cfg.train
         common = dict(num_workers=tcfg.num_workers, pin_memory=torch.cuda.is_available())
         if self.lengths is not None:
-            return torch.utils.data.DataLoader(self.dataset, batch_sampler=self.bins(epoch), collate_fn=partial(collate_packed, budget=tcfg.pack_tokens, cap=self.cap), **common)
+            return torch.utils.data.DataLoader(
+                self.dataset,
+                batch_sampler=self.bins(epoch),
+                collate_fn=partial(collate_packed, budget=tcfg.pack_tokens, cap=self.cap),
+                **common,
+            )
         return torch.utils.data.DataLoader(
-            EpochOrder(self.dataset, self.cfg.seed, epoch), batch_size=tcfg.micro_batch_size, shuffle=False,
-            collate_fn=partial(collate, max_len=tcfg.max_len), **common,
+            EpochOrder(self.dataset, self.cfg.seed, epoch),
+            batch_size=tcfg.micro_batch_size,
+            shuffle=False,
+            collate_fn=partial(collate, max_len=tcfg.max_len),
+            **common,
         )
 
     def epoch(self, dist, epoch: int, skip: int = 0) -> Iterator[MicroBatch]:

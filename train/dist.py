@@ -54,7 +54,11 @@ def deepspeed_config(tcfg: TrainConfig, cuda: bool) -> dict:
     bf16 = ds.setdefault("bf16", {"enabled": "auto"})
     if bf16.get("enabled") == "auto":
         bf16["enabled"] = precision == "bf16"
-    fill = {"train_micro_batch_size_per_gpu": tcfg.micro_batch_size, "gradient_accumulation_steps": tcfg.grad_accum, "gradient_clipping": tcfg.max_grad_norm}
+    fill = {
+        "train_micro_batch_size_per_gpu": tcfg.micro_batch_size,
+        "gradient_accumulation_steps": tcfg.grad_accum,
+        "gradient_clipping": tcfg.max_grad_norm,
+    }
     for key, value in fill.items():
         if ds.get(key, "auto") == "auto":
             ds[key] = value
@@ -76,7 +80,11 @@ def watch_launcher(poll_s: float = 0.5) -> None:
     def poll() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        print(f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+        print(
+            f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher (pid {parent}) is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(1)
 
     threading.Thread(target=poll, name="launcher-watch", daemon=True).start()
@@ -90,7 +98,12 @@ def rng_state() -> dict:
         "torch_cpu": torch.get_rng_state(),
         "torch_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "python": {"version": py[0], "state": list(py[1]), "gauss": py[2]},
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "gauss": float(np_state[4]),
+        },
     }
 
 
@@ -118,12 +131,26 @@ class Dist:
         if "LOCAL_RANK" in os.environ:
             watch_launcher()
         else:  # started without a launcher: a world of one process
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), ACCELERATE_USE_DEEPSPEED="true")
+            os.environ.update(
+                RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_RANK="0",
+                LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+                ACCELERATE_USE_DEEPSPEED="true",
+            )
         self.ds_config = deepspeed_config(tcfg, cuda)
         self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
-        plugin = DeepSpeedPlugin(hf_ds_config=self.ds_config, gradient_accumulation_steps=tcfg.grad_accum, gradient_clipping=tcfg.max_grad_norm)
+        plugin = DeepSpeedPlugin(
+            hf_ds_config=self.ds_config,
+            gradient_accumulation_steps=tcfg.grad_accum,
+            gradient_clipping=tcfg.max_grad_norm,
+        )
         handlers = [] if cuda else [InitProcessGroupKwargs(backend="gloo")]
-        self.acc = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=tcfg.grad_accum, kwargs_handlers=handlers)
+        self.acc = Accelerator(
+            deepspeed_plugin=plugin, gradient_accumulation_steps=tcfg.grad_accum, kwargs_handlers=handlers
+        )
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
         self.print(
             f"distributed: DeepSpeed ZeRO-{self.zero_stage} ({resolve_path(tcfg.deepspeed).name}), {self.world} process(es) on "
@@ -267,13 +294,26 @@ class Dist:
         steps = {float(zopt.optimizer.state[f]["step"]) for f in flats if "step" in zopt.optimizer.state[f]}
         if len(steps) != 1:
             raise RuntimeError(f"optimizer step counts differ between parameter groups: {sorted(steps)}")
-        groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"} for g in zopt.optimizer.param_groups]
+        groups = [
+            {k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}
+            for g in zopt.optimizer.param_groups
+        ]
         sched = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
         return tensors, {
-            "optimizer": {"class": type(zopt.optimizer).__name__, "step": int(steps.pop()), "moments": keys, "param_groups": groups, "params": [n for n, _ in self.trainable()]},
+            "optimizer": {
+                "class": type(zopt.optimizer).__name__,
+                "step": int(steps.pop()),
+                "moments": keys,
+                "param_groups": groups,
+                "params": [n for n, _ in self.trainable()],
+            },
             "scheduler": sched,
             "engine": {"global_steps": self.engine.global_steps, "global_samples": self.engine.global_samples},
-            "rng": {"world_size": len(rngs), "python": [st["python"] for st in rngs], "numpy": [{k: v for k, v in st["numpy"].items() if k != "keys"} for st in rngs]},
+            "rng": {
+                "world_size": len(rngs),
+                "python": [st["python"] for st in rngs],
+                "numpy": [{k: v for k, v in st["numpy"].items() if k != "keys"} for st in rngs],
+            },
         }
 
     def load_training_state(self, tensors, meta: dict, seed: int) -> str:
@@ -288,18 +328,24 @@ class Dist:
         opt = meta["optimizer"]
         inner = zopt.optimizer
         if len(opt["param_groups"]) != len(inner.param_groups):
-            raise ValueError(f"{len(opt['param_groups'])} optimizer parameter groups saved, {len(inner.param_groups)} now")
+            raise ValueError(
+                f"{len(opt['param_groups'])} optimizer parameter groups saved, {len(inner.param_groups)} now"
+            )
         for flat in flats:  # Adam's state is created lazily at the first step: create it now, then fill it
             st = inner.state[flat]
             on_device = any(g.get("capturable") or g.get("fused") for g in inner.param_groups)
-            st["step"] = torch.tensor(float(opt["step"]), dtype=torch.float32, device=flat.device if on_device else "cpu")
+            st["step"] = torch.tensor(
+                float(opt["step"]), dtype=torch.float32, device=flat.device if on_device else "cpu"
+            )
             for k in opt["moments"]:
                 st[k] = torch.zeros_like(flat)
         if self.zero_stage in (1, 2):
             zopt._lazy_init_hp_params_optimizer_state()  # links each parameter's fragment of the moments
         for name, p in self.trainable():
             fp32 = tensors[f"fp32.{name}"].to(self.device)
-            if self.zero_stage == 3:  # DeepSpeed's safe_set_full_* overrun the last rank's padded partition: fill it here
+            if (
+                self.zero_stage == 3
+            ):  # DeepSpeed's safe_set_full_* overrun the last rank's padded partition: fill it here
                 for k in (None, *opt["moments"]):
                     part, _ = zopt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=k)
                     src = (fp32 if k is None else tensors[f"{k}.{name}"]).flatten()
@@ -322,10 +368,14 @@ class Dist:
         saved_world, r = rng["world_size"], self.rank
         if r < saved_world:
             cuda = f"rank{r}.torch_cuda"
-            set_rng_state({
-                "torch_cpu": tensors[f"rank{r}.torch_cpu"], "torch_cuda": tensors[cuda] if cuda in tensors else None,
-                "python": rng["python"][r], "numpy": {"keys": tensors[f"rank{r}.numpy_keys"], **rng["numpy"][r]},
-            })
+            set_rng_state(
+                {
+                    "torch_cpu": tensors[f"rank{r}.torch_cpu"],
+                    "torch_cuda": tensors[cuda] if cuda in tensors else None,
+                    "python": rng["python"][r],
+                    "numpy": {"keys": tensors[f"rank{r}.numpy_keys"], **rng["numpy"][r]},
+                }
+            )
         else:
             mixed = seed * 1_000_003 + opt["step"] * 1009 + r
             torch.manual_seed(mixed)

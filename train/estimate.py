@@ -53,11 +53,15 @@ def activation_bytes_per_token_step(cfg: Eagle3Config, act_bytes: int = 2) -> in
         + 2 * H  # step output, final norm input/output rows for the head
         + cfg.draft_vocab_size  # the fused head CE's softmax - p rows, kept for its backward
     ) * act_bytes
-    fp32 = 4 * (q + 4 * cfg.num_attention_heads)  # fp32: per head log-sum-exp and diagonal scores; index and mask tensors
+    fp32 = 4 * (
+        q + 4 * cfg.num_attention_heads
+    )  # fp32: per head log-sum-exp and diagonal scores; index and mask tensors
     return saved + fp32
 
 
-def estimate(cfg: Eagle3Config, gpus: int, seq: int, micro_batch: int, ttt_steps: int, zero2_bucket: int = 200_000_000) -> Estimate:
+def estimate(
+    cfg: Eagle3Config, gpus: int, seq: int, micro_batch: int, ttt_steps: int, zero2_bucket: int = 200_000_000
+) -> Estimate:
     with torch.device("meta"):
         model = Eagle3Drafter(cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -65,7 +69,9 @@ def estimate(cfg: Eagle3Config, gpus: int, seq: int, micro_batch: int, ttt_steps
     largest = max(p.numel() for p in model.parameters())
     tokens = micro_batch * seq
     act = activation_bytes_per_token_step(cfg) * tokens * ttt_steps
-    head = min(tokens, HEAD_CHUNK_BYTES // (4 * cfg.draft_vocab_size)) * cfg.draft_vocab_size * (2 + 4 + 4)  # fused head CE: one chunk of bf16 logits, fp32 log-softmax and p·log q
+    head = (
+        min(tokens, HEAD_CHUNK_BYTES // (4 * cfg.draft_vocab_size)) * cfg.draft_vocab_size * (2 + 4 + 4)
+    )  # fused head CE: one chunk of bf16 logits, fp32 log-softmax and p·log q
     z2 = {
         "weights": 2 * (trainable + frozen) / GIB,
         "gradients": 2 * trainable / gpus / GIB + 2 * 2 * zero2_bucket / GIB,  # partitioned + reduce buckets
@@ -90,7 +96,9 @@ def report(e: Estimate) -> str:
         f"per-GPU memory on {e.gpus} GPUs (GiB):   weights  grads  optim  activ  total",
     ]
     for name, z in (("ZeRO-2", e.zero2_gib), ("ZeRO-3", e.zero3_gib)):
-        lines.append(f"  {name}                        {z['weights']:7.2f} {z['gradients']:6.2f} {z['optimizer']:6.2f} {z['activations']:6.2f} {z['total']:6.2f}")
+        lines.append(
+            f"  {name}                        {z['weights']:7.2f} {z['gradients']:6.2f} {z['optimizer']:6.2f} {z['activations']:6.2f} {z['total']:6.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -22,7 +22,12 @@ DESCRIPTION = "Fine-tune an EAGLE-3 drafter on a run's feature store."
 
 def cli(argv: list[str] | None = None) -> int:
     parser = build_parser(DESCRIPTION)
-    parser.add_argument("--resume", default=None, metavar="auto|CKPT", help="continue from the newest checkpoint (auto) or a ckpt/step-N folder; sets train.resume")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|CKPT",
+        help="continue from the newest checkpoint (auto) or a ckpt/step-N folder; sets train.resume",
+    )
     cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
     if args.resume is not None:
         cfg.train.resume = args.resume

@@ -23,14 +23,24 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
-from eagle3ft.drafter_spec import check_drafter, check_drafter_folder
 from eagle3ft.data.store import StoreError
-from eagle3ft.vocab import load_vocab, save_vocab
-from eagle3ft.train.checkpoint import atomic_dir, drafter_tensors, load_checkpoint, load_drafter, resume_path, resume_position, save_checkpoint, truncate_metrics, write_drafter
+from eagle3ft.drafter_spec import check_drafter, check_drafter_folder
+from eagle3ft.train.checkpoint import (
+    atomic_dir,
+    drafter_tensors,
+    load_checkpoint,
+    load_drafter,
+    resume_path,
+    resume_position,
+    save_checkpoint,
+    truncate_metrics,
+    write_drafter,
+)
 from eagle3ft.train.data import TrainData
 from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
+from eagle3ft.vocab import load_vocab, save_vocab
 
 if TYPE_CHECKING:
     from eagle3ft.train.dist import Dist
@@ -75,11 +85,15 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
         folder = resolve_path(cfg.drafter.init)
         spec = check_drafter_folder(folder, target, "warm start", features)
         if cfg.drafter.draft_vocab_size not in (None, spec.draft_vocab_size):
-            raise ValueError(f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's {spec.draft_vocab_size} (its vocab is kept)")
+            raise ValueError(
+                f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's {spec.draft_vocab_size} (its vocab is kept)"
+            )
         layout = Eagle3Config.from_spec(spec)
         for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 options change what the trained weights mean
             if getattr(cfg.drafter, flag) not in (None, getattr(layout, flag)):
-                raise ValueError(f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} ({folder}/config.json; its layout is kept)")
+                raise ValueError(
+                    f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} ({folder}/config.json; its layout is kept)"
+                )
         return load_drafter(folder, load_input_embedding(cfg.target)).float()
     dcfg = Eagle3Config.from_json(resolve_path(cfg.drafter.config))
     if cfg.drafter.draft_vocab_size:
@@ -90,7 +104,9 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
     check_drafter(dcfg, target, str(cfg.drafter.config), features)
     vocab_file = run_dir / "vocab.safetensors"
     if not vocab_file.is_file():
-        raise FileNotFoundError(f"{vocab_file} not found: the harvest writes it (python data/harvest.py ... --run-dir {run_dir})")
+        raise FileNotFoundError(
+            f"{vocab_file} not found: the harvest writes it (python data/harvest.py ... --run-dir {run_dir})"
+        )
     d2t, t2d = load_vocab(vocab_file)
     check_drafter(dcfg, target, str(vocab_file), features, d2t, t2d)
     model = Eagle3Drafter(dcfg)
@@ -133,7 +149,9 @@ def target_head(cfg: Config, data: TrainData, model: Eagle3Drafter) -> torch.Ten
         raise ValueError(f"train.target_source '{source}' is not one of auto, topk, last_hidden")
     has = data.has_last_hidden
     if source == "last_hidden" and not has:
-        raise StoreError(f"train.target_source is last_hidden but {data.where} has no last_hidden (harvest.store_last_hidden)")
+        raise StoreError(
+            f"train.target_source is last_hidden but {data.where} has no last_hidden (harvest.store_last_hidden)"
+        )
     if source == "topk" or not has:
         return None
     from eagle3ft.targets.hf import load_output_head
@@ -187,10 +205,18 @@ class Run:
         """What a checkpoint records besides the weights: the step, the data position, the config, the last metrics."""
         tcfg = self.cfg.train
         n_order = self.data.order_len(self.epoch)  # samples, or bins when packed
-        consumed = min(n_order, self.batch_in_epoch * self.dist.world * self.data.per_micro_batch)  # of the epoch's seeded order
+        consumed = min(
+            n_order, self.batch_in_epoch * self.dist.world * self.data.per_micro_batch
+        )  # of the epoch's seeded order
         return {
-            "step": self.step, "data": {"epoch": self.epoch, "samples_in_epoch": consumed, "n_train": n_order}, "world_size": self.dist.world,
-            "micro_batch_size": tcfg.micro_batch_size, "grad_accum": tcfg.grad_accum, "total_steps": self.total, "config": to_dict(self.cfg), "last": self.last,
+            "step": self.step,
+            "data": {"epoch": self.epoch, "samples_in_epoch": consumed, "n_train": n_order},
+            "world_size": self.dist.world,
+            "micro_batch_size": tcfg.micro_batch_size,
+            "grad_accum": tcfg.grad_accum,
+            "total_steps": self.total,
+            "config": to_dict(self.cfg),
+            "last": self.last,
         }
 
 
@@ -238,7 +264,9 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     model = build_drafter(cfg, run_dir, data.target)
     if tcfg.compile:
         model.compile_blocks()
-    objective = TTTObjective(model, tcfg.ttt_steps, tcfg.step_decay, target_head(cfg, data, model), tcfg.loss, tcfg.lk_eta)
+    objective = TTTObjective(
+        model, tcfg.ttt_steps, tcfg.step_decay, target_head(cfg, data, model), tcfg.loss, tcfg.lk_eta
+    )
 
     # 2. processes and the run lock; a warm start's vocab becomes the run's
     dist = Dist(tcfg)
@@ -249,7 +277,9 @@ def setup(cfg: Config, run_dir: Path) -> Run:
             dist.print(note)
 
     # 3. optimizer and LR schedule over the run's optimizer steps
-    total = tcfg.max_steps or sum(math.ceil(math.ceil(data.micro_batches(e) / dist.world) / tcfg.grad_accum) for e in range(tcfg.epochs))
+    total = tcfg.max_steps or sum(
+        math.ceil(math.ceil(data.micro_batches(e) / dist.world) / tcfg.grad_accum) for e in range(tcfg.epochs)
+    )
     trainable = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg, total))
@@ -272,10 +302,16 @@ def resume(run: Run) -> bool:
     if ckpt is not None:
         st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed)
         run.step = st["step"]
-        run.epoch, run.batch_in_epoch = resume_position(st, ckpt, run.data.order_len(st.get("data", {}).get("epoch", 0)), run.data.per_micro_batch, run.dist.world)
-        run.dist.print(f"resumed from {ckpt} at step {run.step} (epoch {run.epoch}, {st['data']['samples_in_epoch']} samples of its order consumed; written by {st['world_size']} process(es), now {run.dist.world}; {rng_note})")
+        run.epoch, run.batch_in_epoch = resume_position(
+            st, ckpt, run.data.order_len(st.get("data", {}).get("epoch", 0)), run.data.per_micro_batch, run.dist.world
+        )
+        run.dist.print(
+            f"resumed from {ckpt} at step {run.step} (epoch {run.epoch}, {st['data']['samples_in_epoch']} samples of its order consumed; written by {st['world_size']} process(es), now {run.dist.world}; {rng_note})"
+        )
         if st["total_steps"] != run.total:
-            run.dist.print(f"note: {run.total} optimizer steps now, {st['total_steps']} when the checkpoint was written (set train.max_steps to keep the LR schedule)")
+            run.dist.print(
+                f"note: {run.total} optimizer steps now, {st['total_steps']} when the checkpoint was written (set train.max_steps to keep the LR schedule)"
+            )
     run.start_step = run.step
     return ckpt is not None
 
@@ -287,11 +323,20 @@ def open_logs(run: Run, n_train: int) -> None:
     if dropped := truncate_metrics(run.metrics_file, run.step):
         dist.print(f"{run.metrics_file}: dropped {dropped} record(s) past step {run.step}")
     start = f"warm start from {resolve_path(cfg.drafter.init)}" if cfg.drafter.init else "from scratch"
-    dist.print(f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(run.data)} training samples ({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); {run.total} optimizer steps")
+    dist.print(
+        f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(run.data)} training samples ({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); {run.total} optimizer steps"
+    )
     if tcfg.wandb_mode != "disabled":
         import wandb
 
-        run.wandb_run = wandb.init(project=tcfg.wandb_project, name=cfg.run_name, mode=tcfg.wandb_mode, dir=str(log_dir), config=to_dict(cfg), resume="allow")
+        run.wandb_run = wandb.init(
+            project=tcfg.wandb_project,
+            name=cfg.run_name,
+            mode=tcfg.wandb_mode,
+            dir=str(log_dir),
+            config=to_dict(cfg),
+            resume="allow",
+        )
 
 
 def fit(run: Run) -> None:
@@ -299,7 +344,9 @@ def fit(run: Run) -> None:
     tcfg, dist, data, engine = run.cfg.train, run.dist, run.data, run.engine
     meter = Meter(tcfg.ttt_steps, dist.device)
     step_samples = []
-    bar = tqdm(total=run.total, initial=run.step, desc="train", unit="step", disable=not dist.is_main, dynamic_ncols=True)  # ETA from the step rate
+    bar = tqdm(
+        total=run.total, initial=run.step, desc="train", unit="step", disable=not dist.is_main, dynamic_ncols=True
+    )  # ETA from the step rate
     stop = run.step >= run.total
     while not stop:
         for micro_batch in data.epoch(dist, run.epoch, skip=run.batch_in_epoch):
@@ -309,7 +356,9 @@ def fit(run: Run) -> None:
                 out = engine(batch)
                 if dist.any(not bool(torch.isfinite(out.loss))):
                     bad = dist.gather_ints(sample_ids if not torch.isfinite(out.loss) else [])
-                    raise NonFiniteLoss(f"non-finite loss at step {run.step + 1} (epoch {run.epoch}, micro-batch {run.batch_in_epoch}); sample ids per rank: {bad}")
+                    raise NonFiniteLoss(
+                        f"non-finite loss at step {run.step + 1} (epoch {run.epoch}, micro-batch {run.batch_in_epoch}); sample ids per rank: {bad}"
+                    )
                 lr = run.scheduler.get_last_lr()[0]  # the rate this step applies
                 dist.backward(out.loss)
                 run.optimizer.step()
@@ -331,9 +380,13 @@ def fit(run: Run) -> None:
                     log_record(run, bar)
                 meter.reset()
             bar.update(1)
-            done = run.step >= run.total or (tcfg.stop_after is not None and run.step - run.start_step >= tcfg.stop_after)
+            done = run.step >= run.total or (
+                tcfg.stop_after is not None and run.step - run.start_step >= tcfg.stop_after
+            )
             if run.step % tcfg.save_every == 0 or done:
-                save_checkpoint(dist, engine, run.model.config, run.run_dir, run.step, run.trainer_state(), tcfg.keep_checkpoints)
+                save_checkpoint(
+                    dist, engine, run.model.config, run.run_dir, run.step, run.trainer_state(), tcfg.keep_checkpoints
+                )
             if done:
                 stop = True
                 break
@@ -354,11 +407,18 @@ def metrics_record(run: Run, meter: Meter, lr: float, samples: list) -> dict:
     cond = (s[3] / s[4].clamp(min=1)).tolist()
     step_loss = (s[0] / max(n_micro, 1)).tolist()
     return {
-        "step": run.step, "epoch": run.epoch,
+        "step": run.step,
+        "epoch": run.epoch,
         "loss": sum(tcfg.step_decay**k * step_loss[k] for k in range(K)),
-        "step_loss": step_loss, "acc": acc, "cond_acc": cond,
+        "step_loss": step_loss,
+        "acc": acc,
+        "cond_acc": cond,
         "accept_len_est": 1 + sum(math.prod(cond[: k + 1]) for k in range(K)),
-        "lr": lr, "samples": samples, "tokens": n_tok, "tokens_per_s": n_tok / dt, "s_per_step": dt / tcfg.log_every,
+        "lr": lr,
+        "samples": samples,
+        "tokens": n_tok,
+        "tokens_per_s": n_tok / dt,
+        "s_per_step": dt / tcfg.log_every,
         "max_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None,
     }
 
@@ -370,7 +430,14 @@ def log_record(run: Run, bar: tqdm) -> None:
         f.write(json.dumps(last) + "\n")
     if run.wandb_run is not None:
         flat = {k: v for k, v in last.items() if not isinstance(v, list)}
-        flat.update({f"{name}/{k}": x for name in ("step_loss", "acc", "cond_acc", "heldout_cond_acc") if name in last for k, x in enumerate(last[name])})
+        flat.update(
+            {
+                f"{name}/{k}": x
+                for name in ("step_loss", "acc", "cond_acc", "heldout_cond_acc")
+                if name in last
+                for k, x in enumerate(last[name])
+            }
+        )
         run.wandb_run.log(flat, step=run.step)
     bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc'][0]:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
 
@@ -385,8 +452,12 @@ def export(run: Run) -> None:
         with atomic_dir(run_dir / "export") as tmp:
             write_drafter(tmp, run.model.config, drafter_tensors(state, prefix="drafter."))
             write_card(tmp, "last", step, heldout.latest, heldout.depth)
-        dist.print(f"exported the drafter to {run_dir / 'export'} (SGLang: --speculative-draft-model-path {run_dir / 'export'})")
+        dist.print(
+            f"exported the drafter to {run_dir / 'export'} (SGLang: --speculative-draft-model-path {run_dir / 'export'})"
+        )
         if heldout.latest is not None:
             best = read_card(run_dir / "export-best") or {}
-            dist.print(f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}; best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {run_dir / 'export-best'}")
+            dist.print(
+                f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}; best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {run_dir / 'export-best'}"
+            )
     dist.barrier()

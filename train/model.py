@@ -53,7 +53,9 @@ class Eagle3Config:
         if self.hidden_act != "silu":
             raise ValueError(f"drafter hidden_act '{self.hidden_act}' is not supported (only silu)")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}"
+            )
         rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -77,11 +79,17 @@ class Eagle3Config:
         """The architecture: the shape as the one reader of config.json parsed it, the layout from the rest of its keys."""
         d = spec.raw
         if d.get("num_hidden_layers", 1) != 1:
-            raise ValueError(f"drafter num_hidden_layers is {d['num_hidden_layers']}; only 1 (SGLang's midlayer) is supported")
+            raise ValueError(
+                f"drafter num_hidden_layers is {d['num_hidden_layers']}; only 1 (SGLang's midlayer) is supported"
+            )
         if d.get("tie_word_embeddings"):
-            raise ValueError("drafter tie_word_embeddings is true; an EAGLE-3 drafter has its own lm_head over the draft vocab")
+            raise ValueError(
+                "drafter tie_word_embeddings is true; an EAGLE-3 drafter has its own lm_head over the draft vocab"
+            )
         if d.get("bias") or (d.get("eagle_config") or {}).get("norm_before_fc"):
-            raise ValueError("drafter config sets bias or eagle_config.norm_before_fc; only fc_norm and norm_output of those layouts are supported")
+            raise ValueError(
+                "drafter config sets bias or eagle_config.norm_before_fc; only fc_norm and norm_output of those layouts are supported"
+            )
         rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
         theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
         rope.pop("rope_theta", None)
@@ -135,7 +143,10 @@ class Eagle3Config:
         if self.norm_output:
             d["norm_output"] = True
         if self.aux_layer_ids is not None:
-            d["eagle_config"] = {**self.extra.get("eagle_config", {}), "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+            d["eagle_config"] = {
+                **self.extra.get("eagle_config", {}),
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            }
         return d
 
 
@@ -220,7 +231,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Roped q (B, nh, T, hd), k and v (B, nkv, T, hd); the attention core is the caller's."""
         B, T, _ = x.shape  # x (B, T, 2H)
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
@@ -312,7 +325,11 @@ class Eagle3Drafter(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # the target's, frozen (as SGLang: H wide)
         self.embed_tokens.weight.requires_grad_(False)
-        self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)]) if cfg.fc_norm else None
+        self.fc_norm = (
+            nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3)])
+            if cfg.fc_norm
+            else None
+        )
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -361,7 +378,15 @@ class Eagle3Drafter(nn.Module):
         Training's TTT unroll and attention core stay eager; needs a backend that compiles (triton on CUDA).
         """
         mid = self.midlayer
-        for m in (self.norm, mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm, mid.self_attn, mid.mlp, *(self.fc_norm or ())):
+        for m in (
+            self.norm,
+            mid.input_layernorm,
+            mid.hidden_norm,
+            mid.post_attention_layernorm,
+            mid.self_attn,
+            mid.mlp,
+            *(self.fc_norm or ()),
+        ):
             m.compile()
 
     # -- inference
@@ -387,7 +412,9 @@ class Eagle3Drafter(nn.Module):
         T = q.shape[2]
         if attn_mask is None and T > 1:
             attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)[None, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.config.num_key_value_heads != self.config.num_attention_heads)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, enable_gqa=self.config.num_key_value_heads != self.config.num_attention_heads
+        )
         out = self.midlayer.finish(o, hidden)  # (B, T, H) pre-norm
         return self.feedback(out), self.logits(out)
 

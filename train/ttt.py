@@ -226,7 +226,9 @@ def head_loss(x, weight, ids, p, loss: str = "ce", eta: float = 3.0, chunk: int 
         return head_cross_entropy(x, weight, ids, p, chunk)
     if loss not in LOSSES:
         raise ValueError(f"train.loss '{loss}' is not one of {', '.join(LOSSES)}")
-    chunk = chunk or HEAD_CHUNK or max(1, HEAD_CHUNK_BYTES // (12 * weight.shape[0]))  # q, dalpha/dz, dKL/dz: 3 fp32 (c, Vd) at once
+    chunk = (
+        chunk or HEAD_CHUNK or max(1, HEAD_CHUNK_BYTES // (12 * weight.shape[0]))
+    )  # q, dalpha/dz, dKL/dz: 3 fp32 (c, Vd) at once
     return _HeadOverlapLoss.apply(x, weight, ids, p, chunk, loss, eta)
 
 
@@ -256,7 +258,9 @@ def causal_lse(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tenso
                 s = s.masked_fill(~mask[:, :, None, a:b, :b], float("-inf"))
             lse[..., a:b] = torch.logsumexp(s, dim=-1)
         lse = lse.view(B, nh, T)
-    u = F.scaled_dot_product_attention(q.detach(), k.detach(), k, attn_mask=mask, is_causal=mask is None, enable_gqa=rep > 1)  # (B, nh, T, hd)
+    u = F.scaled_dot_product_attention(
+        q.detach(), k.detach(), k, attn_mask=mask, is_causal=mask is None, enable_gqa=rep > 1
+    )  # (B, nh, T, hd)
     surrogate = scale * (q * u).float().sum(-1)  # (B, nh, T)
     return lse + surrogate - surrogate.detach()
 
@@ -280,12 +284,18 @@ def _flash_forward(q, k, v, scale, docs: Documents | None = None):
         if q.is_cuda:
             B, nh, T, _ = q.shape
             cu, n = docs.cu_seqlens, docs.max_len
-            out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(_varlen(q), _varlen(k), _varlen(v), cu, cu, n, n, 0.0, True, False, scale=scale)
+            out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+                _varlen(q), _varlen(k), _varlen(v), cu, cu, n, n, 0.0, True, False, scale=scale
+            )
             if lse.shape != (nh, B * T):
-                raise RuntimeError(f"varlen flash returned a log-sum-exp of shape {tuple(lse.shape)}, not (heads, tokens) = {(nh, B * T)}; set eagle3ft.train.ttt.ATTENTION = 'lse'")
+                raise RuntimeError(
+                    f"varlen flash returned a log-sum-exp of shape {tuple(lse.shape)}, not (heads, tokens) = {(nh, B * T)}; set eagle3ft.train.ttt.ATTENTION = 'lse'"
+                )
             return _unvarlen(out, B), lse.view(nh, B, T).transpose(0, 1), (rng, unused)
         bias = torch.zeros(docs.mask().shape, dtype=q.dtype, device=q.device).masked_fill_(~docs.mask(), float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale
+        )
         return out, lse, (bias,)
     if q.is_cuda:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
@@ -301,13 +311,34 @@ def _flash_backward(g, q, k, v, out, lse, extra, scale, docs: Documents | None =
             B, nh, T, _ = q.shape
             cu, n = docs.cu_seqlens, docs.max_len
             lse = lse.transpose(0, 1).reshape(nh, B * T).contiguous()
-            grads = torch.ops.aten._flash_attention_backward(_varlen(g), _varlen(q), _varlen(k), _varlen(v), _varlen(out), lse, cu, cu, n, n, 0.0, True, *extra, scale=scale)
+            grads = torch.ops.aten._flash_attention_backward(
+                _varlen(g),
+                _varlen(q),
+                _varlen(k),
+                _varlen(v),
+                _varlen(out),
+                lse,
+                cu,
+                cu,
+                n,
+                n,
+                0.0,
+                True,
+                *extra,
+                scale=scale,
+            )
             return tuple(_unvarlen(x, B) for x in grads)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, False, attn_mask=extra[0], scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, False, attn_mask=extra[0], scale=scale
+        )
     if q.is_cuda:
         cq, ck, mq, mk, seed, offset = extra
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(g, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, True, scale=scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, out, lse, cq, ck, mq, mk, 0.0, True, seed, offset, scale=scale
+        )
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, out, lse, 0.0, True, scale=scale
+    )
 
 
 def _weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -373,7 +404,9 @@ def _heads(x: torch.Tensor, nh: int) -> torch.Tensor:
     return x.repeat_interleave(nh // x.shape[1], dim=1) if x.shape[1] != nh else x  # (B, nkv, T, hd) -> (B, nh, T, hd)
 
 
-def ttt_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], docs: Documents | None = None) -> torch.Tensor:
+def ttt_attention(
+    q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], docs: Documents | None = None
+) -> torch.Tensor:
     """Attention of q (B, nh, T, hd) over causal step-0 keys k0/v0 (B, nkv, T, hd) plus, for row t,
     the diagonal keys diag_k[j][:, :, t] (one per step 1..k). Returns (B, nh, T, hd).
     With docs (packed rows) the step-0 keys are those of row t's own document only."""
@@ -383,11 +416,15 @@ def ttt_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tens
     return lse_attention(q, k0, v0, diag_k, diag_v, docs)
 
 
-def lse_attention(q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], docs: Documents | None = None) -> torch.Tensor:
+def lse_attention(
+    q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], docs: Documents | None = None
+) -> torch.Tensor:
     """ttt_attention through causal SDPA, merged with the diagonal keys by causal_lse (the "lse" path)."""
     nh = q.shape[1]
     mask = docs.mask() if docs is not None else None  # (B, 1, T, T) or None: plain causal
-    causal = F.scaled_dot_product_attention(q, k0, v0, attn_mask=mask, is_causal=mask is None, enable_gqa=nh != k0.shape[1])  # (B, nh, T, hd)
+    causal = F.scaled_dot_product_attention(
+        q, k0, v0, attn_mask=mask, is_causal=mask is None, enable_gqa=nh != k0.shape[1]
+    )  # (B, nh, T, hd)
     if not diag_k:
         return causal
     scale = q.shape[-1] ** -0.5
@@ -416,9 +453,13 @@ def ttt_targets(model: Eagle3Drafter, batch: dict[str, torch.Tensor], target_hea
     target_argmax = batch["topk_ids"][..., 0].long()  # (B, T) the target's greedy next token, over token t+1
     if target_head is not None:
         with torch.no_grad():
-            p_all = torch.softmax((batch["last_hidden"].to(target_head.dtype) @ target_head.t()).float(), -1)  # (B, T, Vd)
+            p_all = torch.softmax(
+                (batch["last_hidden"].to(target_head.dtype) @ target_head.t()).float(), -1
+            )  # (B, T, Vd)
         return target_argmax, None, p_all, torch.ones_like(batch["loss_mask"].bool())
-    ids_all, p_all, has_mass = topk_to_draft(batch["topk_ids"], batch["topk_logprobs"], target_to_draft_map(model.d2t, model.config.vocab_size))
+    ids_all, p_all, has_mass = topk_to_draft(
+        batch["topk_ids"], batch["topk_logprobs"], target_to_draft_map(model.d2t, model.config.vocab_size)
+    )
     return target_argmax, ids_all, p_all, has_mass
 
 
@@ -448,7 +489,9 @@ def ttt_forward(
     target_argmax, ids_all, p_all, has_mass = ttt_targets(model, batch, target_head)
 
     # the valid rows of every step at once: one host sync per batch instead of several per step
-    valid = torch.stack([shift(loss_mask, 2 + k) & shift(has_mass, 1 + k) for k in range(steps)])  # (K, B, T) token t+2+k is trained on
+    valid = torch.stack(
+        [shift(loss_mask, 2 + k) & shift(has_mass, 1 + k) for k in range(steps)]
+    )  # (K, B, T) token t+2+k is trained on
     if docs is not None:  # ... and lies in row t's document
         valid &= torch.stack([docs.same(2 + k) for k in range(steps)])
     valid = valid.view(steps, B * T)
@@ -489,7 +532,9 @@ def ttt_forward(
             hit = model.draft_to_target(pred) == argmax_flat.index_select(0, ahead)  # (N,)
             match = torch.zeros_like(chain_ok).scatter_(0, r, hit)  # (B*T,)
             chain_valid = chain_ok & valid[k]
-            stats[:, k] = torch.stack([step_loss.detach(), match.sum(), n, (chain_valid & match).sum(), chain_valid.sum()]).float()
+            stats[:, k] = torch.stack(
+                [step_loss.detach(), match.sum(), n, (chain_valid & match).sum(), chain_valid.sum()]
+            ).float()
             chain_ok = chain_valid & match
         hidden = model.feedback(out)  # pre-norm out, or norm(out) with norm_output (EAGLE-3.1)
     return TTTOutput(loss, *stats)
@@ -498,7 +543,15 @@ def ttt_forward(
 class TTTObjective(torch.nn.Module):
     """The drafter plus its TTT loss as one module, so that a distributed engine runs `forward(batch)`."""
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, decay: float, target_head: torch.Tensor | None = None, loss: str = "ce", lk_eta: float = 3.0) -> None:
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        steps: int,
+        decay: float,
+        target_head: torch.Tensor | None = None,
+        loss: str = "ce",
+        lk_eta: float = 3.0,
+    ) -> None:
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"train.loss '{loss}' is not one of {', '.join(LOSSES)}")
@@ -507,4 +560,6 @@ class TTTObjective(torch.nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor], steps: int | None = None) -> TTTOutput:
         """The TTT unroll; `steps` overrides the training depth (held-out τ at the eval depth)."""
-        return ttt_forward(self.drafter, batch, steps or self.steps, self.decay, self.target_head, self.loss, self.lk_eta)
+        return ttt_forward(
+            self.drafter, batch, steps or self.steps, self.decay, self.target_head, self.loss, self.lk_eta
+        )

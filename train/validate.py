@@ -92,7 +92,9 @@ def heldout_tau(
             batch = features(batch)
         out = forward(heldout_view(batch))
         if out.chain_valid.shape[0] < depth:
-            raise ValueError(f"held-out τ at depth {depth} needs an unroll of at least {depth} steps, got {out.chain_valid.shape[0]}")
+            raise ValueError(
+                f"held-out τ at depth {depth} needs an unroll of at least {depth} steps, got {out.chain_valid.shape[0]}"
+            )
         counts[0] += out.chain_correct[:depth].double()
         counts[1] += out.chain_valid[:depth].double()
         counts[2, 0] += batch["loss_mask"].sum()
@@ -118,7 +120,14 @@ def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, d
     """card.json beside config.json: which export this is ("last" or "best"), its step and held-out τ."""
     card = {"which": which, "step": step, "heldout_depth": depth}
     if result is not None:
-        card.update({"heldout_step": result.step, "heldout_tau": result.heldout_tau, "heldout_cond_acc": result.heldout_cond_acc, "heldout_tokens": result.heldout_tokens})
+        card.update(
+            {
+                "heldout_step": result.step,
+                "heldout_tau": result.heldout_tau,
+                "heldout_cond_acc": result.heldout_cond_acc,
+                "heldout_tokens": result.heldout_tokens,
+            }
+        )
     (Path(folder) / CARD).write_text(json.dumps(card, indent=2) + "\n")
 
 
@@ -137,7 +146,9 @@ class HeldoutTracker:
         self.dist, self.depth, self.every = dist, cfg.eval.steps, tcfg.eval_every
         self.best_dir = Path(run_dir) / "export-best"
         ds, where, self.features = heldout
-        self.batches = heldout_batches(ds, tcfg.eval_samples, dist.rank, dist.world, tcfg.micro_batch_size, tcfg.max_len)
+        self.batches = heldout_batches(
+            ds, tcfg.eval_samples, dist.rank, dist.world, tcfg.micro_batch_size, tcfg.max_len
+        )
         self.enabled = bool(self.batches)
         card = read_card(self.best_dir) if resumed else None
         self.best_tau = card["heldout_tau"] if card and "heldout_tau" in card else -math.inf
@@ -153,7 +164,15 @@ class HeldoutTracker:
         return self.enabled and (step >= total or (self.every > 0 and step % self.every == 0))
 
     def evaluate(self, engine, step: int) -> HeldoutTau:
-        self.latest = heldout_tau(lambda b: engine(b, steps=self.depth), self.batches, self.depth, step, self.dist.reduce_sum, self.dist.device, self.features)
+        self.latest = heldout_tau(
+            lambda b: engine(b, steps=self.depth),
+            self.batches,
+            self.depth,
+            step,
+            self.dist.reduce_sum,
+            self.dist.device,
+            self.features,
+        )
         return self.latest
 
     def keep_if_best(self, engine, drafter_config, result: HeldoutTau) -> bool:
@@ -185,8 +204,8 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     """Held-out τ of an exported drafter (default eval.checkpoint) as training computes it, on one device;
     writes RUN/eval/heldout_tau.json. Its counts are eval/accept_len.py's greedy chain counts on greedy data."""
     from eagle3ft.config import resolve_path
-    from eagle3ft.drafter_spec import check_drafter_folder
     from eagle3ft.data.store import MANIFEST, FeatureStore
+    from eagle3ft.drafter_spec import check_drafter_folder
     from eagle3ft.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.checkpoint import load_drafter
     from eagle3ft.train.ttt import TTTObjective
@@ -200,10 +219,14 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     objective = TTTObjective(drafter, depth, tcfg.step_decay)
     ds = store.dataset("heldout")
     n = len(ds) if cfg.eval.max_samples is None else min(len(ds), cfg.eval.max_samples)
-    result = heldout_tau(objective, heldout_batches(ds, n, 0, 1, tcfg.micro_batch_size, tcfg.max_len), depth, device=device)
+    result = heldout_tau(
+        objective, heldout_batches(ds, n, 0, 1, tcfg.micro_batch_size, tcfg.max_len), depth, device=device
+    )
     out = Path(run_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "heldout_tau.json").write_text(json.dumps({**asdict(result), "depth": depth, "checkpoint": str(ckpt)}, indent=2) + "\n")
+    (out / "heldout_tau.json").write_text(
+        json.dumps({**asdict(result), "depth": depth, "checkpoint": str(ckpt)}, indent=2) + "\n"
+    )
     return result
 
 
@@ -216,7 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg, run_dir, args = parse_cli("", stage="heldout_tau", argv=argv, parser=ap)
     with cli_errors("validate", StoreError):
         r = run(cfg, run_dir, args.checkpoint)
-    print(f"held-out tau {r.heldout_tau:.4f} at depth {cfg.eval.steps} over {r.heldout_tokens} answer tokens; a_k {[round(a, 4) for a in r.heldout_cond_acc]}")
+    print(
+        f"held-out tau {r.heldout_tau:.4f} at depth {cfg.eval.steps} over {r.heldout_tokens} answer tokens; a_k {[round(a, 4) for a in r.heldout_cond_acc]}"
+    )
 
 
 if __name__ == "__main__":

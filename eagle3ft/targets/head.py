@@ -46,8 +46,13 @@ def topk_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, k: int) -> tup
 
 def use_kernel(logits: torch.Tensor, k: int) -> bool:
     groups = -(-logits.shape[-1] // BLOCK) * (BLOCK // GROUP)
-    return (logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float16) and logits.is_contiguous()
-            and k <= min(CANDIDATES, groups) and _kernels() is not None)
+    return (
+        logits.is_cuda
+        and logits.dtype in (torch.bfloat16, torch.float16)
+        and logits.is_contiguous()
+        and k <= min(CANDIDATES, groups)
+        and _kernels() is not None
+    )
 
 
 def _torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,7 +75,9 @@ def _fused(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, to
     values = torch.full((t, CANDIDATES), float("-inf"), dtype=torch.float32, device=dev)  # (t, C)
     cols = torch.zeros((t, CANDIDATES), dtype=torch.int32, device=dev)
     count = torch.zeros(t, dtype=torch.int32, device=dev)
-    candidates_kernel[(t, nblk)](logits, tau, values, cols, count, V, logits.stride(0), C=CANDIDATES, BLOCK=BLOCK, num_warps=8)
+    candidates_kernel[(t, nblk)](
+        logits, tau, values, cols, count, V, logits.stride(0), C=CANDIDATES, BLOCK=BLOCK, num_warps=8
+    )
     top = values.topk(k, dim=-1)  # (t, k) sorted descending
     lse = torch.logsumexp(stats[..., 0] + stats[..., 1].log(), dim=-1, keepdim=True)  # (t, 1)
     return cols.gather(-1, top.indices), top.values - lse, count > CANDIDATES

@@ -92,7 +92,14 @@ def pick_device(cfg: TargetConfig) -> torch.device:
 def pick_dtype(cfg: TargetConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if cfg.dtype not in names:
         raise ValueError(f"target.dtype {cfg.dtype!r}: expected auto or one of {', '.join(names)}")
     return names[cfg.dtype]
@@ -130,7 +137,9 @@ def load_target(cfg: TargetConfig):
     elif cfg.kind == "hf":
         folder, gguf = resolve_location(cfg.path, cfg.gguf_file)
         kwargs = {"gguf_file": gguf} if gguf else {}
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, trust_remote_code=cfg.trust_remote_code, **kwargs
+        )
     else:
         raise ValueError(f"target.kind {cfg.kind!r}: expected hf or tiny")
     return model.to(device=device, dtype=dtype).eval(), tokenizer
@@ -225,8 +234,8 @@ class HFTarget:
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for b, r in enumerate(requests):  # left padding
-            ids[b, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[b, width - len(r.prompt_ids):] = 1
+            ids[b, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[b, width - len(r.prompt_ids) :] = 1
         stop = sorted({s for r in requests for s in r.stop_ids})
         greedy = sampling.temperature <= 0
         gc = GenerationConfig(
@@ -240,7 +249,9 @@ class HFTarget:
         )
         if not greedy:
             torch.manual_seed(requests[0].seed)
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gc)
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gc
+        )
         out = out[:, width:].tolist()
         result = []
         for r, row in zip(requests, out):
@@ -296,10 +307,14 @@ class HFTarget:
                     pending.discard(j)
                 if not pending and "aux" not in host:
                     host["aux"] = copies.start(aux)
+
             return hook
 
         layers = self.model.model.layers
-        hooks = [layers[i].register_forward_hook(keep([j for j, k in enumerate(layer_ids) if k == i])) for i in sorted(set(layer_ids))]
+        hooks = [
+            layers[i].register_forward_hook(keep([j for j, k in enumerate(layer_ids) if k == i]))
+            for i in sorted(set(layer_ids))
+        ]
         try:
             out = self.model.model(input_ids=ids.to(self.device), attention_mask=mask, use_cache=False)
         finally:
@@ -315,4 +330,7 @@ class HFTarget:
         copies.wait()
         per_sample = [host[k].split(lens) for k in ("aux", "ids", "lps")]
         lasts = host["last"].split(lens) if "last" in host else [None] * len(seqs)
-        return [Features(aux_hidden=a, topk_ids=i, topk_logprobs=lp, last_hidden=h) for a, i, lp, h in zip(*per_sample, lasts)]
+        return [
+            Features(aux_hidden=a, topk_ids=i, topk_logprobs=lp, last_hidden=h)
+            for a, i, lp, h in zip(*per_sample, lasts)
+        ]

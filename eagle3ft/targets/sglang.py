@@ -114,7 +114,9 @@ class ServerInfo:
     @property
     def returns_aux(self) -> bool:
         """True when meta_info.hidden_states rows are the 3 aux layers, False when they are the last layer."""
-        return self.raw.get("speculative_algorithm") in ("EAGLE3",) or bool(self.raw.get("enable_return_aux_hidden_states"))
+        return self.raw.get("speculative_algorithm") in ("EAGLE3",) or bool(
+            self.raw.get("enable_return_aux_hidden_states")
+        )
 
     @property
     def avg_spec_accept_length(self) -> float | None:
@@ -291,7 +293,9 @@ class HTTPPolicy:
     @classmethod
     def of(cls, client_cfg) -> "HTTPPolicy":
         t = float(client_cfg.timeout_s)
-        return cls(timeout_s=t, connect_timeout_s=min(10.0, t), retries=client_cfg.retries, backoff_s=client_cfg.backoff_s)
+        return cls(
+            timeout_s=t, connect_timeout_s=min(10.0, t), retries=client_cfg.retries, backoff_s=client_cfg.backoff_s
+        )
 
 
 def _attempt(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: int | None, rows_hint: int):
@@ -300,7 +304,9 @@ def _attempt(url: str, path: str, payload: dict | None, policy: HTTPPolicy, widt
         if payload is None:
             resp = _session().get(url + path, timeout=(policy.connect_timeout_s, policy.timeout_s), stream=True)
         else:
-            resp = _session().post(url + path, json=payload, timeout=(policy.connect_timeout_s, policy.timeout_s), stream=True)
+            resp = _session().post(
+                url + path, json=payload, timeout=(policy.connect_timeout_s, policy.timeout_s), stream=True
+            )
     except requests.Timeout as e:
         raise RetryableError(f"timed out after {policy.timeout_s:.0f} s ({type(e).__name__})") from None
     except requests.ConnectionError as e:
@@ -322,7 +328,15 @@ def _attempt(url: str, path: str, payload: dict | None, policy: HTTPPolicy, widt
     return body, hidden, stream.bytes, time.monotonic() - t0
 
 
-def call(url: str, path: str, payload: dict | None, policy: HTTPPolicy, width: int | None = None, what: str = "", rows_hint: int = 64) -> tuple[Any, np.ndarray | None, dict]:
+def call(
+    url: str,
+    path: str,
+    payload: dict | None,
+    policy: HTTPPolicy,
+    width: int | None = None,
+    what: str = "",
+    rows_hint: int = 64,
+) -> tuple[Any, np.ndarray | None, dict]:
     """One HTTP exchange with retries. Returns (json body, hidden rows or None, stats).
 
     `width`: the hidden-state row width when the answer carries hidden states; `rows_hint`: the
@@ -365,7 +379,11 @@ def server_info(url: str, policy: HTTPPolicy | None = None) -> ServerInfo:
 
 
 def sampling_params(max_new_tokens: int, sampling: Sampling, stop_ids) -> dict:
-    sp = {"max_new_tokens": int(max_new_tokens), "temperature": float(sampling.temperature), "top_p": float(sampling.top_p)}
+    sp = {
+        "max_new_tokens": int(max_new_tokens),
+        "temperature": float(sampling.temperature),
+        "top_p": float(sampling.top_p),
+    }
     if stop_ids:
         sp["stop_token_ids"] = [int(i) for i in stop_ids]
     return sp
@@ -409,7 +427,9 @@ def target_identity(target_cfg, client_cfg) -> tuple[int, int, int]:
     path = resolve_path(target_cfg.path) if target_cfg.path else None
     cfg_file = path / "config.json" if path is not None else None
     if cfg_file is None or not cfg_file.is_file():
-        raise SGLangError(f"the target's identity is unknown here: set harvest.sglang.hidden_size, vocab_size and num_layers, or target.path to a folder with config.json (got {path})")
+        raise SGLangError(
+            f"the target's identity is unknown here: set harvest.sglang.hidden_size, vocab_size and num_layers, or target.path to a folder with config.json (got {path})"
+        )
     raw = json.loads(cfg_file.read_text())
     raw = raw.get("text_config", raw)
     return int(raw["hidden_size"]), int(raw["vocab_size"]), int(raw["num_hidden_layers"])
@@ -429,7 +449,9 @@ class SGLangTarget:
         if not client_cfg.urls:
             raise SGLangError("harvest.sglang.urls is empty")
         if client_cfg.capture not in ("auto", "one_request", "two_pass"):
-            raise SGLangError(f"harvest.sglang.capture must be auto, one_request or two_pass, not {client_cfg.capture!r}")
+            raise SGLangError(
+                f"harvest.sglang.capture must be auto, one_request or two_pass, not {client_cfg.capture!r}"
+            )
         self.info = TargetInfo(target_cfg.name, hidden, vocab, layers, tuple(ids))
         self.urls = [u.rstrip("/") for u in client_cfg.urls]
         self.concurrency = max(1, int(client_cfg.concurrency))
@@ -440,12 +462,21 @@ class SGLangTarget:
         self.servers = {u: self._check_server(u) for u in self.urls}
 
     def _check_server(self, url: str) -> ServerInfo:
-        si = server_info(url, HTTPPolicy(timeout_s=min(30.0, self.policy.timeout_s), retries=self.policy.retries, backoff_s=self.policy.backoff_s))
+        si = server_info(
+            url,
+            HTTPPolicy(
+                timeout_s=min(30.0, self.policy.timeout_s), retries=self.policy.retries, backoff_s=self.policy.backoff_s
+            ),
+        )
         if not si.raw.get("enable_return_hidden_states"):
             raise SGLangError(f"{url}: start the server with --enable-return-hidden-states")
         if not si.returns_aux:
             eagle3 = "--speculative-algorithm EAGLE3 --speculative-draft-model-path <a drafter with those ids> (serve.harvest_capture: eagle3)"
-            way = eagle3 if si.version < AUX_CAPTURE_MIN_VERSION else f"{eagle3}, or aux capture without a draft (serve.harvest_capture: aux_flag)"
+            way = (
+                eagle3
+                if si.version < AUX_CAPTURE_MIN_VERSION
+                else f"{eagle3}, or aux capture without a draft (serve.harvest_capture: aux_flag)"
+            )
             raise SGLangError(
                 f"{url}: a plain server returns the last layer only; harvest needs the aux layers {list(self.info.aux_layer_ids)}. "
                 f"SGLang {'.'.join(map(str, si.version))} can: {way}"
@@ -467,8 +498,12 @@ class SGLangTarget:
         width = None
         if capture:
             width = 3 * self.info.hidden_size
-            payload.update(return_hidden_states=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=int(sampling.topk))
-        body, hidden, st = call(url, "/generate", payload, self.policy, width=width, what=what, rows_hint=len(ids) + max_new)
+            payload.update(
+                return_hidden_states=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=int(sampling.topk)
+            )
+        body, hidden, st = call(
+            url, "/generate", payload, self.policy, width=width, what=what, rows_hint=len(ids) + max_new
+        )
         out = body.get("output_ids") if isinstance(body, dict) else None
         if out is None:
             raise SGLangError(f"{what} at {url}: answer has no output_ids: {str(body)[:300]}")
@@ -480,7 +515,9 @@ class SGLangTarget:
         """Rows for `total` tokens from a capture answer; a missing final row repeats the one before (see module doc)."""
         meta = body["meta_info"]
         if hidden is None:
-            raise SGLangError(f"{what}: answer has no meta_info.hidden_states (server started without --enable-return-hidden-states?)")
+            raise SGLangError(
+                f"{what}: answer has no meta_info.hidden_states (server started without --enable-return-hidden-states?)"
+            )
         rows = hidden.shape[0]
         if rows not in (total, total - 1):
             raise SGLangError(
@@ -508,11 +545,15 @@ class SGLangTarget:
         if r.max_new_tokens == 0 or self._strategy(url) == "two_pass":
             completion: list[int] = []
             if r.max_new_tokens > 0:
-                _, _, completion = self._generate(url, r.prompt_ids, r.max_new_tokens, sampling, r.stop_ids, False, what + " (generate)")
+                _, _, completion = self._generate(
+                    url, r.prompt_ids, r.max_new_tokens, sampling, r.stop_ids, False, what + " (generate)"
+                )
             seq = list(r.prompt_ids) + completion
             greedy = Sampling(temperature=0.0, top_p=1.0, topk=sampling.topk, last_hidden=sampling.last_hidden)
             body, hidden, _ = self._generate(url, seq, 1, greedy, (), True, what + " (capture)")
-            return Result(completion_ids=completion, features=self._features(body, hidden, len(seq), sampling.topk, what))
+            return Result(
+                completion_ids=completion, features=self._features(body, hidden, len(seq), sampling.topk, what)
+            )
         body, hidden, completion = self._generate(url, r.prompt_ids, r.max_new_tokens, sampling, r.stop_ids, True, what)
         total = len(r.prompt_ids) + len(completion)
         return Result(completion_ids=completion, features=self._features(body, hidden, total, sampling.topk, what))
@@ -522,7 +563,9 @@ class SGLangTarget:
     def process(self, requests_: list[Request], sampling: Sampling) -> list[Result]:
         """All requests concurrently: `concurrency` workers per server pull from one queue."""
         if sampling.last_hidden:
-            raise SGLangError("harvest.store_last_hidden with SGLang: a server returns either the last layer or the aux layers, not both")
+            raise SGLangError(
+                "harvest.store_last_hidden with SGLang: a server returns either the last layer or the aux layers, not both"
+            )
         todo: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(len(requests_)):
             todo.put(i)
@@ -543,7 +586,9 @@ class SGLangTarget:
                     stop.set()
                     return
 
-        threads = [threading.Thread(target=worker, args=(u,), daemon=True) for u in self.urls for _ in range(self.concurrency)]
+        threads = [
+            threading.Thread(target=worker, args=(u,), daemon=True) for u in self.urls for _ in range(self.concurrency)
+        ]
         for t in threads:
             t.start()
         for t in threads:

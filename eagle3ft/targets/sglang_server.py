@@ -69,7 +69,9 @@ def check_setting(s: BenchSetting) -> None:
     if s.steps < 1 or s.topk < 1 or s.num_draft_tokens < 2:
         raise LaunchError(f"speculative setting {s}: steps and topk >= 1, num_draft_tokens >= 2")
     if s.topk == 1 and s.num_draft_tokens > s.steps + 1:
-        raise LaunchError(f"speculative setting {s}: with topk 1, num_draft_tokens is at most steps + 1 = {s.steps + 1}")
+        raise LaunchError(
+            f"speculative setting {s}: with topk 1, num_draft_tokens is at most steps + 1 = {s.steps + 1}"
+        )
 
 
 def drafter_aux_ids(folder: str | Path, num_layers: int | None = None) -> list[int]:
@@ -95,7 +97,13 @@ def _speculative_args(drafter: str | Path, s: BenchSetting) -> list[str]:
     ]  # fmt: skip
 
 
-def build_command(cfg: Config, role: str, port: int | None = None, drafter: str | Path | None = None, setting: BenchSetting | None = None) -> ServerCommand:
+def build_command(
+    cfg: Config,
+    role: str,
+    port: int | None = None,
+    drafter: str | Path | None = None,
+    setting: BenchSetting | None = None,
+) -> ServerCommand:
     """The server's argv and extra environment for one role; raises LaunchError on a config that cannot serve it."""
     sv = cfg.serve
     if role not in ROLES:
@@ -103,7 +111,16 @@ def build_command(cfg: Config, role: str, port: int | None = None, drafter: str 
     if not sv.model_path:
         raise LaunchError("serve.model_path is not set (an HF folder SGLang can load)")
     port = sv.port if port is None else port
-    argv = [sv.python, *sv.launch_cmd, "--model-path", str(resolve_path(sv.model_path)), "--host", sv.host, "--port", str(port)]
+    argv = [
+        sv.python,
+        *sv.launch_cmd,
+        "--model-path",
+        str(resolve_path(sv.model_path)),
+        "--host",
+        sv.host,
+        "--port",
+        str(port),
+    ]
     argv += ["--tp-size", str(sv.tp), "--mem-fraction-static", str(sv.mem_fraction_static)]
     if sv.attention_backend:
         argv += ["--attention-backend", sv.attention_backend]
@@ -120,24 +137,32 @@ def build_command(cfg: Config, role: str, port: int | None = None, drafter: str 
         if sv.harvest_capture == "eagle3":
             draft = drafter or sv.harvest_draft or cfg.drafter.init
             if not draft:
-                raise LaunchError("harvest_capture eagle3 needs a draft model folder: serve.harvest_draft or drafter.init (SGLang reads the aux layer ids from its config.json)")
+                raise LaunchError(
+                    "harvest_capture eagle3 needs a draft model folder: serve.harvest_draft or drafter.init (SGLang reads the aux layer ids from its config.json)"
+                )
             draft = resolve_path(str(draft))
             want = DrafterSpec.from_json(resolve_path(cfg.drafter.config)).aux_layer_ids
             have = drafter_aux_ids(draft)
             if want is not None and list(want) != have:
-                raise LaunchError(f"harvest draft {draft} captures layers {have}, drafter.config {cfg.drafter.config} needs {list(want)}")
+                raise LaunchError(
+                    f"harvest draft {draft} captures layers {have}, drafter.config {cfg.drafter.config} needs {list(want)}"
+                )
             argv += _speculative_args(draft, sv.harvest_setting)
         elif sv.harvest_capture == "aux_flag":
             spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config))
             if spec.aux_layer_ids is None:
-                raise LaunchError(f"{cfg.drafter.config} names no eagle_aux_hidden_state_layer_ids to pass to {sv.aux_capture_args[-1]}")
+                raise LaunchError(
+                    f"{cfg.drafter.config} names no eagle_aux_hidden_state_layer_ids to pass to {sv.aux_capture_args[-1]}"
+                )
             argv += list(sv.aux_capture_args) + [str(i) for i in spec.aux_layer_ids]
         else:
             raise LaunchError(f"serve.harvest_capture {sv.harvest_capture!r}: eagle3 or aux_flag")
     elif role == "speculative":
         if drafter is None:
             raise LaunchError("role speculative needs the exported drafter folder")
-        argv += _speculative_args(resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else BenchSetting()))
+        argv += _speculative_args(
+            resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else BenchSetting())
+        )
     argv += list(sv.extra_args)
     host = "127.0.0.1" if sv.host in ("0.0.0.0", "::") else sv.host
     return ServerCommand(argv=argv, env=env, url=f"http://{host}:{port}", role=role)
@@ -163,7 +188,13 @@ def health(url: str, timeout_s: float = 5.0) -> bool:
 class SGLangServer:
     """One server process: start, wait for /health, stop (SIGTERM to its process group, then SIGKILL)."""
 
-    def __init__(self, command: ServerCommand, log_file: str | Path, startup_timeout_s: float = 1800.0, stop_grace_s: float = 30.0):
+    def __init__(
+        self,
+        command: ServerCommand,
+        log_file: str | Path,
+        startup_timeout_s: float = 1800.0,
+        stop_grace_s: float = 30.0,
+    ):
         self.command = command
         self.log_file = Path(log_file)
         self.startup_timeout_s = startup_timeout_s
@@ -182,7 +213,12 @@ class SGLangServer:
         log.write(f"$ {self.command.shell()}\n".encode())
         log.flush()
         self.proc = subprocess.Popen(
-            self.command.argv, env={**os.environ, **self.command.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+            self.command.argv,
+            env={**os.environ, **self.command.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
         return self
@@ -195,13 +231,17 @@ class SGLangServer:
             if cancelled():
                 raise LaunchError(f"{self.command.role} server start cancelled")
             if self.proc is not None and self.proc.poll() is not None:
-                raise LaunchError(f"{self.command.role} server exited with {self.proc.returncode} before answering /health; log {self.log_file}:\n{self.log_tail()}")
+                raise LaunchError(
+                    f"{self.command.role} server exited with {self.proc.returncode} before answering /health; log {self.log_file}:\n{self.log_tail()}"
+                )
             if health(self.url):
                 return self
             time.sleep(delay)
             delay = min(delay * 1.5, 5.0)
         self.stop()
-        raise LaunchError(f"{self.command.role} server at {self.url} not healthy after {self.startup_timeout_s:.0f} s; log {self.log_file}:\n{self.log_tail()}")
+        raise LaunchError(
+            f"{self.command.role} server at {self.url} not healthy after {self.startup_timeout_s:.0f} s; log {self.log_file}:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -238,11 +278,27 @@ class SGLangServer:
         self.stop()
 
 
-def server_for(cfg: Config, run_dir: str | Path, role: str, port: int | None = None, drafter=None, setting: BenchSetting | None = None) -> SGLangServer:
+def server_for(
+    cfg: Config,
+    run_dir: str | Path,
+    role: str,
+    port: int | None = None,
+    drafter=None,
+    setting: BenchSetting | None = None,
+) -> SGLangServer:
     cmd = build_command(cfg, role, port, drafter, setting)
     log_dir = resolve_path(cfg.serve.log_dir) if cfg.serve.log_dir else Path(run_dir) / "serve"
-    suffix = f"-{setting.steps}-{setting.topk}-{setting.num_draft_tokens}" if setting is not None and role == "speculative" else ""
-    return SGLangServer(cmd, log_dir / f"{role}{suffix}-{cmd.url.rsplit(':', 1)[-1]}.log", cfg.serve.startup_timeout_s, cfg.serve.stop_grace_s)
+    suffix = (
+        f"-{setting.steps}-{setting.topk}-{setting.num_draft_tokens}"
+        if setting is not None and role == "speculative"
+        else ""
+    )
+    return SGLangServer(
+        cmd,
+        log_dir / f"{role}{suffix}-{cmd.url.rsplit(':', 1)[-1]}.log",
+        cfg.serve.startup_timeout_s,
+        cfg.serve.stop_grace_s,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,10 +308,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafter", help="drafter folder (SGLang form): the export for speculative, the draft for harvest")
     ap.add_argument("--setting", help="steps/topk/num_draft_tokens for speculative (default bench.settings[0])")
     ap.add_argument("--print", action="store_true", help="print the command and exit")
-    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND: run it against the healthy server, then stop the server")
+    ap.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- COMMAND: run it against the healthy server, then stop the server"
+    )
     cfg, run_dir, args = parse_cli("", stage="serve", argv=argv, parser=ap)
     try:
-        server = server_for(cfg, run_dir, args.role, args.port, args.drafter, parse_setting(args.setting) if args.setting else None)
+        server = server_for(
+            cfg, run_dir, args.role, args.port, args.drafter, parse_setting(args.setting) if args.setting else None
+        )
     except (LaunchError, ValueError, FileNotFoundError) as e:
         ap.exit(2, f"{ap.prog}: {e}\n")
     if args.print:
@@ -286,7 +346,10 @@ def _serve(server: SGLangServer, args, stop: dict) -> tuple[int, int | None]:
     server.start()
     try:
         server.wait_healthy(lambda: stop["now"])
-        print(json.dumps({"role": args.role, "url": server.url, "pid": server.proc.pid, "log": str(server.log_file)}), flush=True)
+        print(
+            json.dumps({"role": args.role, "url": server.url, "pid": server.proc.pid, "log": str(server.log_file)}),
+            flush=True,
+        )
         if command:
             child = subprocess.Popen(command)
             while child.poll() is None and not stop["now"] and server.proc.poll() is None:
