@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 RUN     ?= runs/demo
 
-.PHONY: setup test test-fast test-gpu demo clean
+.PHONY: setup test test-fast test-gpu lint demo clean
 
 setup: $(STAMP)
 
