@@ -127,6 +127,37 @@ def shard_name(split: str, chunk: int) -> str:
     return f"{split}-{chunk:05d}.safetensors"
 
 
+def write_shard(
+    folder: Path,
+    manifest: dict,
+    split: str,
+    chunk: int,
+    tensors: dict,
+    n_samples: int,
+    schema_version: int = SCHEMA_VERSION,
+) -> dict:
+    """Write one chunk's shard atomically and enter it in the manifest (not yet saved); returns the split's counts."""
+    data = save(tensors, metadata={"schema_version": str(schema_version)})  # one key: the header is byte-stable
+    name = shard_name(split, chunk)
+    _write_atomic(folder / name, data)
+    n_tok = int(tensors["input_ids"].numel())
+    manifest["shards"].append(
+        {
+            "file": name,
+            "split": split,
+            "chunk": chunk,
+            "samples": n_samples,
+            "tokens": n_tok,
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+    )
+    c = manifest["counts"][split]
+    c["samples"] += n_samples
+    c["tokens"] += n_tok
+    c["loss_tokens"] += int(tensors["loss_mask"].sum())
+    return c
+
+
 class FeatureWriter:
     """Commits whole shards and keeps the manifest; reopening the same folder resumes.
 
@@ -199,24 +230,7 @@ class FeatureWriter:
         if samples:
             fp8 = m["aux_dtype"] == "fp8"
             tensors = pack(samples, m["has_last_hidden"], m["aux_dtype"], m["target"]["hidden_size"] if fp8 else None)
-            data = save(tensors, metadata={"schema_version": str(SCHEMA_VERSION)})  # one key: the header is byte-stable
-            name = shard_name(split, chunk)
-            _write_atomic(self.dir / name, data)
-            n_tok = int(tensors["input_ids"].numel())
-            m["shards"].append(
-                {
-                    "file": name,
-                    "split": split,
-                    "chunk": chunk,
-                    "samples": len(samples),
-                    "tokens": n_tok,
-                    "sha256": hashlib.sha256(data).hexdigest(),
-                }
-            )
-            c = m["counts"][split]
-            c["samples"] += len(samples)
-            c["tokens"] += n_tok
-            c["loss_tokens"] += int(tensors["loss_mask"].sum())
+            write_shard(self.dir, m, split, chunk, tensors, len(samples))
         for reason, n in skips.items():
             m["chunk_skips"][reason] = m["chunk_skips"].get(reason, 0) + n
         for group, kv in (counts or {}).items():

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save
 
-from eagle3ft.data.store import MANIFEST, SPLITS, ShardDataset, StoreError, _sha256, _write_atomic, shard_name
+from eagle3ft.data.store import MANIFEST, SPLITS, ShardDataset, StoreError, _sha256, _write_atomic, write_shard
 
 SCHEMA_VERSION = 1
 KIND = "tokens"
@@ -110,25 +109,7 @@ class TokenWriter:
         if chunk in m["chunks_done"][split]:
             raise StoreError(f"chunk {split}/{chunk} is already committed")
         if samples:
-            tensors = pack(samples)
-            data = save(tensors, metadata={"schema_version": str(SCHEMA_VERSION)})
-            name = shard_name(split, chunk)
-            _write_atomic(self.dir / name, data)
-            n_tok = int(tensors["input_ids"].numel())
-            m["shards"].append(
-                {
-                    "file": name,
-                    "split": split,
-                    "chunk": chunk,
-                    "samples": len(samples),
-                    "tokens": n_tok,
-                    "sha256": hashlib.sha256(data).hexdigest(),
-                }
-            )
-            c = m["counts"][split]
-            c["samples"] += len(samples)
-            c["tokens"] += n_tok
-            c["loss_tokens"] += int(tensors["loss_mask"].sum())
+            c = write_shard(self.dir, m, split, chunk, pack(samples), len(samples), SCHEMA_VERSION)
             c["turns"] += sum(s.turns for s in samples)
             c["unfinished_answers"] += sum(s.unfinished for s in samples)
         for reason, n in (skips or {}).items():

@@ -298,6 +298,7 @@ class SGLangDouble:
         self.faults: deque[str] = deque()  # consumed one per /generate: "500", "timeout", "close", "truncate"
         self.fault_sleep_s = 3.0
         self.requests = 0
+        self.die_after: int | None = None  # behave as killed once this many /generate requests were answered
         self.dead = False  # kill(): every later request, on any connection, is dropped
         self.busy = 0  # /generate calls in flight
         self.busy_lock = threading.Lock()
@@ -399,6 +400,9 @@ class SGLangDouble:
                     self._json(404, {"detail": "Not Found"})
 
             def do_POST(self):
+                with double.busy_lock:
+                    if double.die_after is not None and double.requests >= double.die_after:
+                        double.dead = True  # dies on the request after die_after, wherever the client is
                 if double.dead:  # a killed server: kept-alive connections drop too
                     self.close_connection = True
                     self.connection.shutdown(2)

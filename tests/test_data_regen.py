@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -143,20 +142,17 @@ def test_two_servers_share_the_work_and_give_the_same_store(reference, doubles, 
 
 def test_a_server_dying_mid_run_stops_with_its_name_and_a_rerun_completes_equal(reference, stopping_model, tmp_path):
     model, tok = stopping_model
+    one_at_a_time = ("harvest.sglang.concurrency=1",)  # the same calls in the same order on every run
+    with SGLangDouble(DoubleEngine(model, tok), version="0.5.17") as counting:
+        main(sglang_cfg([counting.url], *one_at_a_time), tmp_path / "count")
+        calls = counting.requests
     dying = SGLangDouble(DoubleEngine(model, tok), version="0.5.17").start()
-
-    def kill_after(n):
-        while dying.requests < n:
-            time.sleep(0.002)
-        dying.kill()
-
-    killer = threading.Thread(target=kill_after, args=(4,), daemon=True)
-    killer.start()
+    dying.die_after = calls - 1  # the server dies at the last call, after the chunks finished before it were committed
     with pytest.raises(RegenError, match=f"127.0.0.1:{dying.port}"):
-        main(sglang_cfg([dying.url]), tmp_path)
-    killer.join()
+        main(sglang_cfg([dying.url], *one_at_a_time), tmp_path)
+    dying.kill()
     partial = TokenStore(tmp_path / "tokens")
-    assert not partial.complete
+    assert not partial.complete and sum(len(v) for v in partial.manifest["chunks_done"].values()) > 0
     with SGLangDouble(DoubleEngine(model, tok), version="0.5.17") as fresh:
         summary = main(sglang_cfg([fresh.url]), tmp_path)
     assert summary["chunks_resumed"] == sum(len(v) for v in partial.manifest["chunks_done"].values())
