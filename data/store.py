@@ -127,6 +127,23 @@ def shard_name(split: str, chunk: int) -> str:
     return f"{split}-{chunk:05d}.safetensors"
 
 
+def open_manifest(
+    folder: Path, fresh: dict, keys: tuple[str, ...], store: str, holds: str, defaults: dict | None = None
+) -> dict:
+    """The manifest of a store being (re)opened for writing: `fresh` for a new folder, else the folder's own,
+    refused unless it agrees with `fresh` on `keys` (another harvest or run must go to a new run dir)."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return fresh
+    old = {**(defaults or {}), **read_json(path, f"{store}'s manifest")}
+    for k in keys:
+        if old.get(k) != fresh[k]:
+            raise StoreError(
+                f"{folder} holds {holds} with another {k} ({old.get(k)!r} != {fresh[k]!r}); use a new run dir"
+            )
+    return old
+
+
 def write_shard(
     folder: Path,
     manifest: dict,
@@ -193,18 +210,9 @@ class FeatureWriter:
             "token_counts": None,
             "complete": False,
         }
-        path = self.dir / MANIFEST
-        if path.exists():
-            old = read_json(path, "the feature store's manifest")
-            old.setdefault("aux_dtype", "bf16")  # stores written before the option
-            for k in ("schema_version", "target", "topk", "has_last_hidden", "aux_dtype", "fingerprint"):
-                if old.get(k) != fresh[k]:
-                    raise StoreError(
-                        f"{self.dir} holds a harvest with another {k} ({old.get(k)!r} != {fresh[k]!r}); use a new run dir"
-                    )
-            self.manifest = old
-        else:
-            self.manifest = fresh
+        keys = ("schema_version", "target", "topk", "has_last_hidden", "aux_dtype", "fingerprint")
+        before_aux_dtype = {"aux_dtype": "bf16"}  # stores written before the option
+        self.manifest = open_manifest(self.dir, fresh, keys, "the feature store", "a harvest", before_aux_dtype)
 
     def done(self, split: str) -> set[int]:
         return set(self.manifest["chunks_done"][split])

@@ -24,7 +24,16 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.data.store import MANIFEST, SPLITS, ShardDataset, StoreError, _sha256, _write_atomic, write_shard
+from eagle3ft.data.store import (
+    MANIFEST,
+    SPLITS,
+    ShardDataset,
+    StoreError,
+    _sha256,
+    _write_atomic,
+    open_manifest,
+    write_shard,
+)
 
 SCHEMA_VERSION = 1
 KIND = "tokens"
@@ -88,17 +97,9 @@ class TokenWriter:
             "skips": {},
             "complete": False,
         }
-        path = self.dir / MANIFEST
-        if path.exists():
-            old = json.loads(path.read_text())
-            for k in ("schema_version", "kind", "identity", "fingerprint"):
-                if old.get(k) != fresh[k]:
-                    raise StoreError(
-                        f"{self.dir} holds tokens with another {k} ({old.get(k)!r} != {fresh[k]!r}); use a new run dir"
-                    )
-            self.manifest = old
-        else:
-            self.manifest = fresh
+        self.manifest = open_manifest(
+            self.dir, fresh, ("schema_version", "kind", "identity", "fingerprint"), "the token store", "tokens"
+        )
 
     def done(self, split: str) -> set[int]:
         return set(self.manifest["chunks_done"][split])
