@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-from train_fixtures import write_store  # noqa: E402
+from train_fixtures import launch_cmd, write_store  # noqa: E402
 
 COMMON = [
     "train.warmup_steps=2",
@@ -38,27 +37,7 @@ COMMON = [
 
 
 def launch(acc: str, run: Path, procs: int, *overrides: str, resume: bool = False) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        acc,
-        "--num_processes",
-        str(procs),
-        "--main_process_port",
-        str(port),
-        "train/finetune.py",
-        "--config",
-        "configs/tiny.yaml",
-        "--run-dir",
-        str(run),
-    ]
-    for o in (*COMMON, *overrides):
-        cmd += ["--set", o]
+    cmd = launch_cmd(run, *COMMON, *overrides, procs=procs, accelerate_config=acc)
     r = subprocess.run(cmd + (["--resume", "auto"] if resume else []), cwd=REPO, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"failed: {' '.join(cmd)}\n{r.stderr[-4000:]}")

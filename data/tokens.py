@@ -34,6 +34,7 @@ from eagle3ft.data.store import (
     open_manifest,
     write_shard,
 )
+from eagle3ft.files import read_json
 
 SCHEMA_VERSION = 1
 KIND = "tokens"
@@ -136,9 +137,10 @@ class TokenStore:
         path = self.dir / MANIFEST
         if not path.is_file():
             raise StoreError(f"no token store at {self.dir} (missing {MANIFEST})")
-        self.manifest = json.loads(path.read_text())
-        if self.manifest.get("kind") != KIND:
-            raise StoreError(f"{path}: not a token store (kind {self.manifest.get('kind')!r})")
+        self.manifest = read_json(path, "the token store's manifest")
+        kind = self.manifest.get("kind") if isinstance(self.manifest, dict) else None
+        if kind != KIND:
+            raise StoreError(f"{path}: not a token store (kind {kind!r})")
         version = self.manifest.get("schema_version")
         if version != SCHEMA_VERSION:
             raise StoreError(f"{path}: schema_version {version} != {SCHEMA_VERSION} (this code)")

@@ -125,3 +125,11 @@ def test_sigkill_mid_write_loses_no_chunk_and_resume_equals_a_clean_run(tmp_path
     for split in ("train", "heldout"):
         assert [x["sample_id"] for x in a.dataset(split)] == [x["sample_id"] for x in b.dataset(split)]
         assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a.dataset(split), b.dataset(split)))
+
+
+def test_a_truncated_token_manifest_is_named(tmp_path):
+    from eagle3ft.files import DamagedFile
+
+    (tmp_path / "manifest.json").write_text('{"kind": "tok')
+    with pytest.raises(DamagedFile, match=r"manifest.json: the token store's manifest is not valid JSON"):
+        TokenStore(tmp_path)

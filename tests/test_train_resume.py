@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_fixtures import REPO, launch, write_store
+from train_fixtures import REPO, launch, launch_cmd, write_store
 
 from eagle3ft.runlock import LOCK_NAME
 from eagle3ft.train.checkpoint import FORMAT, CheckpointError, StateTensors, read_json, read_trainer_state
@@ -251,33 +251,6 @@ def test_a_planted_state_file_stops_the_resume_naming_it(straight, tmp_path):
 
 
 # --------------------------------------------------------------------------- run lock and launcher death
-
-
-def launch_cmd(run_dir: Path, *overrides: str, procs: int = 2) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(REPO / "configs/accelerate/cpu-2proc.yaml"),
-        "--num_processes",
-        str(procs),
-        "--main_process_port",
-        str(port),
-        str(REPO / "train/finetune.py"),
-        "--config",
-        str(REPO / "configs/tiny.yaml"),
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "train.wandb_mode=disabled",
-    ]
-    for o in overrides:
-        cmd += ["--set", o]
-    return cmd
 
 
 def ranks_of(run_dir: Path, launcher: int) -> list[int]:

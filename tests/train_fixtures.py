@@ -67,16 +67,14 @@ def write_store(
     return run_dir / "features"
 
 
-def launch(
+def launch_cmd(
     run_dir: Path,
     *overrides: str,
     procs: int = 2,
     config: str = "configs/tiny.yaml",
-    extra: tuple = (),
-    timeout: int = 600,
-) -> subprocess.CompletedProcess:
-    """`accelerate launch` train/finetune.py for real (procs CPU processes), wandb disabled."""
-    acc = REPO / "configs/accelerate/cpu-2proc.yaml"
+    accelerate_config: str | Path = "configs/accelerate/cpu-2proc.yaml",
+) -> list[str]:
+    """The `accelerate launch` train/finetune.py command line (procs processes on a free port), wandb disabled."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -85,7 +83,7 @@ def launch(
         "-m",
         "accelerate.commands.launch",
         "--config_file",
-        str(acc),
+        str(REPO / accelerate_config),
         "--num_processes",
         str(procs),
         "--main_process_port",
@@ -100,4 +98,17 @@ def launch(
     ]
     for o in overrides:
         cmd += ["--set", o]
+    return cmd
+
+
+def launch(
+    run_dir: Path,
+    *overrides: str,
+    procs: int = 2,
+    config: str = "configs/tiny.yaml",
+    extra: tuple = (),
+    timeout: int = 600,
+) -> subprocess.CompletedProcess:
+    """Run train/finetune.py for real under `accelerate launch` (procs CPU processes)."""
+    cmd = launch_cmd(run_dir, *overrides, procs=procs, config=config)
     return subprocess.run(cmd + list(extra), cwd=REPO, capture_output=True, text=True, timeout=timeout)
