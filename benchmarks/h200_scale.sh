@@ -11,9 +11,13 @@
 #               c/gguf.part-aa  d/{gguf.part-ab,chitchat.json.gz}
 # Env: C (/tmp/c), L (/tmp/L: results), S (/tmp/S: run folders), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PY;
 #      sizes: CHITCHAT (conversations, 2000), MAX_NEW (1024), MAX_TOTAL (4096), EPOCHS (2), PACK (32768), LR (2e-3),
-#      REGEN_S (regen time limit, 360), TRAIN_S (training time limit, 300), SETTING (requests in flight x prompts per request, 128x8), SERVER_CMD (a dry
-#      run on a CPU: tests/sglang_double.py), ACCEL (configs/accelerate/1gpu.yaml), EXTRA (more --set pairs),
+#      REGEN_S (regen time limit, 360), TRAIN_S (training time limit, 300), SETTING (requests in flight x prompts per
+#      request, 128x8), ATTN (attention backend per server, comma-separated, e.g. flashinfer,triton; a server that is
+#      not up in ATTN_WAIT_S (240) is restarted with triton), PAIR (the two drafters trained side by side: layout =
+#      EAGLE-3 vs EAGLE-3.1, loss = EAGLE-3.1 with ce vs LOSS2 (lk_hybrid)), EVAL_EVERY (100), SERVER_CMD (a dry run on
+#      a CPU: tests/sglang_double.py), ACCEL (configs/accelerate/1gpu.yaml), EXTRA (more --set pairs),
 #      LIMIT / MT_LIMIT / HE_LIMIT (ShareGPT / MT-Bench / HumanEval conversations), PYTHONPATH_OVERRIDE (a dry run: '').
+# `wait SECS tokens` also packs the regenerated token store into $OUT (tokens.tgz.part-*, 15 MiB each) once regen is done.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 C=${C:-/tmp/c}
@@ -37,30 +41,57 @@ GEN=(--set harvest.temperature=0.0 --set "harvest.max_new_tokens=${MAX_NEW:-1024
      --set harvest.max_prompt_tokens=2048 --set harvest.max_turns=1000 --set harvest.shard_samples=256 --set harvest.heldout_fraction=0.0)
 say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
+server_start() {  # server_start I BACKEND: a plain server on GPU I, port 30000+I
+  local i=$1
+  if [[ -n ${SERVER_CMD:-} ]]; then
+    $PY $SERVER_CMD --model-path "$MODEL" --port $((30000 + i)) --skip-tokenizer-init > "$L/server$i.log" 2>&1 &
+  else
+    CUDA_VISIBLE_DEVICES=$i PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" \
+      --host 127.0.0.1 --port $((30000 + i)) --attention-backend "$2" --sampling-backend pytorch --mem-fraction-static 0.85 \
+      --cuda-graph-max-bs 512 --max-running-requests 1024 --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
+      > "$L/server$i.log" 2>&1 &
+  fi
+  PIDS[i]=$!
+  echo "server $i: $2 (pid ${PIDS[i]})"
+}
 servers_up() {  # servers_up: one plain server per GPU, started at once (each on its own GPU), healthy within 10 min
-  local i n
+  local i n end fallback_at attn
   n=$($PY -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)
-  URLS=()
+  IFS=, read -r -a attn <<< "${ATTN:-triton}"
+  URLS=() PIDS=() BACKENDS=()
   for ((i = 0; i < n; i++)); do
     URLS+=("http://127.0.0.1:$((30000 + i))")
-    if [[ -n ${SERVER_CMD:-} ]]; then
-      $PY $SERVER_CMD --model-path "$MODEL" --port $((30000 + i)) --skip-tokenizer-init > "$L/server$i.log" 2>&1 &
-    else
-      CUDA_VISIBLE_DEVICES=$i PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" \
-        --host 127.0.0.1 --port $((30000 + i)) --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.85 \
-        --cuda-graph-max-bs 512 --max-running-requests 1024 --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
-        > "$L/server$i.log" 2>&1 &
-    fi
-    echo $! >> "$L/server.pids"
+    BACKENDS[i]=${attn[i]:-${attn[-1]}}
+    server_start "$i" "${BACKENDS[i]}"
   done
-  for u in "${URLS[@]}"; do
-    local end=$((SECONDS + 600))
-    until curl -sf "$u/health" > /dev/null; do
-      (( SECONDS < end )) || { echo "server $u did not come up"; tail -20 "$L"/server*.log; return 1; }
+  for ((i = 0; i < n; i++)); do
+    end=$((SECONDS + 600)) fallback_at=$((SECONDS + ${ATTN_WAIT_S:-240}))
+    until curl -sf "${URLS[i]}/health" > /dev/null; do
+      (( SECONDS < end )) || { echo "server ${URLS[i]} did not come up"; tail -20 "$L"/server*.log; return 1; }
+      if [[ ${BACKENDS[i]} != triton ]] && { ! kill -0 "${PIDS[i]}" 2> /dev/null || (( SECONDS > fallback_at )); }; then
+        echo "server $i (${BACKENDS[i]}) not up: restarting it with triton"; tail -5 "$L/server$i.log"
+        kill "${PIDS[i]}" 2> /dev/null; sleep 3; mv "$L/server$i.log" "$L/server$i-${BACKENDS[i]}-failed.log"
+        BACKENDS[i]=triton; server_start "$i" triton
+      fi
       sleep 2
     done
   done
-  echo "servers up: ${URLS[*]}"
+  printf '%s\n' "${PIDS[@]}" > "$L/server.pids"
+  echo "servers up: ${URLS[*]} (attention: ${BACKENDS[*]})"
+}
+gen_throughput() {  # the servers' own decode rates, from their logs: median and p90 of the 'gen throughput' lines
+  local f
+  for f in "$L"/server[0-9].log; do
+    [[ -f $f ]] || continue
+    $PY - "$f" << 'PYEOF'
+import re, statistics, sys
+v = [float(m) for m in re.findall(r"gen throughput \(token/s\): ([0-9.]+)", open(sys.argv[1]).read())]
+v = [x for x in v if x > 0]
+if v:
+    q = sorted(v)
+    print(f"{sys.argv[1]}: gen throughput median {statistics.median(v):,.0f} tok/s, p90 {q[int(0.9 * (len(q) - 1))]:,.0f}, {len(v)} lines")
+PYEOF
+  done
 }
 servers_down() { [[ -f $L/server.pids ]] && xargs -r kill < "$L/server.pids"; rm -f "$L/server.pids"; sleep 5; }
 regen_run() {  # regen_run RUN_DIR SOURCES: data/regen.py through the servers
@@ -90,10 +121,12 @@ regen() {
   regen_run "$S/main" "[{kind: sharegpt, path: $DATA/sharegpt-prompts.json${LIMIT:+, limit: $LIMIT}}, {kind: chitchat, path: $C/d/chitchat.json, limit: ${CHITCHAT:-2000}}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout${MT_LIMIT:+, limit: $MT_LIMIT}}]" \
     > "$L/regen-main.json" 2> "$L/regen-main.log"
   echo "exit $?"; tail -c 1200 "$L/regen-main.json"
+  gen_throughput | tee "$L/gen-throughput.txt"
   say "regen: HumanEval (held out)"
   regen_run "$S/humaneval" "[{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, split: heldout${HE_LIMIT:+, limit: $HE_LIMIT}}]" > "$L/regen-humaneval.json" 2> "$L/regen-humaneval.log"
   echo "exit $?"; tail -c 400 "$L/regen-humaneval.json"
   servers_down
+  touch "$L/.regen-done"
 }
 heldout() {  # offline features of each held-out set, captured from its regenerated tokens by the embedded target
   local name src
@@ -113,23 +146,34 @@ train_one() {  # train_one NAME GPU PORT [sets...]
   CUDA_VISIBLE_DEVICES=$gpu timeout -s INT "${TRAIN_S:-300}" accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" --main_process_port "$port" \
     train/finetune.py --config $CONFIG --run-dir "$S/$name" --resume auto "${BASE[@]}" \
     --set train.features=online --set "train.pack_tokens=${PACK:-32768}" --set train.max_len=4096 --set "train.epochs=${EPOCHS:-2}" \
-    --set "train.lr=${LR:-2e-3}" --set train.warmup_steps=50 --set train.save_every=200 --set train.eval_every=100 \
+    --set "train.lr=${LR:-2e-3}" --set train.warmup_steps=50 --set train.save_every=200 --set "train.eval_every=${EVAL_EVERY:-100}" \
     --set train.eval_samples=256 --set train.log_every=10 "$@" > "$L/train-$name.log" 2>&1
   echo "$name exit $?"
 }
+pair() {  # the two drafters of PAIR: "name gpu [sets...]" per line
+  local v31="--set drafter.fc_norm=true --set drafter.norm_output=true"
+  case ${PAIR:-layout} in
+    layout) printf '%s\n' "eagle3 0" "eagle31 1 $v31" ;;
+    loss) printf '%s\n' "eagle31 0 $v31" "eagle31-${LOSS2:-lk_hybrid} 1 $v31 --set train.loss=${LOSS2:-lk_hybrid}" ;;
+  esac
+}
+NAMES=$(pair | cut -d' ' -f1 | tr '\n' ' ')
 train() {
-  say "train: eagle3 (GPU 0) and eagle3.1 (GPU 1), online, packed, side by side"
-  train_one eagle3 0 29501 &
-  train_one eagle31 1 29502 --set drafter.fc_norm=true --set drafter.norm_output=true &
+  say "train: $NAMES(PAIR=${PAIR:-layout}), online, packed, side by side, one per GPU"
+  local name gpu sets
+  while read -r name gpu sets; do
+    # shellcheck disable=SC2086
+    train_one "$name" "$gpu" $((29501 + gpu)) $sets &
+  done < <(pair)
   wait
-  for n in eagle3 eagle31; do
+  for n in $NAMES; do
     cp "$S/$n/train/metrics.jsonl" "$L/metrics-$n.jsonl" 2>/dev/null
-    $PY -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], 'steps', r[-1]['step'], 'tok/s', round(sorted(x['tokens_per_s'] for x in r)[len(r)//2]), 'heldout', [(x['step'], round(x['heldout_tau'], 3)) for x in r if x.get('heldout_tau')])" "$L/metrics-$n.jsonl" $n
+    $PY -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], 'steps', r[-1]['step'], 'tok/s', round(sorted(x['tokens_per_s'] for x in r)[len(r)//2]), 'elapsed_s', round(r[-1].get('elapsed_s', 0)), 'first record at', round(r[0].get('elapsed_s', 0)), 'heldout (step, tau, s)', [(x['step'], round(x['heldout_tau'], 3), round(x.get('heldout_s', 0), 1)) for x in r if x.get('heldout_tau')])" "$L/metrics-$n.jsonl" $n
   done
 }
 evaluate() {  # offline tau (chain 1/1/2 .. 5/1/6) of each drafter's best export on each held-out set
   local n set
-  for n in eagle3 eagle31; do
+  for n in $NAMES; do
     for set in mtbench humaneval; do
       for ck in export-best export; do  # the best by held-out tau; the last only when there is no best
         [[ -d $S/$n/$ck ]] || continue
@@ -196,9 +240,17 @@ case ${1:-} in
     until ls "$L"/.done-*main* > /dev/null 2>&1 || (( SECONDS >= end )); do sleep 5; done
     tail -60 "$L/log"
     [[ -n ${OUT:-} ]] || exit 0
-    tar -czf "$OUT/L.tgz" --exclude='*.pids' --exclude='server*.log' -C "$(dirname "$L")" "$(basename "$L")"
-    for n in eagle3 eagle31; do  # the trained drafters come back too (bf16, ~20 MB each)
-      [[ -d $S/$n/export-best ]] && tar -czf "$OUT/$n-export-best.tgz" -C "$S/$n" export-best
-    done ;;
+    tar -czf "$OUT/L.tgz" --exclude='*.pids' -C "$(dirname "$L")" "$(basename "$L")"
+    if [[ ${3:-} == tokens ]]; then  # the token store, for a later lease to carry instead of regenerating
+      if [[ -f $L/.regen-done && ! -f $L/.tokens-sent ]]; then
+        tar -czf - -C "$S" main/tokens humaneval/tokens | split -b 15m - "$OUT/tokens.tgz.part-" && touch "$L/.tokens-sent"
+        ls -la "$OUT"
+      fi
+      exit 0
+    fi
+    for n in $NAMES; do  # the best drafters come back too (bf16, ~20 MB each: in 15 MiB pieces, 16 MiB is the limit)
+      [[ -d $S/$n/export-best ]] && tar -czf - -C "$S/$n" export-best | split -b 15m - "$OUT/$n-export-best.tgz.part-"
+    done
+    ls -la "$OUT" ;;
   *) echo "usage: $0 stash DIR... | setup | start PHASE... | wait SECS" >&2; exit 2 ;;
 esac

@@ -15,7 +15,7 @@ import torch
 from eagle3ft.config import REPO_ROOT, SourceConfig, load_config
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import collect, merge_split_parts
-from eagle3ft.data.regen import RegenError, cli, main
+from eagle3ft.data.regen import RegenError, cli, longest_first, main
 from eagle3ft.data.tokens import TokenStore
 from eagle3ft.targets.hf import load_target
 
@@ -294,3 +294,18 @@ def test_sglang_answers_are_read_robustly():
     assert (len(a.ids), a.finished) == (8, False)
     with pytest.raises(RegenError, match="aborted"):
         ans([7], 1, {"type": "abort", "message": "out of memory"})
+
+
+def test_longest_first_puts_multi_turn_conversations_first_and_keeps_ties_in_order():
+    from eagle3ft.data.prompts import Conversation
+
+    def conv(key, users):
+        msgs = [
+            m
+            for i in range(users)
+            for m in ({"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "."})
+        ]
+        return Conversation(msgs, "x", key, "train")
+
+    order = [c.key for c in longest_first([conv("a", 1), conv("b", 3), conv("c", 1), conv("d", 2), conv("e", 3)])]
+    assert order == ["b", "e", "d", "a", "c"]

@@ -196,6 +196,7 @@ class Run:
     batch_in_epoch: int = 0  # micro-batches of this epoch this process has consumed
     start_step: int = 0  # the step this process started (or resumed) at
     last: dict = field(default_factory=dict)  # the last metrics record
+    started: float = field(default_factory=time.perf_counter)  # when setup began (the records' elapsed_s)
 
     @property
     def metrics_file(self) -> Path:
@@ -257,6 +258,7 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     """Data, drafter, processes, optimizer; the resumed position; the logs. Every check runs before any compute."""
     from eagle3ft.train.dist import Dist
 
+    started = time.perf_counter()
     tcfg = cfg.train
     # 1. data and drafter (checked against the features' identity)
     data = TrainData(cfg, run_dir)
@@ -284,7 +286,7 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg, total))
     engine, optimizer, scheduler = dist.prepare(objective, optimizer, scheduler)
-    run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock)
+    run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock, started=started)
 
     # 4. resume: weights, optimizer, RNG, data position; held-out τ
     resumed = resume(run)
@@ -375,7 +377,9 @@ def fit(run: Run) -> None:
             if run.step % tcfg.log_every == 0 or run.step == run.total or eval_now:
                 run.last = metrics_record(run, meter, lr, samples)
                 if eval_now:
+                    t_eval = time.perf_counter()
                     run.last.update(run.heldout.run(engine, run.model.config, run.step))
+                    run.last["heldout_s"] = time.perf_counter() - t_eval
                 if dist.is_main:
                     log_record(run, bar)
                 meter.reset()
@@ -420,6 +424,7 @@ def metrics_record(run: Run, meter: Meter, lr: float, samples: list) -> dict:
         "tokens_per_s": n_tok / dt,
         "s_per_step": dt / tcfg.log_every,
         "max_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None,
+        "elapsed_s": time.perf_counter() - run.started,  # since setup began: start-up, held-out τ and saves included
     }
 
 
