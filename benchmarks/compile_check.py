@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.train import ttt
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = {  # drafter config, default sequence length, batch
@@ -93,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- drafter and batch
 
 
-def build_drafter(cfg: Eagle3Config, device: torch.device, seed: int) -> Eagle3Drafter:
+def build_drafter(cfg: DrafterConfig, device: torch.device, seed: int) -> Eagle3Drafter:
     """The drafter in float32 with its default init, norm weights spread over [0.5, 1.5] and a random draft vocab."""
     torch.manual_seed(seed)
     with torch.device(device):
@@ -242,7 +243,7 @@ def main(argv=None) -> dict:
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    cfg = Eagle3Config.from_json(a.drafter)
+    cfg = DrafterConfig.from_json(a.drafter)
     print(
         f"# {a.dims}: {a.drafter}; H {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x {cfg.head_dim}, "
         f"ffn {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}; B {a.batch} x T {a.seq}, TTT {a.ttt}; {a.dtype} on {dev}, "

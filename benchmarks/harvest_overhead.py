@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.config import load_config, resolve_path
-from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.targets.base import Sampling
 from eagle3ft.targets.hf import HFTarget, load_target
 
@@ -185,7 +185,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = load_config(args.config, args.overrides)
-    spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config))
+    spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config))
     model, tok = load_target(cfg.target)
     target = HFTarget(cfg.target, spec.aux_layer_ids, model=model, tokenizer=tok)
     device = target.device

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from eagle3ft.config import resolve_path
 from eagle3ft.data.store import SPLITS, FeatureWriter, Sample
-from eagle3ft.train.model import Eagle3Config
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.vocab import build_vocab, save_vocab
 
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
 
     run = Path(a.run_dir)
-    dcfg = Eagle3Config.from_json(resolve_path(a.drafter))
+    dcfg = DrafterConfig.from_json(resolve_path(a.drafter))
     V, Ht, Vd = dcfg.vocab_size, dcfg.target_hidden_size, dcfg.draft_vocab_size
     g = torch.Generator().manual_seed(a.seed)
 

@@ -90,14 +90,15 @@ def main() -> None:
     a = parse()
     sys.path.insert(0, str(REPO))
     from eagle3ft.data.store import collate
+    from eagle3ft.drafter_config import DrafterConfig
     from eagle3ft.train.data import collate_packed, epoch_order, pack_bins
-    from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+    from eagle3ft.train.model import Eagle3Drafter
     from eagle3ft.train.ttt import ttt_forward
 
     dev = torch.device(a.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(a.seed)
-    model = Eagle3Drafter(Eagle3Config.from_json(REPO / a.drafter))
+    model = Eagle3Drafter(DrafterConfig.from_json(REPO / a.drafter))
     with torch.no_grad():
         model.embed_tokens.weight.normal_()
         vd, V = model.config.draft_vocab_size, model.config.vocab_size

@@ -180,8 +180,9 @@ def double_facts(kind: str, hidden_size_check: int) -> dict:
     from sglang_double import DoubleEngine, SGLangDouble
 
     from eagle3ft.config import REPO_ROOT, load_config
+    from eagle3ft.drafter_config import DrafterConfig
     from eagle3ft.targets.hf import load_target
-    from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+    from eagle3ft.train.model import Eagle3Drafter
 
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
     model, tok = load_target(cfg.target)
@@ -189,7 +190,7 @@ def double_facts(kind: str, hidden_size_check: int) -> dict:
         raise SystemExit(f"--hidden-size {hidden_size_check}: the tiny target's is {model.config.hidden_size}")
     if kind == "eagle3":
         torch.manual_seed(0)
-        d = Eagle3Drafter(Eagle3Config.from_json(REPO_ROOT / cfg.drafter.config))
+        d = Eagle3Drafter(DrafterConfig.from_json(REPO_ROOT / cfg.drafter.config))
         d.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
         engine, version = DoubleEngine(model, tok, drafter=d.eval()), "0.5.17"
     elif kind == "aux":

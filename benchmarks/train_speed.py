@@ -364,7 +364,8 @@ class BF16AdamW:
 
 
 def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
-    from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+    from eagle3ft.drafter_config import DrafterConfig
+    from eagle3ft.train.model import Eagle3Drafter
 
     known = {"topk", "hidden", "compile", "tf32", "baseline"}
     kv = dict(o.split("=", 1) for o in opts if "=" in o)
@@ -382,7 +383,7 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
     else:
         from eagle3ft.train import ttt
     form = "hidden" if "hidden" in flags else "topk"
-    cfg = Eagle3Config(
+    cfg = DrafterConfig(
         hidden_size=a.hidden,
         target_hidden_size=a.target_hidden,
         num_attention_heads=a.heads,

@@ -33,7 +33,7 @@ from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
-from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.runlock import holding
 from eagle3ft.targets import open_target
 from eagle3ft.targets.base import Request, Sampling, Target
@@ -265,7 +265,7 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
     h = cfg.harvest
     run_dir = Path(run_dir)
     check_harvest_config(h)
-    spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
+    spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
     for src in h.sources:
         check_source(src)
     frozen = vocab_from_drafter(resolve_path(cfg.drafter.init)) if cfg.drafter.init else None

@@ -406,7 +406,7 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     """Load the exported drafter and the held-out features of `run_dir`, evaluate, write eval/accept_len.json."""
     from eagle3ft.config import resolve_path
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter_spec import check_drafter_folder
+    from eagle3ft.drafter_config import check_drafter_folder
     from eagle3ft.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.checkpoint import load_drafter
 

@@ -141,9 +141,9 @@ def base_environment(device: torch.device | str | None = None) -> dict:
 
 def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
     """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
-    else the folder alone (readable weights, consistent d2t/t2d); returns its DrafterSpec. Before any compute."""
+    else the folder alone (readable weights, consistent d2t/t2d); returns its DrafterConfig. Before any compute."""
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter_spec import DrafterSpec, check_drafter_folder
+    from eagle3ft.drafter_config import DrafterConfig, check_drafter_folder
     from eagle3ft.vocab import check_vocab, vocab_from_drafter
 
     manifest = Path(run_dir) / "features" / MANIFEST
@@ -151,7 +151,7 @@ def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
         return check_drafter_folder(folder, FeatureStore(manifest.parent, verify=False).target, where, str(manifest))
     if not (Path(folder) / "config.json").is_file():
         raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
-    spec = DrafterSpec.from_json(Path(folder) / "config.json")
+    spec = DrafterConfig.from_json(Path(folder) / "config.json")
     check_vocab(
         *vocab_from_drafter(folder), spec.vocab_size, spec.draft_vocab_size, f"{where} {folder}: draft vocabulary"
     )

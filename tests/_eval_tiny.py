@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.eval.speculate import aux_from_hidden_states, greedy_decode
-from eagle3ft.train.model import DraftCache, Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import DraftCache, Eagle3Drafter
 
 VOCAB, DRAFT_VOCAB, AUX = 320, 160, [0, 1, 2]
 
@@ -64,7 +65,7 @@ def greedy_items(target, ps: list[list[int]], new_tokens: int) -> list[dict]:
 def fitted_drafter(target, items: list[dict], steps: int = 200, seed: int = 0) -> Eagle3Drafter:
     """A drafter whose draft vocab is the items' most frequent tokens, fitted on depth 1 (and 2)."""
     torch.manual_seed(seed)
-    cfg = Eagle3Config(
+    cfg = DrafterConfig(
         hidden_size=64,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train.model import Eagle3Drafter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,7 +45,7 @@ def test_bf16_compiled_step_is_as_close_to_fp64_as_eager(tmp_path):
     )
     assert json.loads(out.read_text())["verdict"] == report["verdict"]
     rows = {r["tensor"]: r for r in report["rows"]}
-    drafter = Eagle3Drafter(Eagle3Config.from_json(REPO / "configs/drafters/tiny.json"))
+    drafter = Eagle3Drafter(DrafterConfig.from_json(REPO / "configs/drafters/tiny.json"))
     assert {f"grad.{n}" for n, p in drafter.named_parameters() if p.requires_grad} == {
         n for n in rows if n.startswith("grad.")
     }

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle3ft.config import load_config
-from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.targets.base import Request, Sampling, Target
 from eagle3ft.targets.hf import HFTarget, load_input_embedding, load_output_head, load_target
 
@@ -103,8 +103,8 @@ def test_tiny_target_is_seeded_and_weights_load(cfg, tiny):
     assert torch.equal(emb, model.model.embed_tokens.weight) and torch.equal(head, model.lm_head.weight)
 
 
-def test_drafter_spec_disagreements_are_named(cfg):
-    spec = DrafterSpec.from_json(REPO / "configs" / "drafters" / "tiny.json")
+def test_drafter_config_disagreements_are_named(cfg):
+    spec = DrafterConfig.from_json(REPO / "configs" / "drafters" / "tiny.json")
     assert spec.check_target(64, 49152, 4) == [0, 1, 2]
     with pytest.raises(ValueError, match="hidden_size 64.*96|64 != target hidden_size 96"):
         spec.check_target(96, 49152, 4)
@@ -112,7 +112,7 @@ def test_drafter_spec_disagreements_are_named(cfg):
         spec.check_target(64, 32000, 4)
     with pytest.raises(ValueError, match=r"\[2\] outside"):
         spec.check_target(64, 49152, 2)
-    smol = DrafterSpec.from_json(REPO / "configs" / "drafters" / "smollm2-135m.json")
+    smol = DrafterConfig.from_json(REPO / "configs" / "drafters" / "smollm2-135m.json")
     assert smol.aux_layer_ids == [1, 14, 26] and smol.draft_vocab_size == 8192
 
 

@@ -6,17 +6,18 @@ import pytest
 import torch
 
 from eagle3ft.config import load_config
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.eval import bench, harness, report
 from eagle3ft.eval.economics import Setting
 from eagle3ft.train.checkpoint import export_drafter
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("bench")
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(Eagle3Config.from_json("configs/drafters/tiny.json"))
+    drafter = Eagle3Drafter(DrafterConfig.from_json("configs/drafters/tiny.json"))
     drafter.t2d[: drafter.config.draft_vocab_size] = (
         True  # d2t 0: draft id i is target id i (the bench checks the vocab)
     )

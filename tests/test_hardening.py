@@ -15,9 +15,9 @@ from test_train_checkpoint import write_k2_like
 from train_fixtures import REPO, TINY_TARGET, write_store
 
 from eagle3ft.config import load_config
-from eagle3ft.drafter_spec import DrafterMismatch, DrafterSpec, check_drafter
+from eagle3ft.drafter_config import DrafterConfig, DrafterMismatch, check_drafter
 from eagle3ft.train.checkpoint import export_drafter
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
 TINY = REPO / "configs/tiny.yaml"
@@ -37,7 +37,7 @@ def no_compute(monkeypatch):
 
 def export(run: Path, **over) -> Path:
     """run/export: a drafter of configs/drafters/tiny.json (with `over`) carrying the run's vocabulary."""
-    cfg = Eagle3Config.from_dict({**TINY_DRAFTER, **over})
+    cfg = DrafterConfig.from_dict({**TINY_DRAFTER, **over})
     torch.manual_seed(0)
     m = Eagle3Drafter(cfg)
     d2t, t2d = load_vocab(run / "vocab.safetensors")
@@ -54,9 +54,9 @@ def run(tmp_path):
 
 
 def test_one_check_for_targets_and_features():
-    spec = DrafterSpec.from_json(REPO / "configs/drafters/tiny.json")
+    spec = DrafterConfig.from_json(REPO / "configs/drafters/tiny.json")
     assert check_drafter(spec, TINY_TARGET, "w", "m.json") == [0, 1, 2]
-    cfg = Eagle3Config.from_dict({**TINY_DRAFTER, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}})
+    cfg = DrafterConfig.from_dict({**TINY_DRAFTER, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}})
     with pytest.raises(
         DrafterMismatch,
         match=r"^w: drafter aux layer ids \[0, 1, 3\] != features' aux layer ids \[0, 1, 2\] \(m\.json\)$",
@@ -68,11 +68,11 @@ def test_one_check_for_targets_and_features():
         3,
     ]  # a live target has no ids of its own
     with pytest.raises(DrafterMismatch, match=r"drafter target_hidden_size 96 != features' target hidden_size 64"):
-        check_drafter(Eagle3Config.from_dict({**TINY_DRAFTER, "target_hidden_size": 96}), TINY_TARGET, "w", "m.json")
+        check_drafter(DrafterConfig.from_dict({**TINY_DRAFTER, "target_hidden_size": 96}), TINY_TARGET, "w", "m.json")
     with pytest.raises(
         DrafterMismatch, match=r"drafter draft_vocab_size 60000 not in \(0, features' target vocab_size 49152\]"
     ):
-        check_drafter(Eagle3Config.from_dict({**TINY_DRAFTER, "draft_vocab_size": 60000}), TINY_TARGET, "w", "m.json")
+        check_drafter(DrafterConfig.from_dict({**TINY_DRAFTER, "draft_vocab_size": 60000}), TINY_TARGET, "w", "m.json")
     d2t, t2d = build_vocab(torch.arange(49152), 512)
     check_drafter(spec, TINY_TARGET, "w", "m.json", d2t, t2d)
     d2t[-1] += 10**6

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from eagle3ft.config import REPO_ROOT, load_config
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.eval import harness
 from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
 from eagle3ft.eval.economics import Setting
@@ -18,7 +19,7 @@ from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang import SGLangError
 from eagle3ft.train.checkpoint import export_drafter
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
@@ -38,7 +39,7 @@ def tiny():
     model, tok = load_target(cfg.target)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        d = Eagle3Drafter(Eagle3Config.from_json(REPO_ROOT / cfg.drafter.config))
+        d = Eagle3Drafter(DrafterConfig.from_json(REPO_ROOT / cfg.drafter.config))
     with torch.no_grad():
         d.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
         common = torch.arange(d.config.draft_vocab_size)  # draft id i -> target id i: the tokenizer's first ids

@@ -13,12 +13,12 @@ import requests
 import torch
 
 from eagle3ft.config import REPO_ROOT, SGLangClientConfig, load_config
-from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.targets import sglang as sglang_client
 from eagle3ft.targets.base import Request, Sampling
 from eagle3ft.targets.hf import HFTarget, load_target
 from eagle3ft.targets.sglang import HiddenStream, RetryableError, SGLangError, SGLangTarget, server_info, topk_arrays
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
@@ -32,7 +32,7 @@ def tiny():
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
     model, tok = load_target(cfg.target)
     c = model.config
-    ids = DrafterSpec.from_json(REPO_ROOT / cfg.drafter.config).check_target(
+    ids = DrafterConfig.from_json(REPO_ROOT / cfg.drafter.config).check_target(
         c.hidden_size, c.vocab_size, c.num_hidden_layers
     )
     return cfg, model, tok, ids
@@ -50,7 +50,7 @@ def drafter(tiny):
     cfg, model, _, _ = tiny
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        d = Eagle3Drafter(Eagle3Config.from_json(REPO_ROOT / cfg.drafter.config))
+        d = Eagle3Drafter(DrafterConfig.from_json(REPO_ROOT / cfg.drafter.config))
     with torch.no_grad():
         d.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
     return d.eval()
@@ -59,7 +59,7 @@ def drafter(tiny):
 def make_target(tiny, urls: list[str], **client) -> SGLangTarget:
     cfg, _, _, _ = tiny
     return SGLangTarget(
-        cfg.target, SGLangClientConfig(urls=urls, **client), DrafterSpec.from_json(REPO_ROOT / cfg.drafter.config)
+        cfg.target, SGLangClientConfig(urls=urls, **client), DrafterConfig.from_json(REPO_ROOT / cfg.drafter.config)
     )
 
 

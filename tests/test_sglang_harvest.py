@@ -12,9 +12,10 @@ import torch
 from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import HarvestRefused, run_harvest
 from eagle3ft.data.store import SPLITS, FeatureStore
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang import SGLangError
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
@@ -49,7 +50,7 @@ def tiny_drafter(model):
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        d = Eagle3Drafter(Eagle3Config.from_json(REPO_ROOT / cfg.drafter.config))
+        d = Eagle3Drafter(DrafterConfig.from_json(REPO_ROOT / cfg.drafter.config))
     with torch.no_grad():
         d.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
     return d.eval()

@@ -12,7 +12,7 @@ import yaml
 
 from eagle3ft.config import REPO_ROOT, BenchSetting, load_config, to_dict
 from eagle3ft.data.chat import TEMPLATES
-from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.targets.sglang import target_identity
 from eagle3ft.targets.sglang_server import LaunchError, build_command, health, main, parse_setting, server_for
 
@@ -37,7 +37,7 @@ def kimi_draft(tmp_path: Path, ids=None) -> Path:
 
 def test_kimi_flagship_validates_without_a_gpu(tmp_path):
     cfg = load_config(KIMI)
-    spec = DrafterSpec.from_json(REPO_ROOT / cfg.drafter.config)
+    spec = DrafterConfig.from_json(REPO_ROOT / cfg.drafter.config)
     hidden, vocab, layers = target_identity(cfg.target, cfg.harvest.sglang)
     assert (hidden, vocab, layers) == (7168, 163840, 61)
     assert spec.check_target(hidden, vocab, layers) == [2, 30, 58]

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from train_fixtures import REPO, TINY_TARGET
 
 from eagle3ft.config import load_config
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.train.checkpoint import (
     atomic_dir,
     checkpoints,
@@ -20,7 +21,7 @@ from eagle3ft.train.checkpoint import (
     sglang_target,
 )
 from eagle3ft.train.loop import build_drafter
-from eagle3ft.train.model import DraftCache, Eagle3Config, Eagle3Drafter, export_keys
+from eagle3ft.train.model import DraftCache, Eagle3Drafter, export_keys
 
 
 def k2_like_config(**over) -> dict:
@@ -67,7 +68,7 @@ def write_k2_like(folder: Path, seed: int = 0, **over) -> dict[str, torch.Tensor
     raw = k2_like_config(**over)
     (folder / "config.json").write_text(json.dumps(raw))
     torch.manual_seed(seed)
-    m = Eagle3Drafter(Eagle3Config.from_dict(raw))
+    m = Eagle3Drafter(DrafterConfig.from_dict(raw))
     chosen = torch.randperm(raw["vocab_size"])[: raw["draft_vocab_size"]].sort().values
     with torch.no_grad():
         m.d2t.copy_(chosen - torch.arange(raw["draft_vocab_size"]))
@@ -105,7 +106,7 @@ def test_export_then_load_round_trips_every_key(tmp_path):
 
 
 def test_export_refuses_a_key_set_sglang_would_not_load():
-    sd = Eagle3Drafter(Eagle3Config.from_dict(k2_like_config())).state_dict()
+    sd = Eagle3Drafter(DrafterConfig.from_dict(k2_like_config())).state_dict()
     with pytest.raises(ValueError, match=r"skipped silently: \['midlayer.mlp.fc1.weight'\]"):
         drafter_tensors({**sd, "midlayer.mlp.fc1.weight": torch.zeros(1)})
     no_k = {k: v for k, v in sd.items() if k != "midlayer.self_attn.k_proj.weight"}

@@ -5,8 +5,9 @@ import json
 import torch
 from train_fixtures import REPO
 
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.train.estimate import activation_bytes_per_token_step, estimate, main
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import ttt_forward
 
 
@@ -32,7 +33,7 @@ def test_kimi_k2_parameter_count_and_memory(capsys):
 
 def test_activation_count_matches_what_autograd_saves():
     """The per-token formula against the bytes autograd really keeps, on a small bf16 drafter."""
-    cfg = Eagle3Config(
+    cfg = DrafterConfig(
         hidden_size=128,
         num_attention_heads=8,
         num_key_value_heads=8,
@@ -73,7 +74,7 @@ def test_estimate_allocates_nothing():
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
     e = estimate(
-        Eagle3Config.from_json(REPO / "configs/drafters/kimi-k2.json"), gpus=8, seq=2048, micro_batch=1, ttt_steps=7
+        DrafterConfig.from_json(REPO / "configs/drafters/kimi-k2.json"), gpus=8, seq=2048, micro_batch=1, ttt_steps=7
     )
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2**20
     assert e.tokens_per_gpu == 2048 and e.largest_param == 163840 * 7168

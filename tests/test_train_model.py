@@ -13,14 +13,15 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from eagle3ft.train.model import DraftCache, Eagle3Config, Eagle3Drafter, export_keys
+from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train.model import DraftCache, Eagle3Drafter, export_keys
 
 H, NH, NKV, HD, I, V, VD = 32, 4, 2, 8, 48, 50, 20
 
 
 def make(rope_scaling=None, seed=0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = Eagle3Config(
+    cfg = DrafterConfig(
         hidden_size=H,
         num_attention_heads=NH,
         num_key_value_heads=NKV,
@@ -129,14 +130,16 @@ def test_rope_matches_transformers(rope_scaling):
 
 def test_unknown_rope_type_is_refused():
     with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
-        Eagle3Config.from_dict(
-            {
-                "hidden_size": 8,
-                "num_attention_heads": 2,
-                "intermediate_size": 16,
-                "vocab_size": 10,
-                "rope_scaling": {"rope_type": "longrope", "factor": 2.0},
-            }
+        Eagle3Drafter(
+            DrafterConfig.from_dict(
+                {
+                    "hidden_size": 8,
+                    "num_attention_heads": 2,
+                    "intermediate_size": 16,
+                    "vocab_size": 10,
+                    "rope_scaling": {"rope_type": "longrope", "factor": 2.0},
+                }
+            )
         )
 
 
@@ -216,7 +219,7 @@ def test_draft_to_target_and_config_round_trip(tmp_path):
         and d["num_hidden_layers"] == 1
         and d["tie_word_embeddings"] is False
     )
-    assert Eagle3Config.from_dict(d).to_hf_dict() == d
+    assert DrafterConfig.from_dict(d).to_hf_dict() == d
 
 
 # --------------------------------------------------------------------------- EAGLE-3.1 options
@@ -224,7 +227,7 @@ def test_draft_to_target_and_config_round_trip(tmp_path):
 
 def make31(fc_norm: bool, norm_output: bool, seed: int = 0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    cfg = Eagle3Config(
+    cfg = DrafterConfig(
         hidden_size=H,
         num_attention_heads=NH,
         num_key_value_heads=NKV,
@@ -250,18 +253,18 @@ def test_eagle31_flags_round_trip_and_key_names():
     m = make31(True, True)
     d = m.config.to_hf_dict()
     assert d["fc_norm"] is True and d["norm_output"] is True
-    assert Eagle3Config.from_dict(d).to_hf_dict() == d
+    assert DrafterConfig.from_dict(d).to_hf_dict() == d
     keys = sorted(k for k in m.state_dict() if k != "embed_tokens.weight")
     assert keys == sorted(export_keys(fc_norm=True))
     assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"} <= set(keys)
     assert m.state_dict()["fc_norm.1.weight"].shape == (24,)  # one per aux layer, target hidden wide
     legacy = {k: v for k, v in d.items() if k != "fc_norm"} | {"use_aux_norm": True}  # SGLang's legacy name
-    assert Eagle3Config.from_dict(legacy).fc_norm
+    assert DrafterConfig.from_dict(legacy).fc_norm
     off = make31(False, False).config.to_hf_dict()
     assert "fc_norm" not in off and "norm_output" not in off  # EAGLE-3 config.json unchanged
     for bad in ({"bias": True}, {"eagle_config": {"norm_before_fc": True}}):
         with pytest.raises(ValueError, match="bias or eagle_config.norm_before_fc"):
-            Eagle3Config.from_dict({**off, **bad})
+            DrafterConfig.from_dict({**off, **bad}).check_supported()
 
 
 def test_eagle31_forward_pieces():
@@ -289,7 +292,7 @@ def test_flags_off_is_todays_drafter():
     from eagle3ft.train.ttt import ttt_forward
 
     g = json.loads((Path(__file__).parent / "golden/drafter_eagle3_head.json").read_text())
-    cfg = Eagle3Config(
+    cfg = DrafterConfig(
         hidden_size=16,
         num_attention_heads=2,
         num_key_value_heads=1,

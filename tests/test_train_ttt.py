@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import head_cross_entropy, shift, target_to_draft_map, topk_to_draft, ttt_forward
 
 CFG = dict(
@@ -22,7 +23,7 @@ CFG = dict(
 
 def drafter(seed=0, **kw) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    m = Eagle3Drafter(Eagle3Config(**{**CFG, **kw}))
+    m = Eagle3Drafter(DrafterConfig(**{**CFG, **kw}))
     with torch.no_grad():
         m.embed_tokens.weight.normal_()
         for n in (m.norm, m.midlayer.input_layernorm, m.midlayer.hidden_norm, m.midlayer.post_attention_layernorm):

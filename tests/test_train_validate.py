@@ -5,8 +5,9 @@ import torch
 from _eval_tiny import greedy_items, prompts, tiny_pair
 
 from eagle3ft.data.store import collate
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import heldout_batches, heldout_tau, heldout_view, tau_from_counts
 
@@ -22,7 +23,7 @@ def setup():
 
 def eagle31(drafter: Eagle3Drafter, fc_norm: bool, norm_output: bool) -> Eagle3Drafter:
     """The fitted drafter's weights in an EAGLE-3.1 layout (fc_norm weights perturbed so they act)."""
-    cfg = Eagle3Config(**{**drafter.config.__dict__, "fc_norm": fc_norm, "norm_output": norm_output})
+    cfg = DrafterConfig(**{**drafter.config.__dict__, "fc_norm": fc_norm, "norm_output": norm_output})
     m = Eagle3Drafter(cfg).double()
     m.load_state_dict(drafter.state_dict(), strict=False)
     if fc_norm:
@@ -148,7 +149,7 @@ def test_cli_on_a_run_folder_counts_what_accept_len_counts(tmp_path):
 
     write_store(tmp_path, n_train=2, n_heldout=4)
     cfg = load_config(REPO / "configs/tiny.yaml")
-    m = Eagle3Drafter(Eagle3Config.from_json(REPO / cfg.drafter.config))
+    m = Eagle3Drafter(DrafterConfig.from_json(REPO / cfg.drafter.config))
     d2t, t2d = load_vocab(tmp_path / "vocab.safetensors")
     with torch.no_grad():
         m.embed_tokens.weight.copy_(load_input_embedding(cfg.target))
@@ -172,7 +173,7 @@ def test_warm_start_keeps_its_layout(tmp_path):
     from eagle3ft.vocab import load_vocab
 
     write_store(tmp_path)
-    m = Eagle3Drafter(Eagle3Config.from_json(REPO / "configs/drafters/tiny.json"))
+    m = Eagle3Drafter(DrafterConfig.from_json(REPO / "configs/drafters/tiny.json"))
     d2t, t2d = load_vocab(tmp_path / "vocab.safetensors")
     with torch.no_grad():
         m.d2t.copy_(d2t)

@@ -29,7 +29,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter, export_keys
+from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train.model import Eagle3Drafter, export_keys
 
 CONFIG, WEIGHTS, TRAINER_STATE, STATE_TENSORS, STATE_JSON = (
     "config.json",
@@ -129,7 +130,7 @@ def atomic_dir(final: Path):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_drafter(folder: Path, cfg: Eagle3Config, tensors: dict[str, torch.Tensor]) -> None:
+def write_drafter(folder: Path, cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> None:
     check_keys(tensors, str(folder), cfg.fc_norm)
     (folder / CONFIG).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
@@ -161,7 +162,7 @@ def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> E
     folder = Path(folder)
     if not (folder / CONFIG).is_file():
         raise FileNotFoundError(f"{folder}: no {CONFIG} (expected a drafter in SGLang's form)")
-    cfg = Eagle3Config.from_json(folder / CONFIG)
+    cfg = DrafterConfig.from_json(folder / CONFIG)
     tensors = read_drafter_tensors(folder)
     check_keys(tensors, str(folder), cfg.fc_norm)
     model = Eagle3Drafter(cfg)
@@ -248,7 +249,7 @@ class StateTensors:
             raise CheckpointError(f"{self.path}: cannot read {key} ({str(e).splitlines()[0]})") from None
 
 
-def save_checkpoint(dist, module, cfg: Eagle3Config, run_dir: Path, step: int, trainer_state: dict, keep: int) -> Path:
+def save_checkpoint(dist, module, cfg: DrafterConfig, run_dir: Path, step: int, trainer_state: dict, keep: int) -> Path:
     """Collective: every rank calls it. Writes ckpt/step-N atomically (from the main process) and keeps the newest `keep`."""
     root = Path(run_dir) / "ckpt"
     final = root / f"step-{step}"

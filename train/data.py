@@ -31,7 +31,7 @@ import torch
 
 from eagle3ft.config import Config, resolve_path
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate
-from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
 TOKEN_KEYS = ("input_ids", "loss_mask")
@@ -138,7 +138,7 @@ class OnlineTarget:
         self.cfg = dataclasses.replace(cfg.target, device="cpu", dtype=dtype)  # moved to the rank's device by `to`
         model, tokenizer = load_target(self.cfg)
         c = model.config
-        spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
+        spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
         self.aux_layer_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
         self.target = HFTarget(self.cfg, self.aux_layer_ids, model=model, tokenizer=tokenizer)
         self.sampling = Sampling(topk=cfg.harvest.topk, last_hidden=cfg.harvest.store_last_hidden)
@@ -213,7 +213,7 @@ def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
     """
     if cfg.drafter.init:
         return
-    spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
+    spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
     counts = torch.zeros(spec.vocab_size, dtype=torch.int64)
     for i in range(len(dataset)):
         item = dataset[i]

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from eagle3ft.config import resolve_path
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import HEAD_CHUNK_BYTES
 
 GIB = 2**30
@@ -38,7 +39,7 @@ class Estimate:
     zero3_gib: dict
 
 
-def activation_bytes_per_token_step(cfg: Eagle3Config, act_bytes: int = 2) -> int:
+def activation_bytes_per_token_step(cfg: DrafterConfig, act_bytes: int = 2) -> int:
     """Bytes autograd saves per token for one TTT step of train/ttt.py (bf16 activations, fp32 where the code upcasts)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
@@ -60,7 +61,7 @@ def activation_bytes_per_token_step(cfg: Eagle3Config, act_bytes: int = 2) -> in
 
 
 def estimate(
-    cfg: Eagle3Config, gpus: int, seq: int, micro_batch: int, ttt_steps: int, zero2_bucket: int = 200_000_000
+    cfg: DrafterConfig, gpus: int, seq: int, micro_batch: int, ttt_steps: int, zero2_bucket: int = 200_000_000
 ) -> Estimate:
     with torch.device("meta"):
         model = Eagle3Drafter(cfg)
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> Estimate:
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--json", action="store_true", help="print the estimate as JSON")
     a = ap.parse_args(argv)
-    e = estimate(Eagle3Config.from_json(resolve_path(a.drafter)), a.gpus, a.seq, a.micro_batch, a.ttt_steps)
+    e = estimate(DrafterConfig.from_json(resolve_path(a.drafter)), a.gpus, a.seq, a.micro_batch, a.ttt_steps)
     print(json.dumps(asdict(e), indent=1) if a.json else report(e))
     return e
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
 from eagle3ft.data.store import StoreError
-from eagle3ft.drafter_spec import check_drafter, check_drafter_folder
+from eagle3ft.drafter_config import DrafterConfig, check_drafter, check_drafter_folder
 from eagle3ft.train.checkpoint import (
     atomic_dir,
     drafter_tensors,
@@ -37,7 +37,7 @@ from eagle3ft.train.checkpoint import (
     write_drafter,
 )
 from eagle3ft.train.data import TrainData
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
 from eagle3ft.vocab import load_vocab, save_vocab
@@ -88,14 +88,14 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
             raise ValueError(
                 f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's {spec.draft_vocab_size} (its vocab is kept)"
             )
-        layout = Eagle3Config.from_spec(spec)
+        layout = spec.check_supported()
         for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 options change what the trained weights mean
             if getattr(cfg.drafter, flag) not in (None, getattr(layout, flag)):
                 raise ValueError(
                     f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} ({folder}/config.json; its layout is kept)"
                 )
         return load_drafter(folder, load_input_embedding(cfg.target)).float()
-    dcfg = Eagle3Config.from_json(resolve_path(cfg.drafter.config))
+    dcfg = DrafterConfig.from_json(resolve_path(cfg.drafter.config))
     if cfg.drafter.draft_vocab_size:
         dcfg.draft_vocab_size = cfg.drafter.draft_vocab_size
     for flag in ("fc_norm", "norm_output"):

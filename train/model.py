@@ -3,7 +3,8 @@
 Parameter names are SGLang's checkpoint keys (``fc.weight``, ``midlayer.*``, ``norm.weight``,
 ``lm_head.weight``, buffers ``d2t``/``t2d``), so ``state_dict()`` minus ``embed_tokens`` is the
 exported checkpoint. No I/O, no distributed code: training (train/ttt.py) and inference
-(eval/speculate.py) both drive the same pieces.
+(eval/speculate.py) both drive the same pieces. Its config.json is eagle3ft/drafter_config.py's
+DrafterConfig; building the model refuses a layout it cannot build (DrafterConfig.check_supported).
 
 Shapes: B batch, T new tokens, S cached tokens, H drafter hidden, Ht target hidden,
 nh / nkv attention / key-value heads, hd head dim, V target vocab, Vd draft vocab.
@@ -12,143 +13,13 @@ nh / nkv attention / key-value heads, hd head dim, V target vocab, Vd draft voca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3ft.drafter_spec import DrafterSpec
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass
-class Eagle3Config:
-    """The drafter architecture, read from / written to SGLang's config.json form."""
-
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int  # the target's vocabulary
-    draft_vocab_size: int
-    target_hidden_size: int | None = None  # defaults to hidden_size
-    head_dim: int | None = None  # defaults to hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters (rope_type + its fields)
-    max_position_embeddings: int = 4096
-    aux_layer_ids: list[int] | None = None  # eagle_config.eagle_aux_hidden_state_layer_ids
-    hidden_act: str = "silu"
-    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer on its chunk before fc (legacy name use_aux_norm)
-    norm_output: bool = False  # EAGLE-3.1: the next draft step is fed the hidden state after the final norm
-    extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, kept on export
-
-    def __post_init__(self) -> None:
-        self.target_hidden_size = self.target_hidden_size or self.hidden_size
-        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
-        if self.hidden_act != "silu":
-            raise ValueError(f"drafter hidden_act '{self.hidden_act}' is not supported (only silu)")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}"
-            )
-        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-
-    _KNOWN = (
-        "hidden_size num_attention_heads num_key_value_heads intermediate_size vocab_size draft_vocab_size "
-        "target_hidden_size head_dim rms_norm_eps rope_theta rope_scaling rope_parameters max_position_embeddings "
-        "hidden_act num_hidden_layers architectures tie_word_embeddings fc_norm use_aux_norm norm_output"
-    ).split()
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> "Eagle3Config":
-        return cls.from_spec(DrafterSpec.from_json(path))
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Eagle3Config":
-        return cls.from_spec(DrafterSpec.from_dict(d))
-
-    @classmethod
-    def from_spec(cls, spec: DrafterSpec) -> "Eagle3Config":
-        """The architecture: the shape as the one reader of config.json parsed it, the layout from the rest of its keys."""
-        d = spec.raw
-        if d.get("num_hidden_layers", 1) != 1:
-            raise ValueError(
-                f"drafter num_hidden_layers is {d['num_hidden_layers']}; only 1 (SGLang's midlayer) is supported"
-            )
-        if d.get("tie_word_embeddings"):
-            raise ValueError(
-                "drafter tie_word_embeddings is true; an EAGLE-3 drafter has its own lm_head over the draft vocab"
-            )
-        if d.get("bias") or (d.get("eagle_config") or {}).get("norm_before_fc"):
-            raise ValueError(
-                "drafter config sets bias or eagle_config.norm_before_fc; only fc_norm and norm_output of those layouts are supported"
-            )
-        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-        theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
-        rope.pop("rope_theta", None)
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
-            rope = {}
-        return cls(
-            hidden_size=spec.hidden_size,
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-            intermediate_size=d["intermediate_size"],
-            vocab_size=spec.vocab_size,
-            draft_vocab_size=spec.draft_vocab_size,
-            target_hidden_size=spec.target_hidden_size,
-            head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=rope or None,
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            aux_layer_ids=spec.aux_layer_ids,
-            hidden_act=d.get("hidden_act", "silu"),
-            fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm")),
-            norm_output=bool(d.get("norm_output")),
-            extra={k: v for k, v in d.items() if k not in cls._KNOWN},
-        )
-
-    def to_hf_dict(self) -> dict:
-        """SGLang's config.json for LlamaForCausalLMEagle3."""
-        d = {
-            **self.extra,
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": self.extra.get("model_type", "llama"),
-            "hidden_size": self.hidden_size,
-            "target_hidden_size": self.target_hidden_size,
-            "num_hidden_layers": 1,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "tie_word_embeddings": False,
-        }
-        if self.rope_scaling:
-            d["rope_scaling"] = dict(self.rope_scaling)
-        if self.fc_norm:
-            d["fc_norm"] = True
-        if self.norm_output:
-            d["norm_output"] = True
-        if self.aux_layer_ids is not None:
-            d["eagle_config"] = {
-                **self.extra.get("eagle_config", {}),
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            }
-        return d
-
+from eagle3ft.drafter_config import DrafterConfig
 
 # --------------------------------------------------------------------------- building blocks
 
@@ -165,7 +36,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(cfg: Eagle3Config) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
     """(inv_freq (hd/2,), attention scale on cos/sin) for the config's rope type."""
     dim, base = cfg.head_dim, cfg.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -223,7 +94,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Llama attention whose q/k/v read the 2H concatenation [input_layernorm(emb), hidden_norm(h)]."""
 
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
@@ -247,7 +118,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -260,7 +131,7 @@ class MLP(nn.Module):
 class MidLayer(nn.Module):
     """SGLang's Eagle3 LlamaDecoderLayer, split at the attention core so TTT can supply its own."""
 
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -320,9 +191,9 @@ class Eagle3Drafter(nn.Module):
     before fc; `norm_output` feeds the next draft step norm(out) instead of the pre-norm out. Both off: EAGLE-3.
     """
 
-    def __init__(self, cfg: Eagle3Config) -> None:
+    def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        self.config = cfg
+        self.config = cfg.check_supported()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # the target's, frozen (as SGLang: H wide)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc_norm = (

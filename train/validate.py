@@ -205,7 +205,7 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     writes RUN/eval/heldout_tau.json. Its counts are eval/accept_len.py's greedy chain counts on greedy data."""
     from eagle3ft.config import resolve_path
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter_spec import check_drafter_folder
+    from eagle3ft.drafter_config import check_drafter_folder
     from eagle3ft.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.checkpoint import load_drafter
     from eagle3ft.train.ttt import TTTObjective

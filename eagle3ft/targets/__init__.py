@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from eagle3ft.config import Config
-from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.targets.base import Target
 
 
-def open_target(cfg: Config, spec: DrafterSpec) -> Target:
+def open_target(cfg: Config, spec: DrafterConfig) -> Target:
     """The configured backend, checked against the drafter (ValueError) before any harvesting."""
     backend = cfg.harvest.backend
     if backend == "hf":

@@ -438,7 +438,7 @@ def target_identity(target_cfg, client_cfg) -> tuple[int, int, int]:
 class SGLangTarget:
     """Target protocol over one or more SGLang servers (one per node at scale).
 
-    ``SGLangTarget(cfg.target, cfg.harvest.sglang, drafter_spec)``: the identity comes
+    ``SGLangTarget(cfg.target, cfg.harvest.sglang, drafter_config)``: the identity comes
     from ``target_identity``, the aux layer ids from the drafter; every server is
     checked (version, hidden-state kind, layer ids) before anything is harvested.
     """

@@ -34,7 +34,7 @@ from pathlib import Path
 import requests
 
 from eagle3ft.config import BenchSetting, Config, build_parser, parse_cli, resolve_path
-from eagle3ft.drafter_spec import DrafterSpec
+from eagle3ft.drafter_config import DrafterConfig
 
 ROLES = ("harvest", "baseline", "speculative")
 
@@ -76,12 +76,12 @@ def check_setting(s: BenchSetting) -> None:
 
 def drafter_aux_ids(folder: str | Path, num_layers: int | None = None) -> list[int]:
     """The aux layer ids a drafter folder makes SGLang capture (its config.json, else SGLang's default)."""
-    spec = DrafterSpec.from_json(Path(folder) / "config.json")
+    spec = DrafterConfig.from_json(Path(folder) / "config.json")
     if spec.aux_layer_ids is not None:
         return list(spec.aux_layer_ids)
     if num_layers is None:
         raise LaunchError(f"{folder}: config.json names no eagle_aux_hidden_state_layer_ids")
-    from eagle3ft.drafter_spec import default_aux_layer_ids
+    from eagle3ft.drafter_config import default_aux_layer_ids
 
     return default_aux_layer_ids(num_layers)
 
@@ -141,7 +141,7 @@ def build_command(
                     "harvest_capture eagle3 needs a draft model folder: serve.harvest_draft or drafter.init (SGLang reads the aux layer ids from its config.json)"
                 )
             draft = resolve_path(str(draft))
-            want = DrafterSpec.from_json(resolve_path(cfg.drafter.config)).aux_layer_ids
+            want = DrafterConfig.from_json(resolve_path(cfg.drafter.config)).aux_layer_ids
             have = drafter_aux_ids(draft)
             if want is not None and list(want) != have:
                 raise LaunchError(
@@ -149,7 +149,7 @@ def build_command(
                 )
             argv += _speculative_args(draft, sv.harvest_setting)
         elif sv.harvest_capture == "aux_flag":
-            spec = DrafterSpec.from_json(resolve_path(cfg.drafter.config))
+            spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config))
             if spec.aux_layer_ids is None:
                 raise LaunchError(
                     f"{cfg.drafter.config} names no eagle_aux_hidden_state_layer_ids to pass to {sv.aux_capture_args[-1]}"

@@ -1,0 +1,250 @@
+"""The drafter's config: SGLang's ``LlamaForCausalLMEagle3`` config.json, read and written here only, and the one check
+of a drafter against a target or a feature store.
+
+`DrafterConfig` is what every stage knows of a drafter: the harvest takes the aux layer ids and the vocab sizes from
+it, train builds the model from it (train/model.py), eval checks a checkpoint with it. Reading is lenient about the
+layout (SGLang serves drafters that train/model.py cannot build); `check_supported()` refuses those before a model is
+built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3ft.files import read_json
+from eagle3ft.vocab import check_vocab, vocab_from_drafter
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class DrafterMismatch(ValueError):
+    """A drafter that does not fit the target or the features it is used with; the message names both values."""
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """SGLang's default when the config names none: [1, L//2 - 1, L - 4]."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter architecture, read from / written to SGLang's config.json form."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int | None = None  # defaults to hidden_size
+    head_dim: int | None = None  # defaults to hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters (rope_type + its fields)
+    max_position_embeddings: int = 4096
+    aux_layer_ids: list[int] | None = None  # eagle_config.eagle_aux_hidden_state_layer_ids; None: SGLang's default
+    hidden_act: str = "silu"
+    fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer on its chunk before fc (legacy name use_aux_norm)
+    norm_output: bool = False  # EAGLE-3.1: the next draft step is fed the hidden state after the final norm
+    num_hidden_layers: int = 1  # SGLang's one midlayer; anything else is refused by check_supported()
+    tie_word_embeddings: bool = False  # an EAGLE-3 drafter has its own lm_head; True is refused
+    extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, kept on export
+    path: str = field(default="drafter config", repr=False, compare=False)  # where it was read from (in errors)
+
+    _KNOWN = (
+        "hidden_size num_attention_heads num_key_value_heads intermediate_size vocab_size draft_vocab_size "
+        "target_hidden_size head_dim rms_norm_eps rope_theta rope_scaling rope_parameters max_position_embeddings "
+        "hidden_act num_hidden_layers architectures tie_word_embeddings fc_norm use_aux_norm norm_output"
+    ).split()
+
+    def __post_init__(self) -> None:
+        self.target_hidden_size = self.target_hidden_size or self.hidden_size
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+    # -- config.json
+
+    @classmethod
+    def from_json(cls, path: str | Path, draft_vocab_size: int | None = None) -> "DrafterConfig":
+        """The one reader of a drafter's config.json; draft_vocab_size, when given, overrides the file's."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"drafter config not found: {p}")
+        raw = read_json(p, "the drafter config")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{p}: the drafter config is not a JSON object")
+        return cls.from_dict(raw, draft_vocab_size, str(p))
+
+    @classmethod
+    def from_dict(cls, d: dict, draft_vocab_size: int | None = None, path: str = "drafter config") -> "DrafterConfig":
+        try:
+            hidden = int(d["hidden_size"])
+            vocab = int(d["vocab_size"])
+            ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
+            theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
+            rope.pop("rope_theta", None)
+            if rope.get("rope_type", rope.get("type", "default")) == "default":
+                rope = {}
+            return cls(
+                hidden_size=hidden,
+                num_attention_heads=d["num_attention_heads"],
+                num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+                intermediate_size=d["intermediate_size"],
+                vocab_size=vocab,
+                draft_vocab_size=int(draft_vocab_size or d.get("draft_vocab_size") or vocab),
+                target_hidden_size=int(d.get("target_hidden_size") or hidden),
+                head_dim=d.get("head_dim"),
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope_theta=float(theta),
+                rope_scaling=rope or None,
+                max_position_embeddings=d.get("max_position_embeddings", 4096),
+                aux_layer_ids=[int(i) for i in ids] if ids is not None else None,
+                hidden_act=d.get("hidden_act", "silu"),
+                fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm")),
+                norm_output=bool(d.get("norm_output")),
+                num_hidden_layers=d.get("num_hidden_layers", 1),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings")),
+                extra={k: v for k, v in d.items() if k not in cls._KNOWN},
+                path=path,
+            )
+        except KeyError as e:
+            raise ValueError(f"{path}: drafter config lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: drafter config has a value of the wrong type ({e})") from None
+
+    def to_hf_dict(self) -> dict:
+        """SGLang's config.json for LlamaForCausalLMEagle3."""
+        d = {
+            **self.extra,
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": self.extra.get("model_type", "llama"),
+            "hidden_size": self.hidden_size,
+            "target_hidden_size": self.target_hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+        }
+        if self.rope_scaling:
+            d["rope_scaling"] = dict(self.rope_scaling)
+        if self.fc_norm:
+            d["fc_norm"] = True
+        if self.norm_output:
+            d["norm_output"] = True
+        if self.aux_layer_ids is not None:
+            d["eagle_config"] = {
+                **self.extra.get("eagle_config", {}),
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            }
+        return d
+
+    # -- checks
+
+    def check_supported(self) -> "DrafterConfig":
+        """Raise ValueError for a layout that train/model.py cannot build (SGLang may still serve it); returns self."""
+        if self.num_hidden_layers != 1:
+            raise ValueError(
+                f"drafter num_hidden_layers is {self.num_hidden_layers}; only 1 (SGLang's midlayer) is supported"
+            )
+        if self.tie_word_embeddings:
+            raise ValueError(
+                "drafter tie_word_embeddings is true; an EAGLE-3 drafter has its own lm_head over the draft vocab"
+            )
+        if self.extra.get("bias") or (self.extra.get("eagle_config") or {}).get("norm_before_fc"):
+            raise ValueError(
+                "drafter config sets bias or eagle_config.norm_before_fc; "
+                "only fc_norm and norm_output of those layouts are supported"
+            )
+        if self.hidden_act != "silu":
+            raise ValueError(f"drafter hidden_act '{self.hidden_act}' is not supported (only silu)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        return self
+
+    def check_target(self, hidden_size: int, vocab_size: int, num_layers: int) -> list[int]:
+        """check_drafter against a live target (it has no aux ids of its own), named by where the config was read."""
+        return check_drafter(
+            self, {"hidden_size": hidden_size, "vocab_size": vocab_size, "num_layers": num_layers}, self.path
+        )
+
+
+def check_drafter(
+    drafter: DrafterConfig,
+    target: dict,
+    where: str,
+    features: str | None = None,
+    d2t: torch.Tensor | None = None,
+    t2d: torch.Tensor | None = None,
+) -> list[int]:
+    """The one check of a drafter against a target or a feature store; train, eval, the bench and the harvest call it
+    before any compute. Returns the aux layer ids (SGLang's default when the drafter names none).
+
+    target: hidden_size, vocab_size, num_layers, and aux_layer_ids when it describes features.
+    features: the feature store's manifest when `target` is its identity (named in the messages), else None.
+    d2t/t2d: the drafter's draft vocabulary, checked for range and consistency when given.
+    """
+    other = "features' target" if features else "target"
+    tail = f" ({features})" if features else ""
+    if drafter.target_hidden_size != target["hidden_size"]:
+        raise DrafterMismatch(
+            f"{where}: drafter target_hidden_size {drafter.target_hidden_size} "
+            f"!= {other} hidden_size {target['hidden_size']}{tail}"
+        )
+    if drafter.vocab_size != target["vocab_size"]:
+        raise DrafterMismatch(
+            f"{where}: drafter vocab_size {drafter.vocab_size} != {other} vocab_size {target['vocab_size']}{tail}"
+        )
+    if not 0 < drafter.draft_vocab_size <= target["vocab_size"]:
+        raise DrafterMismatch(
+            f"{where}: drafter draft_vocab_size {drafter.draft_vocab_size} "
+            f"not in (0, {other} vocab_size {target['vocab_size']}]{tail}"
+        )
+    num_layers = target["num_layers"]
+    ids = list(drafter.aux_layer_ids) if drafter.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
+    if len(ids) != 3:
+        raise DrafterMismatch(f"{where}: drafter aux layer ids {ids}: EAGLE-3 fuses exactly 3 layers")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise DrafterMismatch(
+            f"{where}: drafter aux layer ids {bad} outside the {other}'s layers 0..{num_layers - 1} "
+            f"(num_layers {num_layers}){tail}"
+        )
+    if target.get("aux_layer_ids") is not None and ids != list(target["aux_layer_ids"]):
+        raise DrafterMismatch(
+            f"{where}: drafter aux layer ids {ids} != {'features' if features else 'target'}' "
+            f"aux layer ids {list(target['aux_layer_ids'])}{tail}"
+        )
+    if d2t is not None or t2d is not None:
+        check_vocab(d2t, t2d, target["vocab_size"], drafter.draft_vocab_size, f"{where}: draft vocabulary")
+    return ids
+
+
+def check_drafter_folder(folder: str | Path, target: dict, where: str, features: str | None = None) -> DrafterConfig:
+    """check_drafter for a drafter folder in SGLang's form (config.json + *.safetensors with its d2t/t2d), read
+    without loading the weights: a truncated weights file, a mismatch or an inconsistent vocab is named here."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
+    cfg = DrafterConfig.from_json(folder / "config.json")
+    check_drafter(cfg, target, f"{where} {folder}", features)
+    d2t, t2d = vocab_from_drafter(folder)
+    check_drafter(cfg, target, f"{where} {folder}", features, d2t, t2d)
+    return cfg
