@@ -4,7 +4,7 @@ A body shaped like SGLang 0.5.17's (meta_info.hidden_states: a [P, W] block then
 rows, bf16 values printed as shortest floats, top-k logprobs) is decoded three ways:
 
 - ``json``:    json.loads of the whole body, then the rows copied into a float32 array;
-- ``stream-numpy``: eagle3ft/targets/sglang.py's HiddenStream fed 1 MiB chunks, numbers parsed by
+- ``stream-numpy``: eagle3ft/targets/sglang_http.py's HiddenStream fed 1 MiB chunks, numbers parsed by
   numpy's text parser (the fallback without pyarrow);
 - ``stream``:  the same with pyarrow's CSV reader (the default; single-threaded per call, it lets
   go of the GIL, so concurrent requests parse on all cores);
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from eagle3ft.targets import sglang as client
+from eagle3ft.targets import sglang_http as client
 
 
 def make_body(tokens: int, width: int, prompt: int, k: int = 32) -> tuple[bytes, np.ndarray]:

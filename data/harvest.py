@@ -407,7 +407,7 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.targets.sglang import SGLangError
+    from eagle3ft.targets.sglang_http import SGLangError
 
     cfg, run_dir, _ = parse_cli("Harvest target features for EAGLE-3 training.", stage="harvest", argv=argv)
     with holding(run_dir, "harvest"), cli_errors("harvest", StoreError, SGLangError, HarvestRefused):

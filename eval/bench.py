@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3ft.config import cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
     from eagle3ft.eval.preflight import check_or_exit
-    from eagle3ft.targets.sglang import SGLangError
+    from eagle3ft.targets.sglang_http import SGLangError
 
     cfg, run_dir, args = parse_cli("Live benchmark: plain against speculative decoding.", stage="bench", argv=argv)
     check_or_exit("bench.py", "bench", cfg, run_dir, args.config)

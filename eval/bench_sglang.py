@@ -50,7 +50,7 @@ from eagle3ft.eval.harness import (
     run,
     spread,
 )
-from eagle3ft.targets.sglang import HTTPPolicy, SGLangError, call, server_info
+from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
 
 ENV_PREFIXES = ("NCCL_", "SGLANG_", "CUDA_", "TORCH_", "NVIDIA_", "PYTORCH_")

@@ -17,7 +17,7 @@ from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_c
 from eagle3ft.eval.economics import Setting
 from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.targets.hf import load_target
-from eagle3ft.targets.sglang import SGLangError
+from eagle3ft.targets.sglang_http import SGLangError
 from eagle3ft.train.checkpoint import export_drafter
 from eagle3ft.train.model import Eagle3Drafter
 

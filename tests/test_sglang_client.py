@@ -14,10 +14,11 @@ import torch
 
 from eagle3ft.config import REPO_ROOT, SGLangClientConfig, load_config
 from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.targets import sglang as sglang_client
+from eagle3ft.targets import sglang_http
 from eagle3ft.targets.base import Request, Sampling
 from eagle3ft.targets.hf import HFTarget, load_target
-from eagle3ft.targets.sglang import HiddenStream, RetryableError, SGLangError, SGLangTarget, server_info, topk_arrays
+from eagle3ft.targets.sglang import SGLangTarget
+from eagle3ft.targets.sglang_http import HiddenStream, RetryableError, SGLangError, server_info, topk_arrays
 from eagle3ft.train.model import Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -208,7 +209,7 @@ def test_bad_request_is_not_retried(tiny, embedded, drafter):
     with SGLangDouble(DoubleEngine(model, tok, drafter=drafter), version="0.5.17") as d:
         target = make_target(tiny, [d.url], concurrency=1, capture="one_request", **FAST)
         with pytest.raises(SGLangError, match="HTTP 400.*Either text or input_ids"):
-            sglang_client.call(
+            sglang_http.call(
                 d.url, "/generate", {"sampling_params": {"max_new_tokens": 4}}, target.policy, what="request 0"
             )
         assert d.requests == 1
@@ -257,8 +258,8 @@ def _body(rows: np.ndarray, flat_decode_rows: bool, prompt_rows: int) -> bytes:
 @pytest.mark.parametrize("chunk,n,width", [(1, 9, 6), (7, 9, 6), (64, 9, 6), (1 << 20, 9, 6), (1 << 20, 300, 192)])
 def test_hidden_stream_any_chunking(flat, chunk, n, width):
     rows = torch.randn(n, width).to(torch.bfloat16).float().numpy()
-    if n * width * 8 > sglang_client.ARROW_MIN_BYTES:
-        assert sglang_client._pa is not None  # the large case goes through pyarrow's parser
+    if n * width * 8 > sglang_http.ARROW_MIN_BYTES:
+        assert sglang_http._pa is not None  # the large case goes through pyarrow's parser
     body = _body(rows, flat, 6)
     s = HiddenStream(width=width, rows_hint=2)
     for a in range(0, len(body), chunk):

@@ -14,7 +14,7 @@ from eagle3ft.data.harvest import HarvestRefused, run_harvest
 from eagle3ft.data.store import SPLITS, FeatureStore
 from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.targets.hf import load_target
-from eagle3ft.targets.sglang import SGLangError
+from eagle3ft.targets.sglang_http import SGLangError
 from eagle3ft.train.model import Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
