@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.eval.economics import Setting
+from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import RequestResult, base_environment, check_drafter_for_run
 from eagle3ft.eval.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
 

@@ -39,7 +39,7 @@ from pathlib import Path
 import requests
 
 from eagle3ft.config import BenchSetting, resolve_path
-from eagle3ft.eval.economics import Setting
+from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import (
     RequestResult,
     base_environment,

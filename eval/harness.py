@@ -48,7 +48,8 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from eagle3ft.eval import economics
-from eagle3ft.eval.economics import Setting, format_table
+from eagle3ft.eval.costs import Setting
+from eagle3ft.eval.economics import format_table
 
 
 @dataclass

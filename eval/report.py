@@ -27,7 +27,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from eagle3ft.eval.economics import Setting, analyse, join, load_calibration, offline_tau_by_setting, predict  # noqa: E402
+from eagle3ft.eval.calibration import join, load_calibration, predict  # noqa: E402
+from eagle3ft.eval.costs import Setting  # noqa: E402
+from eagle3ft.eval.economics import analyse, offline_tau_by_setting  # noqa: E402
 
 
 def _read_json(p: Path) -> dict | None:

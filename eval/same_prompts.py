@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.eval.economics import Setting
+from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.speculate import aux_from_hidden_states
 
 

@@ -8,7 +8,7 @@ import torch
 from eagle3ft.config import load_config
 from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.eval import bench, harness, report
-from eagle3ft.eval.economics import Setting
+from eagle3ft.eval.costs import Setting
 from eagle3ft.train.checkpoint import export_drafter
 from eagle3ft.train.model import Eagle3Drafter
 

@@ -4,21 +4,9 @@ import json
 
 import pytest
 
-from eagle3ft.eval.economics import (
-    CalibrationError,
-    CostModel,
-    Setting,
-    analyse,
-    calibration_from_summary,
-    format_table,
-    join,
-    load_calibration,
-    main,
-    max_tau,
-    predict,
-    reach,
-    reach_text,
-)
+from eagle3ft.eval.calibration import CalibrationError, calibration_from_summary, join, load_calibration, predict
+from eagle3ft.eval.costs import CostModel, Setting, max_tau, reach, reach_text
+from eagle3ft.eval.economics import analyse, format_table, main
 
 S324 = Setting(steps=2, topk=1, num_draft_tokens=3)
 

@@ -8,7 +8,7 @@ import pytest
 
 from eagle3ft.config import load_config
 from eagle3ft.eval import report
-from eagle3ft.eval.economics import calibration_from_summary
+from eagle3ft.eval.calibration import calibration_from_summary
 
 
 def _spread(xs):

@@ -8,7 +8,7 @@ from _eval_tiny import AUX, features, greedy_items, prompts, tiny_pair
 from eagle3ft.config import load_config
 from eagle3ft.eval import harness
 from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.eval.economics import Setting
+from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import RequestResult
 from eagle3ft.eval.same_prompts import features as bench_features
 from eagle3ft.eval.same_prompts import offline_tau

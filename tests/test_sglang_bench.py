@@ -14,7 +14,7 @@ from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.eval import harness
 from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
-from eagle3ft.eval.economics import Setting
+from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang_http import SGLangError

@@ -1,0 +1,163 @@
+"""Calibration (prediction, not restatement): one benchmark run's costs, kept to price another drafter's offline tau.
+
+Every benchmark saves RUN/bench/calibration.json: the
+baseline step time and, per setting, the mean cycle (decode time / verifies, median over passes) and
+the cost model. A later run with `--set bench.calibration=OTHER/bench/calibration.json` gets its
+tok/s predicted from its offline tau alone, tok/s = tau_offline / cycle_calibrated, written to
+RUN/bench/prediction.json before its own benchmark exists; once it does, economics.json holds the
+prediction next to the measured figure with the error in percent (also predicted from the live tau,
+which separates an error of the costs from an error of tau).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3ft.eval.costs import Setting, cost_model_from_summary, fmt, max_tau
+
+CALIBRATION_SCHEMA = 1
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used; the message names the file."""
+
+
+def calibration_from_summary(summary: dict, source_run: str, target: str | None = None) -> dict:
+    """The costs of one benchmark run, per setting, for pricing another drafter's offline tau later."""
+    env = summary.get("environment", {})
+    settings = {}
+    for r in summary["speculative"]:
+        if r.get("cycle_s_per_pass"):
+            cycle, basis = r["cycle_s_per_pass"], "decode time / verifies, median over passes"
+        elif r.get("tau") and r.get("tok_s_median"):
+            cycle, basis = r["tau"] / r["tok_s_median"], "tau live / tok/s median"
+        else:
+            continue
+        settings[r["key"]] = {
+            "cycle_s": cycle,
+            "cycle_basis": basis,
+            "tau_live": r.get("tau"),
+            "tok_s_median": r.get("tok_s_median"),
+        }
+    return {
+        "schema": CALIBRATION_SCHEMA,
+        "source_run": source_run,
+        "backend": summary.get("backend"),
+        "target": target,
+        "device": env.get("device"),
+        "environment": {k: env[k] for k in ("torch", "transformers", "torch_threads", "code_version") if k in env},
+        "prompts": {
+            "source": summary.get("prompts", {}).get("source"),
+            "count": summary.get("prompts", {}).get("count"),
+        },
+        "max_new_tokens": summary.get("max_new_tokens"),
+        "baseline_s_per_token": summary["costs"]["baseline_s_per_token"],
+        "baseline_tok_s": summary["baseline"]["tok_s_median"],
+        "costs": summary["costs"],
+        "settings": settings,
+    }
+
+
+def load_calibration(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        cal = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CalibrationError(
+            f"{path}: no such calibration file (bench.calibration; every eval/bench.py run writes RUN/bench/calibration.json)"
+        ) from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CalibrationError(f"{path}: not a calibration file ({e})") from None
+    missing = [k for k in ("schema", "baseline_s_per_token", "costs", "settings") if k not in cal]
+    if missing or cal["schema"] != CALIBRATION_SCHEMA:
+        raise CalibrationError(
+            f"{path}: not a schema-{CALIBRATION_SCHEMA} calibration file (missing {missing or 'nothing'}, schema {cal.get('schema')})"
+        )
+    return {**cal, "path": str(path)}
+
+
+def predict(cal: dict, offline_tau: dict[str, float]) -> dict:
+    """tok/s = tau_offline / cycle per setting, with the calibration run's cycle (or its cost model where it did not run)."""
+    cm = cost_model_from_summary(cal)
+    rows = []
+    for key, tau in sorted(offline_tau.items()):
+        st = Setting(*map(int, key.split("/")))
+        if key in cal["settings"]:
+            cycle, basis = cal["settings"][key]["cycle_s"], "measured"
+        else:
+            cycle, basis = cm.cycle_s(st), "cost model"
+        rows.append({
+            "setting": key, "tau_offline": tau, "max_tau": max_tau(st), "cycle_ms": 1e3 * cycle, "cycle_basis": basis,
+            "break_even_tau": cycle / cal["baseline_s_per_token"], "predicted_tok_s": tau / cycle,
+            "predicted_speedup": tau / cycle * cal["baseline_s_per_token"],
+        })  # fmt: skip
+    keep = ("path", "source_run", "backend", "target", "device", "max_new_tokens", "baseline_tok_s")
+    return {"calibration": {k: cal.get(k) for k in keep}, "rows": rows}
+
+
+def _err(pred: float | None, meas: float | None) -> float | None:
+    return 100.0 * (pred - meas) / meas if pred is not None and meas else None
+
+
+def join(prediction: dict, summary: dict | None, target: str | None = None) -> dict:
+    """The prediction next to what this run measured: error in percent of tok/s, of speed-up, and from the live tau."""
+    out = {**prediction, "rows": [dict(r) for r in prediction["rows"]], "warnings": []}
+    cal = prediction["calibration"]
+    if summary is None:
+        return out
+    for k, mine in (
+        ("backend", summary.get("backend")),
+        ("device", summary.get("environment", {}).get("device")),
+        ("max_new_tokens", summary.get("max_new_tokens")),
+        ("target", target),
+    ):
+        if cal.get(k) is not None and mine is not None and cal[k] != mine:
+            out["warnings"].append(f"{k} differs: calibration {cal[k]!r}, this run {mine!r}")
+    measured = {r["key"]: r for r in summary["speculative"]}
+    for r in out["rows"]:
+        m = measured.get(r["setting"])
+        if not m:
+            continue
+        cycle = r["cycle_ms"] / 1e3
+        r.update(
+            measured_tok_s=m.get("tok_s_median"), measured_speedup=m.get("speedup_median"), tau_live=m.get("tau"),
+            error_pct=_err(r["predicted_tok_s"], m.get("tok_s_median")),
+            speedup_error_pct=_err(r["predicted_speedup"], m.get("speedup_median")),
+            predicted_tok_s_live_tau=m["tau"] / cycle if m.get("tau") else None,
+            error_pct_live_tau=_err(m["tau"] / cycle if m.get("tau") else None, m.get("tok_s_median")),
+        )  # fmt: skip
+    return out
+
+
+def format_prediction(p: dict) -> str:
+    c = p["calibration"]
+    lines = [
+        f"predicted from offline tau with the costs of {c['source_run']} ({c['backend']}, {c['device']}; {c['path']}):"
+    ]
+    lines += [f"  warning: {w}" for w in p.get("warnings", [])]
+    for r in p["rows"]:
+        line = f"  {r['setting']:>7} tau offline {r['tau_offline']:.2f} x cycle {r['cycle_ms']:.2f} ms ({r['cycle_basis']}) -> {r['predicted_tok_s']:.1f} tok/s (x{r['predicted_speedup']:.2f})"
+        if r.get("measured_tok_s") is not None:
+            line += f"; measured {r['measured_tok_s']:.1f} (x{fmt(r['measured_speedup'])}), error {r['error_pct']:+.1f}% (speed-up {fmt(r['speedup_error_pct'], '{:+.1f}')}%, from live tau {fmt(r['error_pct_live_tau'], '{:+.1f}')}%)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def write_calibration(run_dir: Path, summary: dict, target: str | None = None) -> Path:
+    out = Path(run_dir) / "bench" / "calibration.json"
+    out.write_text(json.dumps(calibration_from_summary(summary, str(run_dir), target), indent=2))
+    return out
+
+
+def write_prediction(run_dir: Path, cal: dict, offline_tau: dict[str, float]) -> dict:
+    """RUN/bench/prediction.json: made_before_bench stays true while the prediction is unchanged."""
+    out = Path(run_dir) / "bench" / "prediction.json"
+    pred = predict(cal, offline_tau)
+    before = not (Path(run_dir) / "bench" / "summary.json").exists()
+    if out.exists():
+        old = json.loads(out.read_text())
+        before = before or (old.get("made_before_bench", False) and old.get("rows") == pred["rows"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"made_before_bench": before, **pred}, indent=2))
+    return {"made_before_bench": before, **pred}
