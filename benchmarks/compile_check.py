@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.train import ttt
+from eagle3ft.train import attention, ttt
 from eagle3ft.train.model import Eagle3Drafter
 
 REPO = Path(__file__).resolve().parent.parent
@@ -247,7 +247,7 @@ def main(argv=None) -> dict:
     print(
         f"# {a.dims}: {a.drafter}; H {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x {cfg.head_dim}, "
         f"ffn {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}; B {a.batch} x T {a.seq}, TTT {a.ttt}; {a.dtype} on {dev}, "
-        f"reference {str(ref_dtype)[6:]} on {ref_dev}; torch {torch.__version__}, ATTENTION={ttt.ATTENTION}",
+        f"reference {str(ref_dtype)[6:]} on {ref_dev}; torch {torch.__version__}, ATTENTION={attention.ATTENTION}",
         flush=True,
     )
     base = build_drafter(cfg, dev, a.seed)
@@ -365,7 +365,7 @@ def main(argv=None) -> dict:
             "python": platform.python_version(),
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
         },
-        "attention": ttt.ATTENTION,
+        "attention": attention.ATTENTION,
         "reference": f"{ref_dtype} on {ref_dev}",
         "losses": {c: passes[c]["loss"] for c in passes},
         "counts": {c: {"correct": passes[c]["correct"], "valid": passes[c]["valid"]} for c in passes},

@@ -380,8 +380,11 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         )
         ttt = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(ttt)
+        modules = [ttt]
     else:
-        from eagle3ft.train import ttt
+        from eagle3ft.train import attention, losses, ttt
+
+        modules = [ttt, attention, losses]
     form = "hidden" if "hidden" in flags else "topk"
     cfg = DrafterConfig(
         hidden_size=a.hidden,
@@ -415,7 +418,7 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
     model.train()
     if "compile" in flags:
         model.compile_blocks()  # train.compile: the norms, q/k/v + rope, the MLP; the unroll stays eager
-    # experiment knobs: module constants of train/ttt.py, set around this side's steps only
+    # experiment knobs: module constants of train/ttt.py and the modules it calls, set around this side's steps only
     knobs = {}
     if "lse_chunk" in kv:
         knobs["LSE_CHUNK"] = int(kv["lse_chunk"])
@@ -423,19 +426,21 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         knobs["HEAD_CHUNK"] = int(kv["head_chunk"])
     if "attn" in kv:
         knobs["ATTENTION"] = kv["attn"]
-    for name in knobs:
-        if not hasattr(ttt, name):
-            raise SystemExit(f"train/ttt.py has no {name} any more; drop that variant option")
+    owners = {name: next((m for m in modules if hasattr(m, name)), None) for name in knobs}
+    for name, owner in owners.items():
+        if owner is None:
+            raise SystemExit(f"train/ttt.py and its modules have no {name} any more; drop that variant option")
+    heads = next(m for m in modules if hasattr(m, "head_cross_entropy"))  # the module of the fused head CE
     # head_cross_entropy reads HEAD_CHUNK at call time when its `chunk` default is None; if a version binds the
     # constant as the default instead, that default is what must change
     import inspect
 
-    chunk_param = inspect.signature(ttt.head_cross_entropy).parameters.get("chunk")
+    chunk_param = inspect.signature(heads.head_cross_entropy).parameters.get("chunk")
     bind_default = (
         "HEAD_CHUNK" in knobs
         and chunk_param is not None
         and chunk_param.default is not None
-        and list(inspect.signature(ttt.head_cross_entropy).parameters)[-1] == "chunk"
+        and list(inspect.signature(heads.head_cross_entropy).parameters)[-1] == "chunk"
     )
     params = [p for p in model.parameters() if p.requires_grad]
     adam = kv.get("adam", "master")
@@ -450,13 +455,13 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
 
     def step():
         prev_tf32 = torch.backends.cuda.matmul.allow_tf32
-        saved = {n: getattr(ttt, n) for n in knobs}
-        saved_defaults = ttt.head_cross_entropy.__defaults__
+        saved = {n: getattr(owners[n], n) for n in knobs}
+        saved_defaults = heads.head_cross_entropy.__defaults__
         torch.backends.cuda.matmul.allow_tf32 = tf32 or prev_tf32
         for n, v in knobs.items():
-            setattr(ttt, n, v)
+            setattr(owners[n], n, v)
         if bind_default:
-            ttt.head_cross_entropy.__defaults__ = saved_defaults[:-1] + (knobs["HEAD_CHUNK"],)
+            heads.head_cross_entropy.__defaults__ = saved_defaults[:-1] + (knobs["HEAD_CHUNK"],)
         try:
             out = ttt.ttt_forward(model, batch, steps=a.ttt, decay=a.decay, target_head=head)
             out.loss.backward()
@@ -464,8 +469,8 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         finally:
             torch.backends.cuda.matmul.allow_tf32 = prev_tf32
             for n, v in saved.items():
-                setattr(ttt, n, v)
-            ttt.head_cross_entropy.__defaults__ = saved_defaults
+                setattr(owners[n], n, v)
+            heads.head_cross_entropy.__defaults__ = saved_defaults
         return out.loss.detach()
 
     notes = (
@@ -584,9 +589,9 @@ def versions() -> dict:
 
     out = {"python": platform.python_version()}
     try:
-        from eagle3ft.train import model, ttt
+        from eagle3ft.train import attention, losses, model, ttt
 
-        for mod in (model, ttt):
+        for mod in (model, ttt, attention, losses):
             with open(mod.__file__, "rb") as f:
                 out[f"sha256[{os.path.basename(mod.__file__)}]"] = hashlib.sha256(f.read()).hexdigest()[:12]
     except Exception:

@@ -30,7 +30,7 @@ rm -rf "$PKGROOT"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$PKGROOT" . >/dev/null
 export PYTHONPATH="$SITE:$PKGROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1  # the repo root's eagle3ft/ must not shadow the installed package
-python3 -c "import specforge.algorithms.eagle3.model, eagle3ft.train.ttt as t; print('imports ok:', t.__file__, 'ATTENTION =', t.ATTENTION)"
+python3 -c "import specforge.algorithms.eagle3.model, eagle3ft.train.attention as t; print('imports ok:', t.__file__, 'ATTENTION =', t.ATTENTION)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total,driver_version --format=csv || true
 
 if [[ " $RUNS " == *" a "* ]]; then

@@ -2,7 +2,7 @@
 
 What the speed work changed is kept here as it was (the fused head loss with recompute, the per-step
 unroll); what it left alone is imported: the targets, shift, TTTOutput, and the SDPA + causal_lse attention
-(train/ttt.py's "lse" path, the same code).
+(train/attention.py's "lse" path, the same code).
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from functools import partial
 
 import torch
 
+from eagle3ft.train.attention import lse_attention as ttt_attention
+from eagle3ft.train.attention import shift
 from eagle3ft.train.model import Eagle3Drafter
-from eagle3ft.train.ttt import TTTOutput, shift, ttt_targets
-from eagle3ft.train.ttt import lse_attention as ttt_attention
+from eagle3ft.train.ttt import TTTOutput, ttt_targets
 
 HEAD_CHUNK = 1024  # rows per chunk in the fused lm_head + cross-entropy
 

@@ -58,15 +58,15 @@ def attention_inputs(B, nh, nkv, T, hd, n_diag, dtype, seed):
 @pytest.mark.parametrize("nh,nkv,T,hd,n_diag", [(8, 8, 300, 128, 1), (8, 2, 257, 64, 6), (16, 16, 1024, 128, 3)])
 def test_flash_ttt_attention_matches_explicit_mask_fp64(monkeypatch, nh, nkv, T, hd, n_diag):
     """bf16 flash forward + LSE merge and its backward on CUDA, against the explicit-mask attention in fp64."""
-    from eagle3ft.train import ttt
+    from eagle3ft.train import attention as attn
 
-    monkeypatch.setattr(ttt, "ATTENTION", "flash")
+    monkeypatch.setattr(attn, "ATTENTION", "flash")
     calls = []
-    apply = ttt._FlashTTTAttention.apply
-    monkeypatch.setattr(ttt._FlashTTTAttention, "apply", lambda *a: calls.append(1) or apply(*a))
+    apply = attn._FlashTTTAttention.apply
+    monkeypatch.setattr(attn._FlashTTTAttention, "apply", lambda *a: calls.append(1) or apply(*a))
     x = attention_inputs(2, nh, nkv, T, hd, n_diag, torch.bfloat16, seed=T + n_diag)
     q, k0, v0, dk, dv = x[0], x[1], x[2], x[3::2], x[4::2]
-    out = ttt.ttt_attention(q, k0, v0, dk, dv)
+    out = attn.ttt_attention(q, k0, v0, dk, dv)
     assert calls, "the flash path was not taken"
     assert out.dtype == torch.bfloat16
     x64 = [t.detach().double().requires_grad_() for t in x]
@@ -88,12 +88,12 @@ def test_flash_ttt_attention_matches_explicit_mask_fp64(monkeypatch, nh, nkv, T,
 @pytest.mark.parametrize("n_diag", [0, 2])
 def test_lse_attention_fp32_on_cuda_matches_fp64(monkeypatch, n_diag):
     """fp32 on CUDA takes the "lse" path (causal SDPA + causal_lse): fp32 close to fp64, gradients included."""
-    from eagle3ft.train import ttt
+    from eagle3ft.train import attention as attn
 
     x = attention_inputs(1, 4, 2, 200, 64, n_diag, torch.float32, seed=n_diag)
     q, k0, v0, dk, dv = x[0], x[1], x[2], x[3::2], x[4::2]
-    assert not ttt._flash_ok(q)
-    out = ttt.ttt_attention(q, k0, v0, dk, dv)
+    assert not attn._flash_ok(q)
+    out = attn.ttt_attention(q, k0, v0, dk, dv)
     x64 = [t.detach().double().requires_grad_() for t in x]
     ref = explicit_attention(x64[0], x64[1], x64[2], x64[3::2], x64[4::2])
     w = torch.randn(ref.shape, device="cuda", dtype=torch.float64)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from eagle3ft.train.ttt import LK_EPS, TTTObjective, head_loss, ttt_forward
+from eagle3ft.train.losses import LK_EPS, head_loss
+from eagle3ft.train.ttt import TTTObjective, ttt_forward
 
 N, HD, VD, K = 9, 6, 13, 4
 

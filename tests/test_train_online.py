@@ -152,9 +152,9 @@ def test_collate_packed_layout_and_spans():
 @pytest.mark.parametrize("attention", ["flash", "lse"])
 def test_packed_batch_trains_as_one_sample_per_row(monkeypatch, attention):
     """Same loss, counts and gradients (fp32): attention and TTT targets stay inside each document."""
-    from eagle3ft.train import ttt
+    from eagle3ft.train import attention as attn
 
-    monkeypatch.setattr(ttt, "ATTENTION", attention)
+    monkeypatch.setattr(attn, "ATTENTION", attention)
     m = drafter(seed=3)
     params = [p for p in m.parameters() if p.requires_grad]
     lens = [10, 7, 4, 9]

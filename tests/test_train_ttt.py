@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train.attention import shift
+from eagle3ft.train.losses import head_cross_entropy
 from eagle3ft.train.model import Eagle3Drafter
-from eagle3ft.train.ttt import head_cross_entropy, shift, target_to_draft_map, topk_to_draft, ttt_forward
+from eagle3ft.train.ttt import target_to_draft_map, topk_to_draft, ttt_forward
 
 CFG = dict(
     hidden_size=32,
@@ -183,15 +185,15 @@ def explicit_attention(q, k0, v0, diag_k, diag_v):
 @pytest.mark.parametrize("nkv", [4, 2])
 @pytest.mark.parametrize("n_diag", [0, 1, 3])
 def test_ttt_attention_paths_match_explicit_mask(monkeypatch, attention, nkv, n_diag):
-    from eagle3ft.train import ttt
+    from eagle3ft.train import attention as attn
 
-    monkeypatch.setattr(ttt, "ATTENTION", attention)
+    monkeypatch.setattr(attn, "ATTENTION", attention)
     g = torch.Generator().manual_seed(n_diag * 10 + nkv)
     B, nh, T, hd = 2, 4, 9, 16
     q = (torch.randn(B, nh, T, hd, generator=g) * 2).requires_grad_()
     kv = [torch.randn(B, nkv, T, hd, generator=g).requires_grad_() for _ in range(2 * (1 + n_diag))]
     k0, v0, dk, dv = kv[0], kv[1], kv[2::2], kv[3::2]
-    out = ttt.ttt_attention(q, k0, v0, dk, dv)
+    out = attn.ttt_attention(q, k0, v0, dk, dv)
     ref = explicit_attention(q, k0, v0, dk, dv)
     w = torch.randn(ref.shape, generator=g)
     grads = torch.autograd.grad((out * w).sum(), [q, *kv])
@@ -204,14 +206,14 @@ def test_ttt_attention_paths_match_explicit_mask(monkeypatch, attention, nkv, n_
 @pytest.mark.parametrize("attention", ["flash", "lse"])
 def test_ttt_attention_bf16_close_to_fp32(monkeypatch, attention):
     """The flash path's in-place bf16 mixing and float32 weights: bf16 result within bf16 error of fp32."""
-    from eagle3ft.train import ttt
+    from eagle3ft.train import attention as attn
 
-    monkeypatch.setattr(ttt, "ATTENTION", attention)
+    monkeypatch.setattr(attn, "ATTENTION", attention)
     g = torch.Generator().manual_seed(0)
     q, k0, v0, k1, v1, k2, v2 = (torch.randn(1, 4, 32, 16, generator=g) for _ in range(7))
     ref = explicit_attention(q, k0, v0, [k1, k2], [v1, v2])
     half = [x.bfloat16().requires_grad_() for x in (q, k0, v0, k1, v1, k2, v2)]
-    out = ttt.ttt_attention(half[0], half[1], half[2], half[3::2], half[4::2])
+    out = attn.ttt_attention(half[0], half[1], half[2], half[3::2], half[4::2])
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert all(x.grad is not None and x.grad.dtype == torch.bfloat16 for x in half)
@@ -224,13 +226,13 @@ def test_ttt_fast_paths_match_baseline(monkeypatch, chunk):
     import importlib.util
     from pathlib import Path
 
-    from eagle3ft.train import ttt
+    from eagle3ft.train import losses, ttt
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "ttt_baseline.py"
     spec = importlib.util.spec_from_file_location("ttt_baseline", path)
     base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(base)
-    monkeypatch.setattr(ttt, "HEAD_CHUNK", chunk)
+    monkeypatch.setattr(losses, "HEAD_CHUNK", chunk)
     m = drafter(seed=7)
     b = batch(seed=8)
     params = [p for p in m.parameters() if p.requires_grad]

@@ -20,8 +20,8 @@ import torch
 
 from eagle3ft.config import resolve_path
 from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train.losses import HEAD_CHUNK_BYTES
 from eagle3ft.train.model import Eagle3Drafter
-from eagle3ft.train.ttt import HEAD_CHUNK_BYTES
 
 GIB = 2**30
 
