@@ -4,7 +4,8 @@ import pytest
 import torch
 from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 
-from eagle3ft.eval.accept_len import ChainCounts, SampleInputs, chain_acceptance, evaluate, tree_accept
+from eagle3ft.eval.accept_len import ChainCounts, evaluate
+from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance, tree_accept
 from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.train.model import DraftCache
 
