@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.config import build_parser, load_config
+from eagle3ft.cli import build_parser
+from eagle3ft.config import load_config
 from eagle3ft.data.store import FeatureStore
 from eagle3ft.targets.hf import load_target
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3ft.config import Config, HarvestConfig, cli_errors, parse_cli, resolve_path, to_dict
+from eagle3ft.cli import cli_errors, parse_cli
+from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError

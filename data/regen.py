@@ -47,7 +47,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle3ft.config import Config, cli_errors, parse_cli, to_dict
+from eagle3ft.cli import cli_errors, parse_cli
+from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.harvest import check_harvest_config, request_seed, sample_id
 from eagle3ft.data.prompts import Conversation, check_source, collect

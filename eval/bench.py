@@ -37,7 +37,7 @@ def run(cfg, run_dir: Path, log=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.config import cli_errors, parse_cli
+    from eagle3ft.cli import cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
     from eagle3ft.eval.preflight import check_or_exit
     from eagle3ft.targets.sglang_http import SGLangError

@@ -193,7 +193,7 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.config import build_parser, parse_cli
+    from eagle3ft.cli import build_parser, parse_cli
     from eagle3ft.eval.preflight import check_or_exit
 
     desc = "Speculation economics from a benchmark run; with bench.calibration, tok/s predicted from offline tau."

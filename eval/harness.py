@@ -117,7 +117,7 @@ def gpu_clocks() -> list[dict] | None:
 def base_environment(device: torch.device | str | None = None) -> dict:
     import transformers
 
-    from eagle3ft.config import code_version
+    from eagle3ft.cli import code_version
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     env = {

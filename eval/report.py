@@ -606,7 +606,7 @@ def markdown(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.config import parse_cli
+    from eagle3ft.cli import parse_cli
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(

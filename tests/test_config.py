@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, parse_cli
+from eagle3ft.cli import parse_cli
+from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config
 
 SHIPPED = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
@@ -119,7 +120,7 @@ def test_not_utf8_config_is_named(tmp_path):
 
 
 def test_cli_errors_print_one_line_and_the_traceback_only_with_debug(monkeypatch, capsys):
-    from eagle3ft.config import DEBUG_ENV, cli_errors
+    from eagle3ft.cli import DEBUG_ENV, cli_errors
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     with pytest.raises(SystemExit) as e:
@@ -140,7 +141,7 @@ def test_cli_errors_print_one_line_and_the_traceback_only_with_debug(monkeypatch
 
 
 def test_debug_flag_sets_the_env_for_cli_errors(tmp_path, monkeypatch):
-    from eagle3ft.config import DEBUG_ENV
+    from eagle3ft.cli import DEBUG_ENV
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     parse_cli(

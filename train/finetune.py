@@ -12,7 +12,7 @@ import os
 import sys
 from contextlib import nullcontext
 
-from eagle3ft.config import build_parser, cli_errors, parse_cli, save_resolved
+from eagle3ft.cli import build_parser, cli_errors, parse_cli, save_resolved
 from eagle3ft.data.store import StoreError
 from eagle3ft.runlock import RunLocked, run_lock
 from eagle3ft.train.loop import NonFiniteLoss, OutOfMemoryHint, main

@@ -231,7 +231,7 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.config import build_parser, cli_errors, parse_cli
+    from eagle3ft.cli import build_parser, cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
 
     ap = build_parser("Held-out greedy chain tau of an exported drafter through the TTT unroll (as training logs it).")

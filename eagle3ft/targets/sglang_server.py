@@ -33,7 +33,8 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.config import BenchSetting, Config, build_parser, parse_cli, resolve_path
+from eagle3ft.cli import build_parser, parse_cli
+from eagle3ft.config import BenchSetting, Config, resolve_path
 from eagle3ft.drafter_config import DrafterConfig
 
 ROLES = ("harvest", "baseline", "speculative")
