@@ -66,8 +66,8 @@ class TargetConfig:
 
 
 @dataclass
-class DrafterConfig:
-    """The EAGLE-3 drafter: its architecture (HF config.json form) and where it starts."""
+class DrafterSection:
+    """The run's drafter: its architecture (a config.json, read by eagle3ft/drafter_config.py) and where it starts."""
 
     config: str = "configs/drafters/smollm2-135m.json"  # architecture, in SGLang's config.json form
     init: str | None = None  # an existing drafter folder (SGLang form) to warm-start from; None = scratch
@@ -260,7 +260,7 @@ class Config:
     run_name: str = "run"
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
-    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
     harvest: HarvestConfig = field(default_factory=HarvestConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
