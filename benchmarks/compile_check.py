@@ -245,8 +245,10 @@ def main(argv=None) -> dict:
         torch.backends.cudnn.allow_tf32 = False
     cfg = DrafterConfig.from_json(a.drafter)
     print(
-        f"# {a.dims}: {a.drafter}; H {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x {cfg.head_dim}, "
-        f"ffn {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}; B {a.batch} x T {a.seq}, TTT {a.ttt}; {a.dtype} on {dev}, "
+        f"# {a.dims}: {a.drafter}; H {cfg.hidden_size}, heads {cfg.num_attention_heads}/{cfg.num_key_value_heads} x "
+        f"{cfg.head_dim}, "
+        f"ffn {cfg.intermediate_size}, Vd {cfg.draft_vocab_size}; B {a.batch} x T {a.seq}, TTT {a.ttt}; {a.dtype} on "
+        f"{dev}, "
         f"reference {str(ref_dtype)[6:]} on {ref_dev}; torch {torch.__version__}, ATTENTION={attention.ATTENTION}",
         flush=True,
     )
@@ -274,7 +276,8 @@ def main(argv=None) -> dict:
         passes[name] = run_pass(model, batch, a.ttt, a.decay)
         times[name] = time.perf_counter() - t0
         print(
-            f"# {name}: loss {passes[name]['loss']:.6f} ({times[name]:.1f} s{', compiles included' if name == 'compiled' else ''})",
+            f"# {name}: loss {passes[name]['loss']:.6f} ({times[name]:.1f} "
+            f"s{', compiles included' if name == 'compiled' else ''})",
             flush=True,
         )
     if emulate_model is not None:
@@ -348,8 +351,10 @@ def main(argv=None) -> dict:
             statistics.median(r["emulate_vs_eager"] for r in rows),
         )
         print(
-            f"emulate_precision_casts: median rel difference to eager {gap:.3e} compiled, {emul:.3e} compiled with eager's "
-            f"roundings ({'the compiled/eager gap is intermediate rounding' if emul < gap / 4 else 'rounding does not explain the gap'})"
+            f"emulate_precision_casts: median rel difference to eager {gap:.3e} compiled, {emul:.3e} compiled with "
+            "eager's "
+            "roundings "
+            f"({'the compiled/eager gap is intermediate rounding' if emul < gap / 4 else 'rounding does not explain the gap'})"
         )
     fwd = [r for r in rows if r["tensor"].startswith("step")]
     part = next((r["tensor"] for r in fwd if r["compiled_vs_eager"] > max(10 * r["eager_noise"], floor)), None)
@@ -395,7 +400,8 @@ def main(argv=None) -> dict:
         print(
             "last loss: "
             + ", ".join(f"{k} {v:.4f}" for k, v in last.items())
-            + f"; eager-ref {last['eager'] - last['reference']:+.4f}, compiled-ref {last['compiled'] - last['reference']:+.4f}"
+            + f"; eager-ref {last['eager'] - last['reference']:+.4f}, compiled-ref "
+            f"{last['compiled'] - last['reference']:+.4f}"
         )
         report["trajectory"] = traj
 

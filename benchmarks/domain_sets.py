@@ -25,7 +25,8 @@ from eagle3ft.data.prompts import iter_records, mtbench_path, raw_messages
 
 CODE = re.compile(
     r"```|\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|html|css|react|node\.?js|django|flask|pandas|numpy|"
-    r"bash|shell script|regex|api|json|function|class|method|compile|debug|bug|stack ?trace|exception|code|script|program)\b",
+    r"bash|shell script|regex|api|json|function|class|method|compile|debug|bug|stack "
+    r"?trace|exception|code|script|program)\b",
     re.IGNORECASE,
 )
 CODEMATH = {"coding", "math"}
@@ -79,8 +80,10 @@ def main() -> None:
         "".join(json.dumps(r) + "\n" for r in rows if r["category"] not in CODEMATH)
     )
     print(
-        f"code: {len(picked)} of {seen} records after #{a.skip} ({len(picked) / seen:.0%}): {a.train} train, {a.heldout} held out; "
-        f"MT-Bench: {sum(r['category'] in CODEMATH for r in rows)} coding+math, {sum(r['category'] not in CODEMATH for r in rows)} general"
+        f"code: {len(picked)} of {seen} records after #{a.skip} ({len(picked) / seen:.0%}): {a.train} train, "
+        f"{a.heldout} held out; "
+        f"MT-Bench: {sum(r['category'] in CODEMATH for r in rows)} coding+math, "
+        f"{sum(r['category'] not in CODEMATH for r in rows)} general"
     )
 
 

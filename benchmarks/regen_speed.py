@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / "regen_speed.json").write_text(json.dumps(results, indent=1))
     best = max(results, key=lambda r: r["answer_tokens_per_s"])
     print(
-        f"best: {best['answer_tokens_per_s']:,.0f} answer tokens/s at {best['in_flight_per_server']} requests x {best['prompts_per_request']} prompts per server ({best['servers']} server(s))",
+        f"best: {best['answer_tokens_per_s']:,.0f} answer tokens/s at {best['in_flight_per_server']} requests x "
+        f"{best['prompts_per_request']} prompts per server ({best['servers']} server(s))",
         file=sys.stderr,
     )
 

@@ -86,7 +86,8 @@ def main() -> None:
                 }
             )
             print(
-                f"  step {a['step']}: samples {'same' if same else 'DIFFER'}; loss {a['loss']:.6f} | on 2 {b['loss']:.6f} | on 1 {c['loss']:.6f}",
+                f"  step {a['step']}: samples {'same' if same else 'DIFFER'}; loss {a['loss']:.6f} | on 2 "
+                f"{b['loss']:.6f} | on 1 {c['loss']:.6f}",
                 flush=True,
             )
         steps_ok = [r["step"] for r in r2] == [r["step"] for r in r1] == list(range(1, 9))
@@ -98,7 +99,8 @@ def main() -> None:
             "steps": table,
         }
         print(
-            f"  steps once each: {steps_ok}; max relative loss difference: on 2 {result[zero]['max_rel_diff_on_2']:.2e}, on 1 {result[zero]['max_rel_diff_on_1']:.2e}",
+            f"  steps once each: {steps_ok}; max relative loss difference: on 2 "
+            f"{result[zero]['max_rel_diff_on_2']:.2e}, on 1 {result[zero]['max_rel_diff_on_1']:.2e}",
             flush=True,
         )
     args.out.mkdir(parents=True, exist_ok=True)

@@ -145,13 +145,15 @@ def table(points: list[Point], fits: list[Fit], gain: float) -> str:
         lines.append(f"  {_si(tok):>13} {('-' if ep is None else f'{ep:g}'):>6}  {run}")
     lines += ["", f"fit tau = a + b*ln(answer tokens); the next +{gain:g} tau takes exp({gain:g}/b) times the data", ""]
     lines.append(
-        f"{'set':<12} {'setting':<8} {'sizes':>5} {'tau@max':>7} {'b/e-fold':>8} {'b/x2':>6} {'R2':>5} {'x data':>7} {'tokens':>8}"
+        f"{'set':<12} {'setting':<8} {'sizes':>5} {'tau@max':>7} {'b/e-fold':>8} {'b/x2':>6} {'R2':>5} {'x data':>7} "
+        f"{'tokens':>8}"
     )
     for f in fits:
         r2 = "-" if f.r2 is None else f"{f.r2:.2f}"
         xd = "-" if f.data_factor is None else f"{f.data_factor:.3g}"
         lines.append(
-            f"{f.set:<12} {f.setting:<8} {f.n:>5} {f.tau_at_max:>7.3f} {f.b:>8.3f} {f.b * math.log(2):>6.3f} {r2:>5} {xd:>7} {_si(f.tokens_for_gain):>8}"
+            f"{f.set:<12} {f.setting:<8} {f.n:>5} {f.tau_at_max:>7.3f} {f.b:>8.3f} {f.b * math.log(2):>6.3f} {r2:>5} "
+            f"{xd:>7} {_si(f.tokens_for_gain):>8}"
         )
     return "\n".join(lines)
 

@@ -110,7 +110,8 @@ def main() -> None:
     for r in result["rows"]:
         stored = "-" if r["argmax_in_stored_topk"] is None else f"{r['argmax_in_stored_topk']:.4f}"
         print(
-            f"{r['K']:>3} {r['mass_mean']:>10.4f} {r['mass_p05']:>9.4f} {stored:>17} {r['sampled_in_topk']:>11.4f} {r['next_in_topk']:>8.4f}"
+            f"{r['K']:>3} {r['mass_mean']:>10.4f} {r['mass_p05']:>9.4f} {stored:>17} {r['sampled_in_topk']:>11.4f} "
+            f"{r['next_in_topk']:>8.4f}"
         )
 
 

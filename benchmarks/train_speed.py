@@ -639,8 +639,10 @@ def main(argv=None) -> int:
 
     flops = flop_count(a)
     print(
-        f"# dims: hidden {a.hidden} (target {a.target_hidden}), heads {a.heads}/{a.kv_heads} x {a.head_dim}, ffn {a.ffn}, "
-        f"draft vocab {a.draft_vocab}, vocab {a.vocab}, seq {a.seq}, batch {a.batch}, TTT {a.ttt}, {a.dtype} on {device}"
+        f"# dims: hidden {a.hidden} (target {a.target_hidden}), heads {a.heads}/{a.kv_heads} x {a.head_dim}, ffn "
+        f"{a.ffn}, "
+        f"draft vocab {a.draft_vocab}, vocab {a.vocab}, seq {a.seq}, batch {a.batch}, TTT {a.ttt}, {a.dtype} on "
+        f"{device}"
     )
     unit, uname = flop_unit(flops["train_per_token"])
     print(f"# {uname} per token (GUIDE section 5), forward:")
@@ -649,7 +651,8 @@ def main(argv=None) -> int:
     print(f"#   {'forward total':<22} {fmt_flop(flops['forward_total'], unit)}")
     print(f"#   {'train (x3)':<22} {fmt_flop(flops['train_per_token'], unit)}")
     print(
-        f"#   not model FLOPs (forward only): full-vocab target head {fmt_flop(flops['extra_target_head_full_vocab'], unit)}, "
+        "#   not model FLOPs (forward only): full-vocab target head "
+        f"{fmt_flop(flops['extra_target_head_full_vocab'], unit)}, "
         f"its draft-vocab rows {fmt_flop(flops['extra_target_head_draft_vocab'], unit)}"
     )
 

@@ -219,8 +219,10 @@ def check_argmax_rate(manifest: dict, chunk: Counter, h: HarvestConfig, where: s
     total = Counter(manifest.get("chunk_counts", {}).get("argmax_check", {})) + chunk
     if total["checked"] and total["mismatched"] > h.argmax_max_mismatch * total["checked"]:
         raise HarvestRefused(
-            f"harvest refused at {where}: {total['mismatched']} of {total['checked']} tokens generated at T=0 are not the target's "
-            f"argmax in the returned top-k (near-ties within {h.argmax_tie_eps} pass; limit harvest.argmax_max_mismatch={h.argmax_max_mismatch}): "
+            f"harvest refused at {where}: {total['mismatched']} of {total['checked']} tokens generated at T=0 are not "
+            "the target's "
+            f"argmax in the returned top-k (near-ties within {h.argmax_tie_eps} pass; limit "
+            f"harvest.argmax_max_mismatch={h.argmax_max_mismatch}): "
             "the server's per-token rows are shifted or from another computation; nothing of this chunk was written"
         )
 
@@ -243,7 +245,8 @@ def check_harvest_config(h: HarvestConfig) -> None:
         raise ValueError(f"harvest.aux_dtype {h.aux_dtype!r} is not one of {', '.join(AUX_DTYPES)}")
     if h.argmax_tie_eps < 0 or not 0.0 <= h.argmax_max_mismatch <= 1.0:
         raise ValueError(
-            f"harvest.argmax_tie_eps must be >= 0 and harvest.argmax_max_mismatch in [0, 1], got {h.argmax_tie_eps} and {h.argmax_max_mismatch}"
+            f"harvest.argmax_tie_eps must be >= 0 and harvest.argmax_max_mismatch in [0, 1], got {h.argmax_tie_eps} "
+            f"and {h.argmax_max_mismatch}"
         )
 
 
@@ -312,7 +315,8 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
     damaged = writer.damaged()
     if damaged:
         raise StoreError(
-            f"{features_dir}: {len(damaged)} committed shard(s) are damaged ({'; '.join(damaged[:3])}{'; ...' if len(damaged) > 3 else ''}): "
+            f"{features_dir}: {len(damaged)} committed shard(s) are damaged "
+            f"({'; '.join(damaged[:3])}{'; ...' if len(damaged) > 3 else ''}): "
             "restore them, or harvest into a new run dir"
         )
     sampling = Sampling(temperature=h.temperature, top_p=h.top_p, topk=h.topk, last_hidden=h.store_last_hidden)

@@ -79,7 +79,8 @@ def member(features_dir: Path, name, manifest: Path) -> Path:
     """features_dir/name for a file the manifest lists; StoreError unless it is a plain file name there."""
     if not isinstance(name, str) or not _MEMBER.fullmatch(name):
         raise StoreError(
-            f"{manifest}: entry {name!r} is not a *.safetensors file name inside {features_dir} (no folders, '..' or absolute paths)"
+            f"{manifest}: entry {name!r} is not a *.safetensors file name inside {features_dir} (no folders, '..' or "
+            "absolute paths)"
         )
     return features_dir / name
 

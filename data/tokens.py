@@ -72,7 +72,8 @@ def check_tokenizer(tokens_dir: str | Path, tokenizer) -> None:
     have = TokenStore(tokens_dir, verify=False).identity.get("tokenizer_sha256")
     if have != tokenizer_digest(tokenizer):
         raise StoreError(
-            f"{tokens_dir}: the token store was made with another tokenizer (vocabulary sha256 {have} != {tokenizer_digest(tokenizer)})"
+            f"{tokens_dir}: the token store was made with another tokenizer (vocabulary sha256 {have} != "
+            f"{tokenizer_digest(tokenizer)})"
         )
 
 

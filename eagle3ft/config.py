@@ -131,7 +131,8 @@ class HarvestConfig:
     heldout_fraction: float = 0.05
     dedupe: bool = True
     shard_samples: int = 256  # samples per shard
-    argmax_tie_eps: float = 0.05  # T=0 check: a generated token whose log-prob is within this of the top-1's counts as the argmax (near-tie)
+    # T=0 check: a generated token whose log-prob is within this of the top-1's counts as the argmax (near-tie)
+    argmax_tie_eps: float = 0.05
     argmax_max_mismatch: float = (
         0.05  # T=0 check: refuse the harvest when more than this fraction of generated tokens are not the argmax
     )
@@ -168,11 +169,14 @@ class TrainConfig:
     stop_after: int | None = (
         None  # end this invocation after this many optimizer steps (a job time limit); resume continues
     )
-    loss: str = "ce"  # ce | tv (1 - Σ min(p, q)) | lk (-log Σ min(p, q)) | lk_hybrid (exp(-η·α)·KL + (1 - exp(-η·α))·TV): train/ttt.py
+    # ce | tv (1 - Σ min(p, q)) | lk (-log Σ min(p, q)) | lk_hybrid (exp(-η·α)·KL + (1 - exp(-η·α))·TV): train/ttt.py
+    loss: str = "ce"
     lk_eta: float = 3.0  # η of lk_hybrid
-    eval_every: int = 200  # held-out greedy chain τ (depth eval.steps) every this many optimizer steps and at the end; 0 = at the end only
+    # held-out greedy chain τ (depth eval.steps) every this many optimizer steps and at the end; 0 = at the end only
+    eval_every: int = 200
     eval_samples: int = 256  # the first this many held-out samples form the fixed held-out set (train/validate.py)
-    features: str = "offline"  # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
+    # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
+    features: str = "offline"
     pack_tokens: int | None = (
         None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
     )
@@ -237,7 +241,8 @@ class ServeConfig:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 1800.0
     launch_cmd: list[str] = field(default_factory=lambda: ["-m", "sglang.launch_server"])  # after `python`
-    harvest_capture: str = "eagle3"  # eagle3: a draft model makes the server return its aux layers (any version) | aux_flag: SGLang >= 0.5.23, no draft
+    # eagle3: a draft model makes the server return its aux layers (any version) | aux_flag: SGLang >= 0.5.23, no draft
+    harvest_capture: str = "eagle3"
     harvest_draft: str | None = None  # drafter folder (SGLang form) for harvest_capture=eagle3; default drafter.init
     harvest_setting: BenchSetting = field(
         default_factory=lambda: BenchSetting(1, 1, 2)

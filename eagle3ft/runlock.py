@@ -59,7 +59,10 @@ def pid_alive(pid: int) -> bool:
 
 
 def describe(owner: dict) -> str:
-    return f"{owner.get('stage', '?')} (pid {owner.get('pid', '?')} on {owner.get('host', '?')}, since {owner.get('started', '?')})"
+    return (
+        f"{owner.get('stage', '?')} (pid {owner.get('pid', '?')} on {owner.get('host', '?')}, since "
+        f"{owner.get('started', '?')})"
+    )
 
 
 def _stale(owner: dict) -> bool:
@@ -95,7 +98,8 @@ class RunLock:
                     continue  # released meanwhile: try again
                 if owner and _stale(owner):
                     print(
-                        f"{self.stage}: taking over the stale lock {self.path} of {describe(owner)}: that process is gone",
+                        f"{self.stage}: taking over the stale lock {self.path} of {describe(owner)}: that process is "
+                        "gone",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -105,7 +109,8 @@ class RunLock:
                     time.sleep(0.05)  # its owner is still writing it
                     continue
                 raise RunLocked(
-                    f"{self.path.parent} is in use by {describe(owner)}; wait for it to finish (or, if it is gone, delete {self.path})"
+                    f"{self.path.parent} is in use by {describe(owner)}; wait for it to finish (or, if it is gone, "
+                    f"delete {self.path})"
                 )
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self.owner) + "\n")

@@ -82,24 +82,28 @@ def check_vocab(
         raise ValueError(f"{where}: t2d must be a 1-D bool tensor, got {t2d.dtype} of shape {tuple(t2d.shape)}")
     if d2t.numel() != draft_vocab_size or t2d.numel() != vocab_size:
         raise ValueError(
-            f"{where}: vocab sizes d2t {d2t.numel()} / t2d {t2d.numel()} != draft {draft_vocab_size} / target {vocab_size}"
+            f"{where}: vocab sizes d2t {d2t.numel()} / t2d {t2d.numel()} != draft {draft_vocab_size} / target "
+            f"{vocab_size}"
         )
     target_ids = torch.arange(draft_vocab_size) + d2t.to(torch.int64)
     out = ((target_ids < 0) | (target_ids >= vocab_size)).nonzero().flatten()
     if out.numel():
         i = int(out[0])
         raise ValueError(
-            f"{where}: d2t maps {out.numel()} draft ids outside the target vocab [0, {vocab_size}), first draft id {i} -> {int(target_ids[i])}"
+            f"{where}: d2t maps {out.numel()} draft ids outside the target vocab [0, {vocab_size}), first draft id {i} "
+            f"-> {int(target_ids[i])}"
         )
     if int(target_ids.unique().numel()) != draft_vocab_size:
         raise ValueError(
-            f"{where}: d2t maps several draft ids to one target id ({int(target_ids.unique().numel())} distinct of {draft_vocab_size})"
+            f"{where}: d2t maps several draft ids to one target id ({int(target_ids.unique().numel())} distinct of "
+            f"{draft_vocab_size})"
         )
     unmarked = (~t2d[target_ids]).nonzero().flatten()
     if unmarked.numel():
         i = int(unmarked[0])
         raise ValueError(
-            f"{where}: d2t and t2d disagree: {unmarked.numel()} draft ids map to target ids t2d does not mark, first draft id {i} -> {int(target_ids[i])}"
+            f"{where}: d2t and t2d disagree: {unmarked.numel()} draft ids map to target ids t2d does not mark, first "
+            f"draft id {i} -> {int(target_ids[i])}"
         )
     if int(t2d.sum()) != draft_vocab_size:
         raise ValueError(

@@ -165,19 +165,22 @@ def evaluate(
 
 def format_report(rep: AcceptReport) -> str:
     lines = [
-        f"offline accept length over {rep.samples} samples, {rep.roots} roots: tau = {rep.headline_tau:.3f} ({rep.headline})"
+        f"offline accept length over {rep.samples} samples, {rep.roots} roots: tau = {rep.headline_tau:.3f} "
+        f"({rep.headline})"
     ]
     lines.append(f"{'depth':>5} {'a_k greedy':>10} {'a_k sampled':>11} {'acc_k uncond':>12} {'chains':>7}")
     for gr, sr in zip(rep.greedy["per_depth"], rep.sampled["per_depth"]):
         lines.append(
-            f"{gr['depth']:>5} {gr['a_k']:>10.3f} {sr['a_k']:>11.3f} {gr['acc_k_unconditional']:>12.3f} {gr['chains']:>7}"
+            f"{gr['depth']:>5} {gr['a_k']:>10.3f} {sr['a_k']:>11.3f} {gr['acc_k_unconditional']:>12.3f} "
+            f"{gr['chains']:>7}"
         )
     lines.append(
         f"tau chain greedy {rep.greedy['tau']:.3f}; sampled (T={rep.sampled['temperature']:g}) {rep.sampled['tau']:.3f}"
     )
     if rep.tree:
         lines.append(
-            f"tau tree {rep.steps}/{rep.topk}/{rep.num_draft_tokens} (greedy) {rep.tree['tau']:.3f} over {rep.tree['roots']} roots"
+            f"tau tree {rep.steps}/{rep.topk}/{rep.num_draft_tokens} (greedy) {rep.tree['tau']:.3f} over "
+            f"{rep.tree['roots']} roots"
         )
     return "\n".join(lines)
 

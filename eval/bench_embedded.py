@@ -137,7 +137,8 @@ class EmbeddedBackend:
     def run_speculative(self, prompts, setting, max_new_tokens):
         if setting.topk != 1 or setting.num_draft_tokens != setting.steps + 1:
             raise ValueError(
-                f"embedded backend drafts chains only: setting {setting.key} needs topk 1 and num_draft_tokens = steps + 1"
+                f"embedded backend drafts chains only: setting {setting.key} needs topk 1 and num_draft_tokens = steps "
+                "+ 1"
             )
         dec = TimedSpeculativeDecoder(
             self.model, self.drafter, self.aux_layer_ids, setting.steps, self.temperature, self.eos_ids, self.generator

@@ -194,13 +194,16 @@ class SGLangBackend:
                 ):
                     if not bc.launch:
                         raise SGLangError(
-                            f"bench.speculative_url {url} serves {si.raw.get('speculative_algorithm')} {'/'.join(map(str, have))}, not EAGLE3 {setting.key}; set bench.launch to start the others"
+                            f"bench.speculative_url {url} serves {si.raw.get('speculative_algorithm')} "
+                            f"{'/'.join(map(str, have))}, not EAGLE3 {setting.key}; set bench.launch to "
+                            "start the others"
                         )
                     return self._launch(key, setting)
             return url
         if not bc.launch:
             raise SGLangError(
-                f"no server for {key}: set bench.{'baseline' if setting is None else 'speculative'}_url or bench.launch: true"
+                f"no server for {key}: set bench.{'baseline' if setting is None else 'speculative'}_url or "
+                "bench.launch: true"
             )
         return self._launch(key, setting)
 

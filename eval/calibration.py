@@ -65,14 +65,16 @@ def load_calibration(path: str | Path) -> dict:
         cal = json.loads(path.read_text())
     except FileNotFoundError:
         raise CalibrationError(
-            f"{path}: no such calibration file (bench.calibration; every eval/bench.py run writes RUN/bench/calibration.json)"
+            f"{path}: no such calibration file (bench.calibration; every eval/bench.py run writes "
+            "RUN/bench/calibration.json)"
         ) from None
     except (OSError, json.JSONDecodeError) as e:
         raise CalibrationError(f"{path}: not a calibration file ({e})") from None
     missing = [k for k in ("schema", "baseline_s_per_token", "costs", "settings") if k not in cal]
     if missing or cal["schema"] != CALIBRATION_SCHEMA:
         raise CalibrationError(
-            f"{path}: not a schema-{CALIBRATION_SCHEMA} calibration file (missing {missing or 'nothing'}, schema {cal.get('schema')})"
+            f"{path}: not a schema-{CALIBRATION_SCHEMA} calibration file (missing {missing or 'nothing'}, schema "
+            f"{cal.get('schema')})"
         )
     return {**cal, "path": str(path)}
 
@@ -137,9 +139,16 @@ def format_prediction(p: dict) -> str:
     ]
     lines += [f"  warning: {w}" for w in p.get("warnings", [])]
     for r in p["rows"]:
-        line = f"  {r['setting']:>7} tau offline {r['tau_offline']:.2f} x cycle {r['cycle_ms']:.2f} ms ({r['cycle_basis']}) -> {r['predicted_tok_s']:.1f} tok/s (x{r['predicted_speedup']:.2f})"
+        line = (
+            f"  {r['setting']:>7} tau offline {r['tau_offline']:.2f} x cycle {r['cycle_ms']:.2f} ms "
+            f"({r['cycle_basis']}) -> {r['predicted_tok_s']:.1f} tok/s (x{r['predicted_speedup']:.2f})"
+        )
         if r.get("measured_tok_s") is not None:
-            line += f"; measured {r['measured_tok_s']:.1f} (x{fmt(r['measured_speedup'])}), error {r['error_pct']:+.1f}% (speed-up {fmt(r['speedup_error_pct'], '{:+.1f}')}%, from live tau {fmt(r['error_pct_live_tau'], '{:+.1f}')}%)"
+            line += (
+                f"; measured {r['measured_tok_s']:.1f} (x{fmt(r['measured_speedup'])}), error "
+                f"{r['error_pct']:+.1f}% (speed-up {fmt(r['speedup_error_pct'], '{:+.1f}')}%, from live tau "
+                f"{fmt(r['error_pct_live_tau'], '{:+.1f}')}%)"
+            )
         lines.append(line)
     return "\n".join(lines)
 

@@ -143,7 +143,8 @@ def format_table(ec: Economics) -> str:
     ]
     for r in ec.settings:
         lines.append(
-            f"{r.setting:>9} {r.cycle_ms:>9.2f} {fmt(r.measured_cycle_ms):>9} {r.break_even_tau:>10.2f} {fmt(r.tau_live):>8} "
+            f"{r.setting:>9} {r.cycle_ms:>9.2f} {fmt(r.measured_cycle_ms):>9} {r.break_even_tau:>10.2f} "
+            f"{fmt(r.tau_live):>8} "
             f"{fmt(r.tau_offline):>8} {fmt(r.predicted_tok_s_live_tau, '{:.1f}'):>10} "
             f"{fmt(r.predicted_tok_s_offline_tau, '{:.1f}'):>10} {fmt(r.measured_tok_s, '{:.1f}'):>9}"
         )
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     elif pred is not None:
         print(format_prediction(pred))
         print(
-            f"no {run_dir / 'bench' / 'summary.json'} yet: this prediction is in {run_dir / 'bench' / 'prediction.json'}"
+            f"no {run_dir / 'bench' / 'summary.json'} yet: this prediction is in "
+            f"{run_dir / 'bench' / 'prediction.json'}"
         )
 
 

@@ -265,7 +265,10 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         overhead_s = max(0.0, _median(overheads) or 0.0)
     else:
         verify_costs = {r["setting"]["num_draft_tokens"]: r["cycle_s"] for r in spec_rows if r["cycle_s"]}
-        source = "whole draft+verify cycle per setting (decode time / verify count, median over passes): draft cost folded into verify"
+        source = (
+            "whole draft+verify cycle per setting (decode time / verify count, median over passes): draft cost "
+            "folded into verify"
+        )
         draft_forward_s, overhead_s = 0.0, 0.0
     return {
         "baseline": {
@@ -292,7 +295,8 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
     out = run_dir / "bench"
     out.mkdir(parents=True, exist_ok=True)
     log(
-        f"bench: {backend.name}, {len(prompts)} prompts, {bc.max_new_tokens} new tokens, {bc.repetitions} repetitions, settings {[s.key for s in settings]}"
+        f"bench: {backend.name}, {len(prompts)} prompts, {bc.max_new_tokens} new tokens, {bc.repetitions} repetitions, "
+        f"settings {[s.key for s in settings]}"
     )
     backend.run_baseline(
         prompts[:1], bc.max_new_tokens
@@ -345,7 +349,8 @@ def format_summary(s: dict) -> str:
     for r in s["speculative"]:
         t = r["tok_s"]
         lines.append(
-            f"spec {r['key']:<7} {t['median']:8.1f} tok/s ({t['min']:.1f}-{t['max']:.1f})  x{r['speedup_median']:.2f}  tau {r['tau']:.2f}"
+            f"spec {r['key']:<7} {t['median']:8.1f} tok/s ({t['min']:.1f}-{t['max']:.1f})  x{r['speedup_median']:.2f}  "
+            f"tau {r['tau']:.2f}"
             + (f"  verify {r['verify_ms']:.2f} ms  draft fwd {r['draft_forward_ms']:.2f} ms" if r["verify_ms"] else "")
         )
     return "\n".join(lines)

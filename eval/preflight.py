@@ -77,7 +77,10 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
         return drafter()
     calibration = resolve_path(cfg.bench.calibration) if cfg.bench.calibration else None
     if stage in ("bench", "economics") and calibration and not calibration.is_file():
-        return f"no calibration file {calibration} (bench.calibration): every eval/bench.py run writes RUN/bench/calibration.json"
+        return (
+            f"no calibration file {calibration} (bench.calibration): every eval/bench.py run writes "
+            "RUN/bench/calibration.json"
+        )
     if stage == "bench":  # running SGLang servers given by URL hold their drafter: nothing to check here
         return None if cfg.bench.backend == "sglang" and not cfg.bench.launch else drafter()
     if stage == "economics":
@@ -89,7 +92,8 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
         return None
     return (
         drafter()
-        or f"nothing to report in {run_dir} (no {offline}, no {summary}): run {stage_command('eval/accept_len.py', config, run_dir)}"
+        or f"nothing to report in {run_dir} (no {offline}, no {summary}): run "
+        f"{stage_command('eval/accept_len.py', config, run_dir)}"
     )
 
 

@@ -65,7 +65,8 @@ def verdict(h: dict) -> str | None:
     speed = f"{abs(1 - sp) * 100:.0f}% {'slower' if sp < 1 else 'faster'}"
     link = "so" if (tau < be) == (sp < 1) else "yet, measured,"
     out = (
-        f"τ {tau:.2f} is {side} the break-even {be:.2f} at {h['setting']}, {link} speculation is {speed} than plain decoding "
+        f"τ {tau:.2f} is {side} the break-even {be:.2f} at {h['setting']}, {link} speculation is {speed} than plain "
+        "decoding "
         f"({h['speculative_tok_s']:.1f} against {h['baseline_tok_s']:.1f} tok/s)."
     )
     if h.get("max_tau") is not None and be > h["max_tau"]:
@@ -81,7 +82,8 @@ def prediction_verdict(p: dict) -> str | None:
     side = "below" if best["tau_offline"] < best["break_even_tau"] else "above"
     sp = best["predicted_speedup"]
     return (
-        f"Predicted (no live benchmark yet): offline τ {best['tau_offline']:.2f} is {side} the break-even {best['break_even_tau']:.2f} "
+        f"Predicted (no live benchmark yet): offline τ {best['tau_offline']:.2f} is {side} the break-even "
+        f"{best['break_even_tau']:.2f} "
         f"at {best['setting']} with the costs of {p['calibration']['source_run']}, so speculation would be "
         f"{abs(1 - sp) * 100:.0f}% {'slower' if sp < 1 else 'faster'} ({best['predicted_tok_s']:.1f} tok/s)."
     )

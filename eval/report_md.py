@@ -36,8 +36,10 @@ def headline_text(h: dict) -> str:
     parts = [f"tau offline {_f(h.get('tau_offline'))}"]
     if "tau_live" in h:
         parts += [
-            f"tau live {_f(h['tau_live'])} (setting {h['setting']}, offline at it {_f(h.get('tau_offline_same_setting'))})",
-            f"tok/s baseline {_f(h['baseline_tok_s'], '{:.1f}')} vs speculative {_f(h['speculative_tok_s'], '{:.1f}')} (x{h['speedup']:.2f})",
+            f"tau live {_f(h['tau_live'])} (setting {h['setting']}, offline at it "
+            f"{_f(h.get('tau_offline_same_setting'))})",
+            f"tok/s baseline {_f(h['baseline_tok_s'], '{:.1f}')} vs speculative {_f(h['speculative_tok_s'], '{:.1f}')} "
+            f"(x{h['speedup']:.2f})",
             f"break-even tau {_f(h['break_even_tau'])}",
         ]
     return "; ".join(parts)
@@ -58,7 +60,8 @@ def _md_train(r: dict) -> list[str]:
         return L + ["no train/metrics.jsonl", ""]
     if t:
         L += [
-            f"{r['train']['steps']} logged steps; last step {t['step']}: loss {t['loss']:.3f}, depth-1 accuracy {t['acc'][0]:.3f}.",
+            f"{r['train']['steps']} logged steps; last step {t['step']}: loss {t['loss']:.3f}, depth-1 accuracy "
+            f"{t['acc'][0]:.3f}.",
             "",
         ]
         if "accept_len_est" in t:
@@ -69,7 +72,8 @@ def _md_train(r: dict) -> list[str]:
                     if t.get("tokens")
                     else ""
                 )
-                + ". It is measured on batches just trained on, teacher-forced: an optimistic in-sample figure, not the held-out τ below.",
+                + ". It is measured on batches just trained on, teacher-forced: an optimistic in-sample figure, not "
+                "the held-out τ below.",
                 "",
             ]
     if held:
@@ -77,7 +81,8 @@ def _md_train(r: dict) -> list[str]:
         last = held[-1]
         toks = last.get("heldout_tokens")
         L += [
-            f"Held-out τ while training (`heldout_tau`, chain greedy on {_f(toks, '{:,}')} held-out tokens): last {last['heldout_tau']:.3f} at step "
+            f"Held-out τ while training (`heldout_tau`, chain greedy on {_f(toks, '{:,}')} held-out tokens): last "
+            f"{last['heldout_tau']:.3f} at step "
             f"{last['step']}, best {held[best]['heldout_tau']:.3f} at step {held[best]['step']}.",
             "",
             "| step | held-out τ | training-batch estimate at that step |",
@@ -86,7 +91,8 @@ def _md_train(r: dict) -> list[str]:
         est = r["train"].get("accept_len_est", {})
         for h in _thin(held, {best, len(held) - 1}):
             L.append(
-                f"| {h['step']} | {h['heldout_tau']:.3f}{' (best)' if h is held[best] else ''} | {_f(est.get(str(h['step'])))} |"
+                f"| {h['step']} | {h['heldout_tau']:.3f}{' (best)' if h is held[best] else ''} | "
+                f"{_f(est.get(str(h['step'])))} |"
             )
         L.append("")
     else:
@@ -117,27 +123,33 @@ def _md_offline(a: dict | None) -> list[str]:
     held_frac = d.get("heldout_fraction")
     L += [
         f"Measured on: the held-out split of {d.get('features', 'RUN/features')} — {a['samples']} conversations "
-        f"(sources: {srcs}{f'; auto sources hold out {held_frac:.0%}' if held_frac is not None and any(s.get('split') == 'auto' for s in d.get('sources', [])) else ''}), "
+        "(sources: "
+        f"{srcs}{f'; auto sources hold out {held_frac:.0%}' if held_frac is not None and any(s.get('split') == 'auto' for s in d.get('sources', [])) else ''}), "
         f"{a['roots']} roots (response tokens a draft chain starts from), drafter {a.get('checkpoint', '?')}"
         + (f" ({a['card'].get('which')} export, step {a['card'].get('step')})" if a.get("card") else "")
         + ".",
         "",
-        f"**τ {a['headline_tau']:.3f}** ({a['headline']}) at {a['steps']}/{a['topk']}/{a['num_draft_tokens']}; chain greedy {a['greedy']['tau']:.3f}, "
+        f"**τ {a['headline_tau']:.3f}** ({a['headline']}) at {a['steps']}/{a['topk']}/{a['num_draft_tokens']}; chain "
+        f"greedy {a['greedy']['tau']:.3f}, "
         f"chain sampled (T={a['sampled']['temperature']:g}, target top-k renormalised) {a['sampled']['tau']:.3f}"
         + (f"; tree greedy {a['tree']['tau']:.3f}" if a.get("tree") else "")
         + ". Per setting (a shorter chain is this chain cut): "
         + ", ".join(f"{k} {v['tau']:.3f}" for k, v in a.get("settings", {}).items())
         + ".",
         "",
-        "Attempts at depth k are the chains whose drafts 1..k-1 were all accepted: a_k = accepted / attempts is conditional, "
-        "and τ = 1 + Σ_k Π_{j≤k} a_j. The unconditional acc_k (every chain that reaches depth k in the data, accepted or not before) is a different number.",
+        "Attempts at depth k are the chains whose drafts 1..k-1 were all accepted: a_k = accepted / attempts is "
+        "conditional, "
+        "and τ = 1 + Σ_k Π_{j≤k} a_j. The unconditional acc_k (every chain that reaches depth k in the data, accepted "
+        "or not before) is a different number.",
         "",
-        "| depth k | attempts | accepted | a_k greedy | a_k sampled | acc_k unconditional (not τ) | P(reach and accept) |",
+        "| depth k | attempts | accepted | a_k greedy | a_k sampled | acc_k unconditional (not τ) | P(reach and "
+        "accept) |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for g, s in zip(a["greedy"]["per_depth"], a["sampled"]["per_depth"]):
         L.append(
-            f"| {g['depth']} | {g['attempts']:.0f} | {g['accepts']:.0f} | {g['a_k']:.3f} | {s['a_k']:.3f} | {g['acc_k_unconditional']:.3f} | {g['reach_prob']:.3f} |"
+            f"| {g['depth']} | {g['attempts']:.0f} | {g['accepts']:.0f} | {g['a_k']:.3f} | {s['a_k']:.3f} | "
+            f"{g['acc_k_unconditional']:.3f} | {g['reach_prob']:.3f} |"
         )
     return L + ["", "![acceptance](accept_per_depth.png)", ""]
 
@@ -150,14 +162,21 @@ def _md_bench(s: dict | None, e: dict | None, a: dict | None) -> list[str]:
     b = s["baseline"]["tok_s"]
     same = s.get("offline_same_prompts") or {}
     L += [
-        f"Measured on: {s['prompts']['count']} prompts of bench.prompts ({_describe_source(s['prompts'].get('source'))}; the first user turn), "
-        f"up to {s['max_new_tokens']} new tokens each, {s['repetitions']} interleaved repetitions (plain, then each setting, per repetition), "
-        f"temperature {s['temperature']}; backend {s['backend']}; device {env.get('device')}; torch {env.get('torch')}, "
-        f"transformers {env.get('transformers')}, {env.get('torch_threads')} threads; load average at the end {env.get('load_average')}.",
+        f"Measured on: {s['prompts']['count']} prompts of bench.prompts "
+        f"({_describe_source(s['prompts'].get('source'))}; the first user turn), "
+        f"up to {s['max_new_tokens']} new tokens each, {s['repetitions']} interleaved repetitions (plain, then each "
+        "setting, per repetition), "
+        f"temperature {s['temperature']}; backend {s['backend']}; device {env.get('device')}; torch "
+        f"{env.get('torch')}, "
+        f"transformers {env.get('transformers')}, {env.get('torch_threads')} threads; load average at the end "
+        f"{env.get('load_average')}.",
         "",
-        f"Plain decoding: {b['median']:.1f} tok/s (min {b['min']:.1f}, max {b['max']:.1f}), {s['baseline']['ms_per_token']:.2f} ms/token.",
+        f"Plain decoding: {b['median']:.1f} tok/s (min {b['min']:.1f}, max {b['max']:.1f}), "
+        f"{s['baseline']['ms_per_token']:.2f} ms/token.",
         "",
-        "| setting | tok/s median (min-max) | speed-up | τ live | verifies (tokens) | τ offline, same prompts | τ offline, held-out | break-even τ | max τ | verify ms | draft fwd ms | cycle ms | predicted tok/s (live τ) | outputs = plain |",
+        "| setting | tok/s median (min-max) | speed-up | τ live | verifies (tokens) | τ offline, same prompts | τ "
+        "offline, held-out | break-even τ | max τ | verify ms | draft fwd ms | cycle ms | predicted tok/s "
+        "(live τ) | outputs = plain |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ecs = {x["setting"]: x for x in e["settings"]}
@@ -166,21 +185,26 @@ def _md_bench(s: dict | None, e: dict | None, a: dict | None) -> list[str]:
         tk = row["tok_s"]
         n_tok = row["tau"] * row["verify_count"] if row.get("tau") and row.get("verify_count") else None
         L.append(
-            f"| {row['key']} | {tk['median']:.1f} ({tk['min']:.1f}-{tk['max']:.1f}) | {row['speedup_median']:.2f} | {_f(row['tau'])} | "
-            f"{row.get('verify_count') or '—'} ({_f(n_tok, '{:.0f}')}) | {_f(same.get('settings', {}).get(row['key']))} | {_f(x['tau_offline'])} | "
-            f"{x['break_even_tau']:.2f} | {x['max_tau']} | {_f(row['verify_ms'])} | {_f(row['draft_forward_ms'])} | {_f(x['measured_cycle_ms'])} | "
+            f"| {row['key']} | {tk['median']:.1f} ({tk['min']:.1f}-{tk['max']:.1f}) | {row['speedup_median']:.2f} | "
+            f"{_f(row['tau'])} | "
+            f"{row.get('verify_count') or '—'} ({_f(n_tok, '{:.0f}')}) | "
+            f"{_f(same.get('settings', {}).get(row['key']))} | {_f(x['tau_offline'])} | "
+            f"{x['break_even_tau']:.2f} | {x['max_tau']} | {_f(row['verify_ms'])} | {_f(row['draft_forward_ms'])} | "
+            f"{_f(x['measured_cycle_ms'])} | "
             f"{_f(x['predicted_tok_s_live_tau'], '{:.1f}')} | {_f(row['outputs_match_baseline'])} |"
         )
     L.append("")
     if same:
         L += [
-            f"τ offline, same prompts: the drafter scored offline on {same['source']} ({same['samples']} sequences, {same['roots']} roots), "
+            f"τ offline, same prompts: the drafter scored offline on {same['source']} ({same['samples']} sequences, "
+            f"{same['roots']} roots), "
             "the same tokens the live runs decoded: the two τ differ only by which roots a cycle starts from.",
             "",
         ]
     else:
         L += [
-            "τ offline here is on the held-out features, other prompts than the benchmark's; this backend does not score the bench's own outputs offline.",
+            "τ offline here is on the held-out features, other prompts than the benchmark's; this backend does not "
+            "score the bench's own outputs offline.",
             "",
         ]
     return L
@@ -203,16 +227,19 @@ def _md_economics(s: dict | None, e: dict | None, prediction: dict | None) -> li
             L += _md_calibrated(prediction)
         return L
     L += [
-        f"Cost model ({s['costs']['source']}): plain decoding {e['baseline_ms_per_token']:.2f} ms/token; verify ms by tokens "
+        f"Cost model ({s['costs']['source']}): plain decoding {e['baseline_ms_per_token']:.2f} ms/token; verify ms by "
+        "tokens "
         + ", ".join(f"{k}: {v:.2f}" for k, v in e["verify_ms"].items())
-        + f"; draft forward {e['draft_forward_ms']:.2f} ms; cycle overhead {e['overhead_ms']:.2f} ms. cycle = steps × draft forward + verify(draft tokens) + overhead; "
+        + f"; draft forward {e['draft_forward_ms']:.2f} ms; cycle overhead {e['overhead_ms']:.2f} ms. cycle = steps × "
+        "draft forward + verify(draft tokens) + overhead; "
         f"tok/s = τ / cycle. Best measured setting by predicted tok/s: {e['best_setting']} ({e['best_basis']} τ).",
         "",
     ]
     if e.get("reach"):
         goals = sorted({round(r["speedup"], 6) for r in e["reach"]})
         L += [
-            "The τ each setting needs for a speed-up over plain decoding (a τ above the setting's maximum cannot happen there; "
+            "The τ each setting needs for a speed-up over plain decoding (a τ above the setting's maximum cannot "
+            "happen there; "
             "* = the deeper setting's verify cost is extrapolated flat beyond the measured sizes):",
             "",
             "| setting | max τ | "
@@ -232,7 +259,8 @@ def _md_economics(s: dict | None, e: dict | None, prediction: dict | None) -> li
         L += ["Offline τ priced with the measured costs (settings not benchmarked included):", "",
               "| setting | τ offline | cycle ms | break-even τ | predicted tok/s |", "|---|---:|---:|---:|---:|"]  # fmt: skip
         L += [
-            f"| {o['setting']} | {o['tau_offline']:.2f} | {o['cycle_ms']:.2f} | {o['break_even_tau']:.2f} | {o['predicted_tok_s']:.1f} |"
+            f"| {o['setting']} | {o['tau_offline']:.2f} | {o['cycle_ms']:.2f} | {o['break_even_tau']:.2f} | "
+            f"{o['predicted_tok_s']:.1f} |"
             for o in e["offline_predictions"]
         ]
         L += [""]
@@ -244,7 +272,8 @@ def _md_economics(s: dict | None, e: dict | None, prediction: dict | None) -> li
 def _md_calibrated(p: dict) -> list[str]:
     c = p["calibration"]
     L = [
-        f"Predicted from offline τ alone with the costs calibrated in another run ({c['source_run']}: {c['backend']}, {c['device']}; "
+        f"Predicted from offline τ alone with the costs calibrated in another run ({c['source_run']}: {c['backend']}, "
+        f"{c['device']}; "
         f"{c['path']}): tok/s = τ offline / calibrated cycle"
         + (" (this prediction was written before this run's benchmark)" if p.get("made_before_bench") else "")
         + ".",
@@ -252,13 +281,16 @@ def _md_calibrated(p: dict) -> list[str]:
     ]
     L += [f"- warning: {w}" for w in p.get("warnings", [])] + ([""] if p.get("warnings") else [])
     L += [
-        "| setting | τ offline | cycle ms (calibration) | predicted tok/s (speed-up) | measured tok/s (speed-up) | error | from live τ: predicted, error |",
+        "| setting | τ offline | cycle ms (calibration) | predicted tok/s (speed-up) | measured tok/s (speed-up) | "
+        "error | from live τ: predicted, error |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in p["rows"]:
         L.append(
-            f"| {r['setting']} | {r['tau_offline']:.2f} | {r['cycle_ms']:.2f} ({r['cycle_basis']}) | {r['predicted_tok_s']:.1f} (x{r['predicted_speedup']:.2f}) | "
-            f"{_f(r.get('measured_tok_s'), '{:.1f}')} (x{_f(r.get('measured_speedup'))}) | {_f(r.get('error_pct'), '{:+.1f}%')} | "
+            f"| {r['setting']} | {r['tau_offline']:.2f} | {r['cycle_ms']:.2f} ({r['cycle_basis']}) | "
+            f"{r['predicted_tok_s']:.1f} (x{r['predicted_speedup']:.2f}) | "
+            f"{_f(r.get('measured_tok_s'), '{:.1f}')} (x{_f(r.get('measured_speedup'))}) | "
+            f"{_f(r.get('error_pct'), '{:+.1f}%')} | "
             f"{_f(r.get('predicted_tok_s_live_tau'), '{:.1f}')}, {_f(r.get('error_pct_live_tau'), '{:+.1f}%')} |"
         )
     return L + [""]

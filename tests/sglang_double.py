@@ -115,7 +115,8 @@ class DoubleEngine:
         if drafter is not None:
             if spec_topk != 1 or spec_num_draft_tokens != spec_steps + 1:
                 raise ValueError(
-                    f"the double mirrors chain drafting only (topk 1, num_draft_tokens = steps + 1), got {spec_steps}/{spec_topk}/{spec_num_draft_tokens}"
+                    "the double mirrors chain drafting only (topk 1, num_draft_tokens = steps + 1), got "
+                    f"{spec_steps}/{spec_topk}/{spec_num_draft_tokens}"
                 )
             if self.aux_layer_ids is None:
                 raise ValueError("the draft model's config names no eagle_aux_hidden_state_layer_ids")

@@ -47,7 +47,8 @@ def tiny_model():
 def harvested(tmp_path_factory, bad_corpus):
     run = tmp_path_factory.mktemp("run")
     cfg = tiny_cfg(
-        f"harvest.sources=[{{kind: file, path: '{bad_corpus}'}}, {{kind: sharegpt, limit: 4}}, {{kind: mtbench, limit: 2, split: heldout}}]",
+        f"harvest.sources=[{{kind: file, path: '{bad_corpus}'}}, {{kind: sharegpt, limit: 4}}, {{kind: mtbench, limit: "
+        "2, split: heldout}]",
         "harvest.max_new_tokens=8",
     )
     return cfg, run, run_harvest(cfg, run)

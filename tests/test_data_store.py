@@ -148,7 +148,8 @@ def test_truncated_manifest_and_vocab_are_named(store_dir, tmp_path_factory):
     for open_it in (lambda: FeatureStore(path), lambda: FeatureWriter(path, TARGET, K, True, "fp")):
         with pytest.raises(
             DamagedFile,
-            match=rf"{manifest}: the feature store's manifest is not valid JSON \(.*\); the file is truncated or damaged",
+            match=rf"{manifest}: the feature store's manifest is not valid JSON \(.*\); the file is truncated or "
+            r"damaged",
         ) as e:
             open_it()
         assert "\n" not in str(e.value)

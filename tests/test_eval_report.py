@@ -102,8 +102,8 @@ def test_report_reads_as_a_newcomer_needs(full_run):
         in md
     )
     assert (
-        "2 prompts of bench.prompts (mtbench, first 2; the first user turn), up to 32 new tokens each, 3 interleaved repetitions"
-        in md
+        "2 prompts of bench.prompts (mtbench, first 2; the first user turn), up to 32 new tokens each, 3 interleaved "
+        "repetitions" in md
     )
     assert "| 3/1/4 | 12.6 (12.3-12.7) | 0.70 | 1.13 | 170 (192) |" in md  # verifies (tokens = tau x verifies)
     # the attempts behind each a_k: the chain's conditional denominators, not the chains in the data
@@ -114,7 +114,8 @@ def test_report_reads_as_a_newcomer_needs(full_run):
     )  # cycle 98 ms over a 55.6 ms step
     assert (
         rep["verdict"]
-        == "τ 1.13 is below the break-even 1.76 at 3/1/4, so speculation is 30% slower than plain decoding (12.6 against 18.0 tok/s)."
+        == "τ 1.13 is below the break-even 1.76 at 3/1/4, so speculation is 30% slower than plain decoding (12.6 "
+        "against 18.0 tok/s)."
     )
     assert f"**Verdict:** {rep['verdict']}" in md
     assert "3/1/4 drafts 3 tokens and verifies 4 positions" in md and "`--speculative-num-draft-tokens`" in md
@@ -150,7 +151,8 @@ def test_verdict_says_faster_and_when_no_drafter_can_pay():
     }
     assert (
         report.verdict(h)
-        == "τ 2.60 is above the break-even 2.00 at 3/1/4, so speculation is 25% faster than plain decoding (100.0 against 80.0 tok/s)."
+        == "τ 2.60 is above the break-even 2.00 at 3/1/4, so speculation is 25% faster than plain decoding (100.0 "
+        "against 80.0 tok/s)."
     )
     h2 = {**h, "tau_live": 1.9, "break_even_tau": 3.4, "speedup": 0.5, "setting": "2/1/3", "max_tau": 3}
     assert report.verdict(h2).endswith("No drafter can pay at 2/1/3: its τ is at most 3.")

@@ -90,7 +90,8 @@ def test_one_check_for_targets_and_features():
         ({"target_hidden_size": 96}, r"drafter target_hidden_size 96 != features' target hidden_size 64"),
         (
             "truncate",
-            r"export/model\.safetensors: the drafter's weights file is not a readable safetensors file \(.*\); the file is truncated or damaged",
+            r"export/model\.safetensors: the drafter's weights file is not a readable safetensors file \(.*\); the "
+            r"file is truncated or damaged",
         ),
         ("t2d", r"draft vocabulary: d2t and t2d disagree"),
     ],
@@ -253,7 +254,8 @@ def test_harvest_rerun_over_a_damaged_complete_store_reports_it(tmp_path, capsys
     assert (
         e.value.code == 1
         and err
-        == f"harvest: error: {tmp_path / 'features'}: 1 committed shard(s) are damaged (train-00001.safetensors: fails its sha256 check): restore them, or harvest into a new run dir"
+        == f"harvest: error: {tmp_path / 'features'}: 1 committed shard(s) are damaged (train-00001.safetensors: fails "
+        "its sha256 check): restore them, or harvest into a new run dir"
     )
     manifest = tmp_path / "features" / "manifest.json"
     manifest.write_bytes(manifest.read_bytes()[:200])

@@ -49,7 +49,8 @@ def test_a_second_writer_stops_naming_the_owner(tmp_path, live_pid):
     owner = plant(tmp_path, pid=live_pid)
     with pytest.raises(
         RunLocked,
-        match=rf"^{tmp_path} is in use by harvest \(pid {live_pid} on {socket.gethostname()}, since 2026-11-30T10:00:00\+0000\); wait",
+        match=rf"^{tmp_path} is in use by harvest \(pid {live_pid} on {socket.gethostname()}, since "
+        r"2026-11-30T10:00:00\+0000\); wait",
     ) as e:
         run_lock(tmp_path, "train").acquire()
     assert "\n" not in str(e.value)
@@ -57,7 +58,10 @@ def test_a_second_writer_stops_naming_the_owner(tmp_path, live_pid):
 
 
 def test_a_second_writer_in_another_process_is_refused(tmp_path):
-    code = "import sys; from eagle3ft.runlock import run_lock, RunLocked\ntry:\n run_lock(sys.argv[1], 'bench').acquire()\nexcept RunLocked as e:\n print(e); sys.exit(3)"
+    code = (
+        "import sys; from eagle3ft.runlock import run_lock, RunLocked\ntry:\n run_lock(sys.argv[1], "
+        "'bench').acquire()\nexcept RunLocked as e:\n print(e); sys.exit(3)"
+    )
     with run_lock(tmp_path, "report"):
         r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 3 and f"in use by report (pid {os.getpid()}" in r.stdout
@@ -95,7 +99,10 @@ def test_check_owner_refuses_a_lock_of_someone_else(tmp_path, live_pid):
 
 
 def test_a_lock_left_by_a_stage_that_raised_is_removed_at_exit(tmp_path):
-    code = "import sys; from eagle3ft.runlock import run_lock\nrun_lock(sys.argv[1], 'harvest').acquire()\nraise SystemExit(4)"
+    code = (
+        "import sys; from eagle3ft.runlock import run_lock\nrun_lock(sys.argv[1], 'harvest').acquire()\nraise "
+        "SystemExit(4)"
+    )
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 4 and not (tmp_path / LOCK_NAME).exists()
 

@@ -160,7 +160,10 @@ def test_launch_run_a_command_against_the_server_then_stop_it(tmp_path):
     config = tmp_path / "double.yaml"
     config.write_text(yaml.safe_dump(to_dict(cfg)))
     url = f"http://127.0.0.1:{cfg.serve.port}"
-    probe = "import json, sys, urllib.request; open(sys.argv[1], 'w').write(urllib.request.urlopen(sys.argv[2] + '/server_info').read().decode()); sys.exit(3)"
+    probe = (
+        "import json, sys, urllib.request; open(sys.argv[1], 'w').write(urllib.request.urlopen(sys.argv[2] + "
+        "'/server_info').read().decode()); sys.exit(3)"
+    )
     with pytest.raises(SystemExit) as exit_:
         main(
             [

@@ -32,7 +32,8 @@ def ok(r) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
 
 
-# --------------------------------------------------------------------------- bad input (in-process, before any process group)
+# --------------------------------------------------------------------------- bad input (in-process, before any process
+# group)
 
 
 def test_missing_and_empty_store_are_refused(tmp_path):
@@ -69,7 +70,8 @@ def test_out_of_memory_gets_a_hint():
     assert "Tried to allocate 2.00 GiB" in str(e.value)
 
 
-# --------------------------------------------------------------------------- real launches (2 CPU processes, DeepSpeed ZeRO-2)
+# --------------------------------------------------------------------------- real launches (2 CPU processes, DeepSpeed
+# ZeRO-2)
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,8 @@ def test_counts_by_hand():
     assert heldout_view({"loss_mask": lm})["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0, 0]]
 
 
-# --------------------------------------------------------------------------- in the loop (2 CPU processes, DeepSpeed ZeRO-2)
+# --------------------------------------------------------------------------- in the loop (2 CPU processes, DeepSpeed
+# ZeRO-2)
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-# "flash": _FlashTTTAttention where the flash kernel runs; "lse": causal SDPA + causal_lse (the env var picks it per job)
+# "flash": _FlashTTTAttention where the flash kernel runs; "lse": causal SDPA + causal_lse (the env var picks it per
+# job)
 ATTENTION = os.environ.get("EAGLE3FT_TTT_ATTENTION", "flash")
 LSE_CHUNK = 256  # query rows per chunk when computing the causal log-sum-exp ("lse" path)
 
@@ -109,7 +110,8 @@ def _flash_forward(q, k, v, scale, docs: Documents | None = None):
             )
             if lse.shape != (nh, B * T):
                 raise RuntimeError(
-                    f"varlen flash returned a log-sum-exp of shape {tuple(lse.shape)}, not (heads, tokens) = {(nh, B * T)}; set eagle3ft.train.attention.ATTENTION = 'lse'"
+                    f"varlen flash returned a log-sum-exp of shape {tuple(lse.shape)}, not (heads, tokens) = "
+                    f"{(nh, B * T)}; set eagle3ft.train.attention.ATTENTION = 'lse'"
                 )
             return _unvarlen(out, B), lse.view(nh, B, T).transpose(0, 1), (rng, unused)
         bias = torch.zeros(docs.mask().shape, dtype=q.dtype, device=q.device).masked_fill_(~docs.mask(), float("-inf"))

@@ -171,7 +171,8 @@ def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> E
     if embedding is not None:
         if tuple(embedding.shape) != tuple(model.embed_tokens.weight.shape):
             raise ValueError(
-                f"target embedding shape {tuple(embedding.shape)} != drafter's (vocab_size, hidden_size) {tuple(model.embed_tokens.weight.shape)}"
+                f"target embedding shape {tuple(embedding.shape)} != drafter's (vocab_size, hidden_size) "
+                f"{tuple(model.embed_tokens.weight.shape)}"
             )
         tensors = {**tensors, "embed_tokens.weight": embedding}
     model.load_state_dict(tensors, strict=False)  # keys checked above; embed_tokens stays as built without `embedding`
@@ -277,8 +278,10 @@ def read_trainer_state(path: Path) -> dict:
     st = read_json(Path(path) / TRAINER_STATE)
     if st.get("format") != FORMAT:
         raise CheckpointError(
-            f"{Path(path) / TRAINER_STATE}: format {st.get('format')!r}, expected {FORMAT!r} (an older checkpoint keeps its "
-            f"training state in pickles, which are not loaded; start from its weights instead: --set drafter.init={path})"
+            f"{Path(path) / TRAINER_STATE}: format {st.get('format')!r}, expected {FORMAT!r} (an older checkpoint "
+            "keeps its "
+            "training state in pickles, which are not loaded; start from its weights instead: --set "
+            f"drafter.init={path})"
         )
     return st
 
@@ -335,8 +338,10 @@ def resume_position(st: dict, path: Path, n_train: int, micro_batch_size: int, w
     per_round = world * micro_batch_size
     if done % per_round:
         raise CheckpointError(
-            f"{Path(path) / TRAINER_STATE}: {done} samples of epoch {epoch} consumed do not split into rounds of {per_round} "
-            f"({world} process(es) x train.micro_batch_size {micro_batch_size}); resume with processes x micro batch dividing {done}"
+            f"{Path(path) / TRAINER_STATE}: {done} samples of epoch {epoch} consumed do not split into rounds of "
+            f"{per_round} "
+            f"({world} process(es) x train.micro_batch_size {micro_batch_size}); resume with processes x micro batch "
+            f"dividing {done}"
         )
     return epoch, done // per_round
 

@@ -153,8 +153,10 @@ class Dist:
         )
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
         self.print(
-            f"distributed: DeepSpeed ZeRO-{self.zero_stage} ({resolve_path(tcfg.deepspeed).name}), {self.world} process(es) on "
-            f"{self.device.type}, {str(self.dtype).removeprefix('torch.')}, backend {torch.distributed.get_backend() if self.world > 1 else 'none'}"
+            f"distributed: DeepSpeed ZeRO-{self.zero_stage} ({resolve_path(tcfg.deepspeed).name}), {self.world} "
+            "process(es) on "
+            f"{self.device.type}, {str(self.dtype).removeprefix('torch.')}, backend "
+            f"{torch.distributed.get_backend() if self.world > 1 else 'none'}"
         )
 
     # -- facts
@@ -385,7 +387,10 @@ class Dist:
             return f"RNG states of all {self.world} rank(s) restored"
         if self.world < saved_world:
             return f"RNG states of ranks 0..{self.world - 1} of {saved_world} restored"
-        return f"RNG states of ranks 0..{saved_world - 1} restored, ranks {saved_world}..{self.world - 1} seeded from (seed, step, rank)"
+        return (
+            f"RNG states of ranks 0..{saved_world - 1} restored, ranks {saved_world}..{self.world - 1} seeded from "
+            "(seed, step, rank)"
+        )
 
     def full_state_dict(self, module) -> dict[str, torch.Tensor] | None:
         """The unsharded weights on the main process (collective under ZeRO-3), None elsewhere."""

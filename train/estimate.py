@@ -98,7 +98,8 @@ def report(e: Estimate) -> str:
     ]
     for name, z in (("ZeRO-2", e.zero2_gib), ("ZeRO-3", e.zero3_gib)):
         lines.append(
-            f"  {name}                        {z['weights']:7.2f} {z['gradients']:6.2f} {z['optimizer']:6.2f} {z['activations']:6.2f} {z['total']:6.2f}"
+            f"  {name}                        {z['weights']:7.2f} {z['gradients']:6.2f} {z['optimizer']:6.2f} "
+            f"{z['activations']:6.2f} {z['total']:6.2f}"
         )
     return "\n".join(lines)
 

@@ -116,7 +116,8 @@ def target_identity(target_cfg, client_cfg) -> tuple[int, int, int]:
     cfg_file = path / "config.json" if path is not None else None
     if cfg_file is None or not cfg_file.is_file():
         raise SGLangError(
-            f"the target's identity is unknown here: set harvest.sglang.hidden_size, vocab_size and num_layers, or target.path to a folder with config.json (got {path})"
+            "the target's identity is unknown here: set harvest.sglang.hidden_size, vocab_size and num_layers, or "
+            f"target.path to a folder with config.json (got {path})"
         )
     raw = json.loads(cfg_file.read_text())
     raw = raw.get("text_config", raw)
@@ -159,14 +160,18 @@ class SGLangTarget:
         if not si.raw.get("enable_return_hidden_states"):
             raise SGLangError(f"{url}: start the server with --enable-return-hidden-states")
         if not si.returns_aux:
-            eagle3 = "--speculative-algorithm EAGLE3 --speculative-draft-model-path <a drafter with those ids> (serve.harvest_capture: eagle3)"
+            eagle3 = (
+                "--speculative-algorithm EAGLE3 --speculative-draft-model-path <a drafter with those ids> "
+                "(serve.harvest_capture: eagle3)"
+            )
             way = (
                 eagle3
                 if si.version < AUX_CAPTURE_MIN_VERSION
                 else f"{eagle3}, or aux capture without a draft (serve.harvest_capture: aux_flag)"
             )
             raise SGLangError(
-                f"{url}: a plain server returns the last layer only; harvest needs the aux layers {list(self.info.aux_layer_ids)}. "
+                f"{url}: a plain server returns the last layer only; harvest needs the aux layers "
+                f"{list(self.info.aux_layer_ids)}. "
                 f"SGLang {'.'.join(map(str, si.version))} can: {way}"
             )
         ids = si.aux_capture_ids
@@ -252,7 +257,8 @@ class SGLangTarget:
         """All requests concurrently: `concurrency` workers per server pull from one queue."""
         if sampling.last_hidden:
             raise SGLangError(
-                "harvest.store_last_hidden with SGLang: a server returns either the last layer or the aux layers, not both"
+                "harvest.store_last_hidden with SGLang: a server returns either the last layer or the aux layers, not "
+                "both"
             )
         todo: queue.SimpleQueue = queue.SimpleQueue()
         for i in range(len(requests_)):

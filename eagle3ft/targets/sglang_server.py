@@ -139,21 +139,24 @@ def build_command(
             draft = drafter or sv.harvest_draft or cfg.drafter.init
             if not draft:
                 raise LaunchError(
-                    "harvest_capture eagle3 needs a draft model folder: serve.harvest_draft or drafter.init (SGLang reads the aux layer ids from its config.json)"
+                    "harvest_capture eagle3 needs a draft model folder: serve.harvest_draft or drafter.init (SGLang "
+                    "reads the aux layer ids from its config.json)"
                 )
             draft = resolve_path(str(draft))
             want = DrafterConfig.from_json(resolve_path(cfg.drafter.config)).aux_layer_ids
             have = drafter_aux_ids(draft)
             if want is not None and list(want) != have:
                 raise LaunchError(
-                    f"harvest draft {draft} captures layers {have}, drafter.config {cfg.drafter.config} needs {list(want)}"
+                    f"harvest draft {draft} captures layers {have}, drafter.config {cfg.drafter.config} needs "
+                    f"{list(want)}"
                 )
             argv += _speculative_args(draft, sv.harvest_setting)
         elif sv.harvest_capture == "aux_flag":
             spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config))
             if spec.aux_layer_ids is None:
                 raise LaunchError(
-                    f"{cfg.drafter.config} names no eagle_aux_hidden_state_layer_ids to pass to {sv.aux_capture_args[-1]}"
+                    f"{cfg.drafter.config} names no eagle_aux_hidden_state_layer_ids to pass to "
+                    f"{sv.aux_capture_args[-1]}"
                 )
             argv += list(sv.aux_capture_args) + [str(i) for i in spec.aux_layer_ids]
         else:
@@ -233,7 +236,8 @@ class SGLangServer:
                 raise LaunchError(f"{self.command.role} server start cancelled")
             if self.proc is not None and self.proc.poll() is not None:
                 raise LaunchError(
-                    f"{self.command.role} server exited with {self.proc.returncode} before answering /health; log {self.log_file}:\n{self.log_tail()}"
+                    f"{self.command.role} server exited with {self.proc.returncode} before answering /health; log "
+                    f"{self.log_file}:\n{self.log_tail()}"
                 )
             if health(self.url):
                 return self
@@ -241,7 +245,8 @@ class SGLangServer:
             delay = min(delay * 1.5, 5.0)
         self.stop()
         raise LaunchError(
-            f"{self.command.role} server at {self.url} not healthy after {self.startup_timeout_s:.0f} s; log {self.log_file}:\n{self.log_tail()}"
+            f"{self.command.role} server at {self.url} not healthy after {self.startup_timeout_s:.0f} s; log "
+            f"{self.log_file}:\n{self.log_tail()}"
         )
 
     def log_tail(self, lines: int = 30) -> str:
