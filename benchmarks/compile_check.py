@@ -114,7 +114,8 @@ def build_drafter(cfg: DrafterConfig, device: torch.device, seed: int) -> Eagle3
 
 
 def make_batch(m: Eagle3Drafter, B: int, T: int, topk: int, device: torch.device, seed: int) -> dict:
-    """A collated batch as data/store.py's reader gives it: bf16 aux states, a top-k teacher mostly inside the draft vocab."""
+    """A collated batch as data/store.py's reader gives it: bf16 aux states, a top-k teacher mostly inside the draft
+    vocab."""
     cfg = m.config
     g = torch.Generator(device=device).manual_seed(seed + 2)
     Vd = cfg.draft_vocab_size
@@ -350,11 +351,12 @@ def main(argv=None) -> dict:
             statistics.median(r["compiled_vs_eager"] for r in rows),
             statistics.median(r["emulate_vs_eager"] for r in rows),
         )
+        why = (
+            "the compiled/eager gap is intermediate rounding" if emul < gap / 4 else "rounding does not explain the gap"
+        )
         print(
             f"emulate_precision_casts: median rel difference to eager {gap:.3e} compiled, {emul:.3e} compiled with "
-            "eager's "
-            "roundings "
-            f"({'the compiled/eager gap is intermediate rounding' if emul < gap / 4 else 'rounding does not explain the gap'})"
+            f"eager's roundings ({why})"
         )
     fwd = [r for r in rows if r["tensor"].startswith("step")]
     part = next((r["tensor"] for r in fwd if r["compiled_vs_eager"] > max(10 * r["eager_noise"], floor)), None)

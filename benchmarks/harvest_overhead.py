@@ -1,7 +1,8 @@
 """Harvest capture overhead: our feature capture against a bare forward of the same batches.
 
     python benchmarks/harvest_overhead.py --config configs/smollm2-135m.yaml [--set k=v ...] \
-        [--features RUN/features] [--mtbench FILE] [--batch 16] [--seq 512] [--rounds 5] [--out FILE] [--profile DIR] [--heads]
+        [--features RUN/features] [--mtbench FILE] [--batch 16] [--seq 512] [--rounds 5] [--out FILE] [--profile DIR]
+        [--heads]
 
 Both sides see the same unpadded batches of real chat sequences (the configured prompt sources, through
 the target's chat template, cut or repeated to --seq tokens):

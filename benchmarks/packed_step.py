@@ -15,7 +15,8 @@ Documents: the lengths of RUN/tokens' train split with --run-dir, else --docs lo
 
     python benchmarks/packed_step.py --out $OUT                                   # H200: SmolLM2 drafter, bf16
     python benchmarks/packed_step.py --config configs/smollm2-135m.yaml --out $OUT  # plus the online prefill
-    python benchmarks/packed_step.py --device cpu --drafter configs/drafters/tiny.json --docs 32 --pack-tokens 1024 --rounds 1
+    python benchmarks/packed_step.py --device cpu --drafter configs/drafters/tiny.json --docs 32 \
+        --pack-tokens 1024 --rounds 1
 """
 
 from __future__ import annotations

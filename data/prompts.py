@@ -188,7 +188,8 @@ def humaneval_path() -> Path:
 
 
 def iter_humaneval(path: Path, skips: Counter) -> Iterator[object]:
-    """HumanEval problems (jsonl, gzipped as the package ships them) as one-turn records asking to complete each stub."""
+    """HumanEval problems (jsonl, gzipped as the package ships them) as one-turn records asking to complete each
+    stub."""
     import gzip
 
     with gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb") as f:

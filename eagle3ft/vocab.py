@@ -73,7 +73,8 @@ def vocab_from_drafter(folder: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
 def check_vocab(
     d2t: torch.Tensor, t2d: torch.Tensor, vocab_size: int, draft_vocab_size: int, where: str = "draft vocabulary"
 ) -> None:
-    """Raise ValueError naming `where` unless d2t/t2d describe the same `draft_vocab_size` tokens of a `vocab_size` target:
+    """Raise ValueError naming `where` unless d2t/t2d describe the same `draft_vocab_size` tokens of a `vocab_size`
+    target:
     integer d2t of draft_vocab_size entries, bool t2d of vocab_size, every d2t[i] + i a distinct target id in range
     that t2d marks, and t2d marking no other."""
     if d2t.dtype.is_floating_point or d2t.dtype == torch.bool or d2t.dim() != 1:

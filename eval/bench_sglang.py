@@ -87,7 +87,8 @@ def _lines(resp: requests.Response):
 
 
 def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tuple[dict, list[int], float, float]:
-    """One streamed /generate: (final meta_info, output ids, seconds to the first token, seconds first -> last token)."""
+    """One streamed /generate: (final meta_info, output ids, seconds to the first token, seconds first -> last
+    token)."""
     t0 = time.perf_counter()
     first = last = None
     meta: dict = {}

@@ -80,7 +80,8 @@ def load_calibration(path: str | Path) -> dict:
 
 
 def predict(cal: dict, offline_tau: dict[str, float]) -> dict:
-    """tok/s = tau_offline / cycle per setting, with the calibration run's cycle (or its cost model where it did not run)."""
+    """tok/s = tau_offline / cycle per setting, with the calibration run's cycle (or its cost model where it did not
+    run)."""
     cm = cost_model_from_summary(cal)
     rows = []
     for key, tau in sorted(offline_tau.items()):

@@ -91,7 +91,8 @@ class CostModel:
 
 
 def max_tau(setting: Setting) -> int:
-    """The most one cycle can emit: every draft accepted plus the bonus (a tree verifies num_draft_tokens - 1 drafts)."""
+    """The most one cycle can emit: every draft accepted plus the bonus (a tree verifies num_draft_tokens - 1
+    drafts)."""
     return min(setting.steps + 1, setting.num_draft_tokens)
 
 

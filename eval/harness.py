@@ -16,7 +16,9 @@ Backends sit behind a narrow interface:
     class BenchBackend(Protocol):
         name: str
         def run_baseline(self, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]
-        def run_speculative(self, prompts: list[list[int]], setting: Setting, max_new_tokens: int) -> list[RequestResult]
+        def run_speculative(
+            self, prompts: list[list[int]], setting: Setting, max_new_tokens: int
+        ) -> list[RequestResult]
         def environment(self) -> dict
     optional:
         def verify_costs(self, prompt: list[int], sizes: list[int]) -> dict[int, float]

@@ -121,10 +121,12 @@ def _md_offline(a: dict | None) -> list[str]:
     d = a.get("data") or {}
     srcs = "; ".join(_describe_source(s) for s in d.get("sources", [])) or "the held-out split"
     held_frac = d.get("heldout_fraction")
+    auto = any(s.get("split") == "auto" for s in d.get("sources", []))
+    held_out = f"; auto sources hold out {held_frac:.0%}" if held_frac is not None and auto else ""
     L += [
         f"Measured on: the held-out split of {d.get('features', 'RUN/features')} — {a['samples']} conversations "
         "(sources: "
-        f"{srcs}{f'; auto sources hold out {held_frac:.0%}' if held_frac is not None and any(s.get('split') == 'auto' for s in d.get('sources', [])) else ''}), "
+        f"{srcs}{held_out}), "
         f"{a['roots']} roots (response tokens a draft chain starts from), drafter {a.get('checkpoint', '?')}"
         + (f" ({a['card'].get('which')} export, step {a['card'].get('step')})" if a.get("card") else "")
         + ".",
@@ -256,8 +258,12 @@ def _md_economics(s: dict | None, e: dict | None, prediction: dict | None) -> li
             )
         L.append("")
     if e["offline_predictions"]:
-        L += ["Offline τ priced with the measured costs (settings not benchmarked included):", "",
-              "| setting | τ offline | cycle ms | break-even τ | predicted tok/s |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+        L += [
+            "Offline τ priced with the measured costs (settings not benchmarked included):",
+            "",
+            "| setting | τ offline | cycle ms | break-even τ | predicted tok/s |",
+            "|---|---:|---:|---:|---:|",
+        ]
         L += [
             f"| {o['setting']} | {o['tau_offline']:.2f} | {o['cycle_ms']:.2f} | {o['break_even_tau']:.2f} | "
             f"{o['predicted_tok_s']:.1f} |"

@@ -19,7 +19,8 @@ from eagle3ft.eval.speculate import aux_from_hidden_states
 
 @torch.no_grad()
 def features(model, aux_layer_ids: list[int], prompt: list[int], answer: list[int], topk: int = 16) -> dict:
-    """A store-like item: input_ids (T,), loss_mask (T,) 1 on the answer, aux_hidden (T, 3H), topk ids/log-probs (T, topk)."""
+    """A store-like item: input_ids (T,), loss_mask (T,) 1 on the answer, aux_hidden (T, 3H), topk ids/log-probs (T,
+    topk)."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt + answer], device=device)  # (1, T)
     out = model(input_ids=ids, output_hidden_states=True)
@@ -44,7 +45,8 @@ def offline_tau(
     answers: list[list[int]],
     settings: list[Setting],
 ) -> dict | None:
-    """Chain-greedy offline tau per chain setting (d/1/d+1 up to the deepest benchmarked) on these prompts and answers."""
+    """Chain-greedy offline tau per chain setting (d/1/d+1 up to the deepest benchmarked) on these prompts and
+    answers."""
     depth = max((s.steps for s in settings if s.topk == 1), default=0)
     if depth == 0:
         return None

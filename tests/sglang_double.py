@@ -156,7 +156,8 @@ class DoubleEngine:
         return g.tokens, g, timings
 
     def generate_batch(self, req: dict) -> list[tuple[dict, list[tuple[float, int]]]]:
-        """A batched /generate: one answer per prompt, in order; `sampling_params` one dict for all or one per prompt."""
+        """A batched /generate: one answer per prompt, in order; `sampling_params` one dict for all or one per
+        prompt."""
         if req.get("stream"):
             raise BadRequest("the double does not mirror streamed batches")
         prompts = req.get("input_ids") if req.get("input_ids") is not None else req.get("text")

@@ -125,7 +125,8 @@ def _summary(
         "backend": backend, "environment": {"device": device, "torch": "2.11"}, "max_new_tokens": 64,
         "prompts": {"source": {"kind": "mtbench", "limit": 8}, "count": 8},
         "baseline": {"tok_s_median": 1 / base_s_per_token},
-        "costs": {"baseline_s_per_token": base_s_per_token, "verify_s": {"3": 0.012, "4": 0.013}, "draft_forward_s": 0.002, "overhead_s": 0.0},
+        "costs": {"baseline_s_per_token": base_s_per_token, "verify_s": {"3": 0.012, "4": 0.013},
+                  "draft_forward_s": 0.002, "overhead_s": 0.0},
         "speculative": spec,
     }  # fmt: skip
 

@@ -38,8 +38,10 @@ def accept_len_doc(attempts=(156, 18, 3), accepts=(18, 3, 1)):
     tau = 1 + sum(r["reach_prob"] for r in g)
     return {
         "steps": 3, "topk": 1, "num_draft_tokens": 4, "temperature": 1.0, "samples": 4, "roots": 156,
-        "greedy": {"tau": tau, "per_depth": g}, "sampled": {"tau": tau, "temperature": 1.0, "per_depth": g}, "tree": None,
-        "settings": {"1/1/2": {"tau": 1 + g[0]["reach_prob"], "kind": "chain"}, "2/1/3": {"tau": 1 + g[0]["reach_prob"] + g[1]["reach_prob"], "kind": "chain"},
+        "greedy": {"tau": tau, "per_depth": g}, "sampled": {"tau": tau, "temperature": 1.0, "per_depth": g},
+        "tree": None,
+        "settings": {"1/1/2": {"tau": 1 + g[0]["reach_prob"], "kind": "chain"},
+                     "2/1/3": {"tau": 1 + g[0]["reach_prob"] + g[1]["reach_prob"], "kind": "chain"},
                      "3/1/4": {"tau": tau, "kind": "chain"}},
         "headline_tau": tau, "headline": "chain greedy", "checkpoint": "runs/demo/export",
         "data": {"features": "runs/demo/features", "split": "heldout", "samples_in_split": 4, "heldout_fraction": 0.05,
@@ -52,16 +54,24 @@ def summary_doc(base_tok_s=18.0, rows=(("2/1/3", 1.10, 12.0, 0.090), ("3/1/4", 1
     for key, tau, tok_s, cycle in rows:
         st, tk, n = map(int, key.split("/"))
         spec.append({
-            "setting": {"steps": st, "topk": tk, "num_draft_tokens": n}, "key": key, "tok_s": _spread([tok_s * 0.98, tok_s, tok_s * 1.01]),
-            "tok_s_median": tok_s, "speedup_median": tok_s / base_tok_s, "tau": tau, "verify_count": 170, "accept_histogram": {"1": 150, "2": 20},
-            "verify_ms": cycle * 700, "draft_forward_ms": cycle * 100, "cycle_s": cycle, "cycle_s_per_pass": cycle, "outputs_match_baseline": 1.0,
+            "setting": {"steps": st, "topk": tk, "num_draft_tokens": n}, "key": key,
+            "tok_s": _spread([tok_s * 0.98, tok_s, tok_s * 1.01]),
+            "tok_s_median": tok_s, "speedup_median": tok_s / base_tok_s, "tau": tau, "verify_count": 170,
+            "accept_histogram": {"1": 150, "2": 20},
+            "verify_ms": cycle * 700, "draft_forward_ms": cycle * 100, "cycle_s": cycle, "cycle_s_per_pass": cycle,
+            "outputs_match_baseline": 1.0,
         })  # fmt: skip
     return {
-        "backend": "embedded", "environment": {"device": "cpu: test", "torch": "2.11", "transformers": "5.17", "torch_threads": 1, "load_average": [1.0]},
-        "prompts": {"source": {"kind": "mtbench", "path": None, "limit": 2, "split": "auto"}, "count": 2, "tokens": [40, 50]},
+        "backend": "embedded",
+        "environment": {"device": "cpu: test", "torch": "2.11", "transformers": "5.17", "torch_threads": 1,
+                        "load_average": [1.0]},
+        "prompts": {"source": {"kind": "mtbench", "path": None, "limit": 2, "split": "auto"}, "count": 2,
+                    "tokens": [40, 50]},
         "max_new_tokens": 32, "repetitions": 3, "temperature": 0.0,
-        "baseline": {"tok_s": _spread([17.5, base_tok_s, 18.3]), "tok_s_median": base_tok_s, "ms_per_token": 1e3 / base_tok_s},
-        "costs": {"baseline_s_per_token": 1 / base_tok_s, "verify_s": {"3": 0.060, "4": 0.062}, "draft_forward_s": 0.012, "overhead_s": 0.0,
+        "baseline": {"tok_s": _spread([17.5, base_tok_s, 18.3]), "tok_s_median": base_tok_s,
+                     "ms_per_token": 1e3 / base_tok_s},
+        "costs": {"baseline_s_per_token": 1 / base_tok_s, "verify_s": {"3": 0.060, "4": 0.062},
+                  "draft_forward_s": 0.012, "overhead_s": 0.0,
                   "source": "verify forwards timed inside the benchmark runs"},
         "speculative": spec,
     }  # fmt: skip

@@ -54,8 +54,9 @@ class _Backend:
         self.rep, self.got = -2, None  # the untimed warm-up pass is -1, the timed repetitions 0, 1, ...
 
     def _results(self, prompts, spec):
-        return [RequestResult(i, len(p), 5, 0.01, 0.04, output_ids=[100 + i, self.rep, 7, 8, 9], verify_count=2 if spec else None,
-                              accept_lengths=[2, 2] if spec else None) for i, p in enumerate(prompts)]  # fmt: skip
+        return [RequestResult(i, len(p), 5, 0.01, 0.04, output_ids=[100 + i, self.rep, 7, 8, 9],
+                              verify_count=2 if spec else None, accept_lengths=[2, 2] if spec else None)
+                for i, p in enumerate(prompts)]  # fmt: skip
 
     def run_baseline(self, prompts, max_new_tokens):
         self.rep += 1

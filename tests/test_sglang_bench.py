@@ -139,7 +139,8 @@ def test_accept_lengths_from_histogram_or_counts():
 
 @pytest.mark.slow
 def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
-    """bench.launch: baseline and EAGLE3 servers started from serve (the double as the server program), one at a time."""
+    """bench.launch: baseline and EAGLE3 servers started from serve (the double as the server program), one at a
+    time."""
     cfg0, model, tok, drafter = tiny
     export_drafter(drafter, tmp_path / "export")
     with socket.socket() as s:

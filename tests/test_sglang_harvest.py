@@ -46,7 +46,8 @@ def embedded_run(tmp_path_factory):
 
 
 def tiny_drafter(model):
-    """A seeded random drafter of configs/drafters/tiny.json over the tiny target's embedding (what an EAGLE3 server drafts with)."""
+    """A seeded random drafter of configs/drafters/tiny.json over the tiny target's embedding (what an EAGLE3 server
+    drafts with)."""
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -18,7 +18,8 @@ spec.loader.exec_module(tau_curve)
 
 
 def test_fit_recovers_a_log_law_and_prices_the_next_gain(tmp_path):
-    """τ = 1.2 + 0.1·ln(tokens) (3/1/4) and 1.0 + 0.05·ln(tokens) (1/1/2): b is the slope, +0.2 τ takes e^(0.2/b) the data."""
+    """τ = 1.2 + 0.1·ln(tokens) (3/1/4) and 1.0 + 0.05·ln(tokens) (1/1/2): b is the slope, +0.2 τ takes e^(0.2/b) the
+    data."""
     pts = [
         {"run": f"r{i}", "tokens": t, "set": "mtbench", "setting": s, "tau": a + b * math.log(t)}
         for i, t in enumerate([7e5, 2e6, 5e6, 1e7])

@@ -285,7 +285,8 @@ def test_eagle31_forward_pieces():
 
 
 def test_flags_off_is_todays_drafter():
-    """With both flags off, the drafter's step, decode and TTT loss equal the pre-3.1 code's (golden from that commit)."""
+    """With both flags off, the drafter's step, decode and TTT loss equal the pre-3.1 code's (golden from that
+    commit)."""
     import json
     from pathlib import Path
 

@@ -85,7 +85,8 @@ def sglang_target(key: str) -> tuple[str, str] | None:
 def check_keys(keys, where: str, fc_norm: bool | None = None) -> None:
     """Raise ValueError unless SGLang's loader reads every key, fills every parameter shard, and gets d2t/t2d.
 
-    fc_norm: whether the drafter's config sets fc_norm (SGLang then has model.fc_norm.{i}); None infers it from the keys.
+    fc_norm: whether the drafter's config sets fc_norm (SGLang then has model.fc_norm.{i}); None infers it from the
+    keys.
     """
     keys = set(keys)
     if fc_norm is None:
@@ -251,7 +252,8 @@ class StateTensors:
 
 
 def save_checkpoint(dist, module, cfg: DrafterConfig, run_dir: Path, step: int, trainer_state: dict, keep: int) -> Path:
-    """Collective: every rank calls it. Writes ckpt/step-N atomically (from the main process) and keeps the newest `keep`."""
+    """Collective: every rank calls it. Writes ckpt/step-N atomically (from the main process) and keeps the newest
+    `keep`."""
     root = Path(run_dir) / "ckpt"
     final = root / f"step-{step}"
     tensors, meta = dist.training_state()
@@ -287,7 +289,8 @@ def read_trainer_state(path: Path) -> dict:
 
 
 def load_checkpoint(dist, path: Path, seed: int) -> tuple[dict, str]:
-    """Restore optimizer, scheduler, engine counters and RNG from `path` (collective); returns (trainer_state, RNG note).
+    """Restore optimizer, scheduler, engine counters and RNG from `path` (collective); returns (trainer_state, RNG
+    note).
 
     Reads only trainer_state.json, state.json and state.safetensors; every problem is a CheckpointError naming the file.
     """

@@ -187,7 +187,8 @@ class Dist:
     def prepare(self, module, optimizer, scheduler):
         """Wrap the objective module and optimizer in the DeepSpeed engine; the scheduler ticks once per optimizer step.
 
-        (accelerate's own wrapper would tick it once per process per step, so the schedule would depend on the world size.)
+        (accelerate's own wrapper would tick it once per process per step, so the schedule would depend on the world
+        size.)
         """
         self.engine, self.optimizer = self.acc.prepare(module, optimizer)
         self.scheduler = AcceleratedScheduler(scheduler, self.optimizer, split_batches=True)
@@ -272,7 +273,8 @@ class Dist:
     def training_state(self) -> tuple[dict[str, torch.Tensor], dict] | tuple[None, None]:
         """(tensors, meta) on the main process, (None, None) elsewhere (collective).
 
-        tensors: `fp32.<param>`, `exp_avg.<param>`, `exp_avg_sq.<param>` (whole, fp32) and `rank<r>.<rng>` for every rank.
+        tensors: `fp32.<param>`, `exp_avg.<param>`, `exp_avg_sq.<param>` (whole, fp32) and `rank<r>.<rng>` for every
+        rank.
         meta: optimizer step count and hyper-parameters, scheduler state, engine counters, RNG scalars.
         """
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state

@@ -4,7 +4,8 @@
 
 Model states follow the ZeRO paper's accounting for bf16 training with AdamW: bf16 weights (2 B),
 bf16 gradients (2 B), fp32 master weights + two moments + the fp32 gradient DeepSpeed builds for
-the step (16 B) per trainable parameter; the frozen embedding has weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and
+the step (16 B) per trainable parameter; the frozen embedding has weights only. ZeRO-2 partitions gradients and
+optimizer states over the GPUs and
 replicates the weights; ZeRO-3 partitions all three and gathers one module at a time (the largest
 module, the embedding, bounds that transient). Activations are what autograd keeps per token and
 per TTT step (no recomputation), counted tensor by tensor in `activation_bytes_per_token_step`.
@@ -40,7 +41,8 @@ class Estimate:
 
 
 def activation_bytes_per_token_step(cfg: DrafterConfig, act_bytes: int = 2) -> int:
-    """Bytes autograd saves per token for one TTT step of train/ttt.py (bf16 activations, fp32 where the code upcasts)."""
+    """Bytes autograd saves per token for one TTT step of train/ttt.py (bf16 activations, fp32 where the code
+    upcasts)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     saved = (

@@ -185,7 +185,8 @@ class DraftCache:
 
 
 class Eagle3Drafter(nn.Module):
-    """embed_tokens (frozen target embedding) -> fc fuses 3 aux states -> midlayer -> norm -> lm_head over the draft vocab.
+    """embed_tokens (frozen target embedding) -> fc fuses 3 aux states -> midlayer -> norm -> lm_head over the draft
+    vocab.
 
     EAGLE-3.1 options (config.json flags SGLang reads): `fc_norm` adds `fc_norm.{0,1,2}` RMSNorms, one per aux chunk,
     before fc; `norm_output` feeds the next draft step norm(out) instead of the pre-norm out. Both off: EAGLE-3.

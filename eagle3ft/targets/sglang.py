@@ -205,7 +205,8 @@ class SGLangTarget:
         return body, hidden, [int(t) for t in out]
 
     def _features(self, body: dict, hidden: np.ndarray | None, total: int, k: int, what: str) -> Features:
-        """Rows for `total` tokens from a capture answer; a missing final row repeats the one before (see module doc)."""
+        """Rows for `total` tokens from a capture answer; a missing final row repeats the one before (see module
+        doc)."""
         meta = body["meta_info"]
         if hidden is None:
             raise SGLangError(

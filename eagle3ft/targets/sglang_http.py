@@ -215,7 +215,8 @@ class HiddenStream:
 
 
 def topk_arrays(entries: list, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """SGLang top-logprob entries (each K [logprob, id, text|null]) -> ids int32 [n, K], logprobs float32 [n, K], sorted descending."""
+    """SGLang top-logprob entries (each K [logprob, id, text|null]) -> ids int32 [n, K], logprobs float32 [n, K],
+    sorted descending."""
     n = len(entries)
     ids = np.empty((n, k), np.int32)
     lps = np.empty((n, k), np.float32)
