@@ -221,6 +221,20 @@ class Run:
         }
 
 
+class SetupTimes:
+    """Seconds per start-up section, printed once: where a slow start goes (RESULTS §9)."""
+
+    def __init__(self, started: float) -> None:
+        self.last, self.parts = started, {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name], self.last = now - self.last, now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.parts.items())
+
+
 class Meter:
     """Sums since the last log record: per-depth loss and accuracy counts (5, K), real tokens, micro-batches, seconds."""
 
@@ -259,9 +273,11 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     from eagle3ft.train.dist import Dist
 
     started = time.perf_counter()
+    took = SetupTimes(started)
     tcfg = cfg.train
     # 1. data and drafter (checked against the features' identity)
     data = TrainData(cfg, run_dir)
+    took.mark("data")
     torch.manual_seed(cfg.seed)
     model = build_drafter(cfg, run_dir, data.target)
     if tcfg.compile:
@@ -269,6 +285,7 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     objective = TTTObjective(
         model, tcfg.ttt_steps, tcfg.step_decay, target_head(cfg, data, model), tcfg.loss, tcfg.lk_eta
     )
+    took.mark("drafter")
 
     # 2. processes and the run lock; a warm start's vocab becomes the run's
     dist = Dist(tcfg)
@@ -277,6 +294,7 @@ def setup(cfg: Config, run_dir: Path) -> Run:
         note = adopt_drafter_vocab(run_dir, model.d2t, model.t2d, resolve_path(cfg.drafter.init))
         if note:
             dist.print(note)
+    took.mark("processes")
 
     # 3. optimizer and LR schedule over the run's optimizer steps
     total = tcfg.max_steps or sum(
@@ -286,15 +304,19 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg, total))
     engine, optimizer, scheduler = dist.prepare(objective, optimizer, scheduler)
+    took.mark("engine")
     run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock, started=started)
 
     # 4. resume: weights, optimizer, RNG, data position; held-out τ
     resumed = resume(run)
+    took.mark("resume")
     run.heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed=resumed)
+    took.mark("held-out set")
 
     # 5. logs: metrics.jsonl (cut back to the resumed step), the summary line, wandb
     if dist.is_main:
         open_logs(run, sum(p.numel() for p in trainable))
+    dist.print(f"start-up: {took}")
     return run
 
 
