@@ -5,7 +5,8 @@
 The harness (eval/harness.py: prompts, A B A B repetitions, runs.jsonl, summary.json,
 economics.json, calibration.json) on the backend `bench.backend` selects: `embedded`
 (eval/bench_embedded.py: transformers target + eval/speculate.py, batch 1, chain drafting: topk 1)
-or `sglang` (eval/bench_sglang.py: live SGLang servers).
+or `sglang` (eval/bench_sglang.py: live SGLang servers). With the embedded backend, `bench.drafters`
+and `bench.more_prompts` bench more drafters and prompt sets in the same interleaved run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ def make_backend(cfg, run_dir: Path) -> BenchBackend:
     if cfg.bench.backend == "embedded":
         return EmbeddedBackend(cfg, run_dir)
     if cfg.bench.backend == "sglang":
+        if cfg.bench.drafters:
+            raise ValueError("bench.drafters: the sglang backend benches one drafter (eval.checkpoint); leave it empty")
         return SGLangBackend(cfg, run_dir)
     raise ValueError(f"bench.backend {cfg.bench.backend!r}: expected embedded or sglang")
 

@@ -1,5 +1,6 @@
 """The `embedded` backend of the live benchmark: a transformers target and the drafter in this process
-(eval/speculate.py), batch 1, chain drafting (topk 1).
+(eval/speculate.py), batch 1, chain drafting (topk 1). Several drafters (eval.checkpoint and
+bench.drafters) share the target; `use_drafter(label)` picks the one the next passes use.
 
 The decoders of eval/speculate.py time nothing; the timed subclasses here time around their phases,
 the device synchronised on both sides of each: the prefill (through the first new token), every
@@ -102,17 +103,32 @@ class EmbeddedBackend:
         self.cfg = cfg
         if cfg.bench.threads:
             torch.set_num_threads(cfg.bench.threads)
-        ckpt = resolve_path(cfg.eval.checkpoint, base=run_dir)
-        spec = check_drafter_for_run(ckpt, run_dir, "eval.checkpoint")
+        folders = {cfg.eval.checkpoint: (resolve_path(cfg.eval.checkpoint, base=run_dir), "eval.checkpoint")}
+        folders.update({k: (resolve_path(v), f"bench.drafters.{k}") for k, v in cfg.bench.drafters.items()})
+        specs = {
+            k: check_drafter_for_run(f, run_dir, where) for k, (f, where) in folders.items()
+        }  # all, before the target
         self.model, self.tokenizer = load_target(cfg.target)
         self.device = next(self.model.parameters()).device
         c = self.model.config
-        self.aux_layer_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
         emb = self.model.get_input_embeddings().weight.detach()
-        self.drafter = load_drafter(ckpt, embedding=emb.float()).to(device=self.device, dtype=emb.dtype).eval()
+        self.drafters, self.aux_ids = {}, {}
+        for label, (folder, _) in folders.items():  # each in the target's dtype: a bf16 folder runs as the target does
+            self.aux_ids[label] = specs[label].check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
+            d = load_drafter(folder, embedding=emb.float()).to(device=self.device, dtype=emb.dtype).eval()
+            self.drafters[label] = d
+        self.use_drafter(cfg.eval.checkpoint)
         self.eos_ids = ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids
         self.temperature = cfg.bench.temperature
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+
+    @property
+    def drafter_labels(self) -> list[str]:
+        return list(self.drafters)
+
+    def use_drafter(self, label: str) -> None:
+        """The drafter the next speculative passes (and offline_tau) use: eval.checkpoint's or a bench.drafters label."""
+        self.drafter, self.aux_layer_ids = self.drafters[label], self.aux_ids[label]
 
     def _result(self, i: int, g: Generation, t: Timings) -> RequestResult:
         spec = g.verify_count > 0

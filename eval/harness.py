@@ -11,6 +11,13 @@ min-max tok/s per pass kind, tau, seconds per verify / draft forward / cycle, th
 model, the environment), RUN/bench/economics.json (eval/economics.py on the summary) and
 RUN/bench/calibration.json (these costs, for predicting a later drafter's tok/s: bench.calibration).
 
+Several drafters and prompt sets in one run (embedded backend): `bench.drafters` (label -> folder) are
+benched next to `eval.checkpoint`, and `bench.more_prompts` next to `bench.prompts`. Per repetition and
+prompt set: the baseline pass, then each drafter's pass per setting (plain, A, B, plain, A, B, ...).
+summary.json's top level stays `eval.checkpoint` on `bench.prompts` (what economics and the report
+read); `prompt_sets` holds every set: its prompts and baseline, and per drafter its speculative rows,
+costs and offline tau on the same prompts. Each runs.jsonl row names its `prompts` set and `drafter`.
+
 Backends sit behind a narrow interface:
 
     class BenchBackend(Protocol):
@@ -164,15 +171,14 @@ def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
 # --------------------------------------------------------------------------- harness
 
 
-def load_prompts(cfg) -> list[list[int]]:
-    """First user turn of each conversation of `bench.prompts`, chat-templated into token ids."""
+def load_prompts(cfg, source=None) -> list[list[int]]:
+    """First user turn of each conversation of `source` (default `bench.prompts`), chat-templated into token ids."""
     from eagle3ft.data.chat import ChatFormat
     from eagle3ft.data.prompts import collect
     from eagle3ft.targets.hf import load_tokenizer
 
-    convs = collect(
-        [cfg.bench.prompts], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter()
-    )
+    source = source or cfg.bench.prompts
+    convs = collect([source], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
     chat = ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template)
     out = []
     for c in convs:
@@ -180,8 +186,27 @@ def load_prompts(cfg) -> list[list[int]]:
         ids, _ = chat.encode(c.messages[: first_user + 1], add_generation_prompt=True)
         out.append(ids)
     if not out:
-        raise ValueError(f"bench.prompts gave no prompts ({cfg.bench.prompts})")
+        raise ValueError(f"bench prompts {source} gave no prompts")
     return out
+
+
+def prompt_sets(cfg) -> list[tuple[str, object]]:
+    """(label, source) of `bench.prompts`, then of each `bench.more_prompts`: labelled by kind, a repeated kind numbered."""
+    out: list[tuple[str, object]] = []
+    for src in [cfg.bench.prompts, *cfg.bench.more_prompts]:
+        label, n = src.kind, 2
+        while label in dict(out):
+            label, n = f"{src.kind}-{n}", n + 1
+        out.append((label, src))
+    return out
+
+
+def drafter_labels(cfg) -> list[str]:
+    """`eval.checkpoint` as written (the summary's top level), then the labels of `bench.drafters`."""
+    labels = [cfg.eval.checkpoint, *cfg.bench.drafters]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"bench.drafters: a label repeats or equals eval.checkpoint {cfg.eval.checkpoint!r}: {labels}")
+    return labels
 
 
 def spread(xs: list[float]) -> dict:
@@ -293,51 +318,98 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
     """The benchmark on `backend`: warm-up, interleaved repetitions, summary, economics."""
     bc = cfg.bench
     settings = [Setting.of(s) for s in bc.settings]
-    prompts = load_prompts(cfg)
+    labels = drafter_labels(cfg)
+    if len(labels) > 1 and not hasattr(backend, "use_drafter"):
+        raise ValueError(f"bench.drafters: the {backend.name} backend benches one drafter (eval.checkpoint)")
+    sets = [(label, src, load_prompts(cfg, src)) for label, src in prompt_sets(cfg)]
+    primary_set, primary_drafter = sets[0][0], labels[0]
     out = run_dir / "bench"
     out.mkdir(parents=True, exist_ok=True)
     log(
-        f"bench: {backend.name}, {len(prompts)} prompts, {bc.max_new_tokens} new tokens, {bc.repetitions} repetitions, "
-        f"settings {[s.key for s in settings]}"
+        f"bench: {backend.name}, {' + '.join(f'{len(p)} {label}' for label, _, p in sets)} prompts, "
+        f"{bc.max_new_tokens} new tokens, {bc.repetitions} repetitions, settings {[s.key for s in settings]}"
+        + (f", drafters {labels}" if len(labels) > 1 else "")
     )
+
+    def speculative(prompts, s: Setting, drafter: str, max_new_tokens: int) -> list[RequestResult]:
+        if len(labels) > 1:
+            backend.use_drafter(drafter)
+        return backend.run_speculative(prompts, s, max_new_tokens)
+
+    first = sets[0][2][:1]
     backend.run_baseline(
-        prompts[:1], bc.max_new_tokens
+        first, bc.max_new_tokens
     )  # warm-up, untimed, as long as a timed request: kernels for every length
-    for s in settings:
-        backend.run_speculative(prompts[:1], s, bc.max_new_tokens)
+    for d in labels:
+        for s in settings:
+            speculative(first, s, d, bc.max_new_tokens)
     runs: list[dict] = []
     with open(out / "runs.jsonl.tmp", "w") as f:
 
-        def record(rep: int, mode: str, key: str | None, results: list[RequestResult]) -> None:
+        def record(rep: int, mode: str, key: str | None, pset: str, drafter: str | None, results) -> None:
             for r in results:
-                row = {"repetition": rep, "mode": mode, "setting": key, **asdict(r), "tok_s": r.tok_s}
+                row = {"repetition": rep, "mode": mode, "setting": key, "prompts": pset, "drafter": drafter}
+                row.update({**asdict(r), "tok_s": r.tok_s})
                 runs.append(row)
                 f.write(json.dumps(row) + "\n")
             f.flush()
-            log(f"  rep {rep} {mode:<11} {key or '':<8} {_pass_tok_s(results):8.1f} tok/s")
+            who = f"{pset} " * (len(sets) > 1) + f"{drafter} " * (len(labels) > 1 and drafter is not None)
+            log(f"  rep {rep} {mode:<11} {key or '':<8} {who}{_pass_tok_s(results):8.1f} tok/s")
 
         for rep in range(bc.repetitions):
-            record(rep, "baseline", None, backend.run_baseline(prompts, bc.max_new_tokens))
-            for s in settings:
-                record(rep, "speculative", s.key, backend.run_speculative(prompts, s, bc.max_new_tokens))
+            for pset, _, prompts in sets:
+                record(rep, "baseline", None, pset, None, backend.run_baseline(prompts, bc.max_new_tokens))
+                for d in labels:
+                    for s in settings:
+                        record(rep, "speculative", s.key, pset, d, speculative(prompts, s, d, bc.max_new_tokens))
     os.replace(out / "runs.jsonl.tmp", out / "runs.jsonl")
     curve = None
     if hasattr(backend, "verify_costs"):
         sizes = sorted({1, *range(2, max(s.num_draft_tokens for s in settings) + 3)})
-        curve = backend.verify_costs(prompts[0], sizes)
-    same = None
-    if hasattr(backend, "offline_tau") and bc.temperature == 0:  # offline tau on the tokens the live runs decoded
-        answers = {r["prompt_index"]: r["output_ids"] for r in runs if r["mode"] == "baseline" and r["repetition"] == 0}
-        same = backend.offline_tau(prompts, [answers[i] for i in range(len(prompts))], settings)
+        curve = backend.verify_costs(sets[0][2][0], sizes)
+    by_set = {}
+    for pset, src, prompts in sets:
+        same = {}
+        if hasattr(backend, "offline_tau") and bc.temperature == 0:  # offline tau on the tokens the live runs decoded
+            answers = {
+                r["prompt_index"]: r["output_ids"]
+                for r in runs
+                if r["mode"] == "baseline" and r["repetition"] == 0 and r["prompts"] == pset
+            }
+            for d in labels:
+                if len(labels) > 1:
+                    backend.use_drafter(d)
+                same[d] = backend.offline_tau(prompts, [answers[i] for i in range(len(prompts))], settings)
+        drafters = {}
+        for d in labels:
+            rows = [r for r in runs if r["prompts"] == pset and r["drafter"] in (None, d)]
+            s = summarize(rows, settings, curve)
+            drafters[d] = {
+                "checkpoint": cfg.eval.checkpoint if d == primary_drafter else bc.drafters[d],
+                "speculative": s["speculative"],
+                "costs": s["costs"],
+                "offline_same_prompts": same.get(d),
+            }
+        by_set[pset] = {
+            "source": asdict(src),
+            "count": len(prompts),
+            "tokens": [len(p) for p in prompts],
+            "baseline": s["baseline"],
+            "drafters": drafters,
+        }
+    top = by_set[primary_set]
     summary = {
         "backend": backend.name,
         "environment": backend.environment(),
-        "prompts": {"source": asdict(bc.prompts), "count": len(prompts), "tokens": [len(p) for p in prompts]},
+        "prompts": {"source": top["source"], "count": top["count"], "tokens": top["tokens"]},
         "max_new_tokens": bc.max_new_tokens,
         "repetitions": bc.repetitions,
         "temperature": bc.temperature,
-        **summarize(runs, settings, curve),
-        "offline_same_prompts": same,
+        "baseline": top["baseline"],
+        "speculative": top["drafters"][primary_drafter]["speculative"],
+        "costs": top["drafters"][primary_drafter]["costs"],
+        "offline_same_prompts": top["drafters"][primary_drafter]["offline_same_prompts"],
+        "prompt_sets": by_set,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     ec, _ = economics.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
@@ -345,14 +417,32 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
     return summary
 
 
-def format_summary(s: dict) -> str:
-    b = s["baseline"]["tok_s"]
-    lines = [f"baseline     {b['median']:8.1f} tok/s ({b['min']:.1f}-{b['max']:.1f})"]
-    for r in s["speculative"]:
+def _format_rows(rows: list[dict], indent: str = "") -> list[str]:
+    lines = []
+    for r in rows:
         t = r["tok_s"]
         lines.append(
-            f"spec {r['key']:<7} {t['median']:8.1f} tok/s ({t['min']:.1f}-{t['max']:.1f})  x{r['speedup_median']:.2f}  "
-            f"tau {r['tau']:.2f}"
+            f"{indent}spec {r['key']:<7} {t['median']:8.1f} tok/s ({t['min']:.1f}-{t['max']:.1f})  "
+            f"x{r['speedup_median']:.2f}  tau {r['tau']:.2f}"
             + (f"  verify {r['verify_ms']:.2f} ms  draft fwd {r['draft_forward_ms']:.2f} ms" if r["verify_ms"] else "")
         )
-    return "\n".join(lines)
+    return lines
+
+
+def format_summary(s: dict) -> str:
+    sets = s.get("prompt_sets") or {}
+    if len(sets) > 1 or any(len(p["drafters"]) > 1 for p in sets.values()):
+        lines = []
+        for label, p in sets.items():
+            b = p["baseline"]["tok_s"]
+            lines.append(
+                f"{label} ({p['count']} prompts): baseline {b['median']:8.1f} tok/s ({b['min']:.1f}-{b['max']:.1f})"
+            )
+            for d, v in p["drafters"].items():
+                lines.append(f"  drafter {d}")
+                lines += _format_rows(v["speculative"], "    ")
+        return "\n".join(lines)
+    b = s["baseline"]["tok_s"]
+    return "\n".join(
+        [f"baseline     {b['median']:8.1f} tok/s ({b['min']:.1f}-{b['max']:.1f})", *_format_rows(s["speculative"])]
+    )

@@ -154,3 +154,45 @@ def test_costs_are_medians_so_a_slow_pass_does_not_move_them():
     assert s["speculative"][0]["cycle_s"] == pytest.approx(0.16 / 16) and s["costs"]["verify_s"]["4"] == pytest.approx(
         0.01
     )
+
+
+def test_several_drafters_and_prompt_sets_in_one_interleaved_run(tmp_path):
+    """bench.drafters and bench.more_prompts: per repetition and prompt set, plain then each drafter; the top level
+    of summary.json stays eval.checkpoint on bench.prompts."""
+    for i, folder in enumerate((tmp_path / "export", tmp_path / "other")):
+        torch.manual_seed(i)
+        drafter = Eagle3Drafter(Eagle3Config.from_json("configs/drafters/tiny.json"))
+        drafter.t2d[: drafter.config.draft_vocab_size] = True
+        export_drafter(drafter, folder)
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            "bench.prompts.limit=1",
+            "bench.more_prompts=[{kind: humaneval, limit: 1}, {kind: mtbench, limit: 1}]",
+            f"bench.drafters={{other: '{tmp_path / 'other'}'}}",
+            "bench.max_new_tokens=5",
+            "bench.repetitions=2",
+        ],
+    )
+    s = harness.run(cfg, tmp_path, bench.make_backend(cfg, tmp_path), log=lambda *a: None)
+    rows = [json.loads(x) for x in (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()]
+    sets = ["mtbench", "humaneval", "mtbench-2"]
+    assert [(r["repetition"], r["prompts"], r["drafter"]) for r in rows] == [
+        (rep, p, d) for rep in range(2) for p in sets for d in (None, "export", "other")
+    ]
+    assert list(s["prompt_sets"]) == sets
+    top = s["prompt_sets"]["mtbench"]
+    assert s["speculative"] == top["drafters"]["export"]["speculative"] and s["baseline"] == top["baseline"]
+    assert s["offline_same_prompts"] == top["drafters"]["export"]["offline_same_prompts"]
+    for p in s["prompt_sets"].values():
+        assert p["count"] == 1 and list(p["drafters"]) == ["export", "other"]
+        assert p["drafters"]["other"]["checkpoint"] == str(tmp_path / "other")
+        for d in p["drafters"].values():
+            assert d["speculative"][0]["outputs_match_baseline"] == 1.0 and d["offline_same_prompts"]["samples"] == 1
+    assert "drafter other" in harness.format_summary(s)
+
+
+def test_sglang_backend_refuses_more_drafters(tmp_path):
+    cfg = load_config("configs/tiny.yaml", ["bench.backend=sglang", f"bench.drafters={{other: '{tmp_path}'}}"])
+    with pytest.raises(ValueError, match="benches one drafter"):
+        bench.make_backend(cfg, tmp_path)
