@@ -1,0 +1,353 @@
+"""The demo's story in numbers: a shipped drafter before and after a fine-tune on one domain.
+
+    python eval/demo_summary.py measure  --config CFG --run-dir RUN   # offline per held-out set + the live bench
+    python eval/demo_summary.py offline  --config CFG --run-dir RUN [--only LABEL ...]
+    python eval/demo_summary.py headline --config CFG --run-dir RUN [--before LABEL] [--after LABEL]
+
+The drafters are the bench's: `eval.checkpoint` (the run's fine-tuned export, labelled as written, e.g.
+"export") and each `bench.drafters` label (e.g. "shipped": the folder the run warm-started from).
+
+`measure` does both of the following in one process, with one load of the target: `offline`, then the
+live bench (eval/harness.py on the embedded backend) with the drafters already loaded.
+
+`offline` measures each drafter's offline tau on RUN's held-out features, one figure per held-out
+source kind (HumanEval apart from MT-Bench: a sample's source is found again from its sample id), and
+writes RUN/demo/offline-<label>.json. Each drafter runs in the target's dtype, as the bench runs it.
+
+`headline` joins those files with RUN/bench/summary.json (plain decoding and both drafters timed in one
+interleaved run, on every prompt set) and the training record. It prints before -> after for tau
+(offline and live) and tok/s against plain decoding, on the domain (the kind of `bench.prompts`) and on
+the general prompts (every other kind), each with the prompts and tokens behind it, and writes
+RUN/demo/summary.json and RUN/demo/summary.md.
+
+Speculation beats plain decoding when tau exceeds the break-even tau, cycle time / plain step time
+(eval/economics.py): the headline prints it per prompt set beside the taus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+DEMO_DIR = "demo"
+
+
+# --------------------------------------------------------------------------- held-out samples by source
+
+
+def heldout_kinds(cfg) -> dict[int, str]:
+    """sample id -> source kind, for every record of each source that can hold held-out samples.
+
+    Keys are computed as the harvest computes them (harvest.max_turns, harvest.regenerate), over all of a
+    source's records (its limit and the harvest's length checks only decide which of them were kept)."""
+    from eagle3ft.data.harvest import sample_id
+    from eagle3ft.data.prompts import collect
+
+    h = cfg.harvest
+    out: dict[int, str] = {}
+    for src in h.sources:
+        if src.kind == "tokens" or (src.split == "train") or (src.split == "auto" and h.heldout_fraction <= 0):
+            continue
+        every = dataclasses.replace(src, limit=None, split="heldout")
+        convs = collect(
+            [every], max_turns=h.max_turns, regenerate=h.regenerate, heldout_fraction=0.0, dedupe=False, skips=Counter()
+        )
+        for c in convs:
+            out.setdefault(sample_id(c.key), src.kind)
+    return out
+
+
+def group_heldout(ds, kinds: dict[int, str]) -> dict[str, list[int]]:
+    """Indices of the held-out dataset per source kind ("other" when a sample's source is not found)."""
+    groups: dict[str, list[int]] = {}
+    for i in range(len(ds)):
+        groups.setdefault(kinds.get(int(ds[i]["sample_id"]), "other"), []).append(i)
+    return groups
+
+
+def offline_by_source(drafter, ds, groups: dict[str, list[int]], steps: int, device) -> dict:
+    """Chain greedy offline tau per group: conversations, roots, answer tokens, tau per d/1/d+1 setting, per depth."""
+    from eagle3ft.eval.accept_len import evaluate
+
+    out = {}
+    for kind, idx in groups.items():
+        items = [ds[i] for i in idx]
+        rep = evaluate(drafter, iter(items), steps, 1, steps + 1, 0.0, device)
+        out[kind] = {
+            "conversations": rep.samples,
+            "roots": rep.roots,
+            "answer_tokens": int(sum(int(it["loss_mask"].sum()) for it in items)),
+            "settings": {k: v["tau"] for k, v in rep.settings.items()},
+            "per_depth": rep.greedy["per_depth"],
+        }
+    return out
+
+
+def drafter_folders(cfg, run_dir: Path) -> dict[str, Path]:
+    """label -> folder: eval.checkpoint (relative to the run) and bench.drafters (relative to the repository)."""
+    from eagle3ft.config import resolve_path
+
+    folders = {cfg.eval.checkpoint: resolve_path(cfg.eval.checkpoint, base=run_dir)}
+    folders.update({k: resolve_path(v) for k, v in cfg.bench.drafters.items()})
+    return folders
+
+
+def _check_drafters(cfg, run_dir: Path, folders: dict[str, Path]):
+    """Every folder against the run's features, before anything is loaded; returns the held-out dataset."""
+    from eagle3ft.data.store import MANIFEST, FeatureStore
+    from eagle3ft.drafter_spec import check_drafter_folder
+
+    store = FeatureStore(run_dir / "features")
+    for label, folder in folders.items():
+        check_drafter_folder(folder, store.target, label, str(store.dir / MANIFEST))
+    return store.dataset("heldout")
+
+
+def offline_all(cfg, run_dir: Path, drafters: dict, folders: dict[str, Path], ds, device, log=print) -> dict[str, dict]:
+    """Offline tau per held-out source for each loaded drafter; writes RUN/demo/offline-<label>.json."""
+    groups = group_heldout(ds, heldout_kinds(cfg))
+    if not groups:
+        raise ValueError(f"{run_dir / 'features'} has no held-out samples (harvest.sources with split heldout)")
+    out_dir = run_dir / DEMO_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for label, drafter in drafters.items():
+        with torch.no_grad():
+            sets = offline_by_source(drafter, ds, groups, cfg.eval.steps, device)
+        res = {"label": label, "checkpoint": str(folders[label]), "depth": cfg.eval.steps, "sets": sets}
+        (out_dir / f"offline-{label}.json").write_text(json.dumps(res, indent=2) + "\n")
+        results[label] = res
+        for kind, s in sets.items():
+            taus = ", ".join(f"{k} {v:.3f}" for k, v in s["settings"].items())
+            log(
+                f"{label:>10} on held-out {kind}: {s['conversations']} conversations, {s['answer_tokens']} answer tokens: tau {taus}"
+            )
+    return results
+
+
+def _pick(folders: dict[str, Path], only: list[str] | None) -> dict[str, Path]:
+    unknown = sorted(set(only or []) - set(folders))
+    if unknown:
+        raise ValueError(
+            f"--only {unknown}: not a drafter of this config (eval.checkpoint or bench.drafters: {list(folders)})"
+        )
+    return {k: v for k, v in folders.items() if not only or k in only}
+
+
+def run_offline(cfg, run_dir: Path, only: list[str] | None = None, log=print) -> dict[str, dict]:
+    """Offline tau per held-out source for each drafter (or those in `only`), in the target's dtype."""
+    from eagle3ft.targets.hf import load_input_embedding, pick_device
+    from eagle3ft.train.checkpoint import load_drafter
+
+    folders = _pick(drafter_folders(cfg, run_dir), only)
+    ds = _check_drafters(cfg, run_dir, folders)
+    device = pick_device(cfg.target)
+    emb = load_input_embedding(cfg.target)
+    drafters = {
+        k: load_drafter(f, embedding=emb.float()).to(device=device, dtype=emb.dtype).eval() for k, f in folders.items()
+    }
+    return offline_all(cfg, run_dir, drafters, folders, ds, device, log)
+
+
+def run_measure(cfg, run_dir: Path, log=print) -> dict:
+    """One process, one target load: every drafter's offline tau per held-out set, then the live bench (plain
+    against eval.checkpoint and bench.drafters, interleaved, every prompt set) with the drafters the bench loaded."""
+    from eagle3ft.eval import harness
+    from eagle3ft.eval.bench_embedded import EmbeddedBackend
+
+    if cfg.bench.backend != "embedded":
+        raise ValueError(f"bench.backend {cfg.bench.backend!r}: the demo measures with the embedded backend")
+    folders = drafter_folders(cfg, run_dir)
+    ds = _check_drafters(cfg, run_dir, folders)
+    backend = EmbeddedBackend(cfg, run_dir)
+    offline_all(cfg, run_dir, backend.drafters, folders, ds, backend.device, log)
+    summary = harness.run(cfg, run_dir, backend, log)
+    log(harness.format_summary(summary))
+    return summary
+
+
+# --------------------------------------------------------------------------- headline
+
+
+def _pct(a: float | None, b: float | None) -> str:
+    return f"{100 * (b - a) / a:+.0f}%" if a and b is not None else "n/a"
+
+
+def _f(x: float | None, fmt: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _training(run_dir: Path) -> dict:
+    """What the fine-tune did: steps, seconds, the train split it saw, the held-out tau the trainer measured."""
+    out: dict = {}
+    metrics = run_dir / "train" / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        steps = [r for r in rows if "step" in r and "loss" in r]
+        if steps:
+            out["steps"] = steps[-1]["step"]
+            out["train_s"] = round(sum(r.get("s_per_step", 0.0) for r in steps), 1)
+    manifest = run_dir / "features" / "manifest.json"
+    if manifest.is_file():
+        counts = json.loads(manifest.read_text()).get("counts", {})
+        out["train_split"] = counts.get("train")
+        out["heldout_split"] = counts.get("heldout")
+    card = run_dir / "export" / "card.json"
+    if card.is_file():
+        out["export_card"] = json.loads(card.read_text())
+    return out
+
+
+def build(cfg, run_dir: Path, before: str, after: str) -> dict:
+    """The before/after table as data: per prompt set (domain first) offline tau, live tau, tok/s and break-even."""
+    from eagle3ft.eval.economics import Setting
+
+    summary_path = run_dir / "bench" / "summary.json"
+    bench = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    offline = {}
+    for label in (before, after):
+        p = run_dir / DEMO_DIR / f"offline-{label}.json"
+        offline[label] = json.loads(p.read_text()) if p.is_file() else None
+    domain = cfg.bench.prompts.kind
+    setting = Setting.of(cfg.bench.settings[-1]).key  # the deepest benchmarked setting
+    seen = {k for o in offline.values() if o for k in o["sets"]} | set((bench or {}).get("prompt_sets", {}))
+    kinds = [domain] + sorted(seen - {domain})
+    sets = []
+    for kind in kinds:
+        row: dict = {"kind": kind, "role": "domain" if kind == domain else "general", "setting": setting}
+        off = {k: (o["sets"].get(kind) if o else None) for k, o in offline.items()}
+        if any(off.values()):
+            ref = next(v for v in off.values() if v)
+            row["offline"] = {
+                "conversations": ref["conversations"],
+                "answer_tokens": ref["answer_tokens"],
+                "roots": ref["roots"],
+                "before": off[before]["settings"].get(setting) if off[before] else None,
+                "after": off[after]["settings"].get(setting) if off[after] else None,
+            }
+        pset = (bench or {}).get("prompt_sets", {}).get(kind)
+        if pset:
+            base = pset["baseline"]
+            live = {"prompts": pset["count"], "prompt_tokens": sum(pset["tokens"]), "plain_tok_s": base["tok_s_median"]}
+            live["max_new_tokens"], live["repetitions"] = bench["max_new_tokens"], bench["repetitions"]
+            for which, label in (("before", before), ("after", after)):
+                d = pset["drafters"].get(label)
+                r = next((x for x in (d or {}).get("speculative", []) if x["key"] == setting), None)
+                if r is None:
+                    live[which] = None
+                    continue
+                cycle = r["cycle_s_per_pass"] or r["cycle_s"]
+                live[which] = {
+                    "tau": r["tau"],
+                    "verifies": r["verify_count"],
+                    "tokens": round(r["tau"] * r["verify_count"]) if r["tau"] else None,
+                    "tok_s": r["tok_s_median"],
+                    "speedup": r["speedup_median"],
+                    "cycle_ms": 1e3 * cycle if cycle else None,
+                    "break_even_tau": cycle / (base["ms_per_token"] / 1e3) if cycle else None,
+                    "outputs_match_plain": r["outputs_match_baseline"],
+                    "offline_same_prompts": ((d.get("offline_same_prompts") or {}).get("settings") or {}).get(setting),
+                }
+            row["live"] = live
+        sets.append(row)
+    return {
+        "before": before,
+        "after": after,
+        "setting": setting,
+        "domain": domain,
+        "training": _training(run_dir),
+        "sets": sets,
+        "environment": (bench or {}).get("environment"),
+    }
+
+
+def format_headline(h: dict) -> str:
+    """The printed headline: one block per prompt set, before -> after, with what each figure was measured on."""
+    t = h["training"]
+    tr = t.get("train_split") or {}
+    card = t.get("export_card") or {}
+    lines = [
+        f"== {h['before']} drafter -> fine-tuned on {h['domain']} ({t.get('steps', '?')} steps, {_f(t.get('train_s'), '.0f')} s; "
+        f"{tr.get('samples', '?')} conversations, {tr.get('loss_tokens', '?')} answer tokens), setting {h['setting']} (steps/topk/draft tokens)"
+    ]
+    for s in h["sets"]:
+        lines.append(f"{s['role']} ({s['kind']}):")
+        off = s.get("offline")
+        if off:
+            lines.append(
+                f"  tau offline   {_f(off['before'])} -> {_f(off['after'])} ({_pct(off['before'], off['after'])})"
+                f"   held out: {off['conversations']} conversations, {off['answer_tokens']} answer tokens"
+            )
+        live = s.get("live")
+        if live:
+            b, a = live.get("before"), live.get("after")
+            if b and a:
+                lines.append(
+                    f"  tau live      {_f(b['tau'])} -> {_f(a['tau'])} ({_pct(b['tau'], a['tau'])})"
+                    f"   {b['tokens']} tokens in {b['verifies']} verifies -> {a['tokens']} in {a['verifies']}"
+                )
+                lines.append(
+                    f"  tok/s         {b['tok_s']:.1f} (x{b['speedup']:.2f}) -> {a['tok_s']:.1f} (x{a['speedup']:.2f})"
+                    f" against plain {live['plain_tok_s']:.1f}   {live['prompts']} prompts, {live['max_new_tokens']} new tokens,"
+                    f" {live['repetitions']} interleaved repetitions"
+                )
+                lines.append(
+                    f"  break-even    tau {_f(a['break_even_tau'])} (cycle {_f(a['cycle_ms'], '.1f')} ms over a plain step"
+                    f" {1e3 / live['plain_tok_s']:.1f} ms): "
+                    + (
+                        "above it, speculation wins"
+                        if a["tau"] >= (a["break_even_tau"] or 0)
+                        else "below it, speculation loses"
+                    )
+                )
+    if card.get("heldout_tau") is not None:
+        lines.append(
+            f"trainer's held-out tau at the export (depth {card.get('heldout_depth')}, all held-out sets): {card['heldout_tau']:.3f}"
+        )
+    return "\n".join(lines)
+
+
+def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | None = None) -> dict:
+    labels = [cfg.eval.checkpoint, *cfg.bench.drafters]
+    before = before or (labels[1] if len(labels) > 1 else labels[0])
+    after = after or cfg.eval.checkpoint
+    h = build(cfg, run_dir, before, after)
+    text = format_headline(h)
+    out = run_dir / DEMO_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps({**h, "headline": text}, indent=2) + "\n")
+    (out / "summary.md").write_text("# Demo: before and after the fine-tune\n\n```\n" + text + "\n```\n")
+    return {**h, "headline": text}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from eagle3ft.config import build_parser, cli_errors, parse_cli
+    from eagle3ft.data.store import StoreError
+
+    ap = build_parser("The demo's before/after: offline tau per held-out set, then the headline.")
+    ap.add_argument("command", choices=("offline", "measure", "headline"))
+    ap.add_argument("--only", action="append", default=[], help="offline: this drafter label only (repeatable)")
+    ap.add_argument("--before", help="headline: the drafter before the fine-tune (default: the first bench.drafters)")
+    ap.add_argument("--after", help="headline: the drafter after (default: eval.checkpoint)")
+    cfg, run_dir, args = parse_cli(ap.description, stage="demo", argv=argv, parser=ap)
+    if args.command == "measure":
+        from eagle3ft.eval.preflight import check_or_exit
+
+        check_or_exit("demo_summary.py", "bench", cfg, run_dir, args.config)
+    from eagle3ft.runlock import holding
+
+    with holding(run_dir, "demo", "demo_summary.py"), cli_errors("demo_summary.py", StoreError):
+        if args.command == "offline":
+            run_offline(cfg, run_dir, args.only or None)
+        elif args.command == "measure":
+            run_measure(cfg, run_dir)
+        else:
+            print(run_headline(cfg, run_dir, args.before, args.after)["headline"])
+
+
+if __name__ == "__main__":
+    main()
