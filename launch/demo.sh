@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# The whole embedded pipeline on SmolLM2-135M on this CPU: harvest -> train -> offline eval -> live bench -> report.
+# The product's story on SmolLM2-135M on this CPU: the shipped EAGLE-3 drafter (drafters/smollm2-135m),
+# measured on a domain it never saw (HumanEval code prompts) and on general prompts (MT-Bench), fine-tuned
+# on the domain for a few minutes, measured again; the headline prints before -> after.
 #   bash launch/demo.sh [RUN_DIR]        (make demo; default runs/demo)
-# Small sizes come from --set overrides on configs/smollm2-135m.yaml. Rerunning resumes: the harvest
-# keeps its finished shards, training resumes from its newest checkpoint (and is skipped once the
-# drafter is exported), and the eval and bench stages are skipped when their output is newer than
-# the exported drafter.
+# Stages: harvest (the target regenerates the answers of HumanEval problems: a training part, and a held-out
+# part of other problems, plus MT-Bench questions held out as the general set) -> warm-started fine-tune
+# (accelerate, 2 processes) -> measure, in one process with one target load: both drafters' offline tau per
+# held-out set, then one live bench, plain, shipped and fine-tuned interleaved on both prompt sets -> report
+# -> headline. Small sizes come from --set overrides on configs/smollm2-135m.yaml, whose drafter.init and
+# bench.drafters name the shipped drafter. Rerunning resumes: the harvest keeps its finished shards, training
+# resumes from its newest checkpoint (and is skipped once the drafter is exported), and each measuring stage
+# is skipped when its output is newer than the drafter it measured.
 # One torch thread per process by default: on a shared 2-core machine, two spinning OpenMP threads
 # per process made the offline eval 5x slower (OMP_NUM_THREADS=2 make demo on an idle machine).
 set -euo pipefail
@@ -12,35 +18,46 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cd "$(dirname "$0")/.."
 RUN=${1:-runs/demo}
 CONFIG=${DEMO_CONFIG:-configs/smollm2-135m.yaml}
+SHIPPED=${DEMO_SHIPPED:-drafters/smollm2-135m}
 SETS=(
-  --set 'harvest.sources=[{kind: sharegpt, limit: 16}, {kind: mtbench, limit: 4, split: heldout}]'
+  --set drafter.init="$SHIPPED"
+  --set 'harvest.sources=[{kind: humaneval, limit: 6, split: heldout}, {kind: humaneval, limit: 24, split: train}, {kind: mtbench, limit: 4, split: heldout}]'
   --set harvest.max_turns=1
-  --set harvest.max_prompt_tokens=256
-  --set harvest.max_total_tokens=384
-  --set harvest.max_new_tokens=40
-  --set harvest.batch_size=8
-  --set harvest.shard_samples=8
-  --set train.max_steps=${DEMO_TRAIN_STEPS:-48}
+  --set harvest.max_prompt_tokens=320
+  --set harvest.max_total_tokens=448
+  --set harvest.max_new_tokens=48
+  --set harvest.batch_size=24
+  --set harvest.shard_samples=24
+  --set train.max_steps=${DEMO_TRAIN_STEPS:-64}
   --set train.ttt_steps=3
-  --set train.lr=1e-3
-  --set train.warmup_steps=5
-  --set train.save_every=24
-  --set train.max_len=384
+  --set train.lr=${DEMO_TRAIN_LR:-3e-4}
+  --set train.warmup_steps=4
+  --set train.save_every=32
+  --set train.max_len=448
+  --set train.eval_every=0
   --set train.wandb_mode=disabled
   --set eval.steps=3
   --set eval.num_draft_tokens=4
-  --set 'bench.prompts={kind: mtbench, limit: 2}'
-  --set bench.max_new_tokens=32
+  --set 'bench.prompts={kind: humaneval, limit: 2}'
+  --set 'bench.more_prompts=[{kind: mtbench, limit: 2}]'
+  --set bench.drafters="{shipped: $SHIPPED}"
+  --set bench.max_new_tokens=40
   --set bench.repetitions=3
-  --set 'bench.settings=[{steps: 2, topk: 1, num_draft_tokens: 3}, {steps: 3, topk: 1, num_draft_tokens: 4}]'
+  --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]'
 )
 t_start=$SECONDS
 stage() { printf '\n== %s (%ds elapsed)\n' "$1" $((SECONDS - t_start)); }
+newer() { [[ -f "$1" && "$1" -nt "$2" ]]; } # $1 exists and was written after $2
 
-stage "harvest: target regenerates a ShareGPT slice; MT-Bench prompts held out"
+stage "harvest: the target answers HumanEval problems (training part; other problems held out) and MT-Bench questions (held out)"
 python data/harvest.py --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
 
-stage "train: TTT fine-tuning of the drafter (resumes from the newest checkpoint)"
+stage "fine-tune: TTT from the shipped drafter on the HumanEval training part (resumes from the newest checkpoint)"
+python - "$SHIPPED" <<'CARD' || true
+import json, sys
+card = json.load(open(sys.argv[1] + "/card.json"))
+print(f"shipped drafter {sys.argv[1]} ({card.get('status', 'released')}): {card.get('data', '')}")
+CARD
 if [[ -f "$RUN/export/model.safetensors" ]]; then
   echo "done: $RUN/export (delete it to train again)"
 else
@@ -48,20 +65,18 @@ else
     --config "$CONFIG" --run-dir "$RUN" --resume auto "${SETS[@]}"
 fi
 
-stage "offline accept length on the held-out features"
-if [[ "$RUN/eval/accept_len.json" -nt "$RUN/export/model.safetensors" ]]; then
-  echo "up to date: $RUN/eval/accept_len.json"
+stage "measure: the shipped and the fine-tuned drafter, offline on the held-out sets, then live against plain decoding, interleaved"
+if newer "$RUN/bench/summary.json" "$RUN/export/model.safetensors" && newer "$RUN/bench/summary.json" "$SHIPPED/model.safetensors" \
+  && newer "$RUN/demo/offline-export.json" "$RUN/export/model.safetensors"; then
+  echo "up to date: $RUN/bench/summary.json, $RUN/demo/offline-*.json"
 else
-  python eval/accept_len.py --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
+  python eval/demo_summary.py measure --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
 fi
 
-stage "live benchmark: plain greedy against speculative decoding, interleaved"
-if [[ "$RUN/bench/summary.json" -nt "$RUN/export/model.safetensors" ]]; then
-  echo "up to date: $RUN/bench/summary.json"
-else
-  python eval/bench.py --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
-fi
+stage "report (the fine-tuned drafter alone: $RUN/eval/report.md)"
+python eval/report.py --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}" >/dev/null
+echo "wrote $RUN/eval/report.md"
 
-stage "report"
-python eval/report.py --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
+stage "headline ($RUN/demo/summary.md)"
+python eval/demo_summary.py headline --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
 printf '\ndemo finished in %ds\n' $((SECONDS - t_start))
