@@ -288,11 +288,12 @@ def format_headline(h: dict) -> str:
             if b and a:
                 lines.append(
                     f"  tau live      {_f(b['tau'])} -> {_f(a['tau'])} ({_pct(b['tau'], a['tau'])})"
-                    f"   {b['tokens']} tokens in {b['verifies']} verifies -> {a['tokens']} in {a['verifies']}"
+                    f"   {b['tokens']} tokens accepted in {b['verifies']} verifies -> {a['tokens']} in {a['verifies']}"
                 )
                 lines.append(
                     f"  tok/s         {b['tok_s']:.1f} (x{b['speedup']:.2f}) -> {a['tok_s']:.1f} (x{a['speedup']:.2f})"
-                    f" against plain {live['plain_tok_s']:.1f}   {live['prompts']} prompts, {live['max_new_tokens']} new tokens,"
+                    f" against plain {live['plain_tok_s']:.1f}   {live['prompts']} prompts ({live['prompt_tokens']} prompt tokens),"
+                    f" {live['max_new_tokens']} new tokens each,"
                     f" {live['repetitions']} interleaved repetitions"
                 )
                 lines.append(

@@ -17,9 +17,13 @@ from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 
 
-def random_drafter(folder, seed: int) -> None:
+def random_drafter(folder, seed: int, eagle31: bool = False) -> None:
     torch.manual_seed(seed)
-    d = Eagle3Drafter(Eagle3Config.from_json(REPO_ROOT / "configs/drafters/tiny.json"))
+    arch = json.loads((REPO_ROOT / "configs/drafters/tiny.json").read_text())
+    if eagle31:  # the shipped drafter may carry EAGLE-3.1's flags: nothing in the demo may assume either layout
+        arch |= {"fc_norm": True, "norm_output": True}
+    (folder.parent / "arch.json").write_text(json.dumps(arch))
+    d = Eagle3Drafter(Eagle3Config.from_json(folder.parent / "arch.json"))
     d.t2d[: d.config.draft_vocab_size] = True  # d2t 0: draft id i is target id i
     export_drafter(d, folder)
 
@@ -28,7 +32,7 @@ def random_drafter(folder, seed: int) -> None:
 def demo_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     run = root / "run"
-    random_drafter(root / "shipped", seed=1)
+    random_drafter(root / "shipped", seed=1, eagle31=True)
     cfg = load_config(
         TINY,
         [
