@@ -221,12 +221,10 @@ class BenchConfig:
     calibration: str | None = (
         None  # another run's bench/calibration.json: predict this run's tok/s from its offline tau
     )
-    drafters: dict[str, str] = field(
-        default_factory=dict
-    )  # embedded: more drafters in the same interleaved run, label -> folder (repo-relative); summary.json's prompt_sets
-    more_prompts: list[SourceConfig] = field(
-        default_factory=list
-    )  # more prompt sets in the same interleaved run (bench.prompts stays the summary's top level); labelled by kind
+    # embedded: more drafters in the same interleaved run, label -> folder (repo-relative); summary.json's prompt_sets
+    drafters: dict[str, str] = field(default_factory=dict)
+    # more prompt sets in the same interleaved run (bench.prompts stays the summary's top level); labelled by kind
+    more_prompts: list[SourceConfig] = field(default_factory=list)
 
 
 @dataclass

@@ -127,7 +127,8 @@ class EmbeddedBackend:
         return list(self.drafters)
 
     def use_drafter(self, label: str) -> None:
-        """The drafter the next speculative passes (and offline_tau) use: eval.checkpoint's or a bench.drafters label."""
+        """The drafter the next speculative passes (and offline_tau) use: eval.checkpoint's or a bench.drafters
+        label."""
         self.drafter, self.aux_layer_ids = self.drafters[label], self.aux_ids[label]
 
     def _result(self, i: int, g: Generation, t: Timings) -> RequestResult:

@@ -99,7 +99,7 @@ def drafter_folders(cfg, run_dir: Path) -> dict[str, Path]:
 def _check_drafters(cfg, run_dir: Path, folders: dict[str, Path]):
     """Every folder against the run's features, before anything is loaded; returns the held-out dataset."""
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter_spec import check_drafter_folder
+    from eagle3ft.drafter_config import check_drafter_folder
 
     store = FeatureStore(run_dir / "features")
     for label, folder in folders.items():
@@ -124,7 +124,8 @@ def offline_all(cfg, run_dir: Path, drafters: dict, folders: dict[str, Path], ds
         for kind, s in sets.items():
             taus = ", ".join(f"{k} {v:.3f}" for k, v in s["settings"].items())
             log(
-                f"{label:>10} on held-out {kind}: {s['conversations']} conversations, {s['answer_tokens']} answer tokens: tau {taus}"
+                f"{label:>10} on held-out {kind}: {s['conversations']} conversations, "
+                f"{s['answer_tokens']} answer tokens: tau {taus}"
             )
     return results
 
@@ -204,7 +205,7 @@ def _training(run_dir: Path) -> dict:
 
 def build(cfg, run_dir: Path, before: str, after: str) -> dict:
     """The before/after table as data: per prompt set (domain first) offline tau, live tau, tok/s and break-even."""
-    from eagle3ft.eval.economics import Setting
+    from eagle3ft.eval.costs import Setting
 
     summary_path = run_dir / "bench" / "summary.json"
     bench = json.loads(summary_path.read_text()) if summary_path.is_file() else None
@@ -233,6 +234,7 @@ def build(cfg, run_dir: Path, before: str, after: str) -> dict:
         if pset:
             base = pset["baseline"]
             live = {"prompts": pset["count"], "prompt_tokens": sum(pset["tokens"]), "plain_tok_s": base["tok_s_median"]}
+            live["plain_ms_per_token"] = base["ms_per_token"]
             live["max_new_tokens"], live["repetitions"] = bench["max_new_tokens"], bench["repetitions"]
             for which, label in (("before", before), ("after", after)):
                 d = pset["drafters"].get(label)
@@ -271,8 +273,9 @@ def format_headline(h: dict) -> str:
     tr = t.get("train_split") or {}
     card = t.get("export_card") or {}
     lines = [
-        f"== {h['before']} drafter -> fine-tuned on {h['domain']} ({t.get('steps', '?')} steps, {_f(t.get('train_s'), '.0f')} s; "
-        f"{tr.get('samples', '?')} conversations, {tr.get('loss_tokens', '?')} answer tokens), setting {h['setting']} (steps/topk/draft tokens)"
+        f"== {h['before']} drafter -> fine-tuned on {h['domain']} ({t.get('steps', '?')} steps, "
+        f"{_f(t.get('train_s'), '.0f')} s; {tr.get('samples', '?')} conversations, {tr.get('loss_tokens', '?')} answer "
+        f"tokens), setting {h['setting']} (steps/topk/draft tokens)"
     ]
     for s in h["sets"]:
         lines.append(f"{s['role']} ({s['kind']}):")
@@ -292,13 +295,13 @@ def format_headline(h: dict) -> str:
                 )
                 lines.append(
                     f"  tok/s         {b['tok_s']:.1f} (x{b['speedup']:.2f}) -> {a['tok_s']:.1f} (x{a['speedup']:.2f})"
-                    f" against plain {live['plain_tok_s']:.1f}   {live['prompts']} prompts ({live['prompt_tokens']} prompt tokens),"
-                    f" {live['max_new_tokens']} new tokens each,"
+                    f" against plain {live['plain_tok_s']:.1f}   {live['prompts']} prompts"
+                    f" ({live['prompt_tokens']} prompt tokens), {live['max_new_tokens']} new tokens each,"
                     f" {live['repetitions']} interleaved repetitions"
                 )
                 lines.append(
-                    f"  break-even    tau {_f(a['break_even_tau'])} (cycle {_f(a['cycle_ms'], '.1f')} ms over a plain step"
-                    f" {1e3 / live['plain_tok_s']:.1f} ms): "
+                    f"  break-even    tau {_f(a['break_even_tau'])} (cycle {_f(a['cycle_ms'], '.1f')} ms"
+                    f" over a plain step {live['plain_ms_per_token']:.1f} ms): "
                     + (
                         "above it, speculation wins"
                         if a["tau"] >= (a["break_even_tau"] or 0)
@@ -307,7 +310,8 @@ def format_headline(h: dict) -> str:
                 )
     if card.get("heldout_tau") is not None:
         lines.append(
-            f"trainer's held-out tau at the export (depth {card.get('heldout_depth')}, all held-out sets): {card['heldout_tau']:.3f}"
+            f"trainer's held-out tau at the export (depth {card.get('heldout_depth')}, all held-out sets): "
+            f"{card['heldout_tau']:.3f}"
         )
     return "\n".join(lines)
 
@@ -326,7 +330,7 @@ def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.config import build_parser, cli_errors, parse_cli
+    from eagle3ft.cli import build_parser, cli_errors, parse_cli
     from eagle3ft.data.store import StoreError
 
     ap = build_parser("The demo's before/after: offline tau per held-out set, then the headline.")

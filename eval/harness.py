@@ -191,7 +191,8 @@ def load_prompts(cfg, source=None) -> list[list[int]]:
 
 
 def prompt_sets(cfg) -> list[tuple[str, object]]:
-    """(label, source) of `bench.prompts`, then of each `bench.more_prompts`: labelled by kind, a repeated kind numbered."""
+    """(label, source) of `bench.prompts`, then of each `bench.more_prompts`, labelled by kind (a repeated kind
+    numbered)."""
     out: list[tuple[str, object]] = []
     for src in [cfg.bench.prompts, *cfg.bench.more_prompts]:
         label, n = src.kind, 2

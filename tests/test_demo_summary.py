@@ -9,10 +9,11 @@ import torch
 from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import run_harvest
 from eagle3ft.data.store import FeatureStore
+from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.eval import demo_summary
 from eagle3ft.eval.accept_len import evaluate
 from eagle3ft.train.checkpoint import export_drafter, load_drafter
-from eagle3ft.train.model import Eagle3Config, Eagle3Drafter
+from eagle3ft.train.model import Eagle3Drafter
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 
@@ -23,7 +24,7 @@ def random_drafter(folder, seed: int, eagle31: bool = False) -> None:
     if eagle31:  # the shipped drafter may carry EAGLE-3.1's flags: nothing in the demo may assume either layout
         arch |= {"fc_norm": True, "norm_output": True}
     (folder.parent / "arch.json").write_text(json.dumps(arch))
-    d = Eagle3Drafter(Eagle3Config.from_json(folder.parent / "arch.json"))
+    d = Eagle3Drafter(DrafterConfig.from_json(folder.parent / "arch.json"))
     d.t2d[: d.config.draft_vocab_size] = True  # d2t 0: draft id i is target id i
     export_drafter(d, folder)
 

@@ -161,7 +161,7 @@ def test_several_drafters_and_prompt_sets_in_one_interleaved_run(tmp_path):
     of summary.json stays eval.checkpoint on bench.prompts."""
     for i, folder in enumerate((tmp_path / "export", tmp_path / "other")):
         torch.manual_seed(i)
-        drafter = Eagle3Drafter(Eagle3Config.from_json("configs/drafters/tiny.json"))
+        drafter = Eagle3Drafter(DrafterConfig.from_json("configs/drafters/tiny.json"))
         drafter.t2d[: drafter.config.draft_vocab_size] = True
         export_drafter(drafter, folder)
     cfg = load_config(
