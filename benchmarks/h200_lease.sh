@@ -34,7 +34,7 @@ ACCEL=${ACCEL:-configs/accelerate/1gpu.yaml}
 CONFIG=configs/smollm2-135m.yaml
 BENCH_TOKENS=${BENCH_TOKENS:-192}
 BASE=(
-  --set "target.path=$MODEL" --set target.gguf_file=null --set train.wandb_mode=disabled
+  --set "target.path=$MODEL" --set target.gguf_file=null --set train.wandb_mode=disabled --set drafter.init=null
   --set harvest.max_turns=1 --set harvest.max_prompt_tokens=512 --set harvest.max_total_tokens=1024
   --set "harvest.max_new_tokens=${NEW:-384}" --set harvest.batch_size=192 --set harvest.shard_samples=256
   --set train.micro_batch_size=16 --set train.lr=2e-3 --set train.warmup_steps=40 --set train.save_every=400

@@ -15,7 +15,7 @@ DATA=${DATA:?set DATA to the folder holding sharegpt-3000.json and mtbench-quest
 PY=${PYTHON:-python3}
 CONFIG=configs/smollm2-135m.yaml
 SETS=(
-  --set "target.path=$MODEL" --set target.gguf_file=null
+  --set "target.path=$MODEL" --set target.gguf_file=null --set drafter.init=null
   --set "harvest.sources=[{kind: sharegpt, path: $DATA/sharegpt-3000.json, limit: ${LIMIT:-2400}}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout, limit: ${HELDOUT:-80}}]"
   --set harvest.max_turns=1 --set harvest.max_prompt_tokens=512 --set harvest.max_total_tokens=1024
   --set harvest.max_new_tokens=384 --set harvest.batch_size=128 --set harvest.shard_samples=256

@@ -15,7 +15,8 @@
 #      request, 128x8), ATTN (attention backend per server, comma-separated, e.g. flashinfer,triton; a server that is
 #      not up in ATTN_WAIT_S (240) is restarted with triton), PAIR (the two drafters trained side by side: layout =
 #      EAGLE-3 vs EAGLE-3.1, loss = EAGLE-3.1 with ce vs LOSS2 (lk_hybrid)), EVAL_EVERY (100), SERVER_CMD (a dry run on
-#      a CPU: tests/sglang_double.py), ACCEL (configs/accelerate/1gpu.yaml), EXTRA (more --set pairs),
+#      a CPU: tests/sglang_double.py), ACCEL (configs/accelerate/1gpu.yaml), INIT (drafter.init: null = from scratch,
+#      or a drafter folder to warm-start from), EXTRA (more --set pairs),
 #      LIMIT / MT_LIMIT / HE_LIMIT (ShareGPT / MT-Bench / HumanEval conversations), PYTHONPATH_OVERRIDE (a dry run: '').
 # `wait SECS tokens` also packs the regenerated token store into $OUT (tokens.tgz.part-*, 15 MiB each) once regen is done.
 set -uo pipefail
@@ -34,7 +35,7 @@ export PYTHONPATH=${PYTHONPATH_OVERRIDE-/tmp/deps:/tmp/eagle3ft-site} PYTHONSAFE
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-BASE=(--set "target.path=$MODEL" --set target.gguf_file=null --set train.wandb_mode=disabled)
+BASE=(--set "target.path=$MODEL" --set target.gguf_file=null --set train.wandb_mode=disabled --set "drafter.init=${INIT:-null}")
 read -r -a EXTRA_SETS <<< "${EXTRA:-}"
 BASE+=("${EXTRA_SETS[@]}")
 GEN=(--set harvest.temperature=0.0 --set "harvest.max_new_tokens=${MAX_NEW:-1024}" --set "harvest.max_total_tokens=${MAX_TOTAL:-4096}"
