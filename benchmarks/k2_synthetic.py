@@ -5,7 +5,7 @@
 
 Writes, from a seed:
   RUN/target/            config.json + model.safetensors holding only `model.embed_tokens.weight`
-                         [163840, 7168] bf16: what training reads of the target (train.loop.build_drafter)
+                         [163840, 7168] bf16: what training reads of the target (train.build.build_drafter)
   RUN/features/          a feature store (data/store.py schema) of `--samples` sequences of `--seq` tokens:
                          random token ids, aux states N(0, 1) bf16 [T, 3 x 7168], top-K log-probs of a
                          random softmax whose argmax lies in the draft vocabulary, loss_mask 1 after the

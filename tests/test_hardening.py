@@ -184,7 +184,7 @@ def test_train_refuses_a_bad_warm_start_drafter_in_one_line_before_compute(run, 
 
 
 def test_scratch_training_refuses_an_inconsistent_run_vocab(run, monkeypatch):
-    from eagle3ft.train.loop import build_drafter
+    from eagle3ft.train.build import build_drafter
 
     d2t, t2d = load_vocab(run / "vocab.safetensors")
     t2d[int(torch.nonzero(~t2d)[0])] = True  # one more marked than d2t maps
@@ -203,7 +203,7 @@ def test_scratch_training_refuses_an_inconsistent_run_vocab(run, monkeypatch):
 
 
 def test_warm_start_rewrites_the_run_vocab_with_the_drafters(run):
-    from eagle3ft.train.loop import adopt_drafter_vocab
+    from eagle3ft.train.build import adopt_drafter_vocab
 
     init = write_k2_like(run / "k2")
     note = adopt_drafter_vocab(run, init["d2t"], init["t2d"], run / "k2")

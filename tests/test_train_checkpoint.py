@@ -11,6 +11,7 @@ from train_fixtures import REPO, TINY_TARGET
 
 from eagle3ft.config import load_config
 from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train.build import build_drafter
 from eagle3ft.train.checkpoint import (
     atomic_dir,
     checkpoints,
@@ -20,7 +21,6 @@ from eagle3ft.train.checkpoint import (
     resume_path,
     sglang_target,
 )
-from eagle3ft.train.loop import build_drafter
 from eagle3ft.train.model import DraftCache, Eagle3Drafter, export_keys
 
 

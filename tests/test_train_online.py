@@ -246,7 +246,7 @@ def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
 def test_online_heldout_tau_equals_the_offline_one(harvested):
     """Held-out τ while training online: the target's features of the held-out tokens give the counts that the
     stored held-out features give (TrainData.heldout feeding train/validate.py's heldout_tau)."""
-    from eagle3ft.train.loop import build_drafter
+    from eagle3ft.train.build import build_drafter
     from eagle3ft.train.ttt import TTTObjective
     from eagle3ft.train.validate import heldout_batches, heldout_tau
 

@@ -169,8 +169,8 @@ def test_warm_start_keeps_its_layout(tmp_path):
     from train_fixtures import REPO, TINY_TARGET, write_store
 
     from eagle3ft.config import load_config
+    from eagle3ft.train.build import build_drafter
     from eagle3ft.train.checkpoint import export_drafter
-    from eagle3ft.train.loop import build_drafter
     from eagle3ft.vocab import load_vocab
 
     write_store(tmp_path)

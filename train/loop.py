@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,13 +22,11 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
-from eagle3ft.data.store import StoreError
-from eagle3ft.drafter_config import DrafterConfig, check_drafter, check_drafter_folder
+from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
 from eagle3ft.train.checkpoint import (
     atomic_dir,
     drafter_tensors,
     load_checkpoint,
-    load_drafter,
     resume_path,
     resume_position,
     save_checkpoint,
@@ -40,7 +37,6 @@ from eagle3ft.train.data import TrainData
 from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
-from eagle3ft.vocab import load_vocab, save_vocab
 
 if TYPE_CHECKING:
     from eagle3ft.train.dist import Dist
@@ -70,94 +66,7 @@ def oom_hint():
         raise OutOfMemoryHint(f"{OOM_HINT}\n({str(e).splitlines()[0]})") from e
 
 
-# --------------------------------------------------------------------------- setup
-
-
-def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
-    """Scratch (architecture json + the run's vocab) or warm start (a drafter folder, its own d2t/t2d).
-
-    `target` is the features' identity; check_drafter refuses a drafter that disagrees with it before any compute.
-    """
-    from eagle3ft.targets.hf import load_input_embedding
-
-    features = str(run_dir / "features" / "manifest.json")
-    if cfg.drafter.init:
-        folder = resolve_path(cfg.drafter.init)
-        spec = check_drafter_folder(folder, target, "warm start", features)
-        if cfg.drafter.draft_vocab_size not in (None, spec.draft_vocab_size):
-            raise ValueError(
-                f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's {spec.draft_vocab_size} (its vocab is kept)"
-            )
-        layout = spec.check_supported()
-        for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 options change what the trained weights mean
-            if getattr(cfg.drafter, flag) not in (None, getattr(layout, flag)):
-                raise ValueError(
-                    f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} ({folder}/config.json; its layout is kept)"
-                )
-        return load_drafter(folder, load_input_embedding(cfg.target)).float()
-    dcfg = DrafterConfig.from_json(resolve_path(cfg.drafter.config))
-    if cfg.drafter.draft_vocab_size:
-        dcfg.draft_vocab_size = cfg.drafter.draft_vocab_size
-    for flag in ("fc_norm", "norm_output"):
-        if getattr(cfg.drafter, flag) is not None:
-            setattr(dcfg, flag, getattr(cfg.drafter, flag))
-    check_drafter(dcfg, target, str(cfg.drafter.config), features)
-    vocab_file = run_dir / "vocab.safetensors"
-    if not vocab_file.is_file():
-        raise FileNotFoundError(
-            f"{vocab_file} not found: the harvest writes it (python data/harvest.py ... --run-dir {run_dir})"
-        )
-    d2t, t2d = load_vocab(vocab_file)
-    check_drafter(dcfg, target, str(vocab_file), features, d2t, t2d)
-    model = Eagle3Drafter(dcfg)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(load_input_embedding(cfg.target))
-        model.d2t.copy_(d2t)
-        model.t2d.copy_(t2d)
-    return model
-
-
-def adopt_drafter_vocab(run_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, folder: Path) -> str | None:
-    """After a warm start the run's vocab.safetensors is the drafter's: rewrite it when it differs (or is
-    missing or unreadable) and return what was done, so the run folder never holds two vocabularies."""
-    vocab_file = run_dir / "vocab.safetensors"
-    d2t, t2d = d2t.cpu().to(torch.int64), t2d.cpu().to(torch.bool)
-    try:
-        old = load_vocab(vocab_file) if vocab_file.is_file() else None
-    except ValueError as e:
-        old, why = None, f"was unreadable ({e})"
-    else:
-        why = "was missing"
-    if old is not None:
-        if old[0].shape == d2t.shape and old[1].shape == t2d.shape:
-            n_d2t, n_t2d = int((old[0] != d2t).sum()), int((old[1] != t2d).sum())
-            if n_d2t == 0 and n_t2d == 0:
-                return None
-            why = f"differed from it in {n_d2t} of {d2t.numel()} d2t and {n_t2d} of {t2d.numel()} t2d entries"
-        else:
-            why = f"had {old[0].numel()} draft tokens, the drafter {d2t.numel()}"
-    tmp = vocab_file.with_name(f".{vocab_file.name}.tmp")
-    save_vocab(tmp, d2t, t2d)
-    os.replace(tmp, vocab_file)
-    return f"{vocab_file} {why}; rewrote it with the warm-start drafter's d2t/t2d ({folder}), which its lm_head rows follow"
-
-
-def target_head(cfg: Config, data: TrainData, model: Eagle3Drafter) -> torch.Tensor | None:
-    """The target lm_head rows of the draft vocab when p comes from last_hidden, else None."""
-    source = cfg.train.target_source
-    if source not in ("auto", "topk", "last_hidden"):
-        raise ValueError(f"train.target_source '{source}' is not one of auto, topk, last_hidden")
-    has = data.has_last_hidden
-    if source == "last_hidden" and not has:
-        raise StoreError(
-            f"train.target_source is last_hidden but {data.where} has no last_hidden (harvest.store_last_hidden)"
-        )
-    if source == "topk" or not has:
-        return None
-    from eagle3ft.targets.hf import load_output_head
-
-    ids = torch.arange(model.config.draft_vocab_size) + model.d2t
-    return load_output_head(cfg.target)[ids].float()
+# --------------------------------------------------------------------------- the LR schedule
 
 
 def lr_lambda(tcfg: TrainConfig, total: int):
