@@ -10,7 +10,6 @@ train/validate.py; each export's card.json says which step it is) and `run_dir/t
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from eagle3ft.train.checkpoint import (
     write_drafter,
 )
 from eagle3ft.train.data import TrainData
+from eagle3ft.train.metrics import Meter, SetupTimes, log_record, metrics_record, open_wandb
 from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
@@ -128,37 +128,6 @@ class Run:
             "config": to_dict(self.cfg),
             "last": self.last,
         }
-
-
-class SetupTimes:
-    """Seconds per start-up section, printed once: where a slow start goes (RESULTS §9)."""
-
-    def __init__(self, started: float) -> None:
-        self.last, self.parts = started, {}
-
-    def mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self.parts[name], self.last = now - self.last, now
-
-    def __str__(self) -> str:
-        return ", ".join(f"{k} {v:.1f} s" for k, v in self.parts.items())
-
-
-class Meter:
-    """Sums since the last log record: per-depth loss and accuracy counts (5, K), real tokens, micro-batches, seconds."""
-
-    def __init__(self, ttt_steps: int, device: torch.device) -> None:
-        self.stats = torch.zeros(5, ttt_steps, device=device)
-        self.tokens, self.micro, self.t0 = 0, 0, time.perf_counter()
-
-    def add(self, out, tokens: int) -> None:
-        self.stats += torch.stack([out.step_loss, out.correct, out.valid, out.chain_correct, out.chain_valid]).detach()
-        self.tokens += tokens  # real tokens, padding excluded
-        self.micro += 1
-
-    def reset(self) -> None:
-        self.stats.zero_()
-        self.tokens, self.micro, self.t0 = 0, 0, time.perf_counter()
 
 
 # --------------------------------------------------------------------------- setup -> fit -> export
@@ -259,17 +228,7 @@ def open_logs(run: Run, n_train: int) -> None:
     dist.print(
         f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(run.data)} training samples ({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); {run.total} optimizer steps"
     )
-    if tcfg.wandb_mode != "disabled":
-        import wandb
-
-        run.wandb_run = wandb.init(
-            project=tcfg.wandb_project,
-            name=cfg.run_name,
-            mode=tcfg.wandb_mode,
-            dir=str(log_dir),
-            config=to_dict(cfg),
-            resume="allow",
-        )
+    run.wandb_run = open_wandb(cfg, log_dir)
 
 
 def fit(run: Run) -> None:
@@ -306,13 +265,13 @@ def fit(run: Run) -> None:
             step_samples = []
             eval_now = run.heldout.due(run.step, run.total)
             if run.step % tcfg.log_every == 0 or run.step == run.total or eval_now:
-                run.last = metrics_record(run, meter, lr, samples)
+                run.last = metrics_record(meter, dist, tcfg, run.step, run.epoch, lr, samples, run.started)
                 if eval_now:
                     t_eval = time.perf_counter()
                     run.last.update(run.heldout.run(engine, run.model.config, run.step))
                     run.last["heldout_s"] = time.perf_counter() - t_eval
                 if dist.is_main:
-                    log_record(run, bar)
+                    log_record(run.last, run.metrics_file, run.wandb_run, bar)
                 meter.reset()
             bar.update(1)
             done = run.step >= run.total or (
@@ -328,54 +287,6 @@ def fit(run: Run) -> None:
         else:
             run.epoch, run.batch_in_epoch = run.epoch + 1, 0
     bar.close()
-
-
-def metrics_record(run: Run, meter: Meter, lr: float, samples: list) -> dict:
-    """The metrics of the steps since the last record, summed over the processes (a collective: every rank calls it)."""
-    tcfg, dist = run.cfg.train, run.dist
-    K = tcfg.ttt_steps
-    s = dist.reduce_sum(meter.stats)
-    n_tok = int(dist.reduce_sum(torch.tensor(float(meter.tokens), device=dist.device)))
-    n_micro = int(dist.reduce_sum(torch.tensor(float(meter.micro), device=dist.device)))
-    dt = time.perf_counter() - meter.t0
-    acc = (s[1] / s[2].clamp(min=1)).tolist()
-    cond = (s[3] / s[4].clamp(min=1)).tolist()
-    step_loss = (s[0] / max(n_micro, 1)).tolist()
-    return {
-        "step": run.step,
-        "epoch": run.epoch,
-        "loss": sum(tcfg.step_decay**k * step_loss[k] for k in range(K)),
-        "step_loss": step_loss,
-        "acc": acc,
-        "cond_acc": cond,
-        "accept_len_est": 1 + sum(math.prod(cond[: k + 1]) for k in range(K)),
-        "lr": lr,
-        "samples": samples,
-        "tokens": n_tok,
-        "tokens_per_s": n_tok / dt,
-        "s_per_step": dt / tcfg.log_every,
-        "max_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None,
-        "elapsed_s": time.perf_counter() - run.started,  # since setup began: start-up, held-out τ and saves included
-    }
-
-
-def log_record(run: Run, bar: tqdm) -> None:
-    """Main process: append run.last to metrics.jsonl, send it to wandb, show it on the progress bar."""
-    last = run.last
-    with open(run.metrics_file, "a") as f:
-        f.write(json.dumps(last) + "\n")
-    if run.wandb_run is not None:
-        flat = {k: v for k, v in last.items() if not isinstance(v, list)}
-        flat.update(
-            {
-                f"{name}/{k}": x
-                for name in ("step_loss", "acc", "cond_acc", "heldout_cond_acc")
-                if name in last
-                for k, x in enumerate(last[name])
-            }
-        )
-        run.wandb_run.log(flat, step=run.step)
-    bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc'][0]:.3f}", tok_s=f"{last['tokens_per_s']:.0f}")
 
 
 def export(run: Run) -> None:

@@ -1,0 +1,120 @@
+"""What a training step reports: start-up seconds, the sums between records, the metrics record and where it goes.
+
+`SetupTimes` times setup's sections; `Meter` sums a step's per-depth counts until the next record;
+`metrics_record` turns them into one record (a collective: every rank calls it); `log_record` appends it to
+`train/metrics.jsonl`, sends it to wandb (`open_wandb`) and shows it on the progress bar (main process).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm import tqdm
+
+from eagle3ft.config import Config, TrainConfig, to_dict
+
+if TYPE_CHECKING:
+    from eagle3ft.train.dist import Dist
+
+
+class SetupTimes:
+    """Seconds per start-up section, printed once: where a slow start goes (RESULTS §9)."""
+
+    def __init__(self, started: float) -> None:
+        self.last, self.parts = started, {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name], self.last = now - self.last, now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.parts.items())
+
+
+class Meter:
+    """Sums since the last log record: per-depth loss and accuracy counts (5, K), real tokens, micro-batches, seconds."""
+
+    def __init__(self, ttt_steps: int, device: torch.device) -> None:
+        self.stats = torch.zeros(5, ttt_steps, device=device)
+        self.tokens, self.micro, self.t0 = 0, 0, time.perf_counter()
+
+    def add(self, out, tokens: int) -> None:
+        self.stats += torch.stack([out.step_loss, out.correct, out.valid, out.chain_correct, out.chain_valid]).detach()
+        self.tokens += tokens  # real tokens, padding excluded
+        self.micro += 1
+
+    def reset(self) -> None:
+        self.stats.zero_()
+        self.tokens, self.micro, self.t0 = 0, 0, time.perf_counter()
+
+
+def metrics_record(
+    meter: Meter, dist: Dist, tcfg: TrainConfig, step: int, epoch: int, lr: float, samples: list, started: float
+) -> dict:
+    """The metrics of the steps since the last record, summed over the processes (a collective: every rank calls it).
+
+    `started` is when setup began (perf_counter): the record's elapsed_s counts start-up, held-out τ and saves."""
+    K = tcfg.ttt_steps
+    s = dist.reduce_sum(meter.stats)
+    n_tok = int(dist.reduce_sum(torch.tensor(float(meter.tokens), device=dist.device)))
+    n_micro = int(dist.reduce_sum(torch.tensor(float(meter.micro), device=dist.device)))
+    dt = time.perf_counter() - meter.t0
+    acc = (s[1] / s[2].clamp(min=1)).tolist()
+    cond = (s[3] / s[4].clamp(min=1)).tolist()
+    step_loss = (s[0] / max(n_micro, 1)).tolist()
+    return {
+        "step": step,
+        "epoch": epoch,
+        "loss": sum(tcfg.step_decay**k * step_loss[k] for k in range(K)),
+        "step_loss": step_loss,
+        "acc": acc,
+        "cond_acc": cond,
+        "accept_len_est": 1 + sum(math.prod(cond[: k + 1]) for k in range(K)),
+        "lr": lr,
+        "samples": samples,
+        "tokens": n_tok,
+        "tokens_per_s": n_tok / dt,
+        "s_per_step": dt / tcfg.log_every,
+        "max_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None,
+        "elapsed_s": time.perf_counter() - started,  # since setup began: start-up, held-out τ and saves included
+    }
+
+
+def open_wandb(cfg: Config, log_dir: Path) -> Any:
+    """Main process: the run's wandb run (train.wandb_mode, train.wandb_project), None when disabled."""
+    tcfg = cfg.train
+    if tcfg.wandb_mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(
+        project=tcfg.wandb_project,
+        name=cfg.run_name,
+        mode=tcfg.wandb_mode,
+        dir=str(log_dir),
+        config=to_dict(cfg),
+        resume="allow",
+    )
+
+
+def log_record(record: dict, metrics_file: Path, wandb_run: Any, bar: tqdm) -> None:
+    """Main process: append the record to metrics.jsonl, send it to wandb, show it on the progress bar."""
+    with open(metrics_file, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if wandb_run is not None:
+        flat = {k: v for k, v in record.items() if not isinstance(v, list)}
+        flat.update(
+            {
+                f"{name}/{k}": x
+                for name in ("step_loss", "acc", "cond_acc", "heldout_cond_acc")
+                if name in record
+                for k, x in enumerate(record[name])
+            }
+        )
+        wandb_run.log(flat, step=record["step"])
+    bar.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc'][0]:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
