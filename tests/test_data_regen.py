@@ -277,7 +277,7 @@ def test_harvest_refuses_a_token_store_of_another_tokenizer(reference, tmp_path)
 
 
 def test_sglang_answers_are_read_robustly():
-    from eagle3ft.data.regen import Gen, SGLangBackend
+    from eagle3ft.data.regen_backends import Gen, SGLangBackend
 
     b = SGLangBackend.__new__(SGLangBackend)
     b.stop_ids, b.trimmed, b._lock = [2], 0, threading.Lock()
