@@ -34,13 +34,15 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
         spec = check_drafter_folder(folder, target, "warm start", features)
         if cfg.drafter.draft_vocab_size not in (None, spec.draft_vocab_size):
             raise ValueError(
-                f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's {spec.draft_vocab_size} (its vocab is kept)"
+                f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's "
+                f"{spec.draft_vocab_size} (its vocab is kept)"
             )
         layout = spec.check_supported()
         for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 options change what the trained weights mean
             if getattr(cfg.drafter, flag) not in (None, getattr(layout, flag)):
                 raise ValueError(
-                    f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} ({folder}/config.json; its layout is kept)"
+                    f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} "
+                    f"({folder}/config.json; its layout is kept)"
                 )
         return load_drafter(folder, load_input_embedding(cfg.target)).float()
     dcfg = DrafterConfig.from_json(resolve_path(cfg.drafter.config))
@@ -87,7 +89,10 @@ def adopt_drafter_vocab(run_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, fol
     tmp = vocab_file.with_name(f".{vocab_file.name}.tmp")
     save_vocab(tmp, d2t, t2d)
     os.replace(tmp, vocab_file)
-    return f"{vocab_file} {why}; rewrote it with the warm-start drafter's d2t/t2d ({folder}), which its lm_head rows follow"
+    return (
+        f"{vocab_file} {why}; rewrote it with the warm-start drafter's d2t/t2d ({folder}), "
+        "which its lm_head rows follow"
+    )
 
 
 def target_head(cfg: Config, data: TrainData, model: Eagle3Drafter) -> torch.Tensor | None:

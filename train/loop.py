@@ -134,7 +134,9 @@ class Run:
 
 
 def main(cfg: Config, run_dir: str | Path) -> dict:
-    """Fine-tune the drafter on run_dir's features (or the target's, online: train/data.py); returns the last metrics record."""
+    """Fine-tune the drafter on run_dir's features (or the target's, online: train/data.py).
+
+    Returns the last metrics record."""
     run = setup(cfg, Path(run_dir))
     fit(run)
     export(run)
@@ -208,11 +210,13 @@ def resume(run: Run) -> bool:
             st, ckpt, run.data.order_len(st.get("data", {}).get("epoch", 0)), run.data.per_micro_batch, run.dist.world
         )
         run.dist.print(
-            f"resumed from {ckpt} at step {run.step} (epoch {run.epoch}, {st['data']['samples_in_epoch']} samples of its order consumed; written by {st['world_size']} process(es), now {run.dist.world}; {rng_note})"
+            f"resumed from {ckpt} at step {run.step} (epoch {run.epoch}, {st['data']['samples_in_epoch']} samples "
+            f"of its order consumed; written by {st['world_size']} process(es), now {run.dist.world}; {rng_note})"
         )
         if st["total_steps"] != run.total:
             run.dist.print(
-                f"note: {run.total} optimizer steps now, {st['total_steps']} when the checkpoint was written (set train.max_steps to keep the LR schedule)"
+                f"note: {run.total} optimizer steps now, {st['total_steps']} when the checkpoint was written "
+                "(set train.max_steps to keep the LR schedule)"
             )
     run.start_step = run.step
     return ckpt is not None
@@ -226,7 +230,9 @@ def open_logs(run: Run, n_train: int) -> None:
         dist.print(f"{run.metrics_file}: dropped {dropped} record(s) past step {run.step}")
     start = f"warm start from {resolve_path(cfg.drafter.init)}" if cfg.drafter.init else "from scratch"
     dist.print(
-        f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(run.data)} training samples ({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); {run.total} optimizer steps"
+        f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(run.data)} training samples "
+        f"({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); "
+        f"{run.total} optimizer steps"
     )
     run.wandb_run = open_wandb(cfg, log_dir)
 
@@ -249,7 +255,8 @@ def fit(run: Run) -> None:
                 if dist.any(not bool(torch.isfinite(out.loss))):
                     bad = dist.gather_ints(sample_ids if not torch.isfinite(out.loss) else [])
                     raise NonFiniteLoss(
-                        f"non-finite loss at step {run.step + 1} (epoch {run.epoch}, micro-batch {run.batch_in_epoch}); sample ids per rank: {bad}"
+                        f"non-finite loss at step {run.step + 1} (epoch {run.epoch}, micro-batch "
+                        f"{run.batch_in_epoch}); sample ids per rank: {bad}"
                     )
                 lr = run.scheduler.get_last_lr()[0]  # the rate this step applies
                 dist.backward(out.loss)
@@ -300,11 +307,13 @@ def export(run: Run) -> None:
             write_drafter(tmp, run.model.config, drafter_tensors(state, prefix="drafter."))
             write_card(tmp, "last", step, heldout.latest, heldout.depth)
         dist.print(
-            f"exported the drafter to {run_dir / 'export'} (SGLang: --speculative-draft-model-path {run_dir / 'export'})"
+            f"exported the drafter to {run_dir / 'export'} "
+            f"(SGLang: --speculative-draft-model-path {run_dir / 'export'})"
         )
         if heldout.latest is not None:
             best = read_card(run_dir / "export-best") or {}
             dist.print(
-                f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}; best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {run_dir / 'export-best'}"
+                f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}; "
+                f"best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {run_dir / 'export-best'}"
             )
     dist.barrier()

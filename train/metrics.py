@@ -37,7 +37,8 @@ class SetupTimes:
 
 
 class Meter:
-    """Sums since the last log record: per-depth loss and accuracy counts (5, K), real tokens, micro-batches, seconds."""
+    """Sums since the last log record: per-depth loss and accuracy counts (5, K), real tokens, micro-batches,
+    seconds."""
 
     def __init__(self, ttt_steps: int, device: torch.device) -> None:
         self.stats = torch.zeros(5, ttt_steps, device=device)

@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     with cli_errors("validate", StoreError):
         r = run(cfg, run_dir, args.checkpoint)
     print(
-        f"held-out tau {r.heldout_tau:.4f} at depth {cfg.eval.steps} over {r.heldout_tokens} answer tokens; a_k {[round(a, 4) for a in r.heldout_cond_acc]}"
+        f"held-out tau {r.heldout_tau:.4f} at depth {cfg.eval.steps} over {r.heldout_tokens} answer tokens; "
+        f"a_k {[round(a, 4) for a in r.heldout_cond_acc]}"
     )
 
 
