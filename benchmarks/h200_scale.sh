@@ -13,12 +13,15 @@
 #      sizes: CHITCHAT (conversations, 2000), MAX_NEW (1024), MAX_TOTAL (4096), EPOCHS (2), PACK (32768), LR (2e-3),
 #      REGEN_S (regen time limit, 360), TRAIN_S (training time limit, 300), SETTING (requests in flight x prompts per
 #      request, 128x8), ATTN (attention backend per server, comma-separated, e.g. flashinfer,triton; a server that is
-#      not up in ATTN_WAIT_S (240) is restarted with triton), PAIR (the two drafters trained side by side: layout =
-#      EAGLE-3 vs EAGLE-3.1, loss = EAGLE-3.1 with ce vs LOSS2 (lk_hybrid)), EVAL_EVERY (100), SERVER_CMD (a dry run on
-#      a CPU: tests/sglang_double.py), ACCEL (configs/accelerate/1gpu.yaml), INIT (drafter.init: null = from scratch,
-#      or a drafter folder to warm-start from), EXTRA (more --set pairs),
+#      not up in ATTN_WAIT_S (420 s: FlashInfer JIT-compiles for ~4 min 45 s on its first start, RESULTS §9a) is
+#      restarted with triton), PAIR (the two drafters trained side by side: layout = EAGLE-3 vs EAGLE-3.1, loss =
+#      EAGLE-3.1 with ce vs LOSS2 (lk_hybrid)), EVAL_EVERY (100), SERVER_CMD (a dry run on a CPU:
+#      tests/sglang_double.py), ACCEL (configs/accelerate/1gpu.yaml), INIT (drafter.init: null = from scratch, or a
+#      drafter folder to warm-start from), TOKENS (a folder with the tokens.tgz.part-* of an earlier lease: carried
+#      instead of regenerating, then SGLang and the prompt files are not needed), EXTRA (more --set pairs),
 #      LIMIT / MT_LIMIT / HE_LIMIT (ShareGPT / MT-Bench / HumanEval conversations), PYTHONPATH_OVERRIDE (a dry run: '').
-# `wait SECS tokens` also packs the regenerated token store into $OUT (tokens.tgz.part-*, 15 MiB each) once regen is done.
+# `wait SECS tokens` also packs the regenerated token store into $OUT (tokens.tgz.part-*, 15 MiB each) once regen
+# is done.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 C=${C:-/tmp/c}
@@ -35,7 +38,8 @@ export PYTHONPATH=${PYTHONPATH_OVERRIDE-/tmp/deps:/tmp/eagle3ft-site} PYTHONSAFE
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-BASE=(--set "target.path=$MODEL" --set target.gguf_file=null --set train.wandb_mode=disabled --set "drafter.init=${INIT:-null}")
+BASE=(--set "target.path=$MODEL" --set target.gguf_file=null --set train.wandb_mode=disabled
+      --set "drafter.init=${INIT:-null}")
 read -r -a EXTRA_SETS <<< "${EXTRA:-}"
 BASE+=("${EXTRA_SETS[@]}")
 GEN=(--set harvest.temperature=0.0 --set "harvest.max_new_tokens=${MAX_NEW:-1024}" --set "harvest.max_total_tokens=${MAX_TOTAL:-4096}"
@@ -66,7 +70,7 @@ servers_up() {  # servers_up: one plain server per GPU, started at once (each on
     server_start "$i" "${BACKENDS[i]}"
   done
   for ((i = 0; i < n; i++)); do
-    end=$((SECONDS + 600)) fallback_at=$((SECONDS + ${ATTN_WAIT_S:-240}))
+    end=$((SECONDS + 600)) fallback_at=$((SECONDS + ${ATTN_WAIT_S:-420}))
     until curl -sf "${URLS[i]}/health" > /dev/null; do
       (( SECONDS < end )) || { echo "server ${URLS[i]} did not come up"; tail -20 "$L"/server*.log; return 1; }
       if [[ ${BACKENDS[i]} != triton ]] && { ! kill -0 "${PIDS[i]}" 2> /dev/null || (( SECONDS > fallback_at )); }; then
@@ -117,6 +121,12 @@ gpu() {  # issue 18: the CUDA-only paths against their references, and eager vs 
   touch "$L/.gpu-done"
 }
 regen() {
+  if [[ -n ${TOKENS:-} ]]; then  # a token store an earlier lease brought back (wait SECS tokens): no regeneration
+    say "regen: the carried token store $TOKENS"
+    cat "$TOKENS"/tokens.tgz.part-* | tar -xzf - -C "$S" && touch "$L/.regen-done"
+    ls "$S"/*/tokens/manifest.json
+    return
+  fi
   say "regen: ShareGPT (all) + chitchat ($SETTING, MT-Bench held out)"
   servers_up || return 1
   regen_run "$S/main" "[{kind: sharegpt, path: $DATA/sharegpt-prompts.json${LIMIT:+, limit: $LIMIT}}, {kind: chitchat, path: $C/d/chitchat.json, limit: ${CHITCHAT:-2000}}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout${MT_LIMIT:+, limit: $MT_LIMIT}}]" \
@@ -226,8 +236,9 @@ case ${1:-} in
         gpu) gpu ;;
         main)
           end=$((SECONDS + 1200))  # the carried pieces may still be on their way
-          until [[ ( -f $L/.gpu-done || -n ${NO_GPU_WAIT:-} ) && -f $MODEL/config.json && ( -f $SGL_DIR/.ready || -n ${SERVER_CMD:-} )
-                   && -f $DATA/sharegpt-prompts.json && -f $C/d/chitchat.json ]]; do
+          until [[ ( -f $L/.gpu-done || -n ${NO_GPU_WAIT:-} ) && -f $MODEL/config.json
+                   && ( -n ${TOKENS:-} || ( ( -f $SGL_DIR/.ready || -n ${SERVER_CMD:-} )
+                                            && -f $DATA/sharegpt-prompts.json && -f $C/d/chitchat.json ) ) ]]; do
             (( SECONDS < end )) || { echo "gave up waiting for the carried files"; break; }; sleep 3
           done
           regen && heldout && train && evaluate ;;
