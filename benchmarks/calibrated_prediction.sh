@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 14.6 on the embedded backend: the economics predict, not restate. One bench run with a calibration drafter
+# (any drafter) measures the cycle cost of each setting; the drafter under test then gets its live tok/s predicted
+# from its offline tau alone (RUN/bench/prediction.json, written before its own bench exists), and only then is it
+# benched on the same prompts and settings. eval/economics.py puts prediction and measurement side by side.
+#   bash benchmarks/calibrated_prediction.sh OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]
+# Defaults: the calibration drafter is runs/demo-s5/export if present (a weak one: its tau does not matter, only its
+# costs), the drafter under test drafters/smollm2-135m. Prompts: MT-Bench questions, held out; sizes below.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: $0 OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]}
+CAL_DRAFTER=${2:-runs/demo-s5/export}
+DRAFTER=${3:-drafters/smollm2-135m}
+CONFIG=configs/smollm2-135m.yaml
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+SETS=(
+  --set "harvest.sources=[{kind: mtbench, limit: ${N_PROMPTS:-6}, split: heldout}]"
+  --set harvest.max_turns=1 --set harvest.max_new_tokens=${NEW:-64} --set harvest.max_total_tokens=512
+  --set harvest.batch_size=6 --set harvest.shard_samples=32
+  --set eval.steps=5 --set eval.num_draft_tokens=6
+  --set "bench.prompts={kind: mtbench, limit: ${N_PROMPTS:-6}}" --set bench.max_new_tokens=${NEW:-64}
+  --set bench.repetitions=${REPS:-3} --set "bench.drafters={}"
+  --set 'bench.settings=[{steps: 1, topk: 1, num_draft_tokens: 2}, {steps: 2, topk: 1, num_draft_tokens: 3}, {steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 5, topk: 1, num_draft_tokens: 6}]'
+)
+say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+
+say "held-out features of the bench's prompts (the target's own answers)"
+python data/harvest.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > "$OUT/harvest.json"
+mkdir -p "$OUT/test" && ln -sfn "$(cd "$OUT/calibrate" && pwd)/features" "$OUT/test/features"
+cp "$OUT/calibrate/vocab.safetensors" "$OUT/test/" 2> /dev/null || true
+
+say "calibration run: $CAL_DRAFTER, every setting, interleaved with plain decoding"
+python eval/bench.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$CAL_DRAFTER")"
+python eval/economics.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > /dev/null
+
+say "prediction for $DRAFTER from its offline tau alone (no bench of it exists yet)"
+python eval/accept_len.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
+python eval/economics.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
+  --set "bench.calibration=$(realpath "$OUT/calibrate/bench/calibration.json")"
+test -f "$OUT/test/bench/prediction.json"
+
+say "the measurement: $DRAFTER on the same prompts and settings"
+python eval/bench.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
+python eval/economics.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
+  --set "bench.calibration=$(realpath "$OUT/calibrate/bench/calibration.json")"
