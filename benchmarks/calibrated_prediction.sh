@@ -27,7 +27,6 @@ say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 say "held-out features of the bench's prompts (the target's own answers)"
 python data/harvest.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > "$OUT/harvest.json"
 mkdir -p "$OUT/test" && ln -sfn "$(cd "$OUT/calibrate" && pwd)/features" "$OUT/test/features"
-cp "$OUT/calibrate/vocab.safetensors" "$OUT/test/" 2> /dev/null || true
 
 say "calibration run: $CAL_DRAFTER, every setting, interleaved with plain decoding"
 python eval/bench.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$CAL_DRAFTER")"

@@ -100,7 +100,7 @@ def main() -> None:
         "ngram": args.ngram,
         "parts": {
             name: {
-                "roots": int(c.table()[0]["attempts"]) if c.table() else 0,
+                "roots": int(c.attempts[0]),  # depth-1 attempts: every counted root
                 "tau": {f"{d}/1/{d + 1}": round(c.tau(d), 3) for d in range(1, args.steps + 1)},
             }
             for name, c in parts.items()

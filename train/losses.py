@@ -26,25 +26,16 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, ids, p, chunk):
-        n = x.shape[0]
-        loss = torch.empty(n, dtype=torch.float32, device=x.device)
-        pred = torch.empty(n, dtype=torch.long, device=x.device)
-        d = torch.empty(n, weight.shape[0], dtype=x.dtype, device=x.device)  # (N, Vd)
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            logits = x[a:b] @ weight.t()  # (c, Vd)
-            logq = torch.log_softmax(logits, -1, dtype=torch.float32)  # (c, Vd)
-            loss[a:b] = -(p[a:b] * (logq.gather(1, ids[a:b]) if ids is not None else logq)).sum(-1)
-            pred[a:b] = logits.argmax(-1)
+        def ce(a: int, b: int, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = -(p[a:b] * (logq.gather(1, ids[a:b]) if ids is not None else logq)).sum(-1)
             g = logq.exp_()  # softmax (c, Vd)
             if ids is not None:
                 g.scatter_add_(1, ids[a:b], -p[a:b])
             else:
                 g -= p[a:b]
-            d[a:b] = g
-        ctx.save_for_backward(x, weight, d)
-        ctx.mark_non_differentiable(pred)
-        return loss, pred
+            return loss, g
+
+        return _over_row_chunks(ctx, x, weight, chunk, ce)
 
     @staticmethod
     def backward(ctx, g_loss, _g_pred):
@@ -53,6 +44,23 @@ class _HeadCrossEntropy(torch.autograd.Function):
         gx = torch.mul(d @ weight, g, out=torch.empty_like(x))  # (N, H)
         gw = d.t() @ torch.mul(x, g, out=torch.empty_like(x))  # (Vd, H): one GEMM, fp32 accumulation inside
         return gx, gw, None, None, None
+
+
+def _over_row_chunks(ctx, x, weight, chunk: int, per_chunk):
+    """The forward both head losses share: `chunk` rows of logits at a time, per_chunk(a, b, logq) -> (loss rows,
+    dloss/dlogits rows); keeps d = dloss/dlogits (N, Vd) in x's dtype for the two-GEMM backward."""
+    n = x.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=x.device)
+    pred = torch.empty(n, dtype=torch.long, device=x.device)
+    d = torch.empty(n, weight.shape[0], dtype=x.dtype, device=x.device)  # (N, Vd)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        logits = x[a:b] @ weight.t()  # (c, Vd)
+        pred[a:b] = logits.argmax(-1)
+        loss[a:b], d[a:b] = per_chunk(a, b, torch.log_softmax(logits, -1, dtype=torch.float32))
+    ctx.save_for_backward(x, weight, d)
+    ctx.mark_non_differentiable(pred)
+    return loss, pred
 
 
 def head_cross_entropy(x, weight, ids, p, chunk: int | None = None):
@@ -82,15 +90,7 @@ class _HeadOverlapLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, ids, p, chunk, kind, eta):
-        n = x.shape[0]
-        loss = torch.empty(n, dtype=torch.float32, device=x.device)
-        pred = torch.empty(n, dtype=torch.long, device=x.device)
-        d = torch.empty(n, weight.shape[0], dtype=x.dtype, device=x.device)  # (N, Vd)
-        for a in range(0, n, chunk):
-            b = min(a + chunk, n)
-            logits = x[a:b] @ weight.t()  # (c, Vd)
-            pred[a:b] = logits.argmax(-1)
-            logq = torch.log_softmax(logits, -1, dtype=torch.float32)  # (c, Vd)
+        def overlap(a: int, b: int, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             q = logq.exp()
             pc = p[a:b].float()  # (c, K) or (c, Vd)
             q_at = q.gather(1, ids[a:b]) if ids is not None else q  # q at p's entries
@@ -99,22 +99,17 @@ class _HeadOverlapLoss(torch.autograd.Function):
             g_alpha = q * -s.sum(-1, keepdim=True)  # dalpha/dz (c, Vd)
             g_alpha = g_alpha.scatter_add_(1, ids[a:b], s) if ids is not None else g_alpha.add_(s)
             if kind == "tv":
-                loss[a:b] = 1 - alpha
-                g = g_alpha.neg_()
-            elif kind == "lk":
-                loss[a:b] = -alpha.clamp(min=LK_EPS).log()
-                g = g_alpha.mul_(torch.where(alpha >= LK_EPS, -1 / alpha.clamp(min=LK_EPS), 0.0)[:, None])
-            else:  # lk_hybrid
-                logq_at = logq.gather(1, ids[a:b]) if ids is not None else logq
-                kl = (pc * (pc.clamp(min=1e-30).log() - logq_at)).sum(-1)  # Σ p log(p/q), 0·log 0 = 0
-                lam = torch.exp(-eta * alpha)[:, None]  # (c, 1)
-                loss[a:b] = lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha)
-                g_kl = q.scatter_add(1, ids[a:b], -pc) if ids is not None else q - pc  # q - p
-                g = lam * g_kl - (1 - lam) * g_alpha
-            d[a:b] = g
-        ctx.save_for_backward(x, weight, d)
-        ctx.mark_non_differentiable(pred)
-        return loss, pred
+                return 1 - alpha, g_alpha.neg_()
+            if kind == "lk":
+                scale = torch.where(alpha >= LK_EPS, -1 / alpha.clamp(min=LK_EPS), 0.0)[:, None]
+                return -alpha.clamp(min=LK_EPS).log(), g_alpha.mul_(scale)
+            logq_at = logq.gather(1, ids[a:b]) if ids is not None else logq  # lk_hybrid
+            kl = (pc * (pc.clamp(min=1e-30).log() - logq_at)).sum(-1)  # Σ p log(p/q), 0·log 0 = 0
+            lam = torch.exp(-eta * alpha)[:, None]  # (c, 1)
+            g_kl = q.scatter_add(1, ids[a:b], -pc) if ids is not None else q - pc  # q - p
+            return lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha), lam * g_kl - (1 - lam) * g_alpha
+
+        return _over_row_chunks(ctx, x, weight, chunk, overlap)
 
     @staticmethod
     def backward(ctx, g_loss, g_pred):
