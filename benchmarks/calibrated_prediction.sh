@@ -6,39 +6,52 @@
 #   bash benchmarks/calibrated_prediction.sh OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]
 # Defaults: the calibration drafter is runs/demo-s5/export if present (a weak one: its tau does not matter, only its
 # costs), the drafter under test drafters/smollm2-135m. Prompts: MT-Bench questions, held out; sizes below.
+# Env: N_PROMPTS (6), NEW (new tokens, 64), REPS (3), SETTINGS (steps/topk/draft tokens, comma-separated:
+# 1/1/2,2/1/3,3/1/4,5/1/6), MTBENCH (the questions' file where the package is not installed), EXTRA (more --set
+# pairs, e.g. the target's path on a GPU machine), PY (python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]}
 CAL_DRAFTER=${2:-runs/demo-s5/export}
 DRAFTER=${3:-drafters/smollm2-135m}
 CONFIG=configs/smollm2-135m.yaml
+mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+PY=${PY:-python}
+SRC="kind: mtbench, limit: ${N_PROMPTS:-6}${MTBENCH:+, path: $MTBENCH}"
+SETTING_LIST=""
+IFS=, read -r -a settings <<< "${SETTINGS:-1/1/2,2/1/3,3/1/4,5/1/6}"
+for s in "${settings[@]}"; do
+  IFS=/ read -r st tk nd <<< "$s"
+  SETTING_LIST+="${SETTING_LIST:+, }{steps: $st, topk: $tk, num_draft_tokens: $nd}"
+done
+read -r -a EXTRA_SETS <<< "${EXTRA:-}"
 SETS=(
-  --set "harvest.sources=[{kind: mtbench, limit: ${N_PROMPTS:-6}, split: heldout}]"
+  "${EXTRA_SETS[@]}"
+  --set "harvest.sources=[{$SRC, split: heldout}]"
   --set harvest.max_turns=1 --set harvest.max_new_tokens=${NEW:-64} --set harvest.max_total_tokens=512
   --set harvest.batch_size=6 --set harvest.shard_samples=32
   --set eval.steps=5 --set eval.num_draft_tokens=6
-  --set "bench.prompts={kind: mtbench, limit: ${N_PROMPTS:-6}}" --set bench.max_new_tokens=${NEW:-64}
-  --set bench.repetitions=${REPS:-3} --set "bench.drafters={}"
-  --set 'bench.settings=[{steps: 1, topk: 1, num_draft_tokens: 2}, {steps: 2, topk: 1, num_draft_tokens: 3}, {steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 5, topk: 1, num_draft_tokens: 6}]'
+  --set "bench.prompts={$SRC}" --set bench.max_new_tokens=${NEW:-64}
+  --set bench.repetitions=${REPS:-3} --set "bench.drafters={}" --set "bench.settings=[$SETTING_LIST]"
 )
 say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
 say "held-out features of the bench's prompts (the target's own answers)"
-python data/harvest.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > "$OUT/harvest.json"
+$PY data/harvest.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > "$OUT/harvest.json"
 mkdir -p "$OUT/test" && ln -sfn "$(cd "$OUT/calibrate" && pwd)/features" "$OUT/test/features"
 
 say "calibration run: $CAL_DRAFTER, every setting, interleaved with plain decoding"
-python eval/bench.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$CAL_DRAFTER")"
-python eval/economics.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > /dev/null
+$PY eval/bench.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$CAL_DRAFTER")"
+$PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > /dev/null
 
 say "prediction for $DRAFTER from its offline tau alone (no bench of it exists yet)"
-python eval/accept_len.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
-python eval/economics.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
+$PY eval/accept_len.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
+$PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
   --set "bench.calibration=$(realpath "$OUT/calibrate/bench/calibration.json")"
 test -f "$OUT/test/bench/prediction.json"
 
 say "the measurement: $DRAFTER on the same prompts and settings"
-python eval/bench.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
-python eval/economics.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
+$PY eval/bench.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
+$PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
   --set "bench.calibration=$(realpath "$OUT/calibrate/bench/calibration.json")"

@@ -3,8 +3,9 @@
     python benchmarks/tau_curve.py RUN [RUN ...] [--points FILE] [--gain 0.2] [--out DIR]
 
 Each RUN folder gives one data size and its τ:
-  answer tokens  the loss-masked tokens of its train split (RUN/features: each train shard's loss_mask summed);
-                 the epochs it trained are read from RUN/config.yaml and shown beside them;
+  answer tokens  what the trainer recorded in RUN/train/data.json (its train split, or the seeded subset that
+                 train.max_answer_tokens took); for older runs, the loss-masked tokens of RUN/features' train
+                 split; the epochs it trained (data.json, else RUN/config.yaml) are shown beside them;
   τ              per setting ("1/1/2", "3/1/4", ...) from RUN/eval/accept_len.json (set "heldout") and from
                  RUN/eval/accept_len-<set>.json (set <set>, e.g. accept_len-humaneval.json), their "settings".
 --points adds (or replaces) points from a JSON list of {"run", "tokens", "set", "setting", "tau"} records.
@@ -51,9 +52,12 @@ class Fit:
 
 
 def train_answer_tokens(run: Path) -> int:
-    """Loss-masked tokens of the train split of RUN/features (each shard's loss_mask, nothing else read)."""
+    """The answer tokens the run trained on: RUN/train/data.json, else the loss-masked tokens of the train split of
+    RUN/features (each shard's loss_mask, nothing else read)."""
     from safetensors import safe_open
 
+    if (run / "train" / "data.json").is_file():
+        return int(json.loads((run / "train" / "data.json").read_text())["answer_tokens"])
     feats = run / "features"
     manifest = json.loads((feats / "manifest.json").read_text())
     total = 0
@@ -66,6 +70,8 @@ def train_answer_tokens(run: Path) -> int:
 
 
 def trained_epochs(run: Path) -> float | None:
+    if (run / "train" / "data.json").is_file():
+        return json.loads((run / "train" / "data.json").read_text()).get("epochs")
     p = run / "config.yaml"
     if not p.is_file():
         return None

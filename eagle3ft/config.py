@@ -180,6 +180,9 @@ class TrainConfig:
     pack_tokens: int | None = (
         None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
     )
+    # train on a seeded subset of the train split: whole samples in a fixed random order (the same for every limit,
+    # so smaller subsets lie inside larger ones) until their answer (loss-masked) tokens reach this; None: all of it
+    max_answer_tokens: int | None = None
 
 
 @dataclass

@@ -61,3 +61,6 @@ def test_a_run_folder_gives_its_train_answer_tokens_and_each_sets_tau(tmp_path):
     assert all(p.tokens == want for p in pts) and want > 0
     with pytest.raises(FileNotFoundError, match="accept_len"):
         tau_curve.run_points(tmp_path / "features")
+    (tmp_path / "train").mkdir()  # a run that recorded its (subset's) answer tokens: that is the x
+    (tmp_path / "train" / "data.json").write_text(json.dumps({"answer_tokens": 1234, "epochs": 3}))
+    assert {(p.tokens, p.epochs) for p in tau_curve.run_points(tmp_path)} == {(1234, 3)}

@@ -10,7 +10,7 @@ from test_train_checkpoint import write_k2_like
 from train_fixtures import REPO, TINY_TARGET, launch, write_store
 
 from eagle3ft.config import load_config
-from eagle3ft.data.store import FeatureWriter, StoreError
+from eagle3ft.data.store import FeatureStore, FeatureWriter, StoreError
 from eagle3ft.train.loop import OutOfMemoryHint, main, oom_hint
 from eagle3ft.train.model import export_keys
 
@@ -100,6 +100,9 @@ def test_two_ranks_split_the_data_and_a_run_leaves_checkpoints_and_export(straig
     assert state["step"] == 6 and state["config"]["train"]["max_steps"] == 6
     exported = load_file(straight / "export" / "model.safetensors")
     assert set(exported) == set(export_keys())
+    data = json.loads((straight / "train" / "data.json").read_text())  # what it trained on: tau_curve's x
+    answers = sum(int(it["loss_mask"].sum()) for it in FeatureStore(straight / "features").dataset("train"))
+    assert (data["samples"], data["answer_tokens"], data["all_answer_tokens"]) == (16, answers, answers) and answers
     ckpt = load_file(straight / "ckpt" / "step-6" / "model.safetensors")
     assert all(torch.equal(exported[k], ckpt[k]) for k in exported)
 

@@ -89,6 +89,48 @@ def write_tokens(run, harvested):
     writer.finish()
 
 
+def test_online_fp8_aux_equals_an_fp8_store(harvested, tmp_path_factory):
+    """harvest.aux_dtype=fp8 online gives the aux states an fp8 feature store reads back (e4m3, a scale per token
+    and aux layer), not the bf16 ones."""
+    fp8_run = tmp_path_factory.mktemp("online-fp8")
+    run_harvest(tiny_cfg("harvest.aux_dtype=fp8"), fp8_run)
+    layout = ("train.pack_tokens=96", "train.max_len=80")
+    stored = epoch_batches(tiny_cfg("harvest.aux_dtype=fp8", *layout), fp8_run)
+    online = epoch_batches(tiny_cfg("harvest.aux_dtype=fp8", "train.features=online", *layout), fp8_run)
+    online_bf16 = epoch_batches(tiny_cfg("train.features=online", *layout), fp8_run)
+    real = torch.cat([b.tensors["attention_mask"].reshape(-1).bool() for b in stored])
+    aux = {
+        name: torch.cat([b.tensors["aux_hidden"].reshape(-1, b.tensors["aux_hidden"].shape[-1]) for b in run])[real]
+        for name, run in (("stored", stored), ("online", online), ("bf16", online_bf16))
+    }
+    # the same fp8 values, but where the online bf16 prefill rounds a value across an fp8 step
+    assert (aux["online"] == aux["stored"]).float().mean() > 0.99
+    assert (aux["bf16"] == aux["stored"]).float().mean() < 0.5  # fp8 is not bf16: the check can tell them apart
+
+
+def test_max_answer_tokens_takes_nested_seeded_subsets(harvested):
+    """train.max_answer_tokens: whole samples of one seeded order until their answer tokens reach the limit; the
+    subset of a smaller limit lies inside that of a larger one, and training sees only the subset."""
+    full = TrainData(tiny_cfg("train.micro_batch_size=1"), harvested)
+    assert (
+        full.answer_tokens
+        == full.all_answer_tokens
+        == sum(int(full.dataset[i]["loss_mask"].sum()) for i in range(len(full)))
+    )
+    ids = {}
+    for limit in (1, full.all_answer_tokens // 2, 10**9):
+        data = TrainData(tiny_cfg("train.micro_batch_size=1", f"train.max_answer_tokens={limit}"), harvested)
+        ids[limit] = {data.dataset[i]["sample_id"] for i in range(len(data))}
+        assert data.all_answer_tokens == full.all_answer_tokens
+        assert data.answer_tokens == sum(int(data.dataset[i]["loss_mask"].sum()) for i in range(len(data)))
+        assert {s for b in data.epoch(OneRank(), 0) for s in b.sample_ids} == ids[limit]
+    half = full.all_answer_tokens // 2
+    assert len(ids[1]) == 1 and ids[1] < ids[half] < ids[10**9]
+    assert len(ids[10**9]) == len(full)
+    with pytest.raises(ValueError, match="max_answer_tokens must be positive"):
+        TrainData(tiny_cfg("train.max_answer_tokens=0"), harvested)
+
+
 def test_online_reads_the_token_store_when_there_is_one(harvested, tmp_path):
     """RUN/tokens (data/tokens.py) is the online token source; its samples get the target's features."""
     write_tokens(tmp_path, harvested)

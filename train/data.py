@@ -19,9 +19,11 @@ Layout (`train.pack_tokens`):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,7 +32,7 @@ from typing import Iterator
 import torch
 
 from eagle3ft.config import Config, resolve_path
-from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate
+from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate, dequantize_aux, quantize_aux
 from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
@@ -142,6 +144,8 @@ class OnlineTarget:
         self.aux_layer_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
         self.target = HFTarget(self.cfg, self.aux_layer_ids, model=model, tokenizer=tokenizer)
         self.sampling = Sampling(topk=cfg.harvest.topk, last_hidden=cfg.harvest.store_last_hidden)
+        self.aux_fp8 = cfg.harvest.aux_dtype == "fp8"  # the aux states as an fp8 store would give them back
+        self.spans: list = []  # per prefill: (start, end) CUDA events, or seconds on the CPU (take_seconds)
         info = self.target.info
         self.identity = {
             "name": info.name,
@@ -164,6 +168,10 @@ class OnlineTarget:
         B, T = batch["input_ids"].shape
         spans = sample_spans(batch)
         flat_ids = batch["input_ids"].reshape(-1).tolist()
+        cuda = device.type == "cuda"
+        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            start.record()
         feats = self.target.capture([flat_ids[a : a + n] for a, n in spans], self.sampling, to_host=False)
         rows = torch.cat([torch.arange(a, a + n) for a, n in spans]).to(device)  # (N,) the real rows of (B*T)
         out = {}
@@ -177,8 +185,21 @@ class OnlineTarget:
             if parts[0] is None:
                 continue
             real = torch.cat(parts).to(device=device, dtype=dtype)  # (N, ...) outside inference mode: a plain tensor
+            if key == "aux_hidden" and self.aux_fp8:  # what data/store.py writes and reads back for aux_dtype fp8
+                real = dequantize_aux(*quantize_aux(real.to(torch.bfloat16), self.identity["hidden_size"]))
             out[key] = real.new_zeros((B * T, *real.shape[1:])).index_copy_(0, rows, real).view(B, T, *real.shape[1:])
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans.append((start, end))
+        else:
+            self.spans.append(time.perf_counter() - start)
         return out
+
+    def take_seconds(self) -> float:
+        """Seconds spent in the prefills since the last call (CUDA: measured by events on the GPU's timeline)."""
+        spans, self.spans = self.spans, []
+        return sum(s if isinstance(s, float) else s[0].elapsed_time(s[1]) / 1e3 for s in spans)
 
 
 # --------------------------------------------------------------------------- the loop's batches
@@ -203,6 +224,26 @@ def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train
     raise StoreError(
         f"train.features is online but {run_dir} has neither a token store (tokens/) nor a feature store (features/)"
     )
+
+
+def answer_tokens(dataset) -> list[int]:
+    """Loss-masked (answer) tokens per sample, reading each sample's loss_mask alone."""
+    return [int(dataset.rows(i, ["loss_mask"])[0]["loss_mask"].sum()) for i in range(len(dataset))]
+
+
+def answer_subset(dataset, per_sample: list[int], limit: int, seed: int):
+    """(the samples of a fixed seeded order, taken until their answer tokens reach `limit`, in store order; their
+    answer tokens). The order depends on the seed alone, so the subsets of two limits are nested."""
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed * 7_919 + 104_729)).tolist()
+    keep, total = [], 0
+    for i in order:
+        if total >= limit:
+            break
+        keep.append(i)
+        total += per_sample[i]
+    sub = copy.copy(dataset)
+    sub.index, sub._open = [dataset.index[i] for i in sorted(keep)], {}
+    return sub, total
 
 
 def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
@@ -255,6 +296,12 @@ class TrainData:
             self.dataset, self.where = token_dataset(run_dir, self.store)
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
+        per_sample = answer_tokens(self.dataset)
+        self.answer_tokens, self.all_answer_tokens = sum(per_sample), sum(per_sample)
+        if tcfg.max_answer_tokens is not None:
+            if tcfg.max_answer_tokens <= 0:
+                raise ValueError(f"train.max_answer_tokens must be positive or null, got {tcfg.max_answer_tokens}")
+            self.dataset, self.answer_tokens = answer_subset(self.dataset, per_sample, tcfg.max_answer_tokens, cfg.seed)
         if tcfg.features == "online":
             ensure_vocab(cfg, run_dir, self.dataset, self.where)
             self.online = OnlineTarget(cfg)

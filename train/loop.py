@@ -10,6 +10,7 @@ train/validate.py; each export's card.json says which step it is) and `run_dir/t
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
+from eagle3ft.data.store import _write_atomic
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
 from eagle3ft.train.checkpoint import (
     atomic_dir,
@@ -229,11 +231,27 @@ def open_logs(run: Run, n_train: int) -> None:
     if dropped := truncate_metrics(run.metrics_file, run.step):
         dist.print(f"{run.metrics_file}: dropped {dropped} record(s) past step {run.step}")
     start = f"warm start from {resolve_path(cfg.drafter.init)}" if cfg.drafter.init else "from scratch"
+    data = run.data
+    subset = f" (a seeded subset of {data.all_answer_tokens:,})" if data.answer_tokens != data.all_answer_tokens else ""
     dist.print(
-        f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(run.data)} training samples "
+        f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(data)} training samples, "
+        f"{data.answer_tokens:,} answer tokens{subset} "
         f"({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); "
         f"{run.total} optimizer steps"
     )
+    what = json.dumps(  # what the run trains on: benchmarks/tau_curve.py reads the answer tokens from here
+        {
+            "where": data.where,
+            "samples": len(data),
+            "answer_tokens": data.answer_tokens,
+            "all_answer_tokens": data.all_answer_tokens,
+            "max_answer_tokens": tcfg.max_answer_tokens,
+            "epochs": tcfg.epochs,
+            "optimizer_steps": run.total,
+        },
+        indent=1,
+    )
+    _write_atomic(log_dir / "data.json", what.encode())
     run.wandb_run = open_wandb(cfg, log_dir)
 
 
@@ -273,10 +291,15 @@ def fit(run: Run) -> None:
             eval_now = run.heldout.due(run.step, run.total)
             if run.step % tcfg.log_every == 0 or run.step == run.total or eval_now:
                 run.last = metrics_record(meter, dist, tcfg, run.step, run.epoch, lr, samples, run.started)
+                if data.online is not None:  # this rank's share of the step that the target's prefill takes
+                    run.last["online_prefill_s"] = data.online.take_seconds()
+                    run.last["online_share"] = run.last["online_prefill_s"] / (run.last["s_per_step"] * tcfg.log_every)
                 if eval_now:
                     t_eval = time.perf_counter()
                     run.last.update(run.heldout.run(engine, run.model.config, run.step))
                     run.last["heldout_s"] = time.perf_counter() - t_eval
+                    if data.online is not None:
+                        data.online.take_seconds()  # the held-out set's prefills are no training step's
                 if dist.is_main:
                     log_record(run.last, run.metrics_file, run.wandb_run, bar)
                 meter.reset()
