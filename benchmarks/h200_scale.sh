@@ -179,7 +179,7 @@ runs() {  # the drafters of RUNS, "name gpus [sets...]" per line (ONLY keeps the
         "c2m-fp8 0 $v31 $m=2000000 --set harvest.aux_dtype=fp8" \
         "c2m 1 $v31 $m=2000000" "c2m-eagle3 1 $m=2000000" "c2m-fcnorm 1 --set drafter.fc_norm=true $m=2000000" \
         "c2m-normout 1 --set drafter.norm_output=true $m=2000000" "c2m-ttt3 1 $v31 $m=2000000 --set train.ttt_steps=3" \
-        "c0.7m-e6 1 $v31 $m=700000 --set train.epochs=6" \
+        "c0.7m-e6 0 $v31 $m=700000 --set train.epochs=6" \
         "c2m-2gpu 0,1 $v31 $m=2000000 --set train.pack_tokens=16384" ;;
   esac | while read -r name rest; do
     [[ -z ${ONLY:-} || " $ONLY " == *" $name "* ]] && echo "$name $rest"
@@ -257,7 +257,7 @@ sgl_bench() {  # plain vs 3/1/4 on the running servers, interleaved, 3 repetitio
               "general8-long {kind: mtbench, limit: 8, path: $DATA/mtbench-general.jsonl} 1024"; do
     name=${spec%% *} new=${spec##* } src=${spec#* }; src=${src% *}
     say "SGLang bench: $name, $new new tokens"
-    $PY eval/bench_sglang.py --config $CONFIG --run-dir "$S/sgl-$name" "${SGL[@]}" --set bench.backend=sglang \
+    timeout 240 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$S/sgl-$name" "${SGL[@]}" --set bench.backend=sglang \
       --set bench.baseline_url=http://127.0.0.1:30100 --set bench.speculative_url=http://127.0.0.1:30101 \
       --set "bench.prompts=$src" --set "bench.max_new_tokens=$new" --set bench.repetitions=3 \
       --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' --set 'bench.concurrency=[1]' --set 'bench.drafters={}' \
@@ -270,7 +270,7 @@ sgl_bench() {  # plain vs 3/1/4 on the running servers, interleaved, 3 repetitio
 embedded() {  # the embedded calibrated prediction on GPU 1: calibrate with a weak drafter, predict, measure
   say "embedded: calibrate ($1), predict and measure ($SHIPPED)"
   CUDA_VISIBLE_DEVICES=1 EXTRA="${BASE[*]}" NEW=${EMB_NEW:-128} REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-6} SETTINGS=1/1/2,3/1/4,5/1/6 PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
-    bash benchmarks/calibrated_prediction.sh "$S/pred" "$1" "$SHIPPED" > "$L/embedded.txt" 2>&1
+    timeout 480 bash benchmarks/calibrated_prediction.sh "$S/pred" "$1" "$SHIPPED" > "$L/embedded.txt" 2>&1
   echo "exit $?"; tail -30 "$L/embedded.txt"
   mkdir -p "$L/pred" && cp "$S"/pred/calibrate/bench/{summary,calibration}.json "$L/pred/" 2>/dev/null
   for f in summary economics prediction; do cp "$S/pred/test/bench/$f.json" "$L/pred/test-$f.json" 2>/dev/null; done
