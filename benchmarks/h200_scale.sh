@@ -278,7 +278,7 @@ embedded() {  # the embedded calibrated prediction on GPU 1: calibrate with a we
 resume_ws() {  # issue 16: a checkpoint of 2 ranks resumed on 2 and on 1, on the GPUs (ZeRO-2)
   say "resume across world sizes on the GPUs"
   OMP_NUM_THREADS=2 timeout 900 $PY benchmarks/resume_world_size.py --out "$S/resume-ws" --accelerate configs/accelerate/2gpu.yaml \
-    --zero zero2 > "$L/resume-ws.txt" 2>&1
+    --zero zero2 zero3 --set "target.tokenizer=$MODEL" --set target.gguf_file=null > "$L/resume-ws.txt" 2>&1
   echo "resume exit $?"; tail -4 "$L/resume-ws.txt"; cp "$S/resume-ws/resume_world_size.json" "$L/" 2>/dev/null
 }
 curve() {
@@ -326,7 +326,11 @@ case ${1:-} in
     if [[ -d $C/a/deps && ! -f /tmp/deps/.ok ]]; then
       $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/deps "$C"/a/deps/*.whl && touch /tmp/deps/.ok
     fi
-    rm -rf /tmp/eagle3ft-site && $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . > /dev/null
+    if pgrep -f "h200_scale[.]sh run" > /dev/null; then  # its trainers import from there as they go (RESULTS §10)
+      echo "a job is running: /tmp/eagle3ft-site kept as it is"
+    else
+      rm -rf /tmp/eagle3ft-site && $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . > /dev/null
+    fi
     if [[ -d $C/a/sgl1 && -d $C/b/sgl2 && ! -f $SGL_DIR/.ready ]]; then
       $PY -m pip install -q --no-index --no-deps --no-compile --target "$SGL_DIR" "$C"/a/sgl1/*.whl "$C"/b/sgl2/*.whl
       mkdir -p "$SGL_DIR/deep_gemm" && printf '%s\n' 'def __getattr__(name):' '    def _missing(*a, **k):' \

