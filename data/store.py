@@ -21,6 +21,7 @@ at the first chunk not done, with nothing lost or duplicated.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -363,6 +364,16 @@ class ShardDataset(torch.utils.data.Dataset):
 
     def lengths(self) -> list[int]:
         return [b - a for _, a, b, _ in self.index]
+
+    def loss_tokens(self) -> list[int]:
+        """Loss-masked (answer) tokens per sample, reading each sample's loss_mask alone."""
+        return [int(self.rows(i, ["loss_mask"])[0]["loss_mask"].sum()) for i in range(len(self))]
+
+    def subset(self, keep: list[int]) -> "ShardDataset":
+        """The same samples' view over `keep` (indices into this one), in that order."""
+        sub = copy.copy(self)
+        sub.index, sub._open = [self.index[i] for i in keep], {}
+        return sub
 
     def _handle(self, si: int):
         if si not in self._open:  # opened lazily, so each DataLoader worker maps its own

@@ -19,7 +19,6 @@ Layout (`train.pack_tokens`):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -226,11 +225,6 @@ def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train
     )
 
 
-def answer_tokens(dataset) -> list[int]:
-    """Loss-masked (answer) tokens per sample, reading each sample's loss_mask alone."""
-    return [int(dataset.rows(i, ["loss_mask"])[0]["loss_mask"].sum()) for i in range(len(dataset))]
-
-
 def answer_subset(dataset, per_sample: list[int], limit: int, seed: int):
     """(the samples of a fixed seeded order, taken until their answer tokens reach `limit`, in store order; their
     answer tokens). The order depends on the seed alone, so the subsets of two limits are nested."""
@@ -241,9 +235,7 @@ def answer_subset(dataset, per_sample: list[int], limit: int, seed: int):
             break
         keep.append(i)
         total += per_sample[i]
-    sub = copy.copy(dataset)
-    sub.index, sub._open = [dataset.index[i] for i in sorted(keep)], {}
-    return sub, total
+    return dataset.subset(sorted(keep)), total
 
 
 def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
@@ -296,7 +288,7 @@ class TrainData:
             self.dataset, self.where = token_dataset(run_dir, self.store)
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
-        per_sample = answer_tokens(self.dataset)
+        per_sample = self.dataset.loss_tokens()
         self.answer_tokens, self.all_answer_tokens = sum(per_sample), sum(per_sample)
         if tcfg.max_answer_tokens is not None:
             if tcfg.max_answer_tokens <= 0:
