@@ -218,6 +218,9 @@ class BenchConfig:
     concurrency: list[int] = field(default_factory=lambda: [1])
     settings: list[BenchSetting] = field(default_factory=lambda: [BenchSetting()])
     threads: int | None = None  # embedded: torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
+    # sglang: offline tau on the plain server's own answers, their features from a copy of the target loaded in the
+    # bench process (transformers, target.device) after the timed passes: only for a target that fits there
+    sglang_same_prompts: bool = False
     baseline_url: str | None = None  # sglang: an already-running plain server
     speculative_url: str | None = None  # sglang: an already-running EAGLE3 server
     launch: bool = False  # sglang: start/stop the servers with launch/ recipes

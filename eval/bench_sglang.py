@@ -339,6 +339,25 @@ class SGLangBackend:
 
     # ------------------------------------------------------------------ environment
 
+    def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
+        """With bench.sglang_same_prompts: the drafter's offline tau on the plain server's answers (the tokens the live
+        runs decoded), the target's features from a copy of the target in this process (eval/same_prompts.py)."""
+        if not self.cfg.bench.sglang_same_prompts:
+            return None
+        from eagle3ft.eval.same_prompts import offline_tau
+        from eagle3ft.targets.hf import load_target
+        from eagle3ft.train.checkpoint import load_drafter
+
+        folder = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
+        spec = check_drafter_for_run(folder, self.run_dir, "eval.checkpoint")
+        model, _ = load_target(self.cfg.target)
+        c, emb = model.config, model.get_input_embeddings().weight.detach()
+        aux_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
+        drafter = load_drafter(folder, embedding=emb.float()).to(device=emb.device, dtype=emb.dtype).eval()
+        out = offline_tau(model, drafter, aux_ids, prompts, answers, settings)
+        del model, drafter
+        return out
+
     def environment(self) -> dict:
         servers = {}
         for key, raw in self.infos.items():

@@ -15,6 +15,7 @@ from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.eval import harness
 from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
 from eagle3ft.eval.costs import Setting
+from eagle3ft.eval.same_prompts import offline_tau
 from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang_http import SGLangError
@@ -65,13 +66,31 @@ def doubles(tiny):
 def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
     cfg0, model, tok, drafter = tiny
     base, spec = doubles
+    export_drafter(drafter, tmp_path / "export")  # the double's drafter: what bench.sglang_same_prompts evaluates
     cfg = load_config(
         REPO_ROOT / "configs/tiny.yaml",
-        BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}", "bench.concurrency=[1, 2]"],
+        BENCH
+        + [
+            f"bench.baseline_url={base.url}",
+            f"bench.speculative_url={spec.url}",
+            "bench.concurrency=[1, 2]",
+            "bench.sglang_same_prompts=true",
+            f"eval.checkpoint={tmp_path / 'export'}",
+        ],
     )
     backend = SGLangBackend(cfg, tmp_path)
     summary = harness.run(cfg, tmp_path, backend, log=lambda *_: None)
     prompts = harness.load_prompts(cfg)
+
+    # offline tau on the plain server's own answers: what eval/same_prompts.py gives for those tokens in-process
+    answers = [
+        r["output_ids"]
+        for r in map(json.loads, (tmp_path / "bench/runs.jsonl").read_text().splitlines())
+        if r["mode"] == "baseline" and r["repetition"] == 0
+    ]
+    want = offline_tau(model, drafter, drafter.config.aux_layer_ids, prompts, answers, [Setting(3, 1, 4)])
+    got = summary["offline_same_prompts"]
+    assert got["roots"] == want["roots"] > 0 and got["settings"] == pytest.approx(want["settings"])
 
     # tau: the same greedy decodes by the embedded speculative decoder, counted the same way
     dec = SpeculativeDecoder(model, drafter, drafter.config.aux_layer_ids, 3, 0.0, backend.eos_ids)
