@@ -13,7 +13,9 @@
 #   training) and the embedded calibrated prediction (benchmarks/calibrated_prediction.sh); beside the training, the
 #   2-rank resume on GPUs (benchmarks/resume_world_size.py).
 # Carried ($C): a/{deps,sgl1}  b/{sgl2,data/{sharegpt-prompts.json.gz,mtbench-questions.jsonl,HumanEval.jsonl.gz}}
-#               c/gguf.part-aa  d/{gguf.part-ab,chitchat.json.gz}
+#               c/gguf.part-aa  d/{gguf.part-ab,chitchat.json.gz}, as folders or (`pack`) in tar pieces that `setup`
+#               unpacks once all have arrived; `curve` also reads b/data/mtbench-general.jsonl (domain_sets.py)
+#               and tok/ (TOKENS)
 # Env: C (/tmp/c), L (/tmp/L: results), S (/tmp/S: run folders), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PY;
 #      sizes: CHITCHAT (conversations, 2000), MAX_NEW (1024), MAX_TOTAL (4096), EPOCHS (2), PACK (32768), LR (2e-3),
 #      REGEN_S (regen time limit, 360), TRAIN_S (training time limit, 300), SETTING (requests in flight x prompts per
@@ -267,15 +269,16 @@ sgl_bench() {  # plain vs 3/1/4 on the running servers, interleaved, 3 repetitio
   done
   xargs -r kill < "$L/sgl.pids"
 }
-embedded() {  # the embedded calibrated prediction on GPU 1: calibrate with a weak drafter, predict, measure
+embedded() {  # the embedded calibrated prediction on GPU 1: calibrate with a weak drafter, predict, measure (small:
+              # transformers decodes SmolLM2 at ~29 ms/token on the H200, RESULTS §10f)
   say "embedded: calibrate ($1), predict and measure ($SHIPPED)"
-  CUDA_VISIBLE_DEVICES=1 EXTRA="${BASE[*]}" NEW=${EMB_NEW:-128} REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-6} SETTINGS=1/1/2,3/1/4,5/1/6 PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
+  CUDA_VISIBLE_DEVICES=1 EXTRA="${BASE[*]}" NEW=${EMB_NEW:-64} REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-3} SETTINGS=1/1/2,3/1/4,5/1/6 PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
     timeout 480 bash benchmarks/calibrated_prediction.sh "$S/pred" "$1" "$SHIPPED" > "$L/embedded.txt" 2>&1
   echo "exit $?"; tail -30 "$L/embedded.txt"
   mkdir -p "$L/pred" && cp "$S"/pred/calibrate/bench/{summary,calibration}.json "$L/pred/" 2>/dev/null
   for f in summary economics prediction; do cp "$S/pred/test/bench/$f.json" "$L/pred/test-$f.json" 2>/dev/null; done
 }
-resume_ws() {  # issue 16: a checkpoint of 2 ranks resumed on 2 and on 1, on the GPUs (ZeRO-2)
+resume_ws() {  # issue 16: a checkpoint of 2 ranks resumed on 2 and on 1, on the GPUs (ZeRO-2 and ZeRO-3)
   say "resume across world sizes on the GPUs"
   OMP_NUM_THREADS=2 timeout 900 $PY benchmarks/resume_world_size.py --out "$S/resume-ws" --accelerate configs/accelerate/2gpu.yaml \
     --zero zero2 zero3 --set "target.tokenizer=$MODEL" --set target.gguf_file=null > "$L/resume-ws.txt" 2>&1
