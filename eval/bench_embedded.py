@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.eval.costs import Setting
-from eagle3ft.eval.harness import RequestResult, base_environment, check_drafter_for_run
+from eagle3ft.eval.harness import RequestResult, base_environment, check_drafter_for_run, drafter_on_target
 from eagle3ft.eval.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
 
 
@@ -98,7 +98,6 @@ class EmbeddedBackend:
         from eagle3ft.config import resolve_path
         from eagle3ft.data.chat import ChatFormat
         from eagle3ft.targets.hf import load_target
-        from eagle3ft.train.checkpoint import load_drafter
 
         self.cfg = cfg
         if cfg.bench.threads:
@@ -110,13 +109,9 @@ class EmbeddedBackend:
         }  # all, before the target
         self.model, self.tokenizer = load_target(cfg.target)
         self.device = next(self.model.parameters()).device
-        c = self.model.config
-        emb = self.model.get_input_embeddings().weight.detach()
         self.drafters, self.aux_ids = {}, {}
         for label, (folder, _) in folders.items():  # each in the target's dtype: a bf16 folder runs as the target does
-            self.aux_ids[label] = specs[label].check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
-            d = load_drafter(folder, embedding=emb.float()).to(device=self.device, dtype=emb.dtype).eval()
-            self.drafters[label] = d
+            self.drafters[label], self.aux_ids[label] = drafter_on_target(self.model, folder, specs[label])
         self.use_drafter(cfg.eval.checkpoint)
         self.eos_ids = ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids
         self.temperature = cfg.bench.temperature

@@ -44,6 +44,7 @@ from eagle3ft.eval.harness import (
     RequestResult,
     base_environment,
     check_drafter_for_run,
+    drafter_on_target,
     format_summary,
     gpu_clocks,
     load_prompts,
@@ -346,17 +347,12 @@ class SGLangBackend:
             return None
         from eagle3ft.eval.same_prompts import offline_tau
         from eagle3ft.targets.hf import load_target
-        from eagle3ft.train.checkpoint import load_drafter
 
         folder = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
         spec = check_drafter_for_run(folder, self.run_dir, "eval.checkpoint")
         model, _ = load_target(self.cfg.target)
-        c, emb = model.config, model.get_input_embeddings().weight.detach()
-        aux_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
-        drafter = load_drafter(folder, embedding=emb.float()).to(device=emb.device, dtype=emb.dtype).eval()
-        out = offline_tau(model, drafter, aux_ids, prompts, answers, settings)
-        del model, drafter
-        return out
+        drafter, aux_ids = drafter_on_target(model, folder, spec)
+        return offline_tau(model, drafter, aux_ids, prompts, answers, settings)
 
     def environment(self) -> dict:
         servers = {}

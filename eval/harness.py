@@ -168,6 +168,16 @@ def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
     return spec
 
 
+def drafter_on_target(model, folder: Path, spec):
+    """(the drafter of `folder` on `model`: its embedding, device and dtype; its aux layer ids, checked against the
+    target's dimensions). `spec` is the folder's DrafterConfig, from check_drafter_for_run."""
+    from eagle3ft.train.checkpoint import load_drafter
+
+    c, emb = model.config, model.get_input_embeddings().weight.detach()
+    aux_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
+    return load_drafter(folder, embedding=emb.float()).to(device=emb.device, dtype=emb.dtype).eval(), aux_ids
+
+
 # --------------------------------------------------------------------------- harness
 
 

@@ -289,7 +289,7 @@ class TrainData:
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
         per_sample = self.dataset.loss_tokens()
-        self.answer_tokens, self.all_answer_tokens = sum(per_sample), sum(per_sample)
+        self.answer_tokens = self.all_answer_tokens = sum(per_sample)
         if tcfg.max_answer_tokens is not None:
             if tcfg.max_answer_tokens <= 0:
                 raise ValueError(f"train.max_answer_tokens must be positive or null, got {tcfg.max_answer_tokens}")
