@@ -95,6 +95,10 @@ def test_two_ranks_split_the_data_and_a_run_leaves_checkpoints_and_export(straig
         range(16)
     )  # 6 steps x 2 ranks: 12 of the 16 training samples, none twice
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    for r in rows:  # where each step's time went; no "between" span after the start or a checkpoint (every 2 steps)
+        assert list(r["phase_s"]) == ["between", "forward", "backward", "optimizer"]
+        assert all(r["phase_s"][k] > 0 for k in ("forward", "backward", "optimizer")), r["phase_s"]
+        assert (r["phase_s"]["between"] > 0) == (r["step"] % 2 == 0), r
     assert sorted(p.name for p in (straight / "ckpt").iterdir()) == ["step-4", "step-6"]  # keep 2
     state = json.loads((straight / "ckpt" / "step-6" / "trainer_state.json").read_text())
     assert state["step"] == 6 and state["config"]["train"]["max_steps"] == 6
@@ -105,6 +109,15 @@ def test_two_ranks_split_the_data_and_a_run_leaves_checkpoints_and_export(straig
     assert (data["samples"], data["answer_tokens"], data["all_answer_tokens"]) == (16, answers, answers) and answers
     ckpt = load_file(straight / "ckpt" / "step-6" / "model.safetensors")
     assert all(torch.equal(exported[k], ckpt[k]) for k in exported)
+
+
+@pytest.mark.slow
+def test_loader_workers_give_the_same_batches_and_losses(straight, tmp_path):
+    """train.num_workers (2 by default on CUDA) loads in worker processes: the same samples, the same losses."""
+    write_store(tmp_path)
+    ok(launch(tmp_path, "train.max_steps=3", "train.num_workers=2", *COMMON))
+    for a, b in zip(metrics(tmp_path), metrics(straight)[:3], strict=True):
+        assert (a["samples"], a["loss"], a["step_loss"]) == (b["samples"], b["loss"], b["step_loss"])
 
 
 @pytest.mark.slow

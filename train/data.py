@@ -343,7 +343,11 @@ class TrainData:
 
     def loader(self, epoch: int) -> torch.utils.data.DataLoader:
         tcfg = self.cfg.train
-        common = dict(num_workers=tcfg.num_workers, pin_memory=torch.cuda.is_available())
+        cuda = torch.cuda.is_available()
+        workers = tcfg.num_workers if tcfg.num_workers is not None else (2 if cuda else 0)
+        if workers < 0:
+            raise ValueError(f"train.num_workers must be >= 0 or null, got {tcfg.num_workers}")
+        common = dict(num_workers=workers, pin_memory=cuda)
         if self.lengths is not None:
             return torch.utils.data.DataLoader(
                 self.dataset,

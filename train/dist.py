@@ -207,8 +207,17 @@ class Dist:
     def accumulate(self, module):
         return self.acc.accumulate(module)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.acc.backward(loss)
+    def backward(self, loss: torch.Tensor, between=None) -> None:
+        """accelerate's backward under DeepSpeed, in two halves with `between()` called in the middle (the loop's phase
+        mark): DeepSpeed's backward (which reduces the gradients under ZeRO-2/3), then, on the micro-batch that ends an
+        optimizer step, DeepSpeed's step (clipping, the optimizer, ZeRO's parameter gather)."""
+        engine = self.acc.deepspeed_engine_wrapped.engine
+        engine.set_gradient_accumulation_boundary(is_boundary=self.sync_gradients)
+        engine.backward(loss)
+        if between is not None:
+            between()
+        if self.sync_gradients:
+            engine.step()
 
     # -- collectives
 

@@ -35,7 +35,7 @@ from eagle3ft.train.checkpoint import (
     write_drafter,
 )
 from eagle3ft.train.data import TrainData
-from eagle3ft.train.metrics import Meter, SetupTimes, log_record, metrics_record, open_wandb
+from eagle3ft.train.metrics import Meter, PhaseClock, SetupTimes, log_record, metrics_record, open_wandb
 from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
@@ -162,7 +162,7 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     took.mark("data")
     torch.manual_seed(cfg.seed)
     model = build_drafter(cfg, run_dir, data.target)
-    if tcfg.compile:
+    if tcfg.compile if tcfg.compile is not None else torch.cuda.is_available():
         model.compile_blocks()
     objective = TTTObjective(
         model, tcfg.ttt_steps, tcfg.step_decay, target_head(cfg, data, model), tcfg.loss, tcfg.lk_eta
@@ -183,7 +183,9 @@ def setup(cfg: Config, run_dir: Path) -> Run:
         math.ceil(math.ceil(data.micro_batches(e) / dist.world) / tcfg.grad_accum) for e in range(tcfg.epochs)
     )
     trainable = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(  # fused on CUDA: one kernel over DeepSpeed's flat fp32 partition
+        trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95), fused=dist.device.type == "cuda"
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg, total))
     engine, optimizer, scheduler = dist.prepare(objective, optimizer, scheduler)
     took.mark("engine")
@@ -259,6 +261,7 @@ def fit(run: Run) -> None:
     """Optimizer steps until train.max_steps (or the epochs) or train.stop_after: log, held-out τ, checkpoints."""
     tcfg, dist, data, engine = run.cfg.train, run.dist, run.data, run.engine
     meter = Meter(tcfg.ttt_steps, dist.device)
+    clock = PhaseClock(dist.device)
     step_samples = []
     bar = tqdm(
         total=run.total, initial=run.step, desc="train", unit="step", disable=not dist.is_main, dynamic_ncols=True
@@ -266,10 +269,12 @@ def fit(run: Run) -> None:
     stop = run.step >= run.total
     while not stop:
         for micro_batch in data.epoch(dist, run.epoch, skip=run.batch_in_epoch):
+            clock.mark("between")
             batch, sample_ids = micro_batch.tensors, micro_batch.sample_ids
             step_samples += sample_ids
             with oom_hint(), dist.accumulate(engine):
                 out = engine(batch)
+                clock.mark("forward")
                 if dist.any(not bool(torch.isfinite(out.loss))):
                     bad = dist.gather_ints(sample_ids if not torch.isfinite(out.loss) else [])
                     raise NonFiniteLoss(
@@ -277,20 +282,26 @@ def fit(run: Run) -> None:
                         f"{run.batch_in_epoch}); sample ids per rank: {bad}"
                     )
                 lr = run.scheduler.get_last_lr()[0]  # the rate this step applies
-                dist.backward(out.loss)
+                dist.backward(out.loss, between=lambda: clock.mark("backward"))
                 run.optimizer.step()
                 run.scheduler.step()
                 run.optimizer.zero_grad()
+            clock.mark("optimizer")
             meter.add(out, micro_batch.tokens)
             run.batch_in_epoch += 1
             if not dist.sync_gradients:
                 continue
             run.step += 1
+            clock.step()
+            if run.step == run.start_step + 1:  # the first step carries the warm-up: torch.compile's when on
+                warm_up = " (torch.compile included)" if run.model.blocks_compiled else ""
+                dist.print(f"first step: {time.perf_counter() - meter.t0:.1f} s{warm_up}")
             samples = dist.gather_ints(step_samples)  # every rank's samples of this optimizer step
             step_samples = []
             eval_now = run.heldout.due(run.step, run.total)
             if run.step % tcfg.log_every == 0 or run.step == run.total or eval_now:
                 run.last = metrics_record(meter, dist, tcfg, run.step, run.epoch, lr, samples, run.started)
+                run.last["phase_s"] = clock.take()  # this rank's seconds per step in each phase
                 if data.online is not None:  # this rank's share of the step that the target's prefill takes
                     run.last["online_prefill_s"] = data.online.take_seconds()
                     run.last["online_share"] = run.last["online_prefill_s"] / (run.last["s_per_step"] * tcfg.log_every)
@@ -298,6 +309,7 @@ def fit(run: Run) -> None:
                     t_eval = time.perf_counter()
                     run.last.update(run.heldout.run(engine, run.model.config, run.step))
                     run.last["heldout_s"] = time.perf_counter() - t_eval
+                    clock.pause()
                     if data.online is not None:
                         data.online.take_seconds()  # the held-out set's prefills are no training step's
                 if dist.is_main:
@@ -311,6 +323,7 @@ def fit(run: Run) -> None:
                 save_checkpoint(
                     dist, engine, run.model.config, run.run_dir, run.step, run.trainer_state(), tcfg.keep_checkpoints
                 )
+                clock.pause()
             if done:
                 stop = True
                 break

@@ -36,6 +36,51 @@ class SetupTimes:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.parts.items())
 
 
+class PhaseClock:
+    """Where a step's time goes: `mark(phase)` ends a phase (a CUDA event on the GPU, the host clock on the CPU);
+    `take()` gives each phase's seconds per optimizer step since the last take (it syncs: call it when a record is
+    made anyway). Phases: between (from the last step's end until the next micro-batch is on the device: the loader,
+    the copy, online mode's target prefill, the records, and the GPU's idle time while the host gets there), forward,
+    backward (with ZeRO's gradient reduction), optimizer (clipping, the update, ZeRO's parameter gather). `pause()`
+    drops the span up to the next mark (held-out τ and checkpoints are no step's)."""
+
+    PHASES = ("between", "forward", "backward", "optimizer")
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.last: Any = None  # the previous mark (None after a pause)
+        self.spans: list[tuple[str, Any, Any]] = []
+        self.steps = 0
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, phase: str) -> None:
+        now = self._now()
+        if self.last is not None:
+            self.spans.append((phase, self.last, now))
+        self.last = now
+
+    def pause(self) -> None:
+        self.last = None
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def take(self) -> dict[str, float]:
+        if self.cuda and self.spans:
+            self.spans[-1][2].synchronize()
+        out = dict.fromkeys(self.PHASES, 0.0)
+        for phase, a, b in self.spans:
+            out[phase] += (a.elapsed_time(b) / 1e3) if self.cuda else b - a
+        steps, self.spans, self.steps = max(self.steps, 1), [], 0
+        return {k: v / steps for k, v in out.items()}
+
+
 class Meter:
     """Sums since the last log record: per-depth loss and accuracy counts (5, K), real tokens, micro-batches,
     seconds."""

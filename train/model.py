@@ -211,6 +211,7 @@ class Eagle3Drafter(nn.Module):
         # (hd/2,) float32, kept off the buffers so that casting the module to bf16 cannot round it
         self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copied once per device
+        self.blocks_compiled = False  # compile_blocks() ran (train.compile)
 
     # -- pieces shared by training and inference
 
@@ -250,6 +251,7 @@ class Eagle3Drafter(nn.Module):
         Training's TTT unroll and attention core stay eager; needs a backend that compiles (triton on CUDA).
         """
         mid = self.midlayer
+        self.blocks_compiled = True
         for m in (
             self.norm,
             mid.input_layernorm,
