@@ -26,6 +26,10 @@ def test_kimi_k2_parameter_count_and_memory(capsys):
     assert e.frozen_params == raw["vocab_size"] * H
     assert 1.15e9 < e.trainable_params < 1.25e9 and 1.15e9 < e.frozen_params < 1.2e9  # GUIDE: ~1.2B + 1.17B
     assert e.zero3_gib["total"] < e.zero2_gib["total"] < 141  # fits an H200 either way
+    for z in (e.zero2_gib, e.zero3_gib):  # the backward's activations and the step's fp32 gradient peak apart
+        states = z["weights"] + z["gradients"] + z["optimizer"]
+        assert z["total"] == states + max(z["activations"], z["step_fp32_grad"])
+        assert z["step_fp32_grad"] == z["optimizer"] / 3  # 4 B against master + moments' 12 B per parameter
     assert e.zero2_gib["weights"] > 2 * (trainable + e.frozen_params) / 2**30 * 0.99  # ZeRO-2 replicates the weights
     out = capsys.readouterr().out
     assert "ZeRO-2" in out and "ZeRO-3" in out and "1.191B trainable" in out
