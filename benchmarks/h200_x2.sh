@@ -4,7 +4,14 @@
 #   bash benchmarks/h200_x2.sh setup            install the carried wheels ($C/p1/deps) and this tree into /tmp
 #   bash benchmarks/h200_x2.sh k2 OUT_DIR       synthetic store, estimate, runs z2-1gpu z2-2gpu z3-2gpu, then a
 #                                               2-rank checkpoint resumed on 2 ranks and on 1 rank
-#   bash benchmarks/h200_x2.sh summary OUT_DIR  one line per run: tokens/s (total, per GPU), s/step, peak GiB
+#   bash benchmarks/h200_x2.sh steps OUT_DIR    issues 16 and 18 after the loader and optimizer work (RESULTS §11):
+#                                               NCCL bandwidth; on GPU 0 the 1-GPU runs (default, num_workers 0,
+#                                               train.compile, seq 4096) while GPU 1 runs the side-by-side with
+#                                               SpecForge (benchmarks/train_speed.sh, carry .whl-specforge) and the
+#                                               17-step compile check; then the same runs on 2 GPUs; the summary
+#   bash benchmarks/h200_x2.sh start steps OUT_DIR   the same in a new process session (log OUT_DIR.log); `wait SECS
+#                                               OUT_DIR` waits for it and prints the log's tail
+#   bash benchmarks/h200_x2.sh summary OUT_DIR  one line per run: tokens/s (total, per GPU), s/step, peak GiB, phases
 # Env: C (carried files, /tmp/c), K2 (the run folder, /tmp/k2), STEPS (optimizer steps per run, 20), SEQ (2048).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +67,59 @@ case ${1:-} in
     done
     bash "$0" summary "$OUT_DIR"
     ;;
+  steps)
+    OUT_DIR=${2:?OUT_DIR}; mkdir -p "$OUT_DIR"
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.total,driver_version --format=csv > "$OUT_DIR/gpus.csv"
+    nvidia-smi topo -m > "$OUT_DIR/topo.txt" 2>&1
+    echo "== nccl ($(date +%T))"
+    NCCL_DEBUG=INFO torchrun --nproc_per_node 2 --master_port 29444 benchmarks/nccl_bandwidth.py --out "$OUT_DIR/nccl.json" \
+      > "$OUT_DIR/nccl.log" 2>&1; grep -E "via|bus_GBps|ms" "$OUT_DIR/nccl.log" | head -20
+    K2_4K=${K2}-4k
+    [[ -f $K2/run/features/manifest.json ]] || python3 benchmarks/k2_synthetic.py --run-dir "$K2/run" --samples $((STEPS * 2 + 8)) --seq "$SEQ"
+    (K2=$K2_4K; [[ -f $K2/run/features/manifest.json ]] || python3 benchmarks/k2_synthetic.py --run-dir "$K2/run" --samples $((STEPS * 2 + 8)) --seq 4096 > "$OUT_DIR/k2-4k.log" 2>&1) &
+    gen4k=$!
+    for g in 1 2; do for q in "$SEQ" 4096; do
+      python3 -m eagle3ft.train.estimate --drafter configs/drafters/kimi-k2.json --gpus $g --seq "$q" --json > "$OUT_DIR/estimate-${g}gpu-$q.json"
+    done; done
+    (  # GPU 1: issue 18, ours (default, compiled) against SpecForge side by side, then the compile check over 17 steps
+      export CUDA_VISIBLE_DEVICES=1 PKGROOT=/tmp/eagle3ft-speed OUT=$OUT_DIR/speed
+      RUNS=a A_ARGS="--variant topk+adam=fused --variant topk+adam=fused+compile --theirs flex_attention" \
+        bash benchmarks/train_speed.sh > "$OUT_DIR/speed.log" 2>&1
+      PYTHONPATH=/tmp/eagle3ft-speed python3 benchmarks/compile_check.py --dims k2 --train-steps 17 \
+        --out "$OUT_DIR/compile_check_k2.json" > "$OUT_DIR/compile_check_k2.log" 2>&1
+      echo "   gpu1 done ($(date +%T))"
+    ) &
+    gpu1=$!
+    one() {  # one NAME ACCEL RUN_FOLDER_ROOT [more args]: a fresh run over RUN_FOLDER_ROOT's features
+      local name=$1 accel=$2 root=$3; shift 3
+      K2=$root fresh_run "$root/$name"
+      K2=$root launch "$name" "$accel" "${ZERO:-zero2}" "$root/$name" --set "train.max_steps=$STEPS" --set train.save_every=100000 "$@"
+      rm -rf "$root/$name"
+    }
+    export CUDA_VISIBLE_DEVICES=0
+    one z2-1gpu 1gpu "$K2"
+    one z2-1gpu-w0 1gpu "$K2" --set train.num_workers=0
+    one z2-1gpu-compile 1gpu "$K2" --set train.compile=true
+    wait $gen4k
+    one z2-1gpu-4k 1gpu "$K2_4K" --set train.max_len=4096
+    wait $gpu1
+    unset CUDA_VISIBLE_DEVICES
+    one z2-2gpu 2gpu "$K2"
+    one z2-2gpu-w0 2gpu "$K2" --set train.num_workers=0
+    one z2-2gpu-4k 2gpu "$K2_4K" --set train.max_len=4096
+    ZERO=zero3 one z3-2gpu 2gpu "$K2"
+    one z2-2gpu-compile 2gpu "$K2" --set train.compile=true
+    bash "$0" summary "$OUT_DIR"
+    echo "steps done ($(date +%T))"
+    ;;
+  start)  # start PHASE ARGS...: from a copy of this tree, in a new process session; the log beside OUT_DIR
+    shift; tree=/tmp/tree-$(date +%s) && mkdir -p "$tree" && tar --exclude=./.git -cf - . | tar -xf - -C "$tree"
+    (cd "$tree" && setsid nohup bash benchmarks/h200_x2.sh "$@" > "${2:?OUT_DIR}.log" 2>&1 < /dev/null &)
+    echo "started: $* (from $tree)" ;;
+  wait)
+    end=$((SECONDS + ${2:-60}))
+    until grep -q "^steps done\|^usage" "${3:?OUT_DIR}.log" 2> /dev/null || (( SECONDS >= end )); do sleep 5; done
+    tail -40 "$3.log" ;;
   summary)
     OUT_DIR=${2:?OUT_DIR}
     python3 - "$OUT_DIR" <<'EOF'
@@ -79,10 +139,13 @@ for f in sorted(out.glob("*.metrics.jsonl")):
                   "tok_s_min_max": [min(r["tokens_per_s"] for r in steady), max(r["tokens_per_s"] for r in steady)],
                   "s_per_step": statistics.median(r["s_per_step"] for r in steady),
                   "max_mem_gib": max((r.get("max_mem_gib") or 0) for r in recs),
+                  "phase_ms": {k: round(1e3 * statistics.median(r["phase_s"][k] for r in steady), 1)
+                               for k in (steady[0].get("phase_s") or {})},
                   "loss": {r["step"]: round(r["loss"], 5) for r in recs}}
-for k in ("z2-2gpu", "z3-2gpu"):
-    if k in rows and "z2-1gpu" in rows:
-        rows[k]["scaling_efficiency_vs_z2_1gpu"] = rows[k]["tok_s"] / (2 * rows["z2-1gpu"]["tok_s"])
+for k in rows:  # z2-2gpu-X against z2-1gpu-X (the same variant on one GPU); ZeRO-3 against ZeRO-2's one GPU
+    one = k.replace("z3-2gpu", "z2-1gpu").replace("-2gpu", "-1gpu")
+    if rows[k]["world"] == 2 and one != k and one in rows:
+        rows[k]["scaling_efficiency_vs_" + one.replace("-", "_")] = rows[k]["tok_s"] / (2 * rows[one]["tok_s"])
 for k in ("resume-2to2", "resume-2to1"):
     if k in rows and "z2-2gpu" in rows:
         ref = rows["z2-2gpu"]["loss"]

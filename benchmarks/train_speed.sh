@@ -25,7 +25,7 @@ ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "no wheels in $WHEELS: name it in t
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
 # eagle3ft from this working tree (a plain, non-editable install beside the wheels); a warm machine may still hold
 # an earlier tree's copy, which pip --target would keep
-PKGROOT=/tmp/eagle3ft-site
+PKGROOT=${PKGROOT:-/tmp/eagle3ft-site}
 rm -rf "$PKGROOT"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$PKGROOT" . >/dev/null
 export PYTHONPATH="$SITE:$PKGROOT${PYTHONPATH:+:$PYTHONPATH}"
