@@ -9,6 +9,7 @@
 #                                               train.compile, seq 4096) while GPU 1 runs the side-by-side with
 #                                               SpecForge (benchmarks/train_speed.sh, carry .whl-specforge) and the
 #                                               17-step compile check; then the same runs on 2 GPUs; the summary
+#   bash benchmarks/h200_x2.sh mem OUT_DIR      peak memory against the estimate at SEQ on 2 GPUs, eager and compiled
 #   bash benchmarks/h200_x2.sh start steps OUT_DIR   the same in a new process session (log OUT_DIR.log); `wait SECS
 #                                               OUT_DIR` waits for it and prints the log's tail
 #   bash benchmarks/h200_x2.sh summary OUT_DIR  one line per run: tokens/s (total, per GPU), s/step, peak GiB, phases
@@ -109,6 +110,19 @@ case ${1:-} in
     one z2-2gpu-4k 2gpu "$K2_4K" --set train.max_len=4096
     ZERO=zero3 one z3-2gpu 2gpu "$K2"
     one z2-2gpu-compile 2gpu "$K2" --set train.compile=true
+    bash "$0" summary "$OUT_DIR"
+    echo "steps done ($(date +%T))"
+    ;;
+  mem)  # mem OUT_DIR: peak memory against the estimate at SEQ (8192) on 2 GPUs, ZeRO-2, eager and compiled (STEPS 6)
+    OUT_DIR=${2:?OUT_DIR}; mkdir -p "$OUT_DIR"; K2_SEQ=${K2}-$SEQ
+    [[ -f $K2_SEQ/run/features/manifest.json ]] || K2=$K2_SEQ python3 benchmarks/k2_synthetic.py --run-dir "$K2_SEQ/run" --samples $((STEPS * 2 + 4)) --seq "$SEQ"
+    python3 -m eagle3ft.train.estimate --drafter configs/drafters/kimi-k2.json --gpus 2 --seq "$SEQ" --json > "$OUT_DIR/estimate-2gpu-$SEQ.json"
+    for c in false true; do
+      name=z2-2gpu-$SEQ-compile-$c; K2=$K2_SEQ fresh_run "$K2_SEQ/$name"
+      K2=$K2_SEQ launch "$name" 2gpu zero2 "$K2_SEQ/$name" --set "train.max_steps=$STEPS" --set train.save_every=100000 \
+        --set "train.max_len=$SEQ" --set "train.compile=$c"
+      rm -rf "${K2_SEQ:?}/$name"
+    done
     bash "$0" summary "$OUT_DIR"
     echo "steps done ($(date +%T))"
     ;;
