@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from train_fixtures import REPO
 
@@ -35,8 +36,8 @@ def test_kimi_k2_parameter_count_and_memory(capsys):
     assert "ZeRO-2" in out and "ZeRO-3" in out and "1.191B trainable" in out
 
 
-def test_activation_count_matches_what_autograd_saves():
-    """The per-token formula against the bytes autograd really keeps, on a small bf16 drafter."""
+def saved_bytes_per_token_step(compiled: bool) -> tuple[float, DrafterConfig]:
+    """What autograd keeps per token and TTT step for a small bf16 drafter (eager, or with train.compile's blocks)."""
     cfg = DrafterConfig(
         hidden_size=128,
         num_attention_heads=8,
@@ -47,8 +48,11 @@ def test_activation_count_matches_what_autograd_saves():
         draft_vocab_size=100,
     )
     T, K = 96, 3
+    torch.manual_seed(0)
     m = Eagle3Drafter(cfg).to(torch.bfloat16)
     m.t2d[:100] = True
+    if compiled:
+        m.compile_blocks()
     batch = {
         "input_ids": torch.randint(0, 100, (1, T)),
         "loss_mask": torch.ones(1, T, dtype=torch.long),
@@ -56,6 +60,8 @@ def test_activation_count_matches_what_autograd_saves():
         "topk_ids": torch.randint(0, 100, (1, T, 4)),
         "topk_logprobs": torch.log_softmax(torch.randn(1, T, 4), -1),
     }
+    if compiled:
+        ttt_forward(m, batch, steps=K).loss.backward()  # compile outside the measurement
     storages = {}
 
     def pack(t):
@@ -65,11 +71,28 @@ def test_activation_count_matches_what_autograd_saves():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         ttt_forward(m, batch, steps=K)
     params = {p.untyped_storage().data_ptr() for p in m.parameters()}
-    measured = sum(n for ptr, n in storages.items() if ptr not in params) / (T * K)
+    return sum(n for ptr, n in storages.items() if ptr not in params) / (T * K), cfg
+
+
+def test_activation_count_matches_what_autograd_saves():
+    """The per-token formula against the bytes autograd really keeps, on a small bf16 drafter."""
+    measured, cfg = saved_bytes_per_token_step(compiled=False)
     assert abs(measured / activation_bytes_per_token_step(cfg) - 1) < 0.15, (
         measured,
         activation_bytes_per_token_step(cfg),
     )
+
+
+@pytest.mark.slow
+def test_compiled_activation_count_matches_what_autograd_saves():
+    """train.compile keeps less (its norms and MLP recompute): the compiled formula against autograd's bytes, and the
+    drop from eager within 25% of what the formula says compile recomputes."""
+    eager, cfg = saved_bytes_per_token_step(compiled=False)
+    compiled, _ = saved_bytes_per_token_step(compiled=True)
+    formula = activation_bytes_per_token_step(cfg, compiled=True)
+    assert abs(compiled / formula - 1) < 0.15, (compiled, formula)
+    drop = activation_bytes_per_token_step(cfg) - formula
+    assert abs((eager - compiled) / drop - 1) < 0.25, (eager - compiled, drop)
 
 
 def test_estimate_allocates_nothing():

@@ -7,7 +7,8 @@ bf16 gradients (2 B), fp32 master weights + two moments (12 B) per trainable par
 weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and replicates the weights; ZeRO-3
 partitions all three and gathers one module at a time (the largest module, the embedding, bounds that transient).
 Activations are what autograd keeps per token and per TTT step (no recomputation), counted tensor by tensor in
-`activation_bytes_per_token_step`. The fp32 gradient DeepSpeed builds for the update (4 B per parameter, partitioned)
+`activation_bytes_per_token_step`, for the compiled step (the default on CUDA; `--eager` without train.compile).
+The fp32 gradient DeepSpeed builds for the update (4 B per parameter, partitioned)
 lives only in the optimizer step, after the backward has freed the activations, so the peak holds the larger of the
 two, not their sum (the sum was 14-19% above the H200's measured peaks at 1 and 2 GPUs, RESULTS §11).
 """
@@ -34,6 +35,7 @@ class Estimate:
     frozen_params: int
     largest_param: int  # elements of the largest single weight (gathered whole under ZeRO-3)
     activation_bytes_per_token_step: int
+    compiled: bool  # train.compile's activations (the default on CUDA) or eager's
     gpus: int
     tokens_per_gpu: int  # micro batch x sequence length
     ttt_steps: int
@@ -41,9 +43,10 @@ class Estimate:
     zero3_gib: dict
 
 
-def activation_bytes_per_token_step(cfg: DrafterConfig, act_bytes: int = 2) -> int:
+def activation_bytes_per_token_step(cfg: DrafterConfig, act_bytes: int = 2, compiled: bool = False) -> int:
     """Bytes autograd saves per token for one TTT step of train/ttt.py (bf16 activations, fp32 where the code
-    upcasts)."""
+    upcasts). `compiled` (train.compile, the default on CUDA): the compiled norms recompute their fp32 upcast of the
+    input in the backward (three norms per step) and the compiled MLP recomputes silu(gate), so neither is kept."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     saved = (
@@ -60,11 +63,18 @@ def activation_bytes_per_token_step(cfg: DrafterConfig, act_bytes: int = 2) -> i
     fp32 = 4 * (
         q + 4 * cfg.num_attention_heads
     )  # fp32: per head log-sum-exp and diagonal scores; index and mask tensors
-    return saved + fp32
+    recomputed = (3 * 4 * H + act_bytes * I) if compiled else 0
+    return saved + fp32 - recomputed
 
 
 def estimate(
-    cfg: DrafterConfig, gpus: int, seq: int, micro_batch: int, ttt_steps: int, zero2_bucket: int = 200_000_000
+    cfg: DrafterConfig,
+    gpus: int,
+    seq: int,
+    micro_batch: int,
+    ttt_steps: int,
+    zero2_bucket: int = 200_000_000,
+    compiled: bool = True,
 ) -> Estimate:
     with torch.device("meta"):
         model = Eagle3Drafter(cfg)
@@ -72,7 +82,8 @@ def estimate(
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     largest = max(p.numel() for p in model.parameters())
     tokens = micro_batch * seq
-    act = activation_bytes_per_token_step(cfg) * tokens * ttt_steps
+    per_token = activation_bytes_per_token_step(cfg, compiled=compiled)
+    act = per_token * tokens * ttt_steps
     head = (
         min(tokens, HEAD_CHUNK_BYTES // (4 * cfg.draft_vocab_size)) * cfg.draft_vocab_size * (2 + 4 + 4)
     )  # fused head CE: one chunk of bf16 logits, fp32 log-softmax and p·log q
@@ -93,13 +104,14 @@ def estimate(
     }
     for z in (z2, z3):  # backward (activations) and the step (fp32 gradient) peak apart
         z["total"] = z["weights"] + z["gradients"] + z["optimizer"] + max(z["activations"], z["step_fp32_grad"])
-    return Estimate(trainable, frozen, largest, activation_bytes_per_token_step(cfg), gpus, tokens, ttt_steps, z2, z3)
+    return Estimate(trainable, frozen, largest, per_token, compiled, gpus, tokens, ttt_steps, z2, z3)
 
 
 def report(e: Estimate) -> str:
     lines = [
         f"parameters: {e.trainable_params / 1e9:.3f}B trainable + {e.frozen_params / 1e9:.3f}B frozen embedding",
-        f"activations: {e.activation_bytes_per_token_step / 1024:.0f} KiB per token per TTT step; "
+        f"activations: {e.activation_bytes_per_token_step / 1024:.0f} KiB per token per TTT step "
+        f"({'train.compile' if e.compiled else 'eager'}); "
         f"{e.tokens_per_gpu} tokens x {e.ttt_steps} steps per GPU",
         f"per-GPU memory on {e.gpus} GPUs (GiB):   weights  grads  optim  activ  step  total"
         " (peak: the larger of activ and the step's fp32 grad)",
@@ -119,9 +131,17 @@ def main(argv: list[str] | None = None) -> Estimate:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--eager", action="store_true", help="train.compile off (the default on CUDA is on)")
     ap.add_argument("--json", action="store_true", help="print the estimate as JSON")
     a = ap.parse_args(argv)
-    e = estimate(DrafterConfig.from_json(resolve_path(a.drafter)), a.gpus, a.seq, a.micro_batch, a.ttt_steps)
+    e = estimate(
+        DrafterConfig.from_json(resolve_path(a.drafter)),
+        a.gpus,
+        a.seq,
+        a.micro_batch,
+        a.ttt_steps,
+        compiled=not a.eager,
+    )
     print(json.dumps(asdict(e), indent=1) if a.json else report(e))
     return e
 
