@@ -6,11 +6,11 @@ Model states follow the ZeRO paper's accounting for bf16 training with AdamW: bf
 bf16 gradients (2 B), fp32 master weights + two moments (12 B) per trainable parameter; the frozen embedding has
 weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and replicates the weights; ZeRO-3
 partitions all three and gathers one module at a time (the largest module, the embedding, bounds that transient).
-Activations are what autograd keeps per token and per TTT step (no recomputation), counted tensor by tensor in
+Activations are what autograd keeps per token and per TTT step, counted tensor by tensor in
 `activation_bytes_per_token_step`, for the compiled step (the default on CUDA; `--eager` without train.compile).
-The fp32 gradient DeepSpeed builds for the update (4 B per parameter, partitioned)
-lives only in the optimizer step, after the backward has freed the activations, so the peak holds the larger of the
-two, not their sum (the sum was 14-19% above the H200's measured peaks at 1 and 2 GPUs, RESULTS §11).
+The fp32 gradient DeepSpeed builds for the update (4 B per parameter, partitioned) lives only in the optimizer step,
+after the backward has freed the activations, so the peak holds the larger of the two, not their sum (the sum was
+14-19% above the H200's measured peaks at 1 and 2 GPUs, RESULTS §11d).
 """
 
 from __future__ import annotations
