@@ -19,7 +19,8 @@
 # Env: C (/tmp/c), L (/tmp/L: results), S (/tmp/S: run folders), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PY;
 #      sizes: CHITCHAT (conversations, 2000), MAX_NEW (1024), MAX_TOTAL (4096), EPOCHS (2), PACK (32768), LR (2e-3),
 #      REGEN_S (regen time limit, 360), TRAIN_S (training time limit, 300), SETTING (requests in flight x prompts per
-#      request, 128x8), ATTN (attention backend per server, comma-separated, e.g. flashinfer,triton; a server that is
+#      request, 128x8, per server), PER_GPU (plain servers per GPU for regen, 1: each gets 0.85 / PER_GPU of the memory;
+#      a 135M target's server is bound by its scheduler's CPU, RESULTS §9a), ATTN (attention backend per server, comma-separated, e.g. flashinfer,triton; a server that is
 #      not up in ATTN_WAIT_S (420 s: FlashInfer JIT-compiles for ~4 min 45 s on its first start, RESULTS §9a) is
 #      restarted with triton), RUNS (the drafters trained side by side: layout = EAGLE-3 vs EAGLE-3.1, loss =
 #      EAGLE-3.1 with ce vs LOSS2 (lk_hybrid), curve = data sizes and ablations, see runs()), ONLY (names: a subset of
@@ -54,22 +55,24 @@ GEN=(--set harvest.temperature=0.0 --set "harvest.max_new_tokens=${MAX_NEW:-1024
      --set harvest.max_prompt_tokens=2048 --set harvest.max_turns=1000 --set harvest.shard_samples=256 --set harvest.heldout_fraction=0.0)
 say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
-server_start() {  # server_start I BACKEND: a plain server on GPU I, port 30000+I
-  local i=$1
+server_start() {  # server_start J BACKEND: plain server J on GPU J / PER_GPU, port 30000+J (PER_GPU servers share a GPU)
+  local j=$1 k=${PER_GPU:-1}
   if [[ -n ${SERVER_CMD:-} ]]; then
-    $PY $SERVER_CMD --model-path "$MODEL" --port $((30000 + i)) --skip-tokenizer-init > "$L/server$i.log" 2>&1 &
+    $PY $SERVER_CMD --model-path "$MODEL" --port $((30000 + j)) --skip-tokenizer-init > "$L/server$j.log" 2>&1 &
   else
-    CUDA_VISIBLE_DEVICES=$i PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" \
-      --host 127.0.0.1 --port $((30000 + i)) --attention-backend "$2" --sampling-backend pytorch --mem-fraction-static 0.85 \
-      --cuda-graph-max-bs 512 --max-running-requests 1024 --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
-      > "$L/server$i.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$((j / k)) PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" \
+      --host 127.0.0.1 --port $((30000 + j)) --attention-backend "$2" --sampling-backend pytorch \
+      --mem-fraction-static "$(awk -v k="$k" 'BEGIN { printf "%.3f", 0.85 / k }')" --cuda-graph-max-bs 512 \
+      --max-running-requests $((1024 / k)) --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
+      > "$L/server$j.log" 2>&1 &
   fi
-  PIDS[i]=$!
-  echo "server $i: $2 (pid ${PIDS[i]})"
+  PIDS[j]=$!
+  echo "server $j on GPU $((j / k)): $2 (pid ${PIDS[j]})"
 }
-servers_up() {  # servers_up: one plain server per GPU, started at once (each on its own GPU), healthy within 10 min
+servers_up() {  # servers_up: PER_GPU plain servers per GPU (1), started at once, healthy within 10 min
   local i n end fallback_at attn
   n=$($PY -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)
+  n=$((n * ${PER_GPU:-1}))
   IFS=, read -r -a attn <<< "${ATTN:-triton}"
   URLS=() PIDS=() BACKENDS=()
   for ((i = 0; i < n; i++)); do
@@ -81,6 +84,9 @@ servers_up() {  # servers_up: one plain server per GPU, started at once (each on
     end=$((SECONDS + 600)) fallback_at=$((SECONDS + ${ATTN_WAIT_S:-420}))
     until curl -sf "${URLS[i]}/health" > /dev/null; do
       (( SECONDS < end )) || { echo "server ${URLS[i]} did not come up"; tail -20 "$L"/server*.log; return 1; }
+      if [[ ${BACKENDS[i]} == triton ]] && ! kill -0 "${PIDS[i]}" 2> /dev/null; then
+        echo "server $i exited before it was up"; tail -20 "$L/server$i.log"; return 1
+      fi
       if [[ ${BACKENDS[i]} != triton ]] && { ! kill -0 "${PIDS[i]}" 2> /dev/null || (( SECONDS > fallback_at )); }; then
         echo "server $i (${BACKENDS[i]}) not up: restarting it with triton"; tail -5 "$L/server$i.log"
         kill "${PIDS[i]}" 2> /dev/null; sleep 3; mv "$L/server$i.log" "$L/server$i-${BACKENDS[i]}-failed.log"
@@ -94,7 +100,7 @@ servers_up() {  # servers_up: one plain server per GPU, started at once (each on
 }
 gen_throughput() {  # the servers' own decode rates, from their logs: median and p90 of the 'gen throughput' lines
   local f
-  for f in "$L"/server[0-9].log; do
+  for f in "$L"/server[0-9].log "$L"/server[0-9][0-9].log; do
     [[ -f $f ]] || continue
     $PY - "$f" << 'PYEOF'
 import re, statistics, sys
