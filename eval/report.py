@@ -21,6 +21,7 @@ The plots are drawn by eval/report_plots.py, report.md written by eval/report_md
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from eagle3ft.eval.calibration import join, load_calibration, predict
@@ -92,6 +93,21 @@ def prediction_verdict(p: dict) -> str | None:
 # --------------------------------------------------------------------------- build
 
 
+def step_time(metrics: list[dict]) -> dict | None:
+    """Medians over the logged steps after the first (its warm-up): tokens/s, seconds per step, and the seconds of
+    each phase of `phase_s` (train/metrics.py) where the records have them; None without timed records."""
+    rows = [m for m in metrics if "tokens_per_s" in m][1:]
+    if not rows:
+        return None
+    phased = [m["phase_s"] for m in rows if m.get("phase_s")]
+    return {
+        "steps": len(rows),
+        "tokens_per_s": statistics.median(m["tokens_per_s"] for m in rows),
+        "s_per_step": statistics.median(m["s_per_step"] for m in rows),
+        "phase_s": {k: statistics.median(ph[k] for ph in phased) for k in phased[0]} if phased else None,
+    }
+
+
 def build(run_dir: Path, cfg=None) -> dict:
     """report.json, report.md and the plots of `run_dir`; `cfg` supplies bench.calibration when set."""
     from eagle3ft.config import resolve_path
@@ -157,6 +173,7 @@ def build(run_dir: Path, cfg=None) -> dict:
             "heldout": heldout,
             "accept_len_est": est,
             "exports": exports,
+            "speed": step_time(metrics),
         },
         "accept_len": acc,
         "bench": summary,

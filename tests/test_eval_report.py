@@ -85,8 +85,18 @@ def _write(path, doc):
 @pytest.fixture
 def full_run(tmp_path):
     run = tmp_path / "run"
+    phases = {"between": 0.004, "forward": 0.06, "backward": 0.12, "optimizer": 0.03}
     train = [
-        {"step": s, "loss": 5.0 - s / 10, "acc": [0.1 + s / 100, 0.05], "accept_len_est": 1.1 + s / 100, "tokens": 2048}
+        {
+            "step": s,
+            "loss": 5.0 - s / 10,
+            "acc": [0.1 + s / 100, 0.05],
+            "accept_len_est": 1.1 + s / 100,
+            "tokens": 2048,
+            "tokens_per_s": 9000.0 + s if s > 1 else 500.0,  # the first step carries the warm-up
+            "s_per_step": 2048 / (9000.0 + s) if s > 1 else 4.0,
+            "phase_s": {k: v * (s if k == "between" else 1) for k, v in phases.items()},
+        }
         for s in range(1, 41)
     ]
     held = {
@@ -145,6 +155,11 @@ def test_report_reads_as_a_newcomer_needs(full_run):
         "- `export-best/`: the best step by held-out τ: step 30" in md and "export-best (best export, step 30)." in md
     )
     assert rep["train"]["steps"] == 40  # held-out records do not replace the training records of their step
+    # where the steps' time went: medians over steps 2-40 (step 1's warm-up left out)
+    assert (
+        "Speed (median of 39 logged steps after the first): 9,021 tokens/s, 227.0 ms per step: between 84.0 ms, "
+        "forward 60.0 ms, backward 120.0 ms, optimizer 30.0 ms." in md
+    )
     for name in ("train_loss", "accept_per_depth", "tau_offline_vs_live", "tok_s_vs_draft_tokens"):
         assert (full_run / "eval" / rep["plots"][name]).stat().st_size > 10_000
 
