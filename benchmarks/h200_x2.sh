@@ -43,6 +43,14 @@ fresh_run() {  # fresh_run DIR: a run folder over the shared synthetic features
   rm -rf "$1" && mkdir -p "$1" && ln -s "$K2/run/features" "$1/features" && cp "$K2/run/vocab.safetensors" "$1/"
 }
 
+SECTION7D=(--set train.compile=false --set train.num_workers=0)  # the k2 phase's runs as RESULTS §7d ran them
+one() {  # one NAME ACCEL RUN_FOLDER_ROOT [more args]: a fresh run over RUN_FOLDER_ROOT's features, STEPS steps, then gone
+  local name=$1 accel=$2 root=$3; shift 3
+  K2=$root fresh_run "$root/$name"
+  K2=$root launch "$name" "$accel" "${ZERO:-zero2}" "$root/$name" --set "train.max_steps=$STEPS" --set train.save_every=100000 "$@"
+  rm -rf "${root:?}/$name"
+}
+
 case ${1:-} in
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/deps "$C"/p1/deps/*.whl
@@ -56,14 +64,14 @@ case ${1:-} in
     nvidia-smi topo -m > "$OUT_DIR/topo.txt" 2>&1
     [[ -f $K2/run/features/manifest.json ]] || python3 benchmarks/k2_synthetic.py --run-dir "$K2/run" --samples $((STEPS * 2 + 8)) --seq "$SEQ"
     for g in 1 2; do python3 -m eagle3ft.train.estimate --drafter configs/drafters/kimi-k2.json --gpus $g --seq "$SEQ" --json > "$OUT_DIR/estimate-${g}gpu.json"; done
-    fresh_run "$K2/z2-1"; CUDA_VISIBLE_DEVICES=0 launch z2-1gpu 1gpu zero2 "$K2/z2-1" --set "train.max_steps=$STEPS" --set train.save_every=1000
-    fresh_run "$K2/z2-2"; launch z2-2gpu 2gpu zero2 "$K2/z2-2" --set "train.max_steps=$STEPS" --set "train.save_every=$((STEPS / 2))"
-    fresh_run "$K2/z3-2"; launch z3-2gpu 2gpu zero3 "$K2/z3-2" --set "train.max_steps=$STEPS" --set train.save_every=1000
+    fresh_run "$K2/z2-1"; CUDA_VISIBLE_DEVICES=0 launch z2-1gpu 1gpu zero2 "$K2/z2-1" "${SECTION7D[@]}" --set "train.max_steps=$STEPS" --set train.save_every=1000
+    fresh_run "$K2/z2-2"; launch z2-2gpu 2gpu zero2 "$K2/z2-2" "${SECTION7D[@]}" --set "train.max_steps=$STEPS" --set "train.save_every=$((STEPS / 2))"
+    fresh_run "$K2/z3-2"; launch z3-2gpu 2gpu zero3 "$K2/z3-2" "${SECTION7D[@]}" --set "train.max_steps=$STEPS" --set train.save_every=1000
     # resume the 2-rank checkpoint at STEPS/2 on 2 ranks and on 1 rank; the loss must continue as z2-2gpu's did
     for g in 2 1; do
       fresh_run "$K2/res-$g"; cp -r "$K2/z2-2/ckpt" "$K2/res-$g/"; rm -rf "$K2/res-$g/ckpt/step-$STEPS"
       if [[ $g == 1 ]]; then export CUDA_VISIBLE_DEVICES=0; fi
-      launch "resume-2to$g" "${g}gpu" zero2 "$K2/res-$g" --set "train.max_steps=$STEPS" --set train.save_every=1000 --resume auto
+      launch "resume-2to$g" "${g}gpu" zero2 "$K2/res-$g" "${SECTION7D[@]}" --set "train.max_steps=$STEPS" --set train.save_every=1000 --resume auto
       unset CUDA_VISIBLE_DEVICES
     done
     bash "$0" summary "$OUT_DIR"
@@ -91,24 +99,18 @@ case ${1:-} in
       echo "   gpu1 done ($(date +%T))"
     ) &
     gpu1=$!
-    one() {  # one NAME ACCEL RUN_FOLDER_ROOT [more args]: a fresh run over RUN_FOLDER_ROOT's features
-      local name=$1 accel=$2 root=$3; shift 3
-      K2=$root fresh_run "$root/$name"
-      K2=$root launch "$name" "$accel" "${ZERO:-zero2}" "$root/$name" --set "train.max_steps=$STEPS" --set train.save_every=100000 "$@"
-      rm -rf "$root/$name"
-    }
     export CUDA_VISIBLE_DEVICES=0
-    one z2-1gpu 1gpu "$K2"
-    one z2-1gpu-w0 1gpu "$K2" --set train.num_workers=0
+    one z2-1gpu 1gpu "$K2" --set train.compile=false
+    one z2-1gpu-w0 1gpu "$K2" --set train.num_workers=0 --set train.compile=false
     one z2-1gpu-compile 1gpu "$K2" --set train.compile=true
     wait $gen4k
-    one z2-1gpu-4k 1gpu "$K2_4K" --set train.max_len=4096
+    one z2-1gpu-4k 1gpu "$K2_4K" --set train.max_len=4096 --set train.compile=false
     wait $gpu1
     unset CUDA_VISIBLE_DEVICES
-    one z2-2gpu 2gpu "$K2"
-    one z2-2gpu-w0 2gpu "$K2" --set train.num_workers=0
-    one z2-2gpu-4k 2gpu "$K2_4K" --set train.max_len=4096
-    ZERO=zero3 one z3-2gpu 2gpu "$K2"
+    one z2-2gpu 2gpu "$K2" --set train.compile=false
+    one z2-2gpu-w0 2gpu "$K2" --set train.num_workers=0 --set train.compile=false
+    one z2-2gpu-4k 2gpu "$K2_4K" --set train.max_len=4096 --set train.compile=false
+    ZERO=zero3 one z3-2gpu 2gpu "$K2" --set train.compile=false
     one z2-2gpu-compile 2gpu "$K2" --set train.compile=true
     bash "$0" summary "$OUT_DIR"
     echo "steps done ($(date +%T))"
@@ -117,12 +119,7 @@ case ${1:-} in
     OUT_DIR=${2:?OUT_DIR}; mkdir -p "$OUT_DIR"; K2_SEQ=${K2}-$SEQ
     [[ -f $K2_SEQ/run/features/manifest.json ]] || K2=$K2_SEQ python3 benchmarks/k2_synthetic.py --run-dir "$K2_SEQ/run" --samples $((STEPS * 2 + 4)) --seq "$SEQ"
     python3 -m eagle3ft.train.estimate --drafter configs/drafters/kimi-k2.json --gpus 2 --seq "$SEQ" --json > "$OUT_DIR/estimate-2gpu-$SEQ.json"
-    for c in false true; do
-      name=z2-2gpu-$SEQ-compile-$c; K2=$K2_SEQ fresh_run "$K2_SEQ/$name"
-      K2=$K2_SEQ launch "$name" 2gpu zero2 "$K2_SEQ/$name" --set "train.max_steps=$STEPS" --set train.save_every=100000 \
-        --set "train.max_len=$SEQ" --set "train.compile=$c"
-      rm -rf "${K2_SEQ:?}/$name"
-    done
+    for c in false true; do one "z2-2gpu-$SEQ-compile-$c" 2gpu "$K2_SEQ" --set "train.max_len=$SEQ" --set "train.compile=$c"; done
     bash "$0" summary "$OUT_DIR"
     echo "steps done ($(date +%T))"
     ;;

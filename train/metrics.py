@@ -36,6 +36,20 @@ class SetupTimes:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.parts.items())
 
 
+def timestamp(cuda: bool) -> Any:
+    """A point on the GPU's timeline (a recorded CUDA event) or on the host clock (seconds); `elapsed` subtracts two."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed(a: Any, b: Any) -> float:
+    """Seconds from timestamp a to b (CUDA events: b must have completed)."""
+    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
+
+
 class PhaseClock:
     """Where a step's time goes: `mark(phase)` ends a phase (a CUDA event on the GPU, the host clock on the CPU);
     `take()` gives each phase's seconds per optimizer step since the last take (it syncs: call it when a record is
@@ -52,15 +66,8 @@ class PhaseClock:
         self.spans: list[tuple[str, Any, Any]] = []
         self.steps = 0
 
-    def _now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
     def mark(self, phase: str) -> None:
-        now = self._now()
+        now = timestamp(self.cuda)
         if self.last is not None:
             self.spans.append((phase, self.last, now))
         self.last = now
@@ -76,7 +83,7 @@ class PhaseClock:
             self.spans[-1][2].synchronize()
         out = dict.fromkeys(self.PHASES, 0.0)
         for phase, a, b in self.spans:
-            out[phase] += (a.elapsed_time(b) / 1e3) if self.cuda else b - a
+            out[phase] += elapsed(a, b)
         steps, self.spans, self.steps = max(self.steps, 1), [], 0
         return {k: v / steps for k, v in out.items()}
 
