@@ -277,6 +277,9 @@ def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
     for x in rows:  # two ranks, each its own bins
         a, b = x["samples"]
         assert a and b and not set(a) & set(b)
+        assert x["online_prefill_s"] > 0  # the target's prefill, timed
+        if x["step"] % 2 == 0:  # it runs between steps (no such span right after a checkpoint, every 2 steps)
+            assert x["online_prefill_s"] <= x["phase_s"]["between"], x
     assert (straight / "export" / "model.safetensors").is_file() and (straight / "vocab.safetensors").is_file()
     r = launch(split, *common, "train.stop_after=2")
     assert r.returncode == 0, r.stderr[-4000:]
