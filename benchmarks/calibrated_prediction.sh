@@ -6,9 +6,13 @@
 #   bash benchmarks/calibrated_prediction.sh OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]
 # Defaults: the calibration drafter is runs/demo-s5/export if present (a weak one: its tau does not matter, only its
 # costs), the drafter under test drafters/smollm2-135m. Prompts: MT-Bench questions, held out; sizes below.
-# Env: N_PROMPTS (6), NEW (new tokens, 64), REPS (3), SETTINGS (steps/topk/draft tokens, comma-separated:
-# 1/1/2,2/1/3,3/1/4,5/1/6), MTBENCH (the questions' file where the package is not installed), EXTRA (more --set
-# pairs, e.g. the target's path on a GPU machine), PY (python).
+# Env: N_PROMPTS (6), NEW (new tokens, 64), CAL_NEW (the calibration bench's new tokens, NEW: where launches bound a
+# cycle, its cost does not depend on the answer's length, so a short calibration can price long answers), REPS (3),
+# SETTINGS (steps/topk/draft tokens, comma-separated: 1/1/2,2/1/3,3/1/4,5/1/6), MTBENCH (the questions' file where the
+# package is not installed), EXTRA (more --set pairs, e.g. the target's path on a GPU machine), PY (python),
+# DRAFTER_READY (a file to wait for, up to 20 min, before the drafter under test is read: it may still be training
+# while the calibration runs), STEPS (all; cal: the features and the calibration run only; test: the prediction and
+# the measurement only, from an OUT_DIR where `cal` ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]}
@@ -29,7 +33,7 @@ read -r -a EXTRA_SETS <<< "${EXTRA:-}"
 SETS=(
   "${EXTRA_SETS[@]}"
   --set "harvest.sources=[{$SRC, split: heldout}]"
-  --set harvest.max_turns=1 --set harvest.max_new_tokens=${NEW:-64} --set harvest.max_total_tokens=512
+  --set harvest.max_turns=1 --set harvest.max_new_tokens=${NEW:-64} --set harvest.max_total_tokens=$((${NEW:-64} + 2048))
   --set harvest.batch_size=6 --set harvest.shard_samples=32
   --set eval.steps=5 --set eval.num_draft_tokens=6
   --set "bench.prompts={$SRC}" --set bench.max_new_tokens=${NEW:-64}
@@ -37,14 +41,24 @@ SETS=(
 )
 say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
-say "held-out features of the bench's prompts (the target's own answers)"
-$PY data/harvest.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > "$OUT/harvest.json"
-mkdir -p "$OUT/test" && ln -sfn "$(cd "$OUT/calibrate" && pwd)/features" "$OUT/test/features"
+STEPS=${STEPS:-all}
+[[ $STEPS == @(all|cal|test) ]] || { echo "STEPS=$STEPS: expected all, cal or test" >&2; exit 2; }
+if [[ $STEPS != test ]]; then
+  say "held-out features of the bench's prompts (the target's own answers)"
+  $PY data/harvest.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > "$OUT/harvest.json"
+  mkdir -p "$OUT/test" && ln -sfn "$(cd "$OUT/calibrate" && pwd)/features" "$OUT/test/features"
 
-say "calibration run: $CAL_DRAFTER, every setting, interleaved with plain decoding"
-$PY eval/bench.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$CAL_DRAFTER")"
-$PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > /dev/null
+  say "calibration run: $CAL_DRAFTER, every setting, interleaved with plain decoding"
+  $PY eval/bench.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$CAL_DRAFTER")" \
+    --set "bench.max_new_tokens=${CAL_NEW:-${NEW:-64}}"
+  $PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > /dev/null
+fi
+[[ $STEPS != cal ]] || exit 0
 
+if [[ -n ${DRAFTER_READY:-} ]]; then
+  say "waiting for $DRAFTER_READY"
+  end=$((SECONDS + 1200)); until [[ -f $DRAFTER_READY ]]; do (( SECONDS < end )) || { echo "no $DRAFTER_READY"; exit 1; }; sleep 5; done
+fi
 say "prediction for $DRAFTER from its offline tau alone (no bench of it exists yet)"
 $PY eval/accept_len.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
 $PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \

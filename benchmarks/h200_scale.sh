@@ -55,23 +55,23 @@ GEN=(--set harvest.temperature=0.0 --set "harvest.max_new_tokens=${MAX_NEW:-1024
      --set harvest.max_prompt_tokens=2048 --set harvest.max_turns=1000 --set harvest.shard_samples=256 --set harvest.heldout_fraction=0.0)
 say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
-server_start() {  # server_start J BACKEND: plain server J on GPU J / PER_GPU, port 30000+J (PER_GPU servers share a GPU)
-  local j=$1 k=${PER_GPU:-1}
+server_start() {  # server_start J BACKEND: plain server J on GPU GPU_BASE + J / PER_GPU, port 30000+J (PER_GPU servers share a GPU)
+  local j=$1 k=${PER_GPU:-1} gpu=$((${GPU_BASE:-0} + $1 / ${PER_GPU:-1}))
   if [[ -n ${SERVER_CMD:-} ]]; then
     $PY $SERVER_CMD --model-path "$MODEL" --port $((30000 + j)) --skip-tokenizer-init > "$L/server$j.log" 2>&1 &
   else
-    CUDA_VISIBLE_DEVICES=$((j / k)) PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" \
+    CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" \
       --host 127.0.0.1 --port $((30000 + j)) --attention-backend "$2" --sampling-backend pytorch \
       --mem-fraction-static "$(awk -v k="$k" 'BEGIN { printf "%.3f", 0.85 / k }')" --cuda-graph-max-bs 512 \
       --max-running-requests $((1024 / k)) --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
       > "$L/server$j.log" 2>&1 &
   fi
   PIDS[j]=$!
-  echo "server $j on GPU $((j / k)): $2 (pid ${PIDS[j]})"
+  echo "server $j on GPU $gpu: $2 (pid ${PIDS[j]})"
 }
-servers_up() {  # servers_up: PER_GPU plain servers per GPU (1), started at once, healthy within 10 min
+servers_up() {  # servers_up: PER_GPU plain servers per GPU (1) on NGPU GPUs (all) from GPU_BASE (0), healthy within 10 min
   local i n end fallback_at attn
-  n=$($PY -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)
+  n=${NGPU:-$($PY -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)}
   n=$((n * ${PER_GPU:-1}))
   IFS=, read -r -a attn <<< "${ATTN:-triton}"
   URLS=() PIDS=() BACKENDS=()
@@ -112,7 +112,10 @@ if v:
 PYEOF
   done
 }
-servers_down() { [[ -f $L/server.pids ]] && xargs -r kill < "$L/server.pids"; rm -f "$L/server.pids"; sleep 5; }
+servers_down() {  # the servers of servers_up, also when it gave up before they were all healthy
+  [[ -f $L/server.pids ]] && xargs -r kill < "$L/server.pids"
+  kill "${PIDS[@]:-}" 2> /dev/null; rm -f "$L/server.pids"; sleep 5
+}
 regen_run() {  # regen_run RUN_DIR SOURCES: data/regen.py through the servers
   local joined
   joined=$(IFS=,; echo "${URLS[*]}")
@@ -158,7 +161,7 @@ heldout() {  # offline features of each held-out set, captured from its regenera
   for name in mtbench humaneval; do
     src=$S/main/tokens; [[ $name == humaneval ]] && src=$S/humaneval/tokens
     say "features: $name"
-    $PY data/harvest.py --config $CONFIG --run-dir "$S/eval-$name" "${BASE[@]}" "${GEN[@]}" --set harvest.batch_size=64 \
+    CUDA_VISIBLE_DEVICES=${HELD_GPU:-0} $PY data/harvest.py --config $CONFIG --run-dir "$S/eval-$name" "${BASE[@]}" "${GEN[@]}" --set harvest.batch_size=64 \
       --set "harvest.sources=[{kind: tokens, path: $src, split: heldout}]" > "$L/harvest-$name.json" 2> "$L/harvest-$name.log" &
   done
   wait
@@ -189,6 +192,7 @@ runs() {  # the drafters of RUNS, "name gpus [sets...]" per line (ONLY keeps the
         "c2m-normout 1 --set drafter.norm_output=true $m=2000000" "c2m-ttt3 1 $v31 $m=2000000 --set train.ttt_steps=3" \
         "c0.7m-e6 0 $v31 $m=700000 --set train.epochs=6" \
         "c2m-2gpu 0,1 $v31 $m=2000000 --set train.pack_tokens=16384" ;;
+    ttt3) printf '%s\n' "t3-10m 0 $v31 --set train.ttt_steps=3" ;;  # §9b's recipe with TTT 3 (§10b's best change)
   esac | while read -r name rest; do
     [[ -z ${ONLY:-} || " $ONLY " == *" $name "* ]] && echo "$name $rest"
   done
@@ -227,7 +231,7 @@ evaluate() {  # offline tau (chain 1/1/2 .. 5/1/6) of each drafter's best export
     [[ -d $S/$n/$ck ]] || { echo "$n: no export"; continue; }
     for set in mtbench humaneval; do
       (( i++ >= 6 )) && wait -n
-      eval_one "$n" "$set" "$ck" $((i % 2)) &
+      eval_one "$n" "$set" "$ck" "${EVAL_GPU:-$((i % 2))}" &
     done
   done
   wait
@@ -239,50 +243,139 @@ SGL=(--set target.kind=hf --set "target.path=$MODEL" --set target.gguf_file=null
      --set serve.mem_fraction_static=0.1 --set serve.startup_timeout_s=900 --set "serve.log_dir=$L")
 read -r -a SGL_EXTRA <<< "${SGL_EXTRA:-}"  # a dry run on a CPU: --set serve.launch_cmd=[tests/sglang_double.py]
 SGL+=("${SGL_EXTRA[@]}")
-sgl_up() {  # a plain server on GPU 0 and an EAGLE-3 3/1/4 one with the shipped drafter on GPU 1, beside the training
-  local end=$((SECONDS + 900)) gpu
+sgl_serve() {  # sgl_serve PORT GPU ROLE...: an SGLang server of eagle3ft.targets.sglang_server in the background
+  local port=$1 gpu=$2; shift 2
+  $PY -m eagle3ft.targets.sglang_server "$@" --config $CONFIG --run-dir "$S/sgl$port" "${SGL[@]}" --port "$port" \
+    --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '$gpu'}" \
+    > "$L/sgl-server$port.json" 2> "$L/sgl-server$port.log" &
+  echo $! >> "$L/sgl.pids"
+}
+sgl_wait() {  # sgl_wait PORT...: every one healthy within 15 min (the wheels may still be on their way)
+  local end=$((SECONDS + 900)) port
   until [[ -f $SGL_DIR/.ready ]]; do (( SECONDS < end )) || { echo "no SGLang wheels"; return 1; }; sleep 5; done
-  for gpu in 0 1; do
-    local role=(--role baseline)
-    [[ $gpu == 1 ]] && role=(--role speculative --drafter "$SHIPPED" --setting 3/1/4)
-    $PY -m eagle3ft.targets.sglang_server "${role[@]}" --config $CONFIG --run-dir "$S/sgl$gpu" "${SGL[@]}" --port $((30100 + gpu)) \
-      --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '$gpu'}" \
-      > "$L/sgl-server$gpu.json" 2> "$L/sgl-server$gpu.log" &
-    echo $! >> "$L/sgl.pids"
-  done
-  for gpu in 0 1; do
-    until curl -sf "http://127.0.0.1:$((30100 + gpu))/health" > /dev/null; do
-      (( SECONDS < end )) || { echo "SGLang server on GPU $gpu not up"; tail -5 "$L"/sgl-*.log; return 1; }; sleep 3
+  for port in "$@"; do
+    until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
+      (( SECONDS < end )) || { echo "SGLang server :$port not up"; tail -5 "$L/sgl-server$port.log"; return 1; }; sleep 3
     done
   done
+}
+sgl_up() {  # a plain server on GPU 0 and an EAGLE-3 3/1/4 one with the shipped drafter on GPU 1, beside the training
+  local end=$((SECONDS + 900))
+  until [[ -f $SGL_DIR/.ready ]]; do (( SECONDS < end )) || { echo "no SGLang wheels"; return 1; }; sleep 5; done
+  sgl_serve 30100 0 --role baseline
+  sgl_serve 30101 1 --role speculative --drafter "$SHIPPED" --setting 3/1/4
+  sgl_wait 30100 30101 || return 1
   echo "SGLang up: plain :30100 (GPU 0), EAGLE-3 3/1/4 :30101 (GPU 1)"; touch "$L/.sgl-up"
+}
+SGL_SETS=("general8 {kind: mtbench, limit: ${SGL_LIMIT:-8}, path: $DATA/mtbench-general.jsonl} ${SGL_NEW:-192}"
+          "humaneval8 {kind: humaneval, limit: ${SGL_LIMIT:-8}, path: $DATA/HumanEval.jsonl.gz} ${SGL_NEW:-192}"
+          "general8-long {kind: mtbench, limit: ${SGL_LIMIT:-8}, path: $DATA/mtbench-general.jsonl} ${SGL_LONG:-1024}")
+sgl_set() {  # sgl_set SPEC: NAME, SRC and NEW of one SGL_SETS entry
+  name=${1%% *} new=${1##* } src=${1#* }; src=${src% *}
+}
+sgl_bench_one() {  # sgl_bench_one RUN SRC NEW SPEC_PORT [sets...]: plain (:30100) vs 3/1/4 interleaved, 3 repetitions
+  local run=$1 src=$2 new=$3 port=$4; shift 4
+  timeout 300 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
+    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_url=http://127.0.0.1:$port" \
+    --set "bench.prompts=$src" --set "bench.max_new_tokens=$new" --set bench.repetitions=3 \
+    --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' --set 'bench.concurrency=[1]' --set 'bench.drafters={}' \
+    "$@" > "$run.txt" 2>&1
+  echo "exit $?"; tail -8 "$run.txt"
 }
 sgl_bench() {  # plain vs 3/1/4 on the running servers, interleaved, 3 repetitions, per prompt set (batch 1)
   [[ -f $L/.sgl-up ]] || { echo "SGLang servers not up: no SGLang bench"; return 1; }
-  local name src new
-  for spec in "general8 {kind: mtbench, limit: 8, path: $DATA/mtbench-general.jsonl} 192" \
-              "humaneval8 {kind: humaneval, limit: 8, path: $DATA/HumanEval.jsonl.gz} 192" \
-              "general8-long {kind: mtbench, limit: 8, path: $DATA/mtbench-general.jsonl} 1024"; do
-    name=${spec%% *} new=${spec##* } src=${spec#* }; src=${src% *}
+  local spec name src new
+  for spec in "${SGL_SETS[@]}"; do
+    sgl_set "$spec"
     say "SGLang bench: $name, $new new tokens"
-    timeout 240 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$S/sgl-$name" "${SGL[@]}" --set bench.backend=sglang \
-      --set bench.baseline_url=http://127.0.0.1:30100 --set bench.speculative_url=http://127.0.0.1:30101 \
-      --set "bench.prompts=$src" --set "bench.max_new_tokens=$new" --set bench.repetitions=3 \
-      --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' --set 'bench.concurrency=[1]' --set 'bench.drafters={}' \
-      > "$L/sgl-bench-$name.txt" 2>&1
-    echo "exit $?"; tail -6 "$L/sgl-bench-$name.txt"
-    cp "$S/sgl-$name/bench/summary.json" "$L/sgl-bench-$name.json" 2>/dev/null
+    sgl_bench_one "$S/sgl-$name" "$src" "$new" 30101
+    cp "$S/sgl-$name.txt" "$L/sgl-bench-$name.txt"; cp "$S/sgl-$name/bench/summary.json" "$L/sgl-bench-$name.json" 2>/dev/null
   done
   xargs -r kill < "$L/sgl.pids"
 }
-embedded() {  # the embedded calibrated prediction on GPU 1: calibrate with a weak drafter, predict, measure (small:
-              # transformers decodes SmolLM2 at ~29 ms/token on the H200, RESULTS §10f)
-  say "embedded: calibrate ($1), predict and measure ($SHIPPED)"
-  CUDA_VISIBLE_DEVICES=1 EXTRA="${BASE[*]}" NEW=${EMB_NEW:-64} REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-3} SETTINGS=1/1/2,3/1/4,5/1/6 PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
-    timeout 480 bash benchmarks/calibrated_prediction.sh "$S/pred" "$1" "$SHIPPED" > "$L/embedded.txt" 2>&1
+sglpred() {  # sglpred CAL TEST (issue 14.6 in SGLang, one lease): plain, CAL and TEST servers on GPU SGL_GPU (0); per
+             # set, CAL's run calibrates the 3/1/4 cycle; TEST's tok/s is predicted from its offline tau on that run's
+             # plain answers (eval/same_prompts.py), written before TEST's own run; then TEST is measured
+  local cal=$1 test=$2 gpu=${SGL_GPU:-0} spec name src new
+  local t=(--set "drafter.config=$test/config.json" --set "eval.checkpoint=$test")
+  export CUDA_VISIBLE_DEVICES=$gpu  # the benches' in-process target (offline tau on the same prompts) beside them
+  say "SGLang calibrated prediction on GPU $gpu: calibrate with $cal, predict and measure $test"
+  wait_for 900 "$SGL_DIR/.ready"
+  sgl_serve 30100 "$gpu" --role baseline
+  sgl_serve 30101 "$gpu" --role speculative --drafter "$cal" --setting 3/1/4
+  sgl_serve 30102 "$gpu" --role speculative --drafter "$test" --setting 3/1/4
+  sgl_wait 30100 30101 30102 || { xargs -r kill < "$L/sgl.pids"; return 1; }
+  for spec in "${SGL_SETS[@]}"; do
+    sgl_set "$spec"; say "calibration: $name, $new new tokens"
+    sgl_bench_one "$S/sglcal-$name" "$src" "$new" 30101
+  done
+  for spec in "${SGL_SETS[@]}"; do
+    sgl_set "$spec"; say "prediction: $name"
+    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sgltest-$name" "${SGL[@]}" "${t[@]}" --set "bench.prompts=$src" \
+      --set "bench.max_new_tokens=$new" --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' \
+      --answers-from "$S/sglcal-$name" 2>&1 | tail -1
+    $PY eval/economics.py --config $CONFIG --run-dir "$S/sgltest-$name" "${SGL[@]}" "${t[@]}" \
+      --set "bench.calibration=$S/sglcal-$name/bench/calibration.json" 2>&1 | tail -4
+  done
+  for spec in "${SGL_SETS[@]}"; do
+    sgl_set "$spec"; say "measurement: $name"
+    sgl_bench_one "$S/sgltest-$name" "$src" "$new" 30102 "${t[@]}" --set "bench.calibration=$S/sglcal-$name/bench/calibration.json"
+  done
+  xargs -r kill < "$L/sgl.pids"
+  mkdir -p "$L/sglpred"
+  for run in "$S"/sglcal-* "$S"/sgltest-*; do
+    [[ -d $run ]] || continue
+    cp "$run.txt" "$L/sglpred/" 2>/dev/null
+    for f in summary economics prediction calibration; do cp "$run/bench/$f.json" "$L/sglpred/$(basename "$run")-$f.json" 2>/dev/null; done
+    cp "$run/eval/accept_len.json" "$L/sglpred/$(basename "$run")-accept_len.json" 2>/dev/null
+  done
+}
+embedded_step() {  # embedded_step STEPS CAL TEST: benchmarks/calibrated_prediction.sh on GPU EMB_GPU (1), sizes EMB_*
+  say "embedded ($1): calibrate with $2, predict and measure $3"
+  CUDA_VISIBLE_DEVICES=${EMB_GPU:-1} STEPS=$1 EXTRA="${BASE[*]}" NEW=${EMB_NEW:-64} CAL_NEW=${EMB_CAL_NEW:-${EMB_NEW:-64}} \
+    REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-3} SETTINGS=${EMB_SETTINGS:-1/1/2,3/1/4,5/1/6} PY=$PY \
+    MTBENCH=$DATA/mtbench-questions.jsonl DRAFTER_READY=${DRAFTER_READY:-} \
+    timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$2" "$3" >> "$L/embedded.txt" 2>&1
   echo "exit $?"; tail -30 "$L/embedded.txt"
   mkdir -p "$L/pred" && cp "$S"/pred/calibrate/bench/{summary,calibration}.json "$L/pred/" 2>/dev/null
   for f in summary economics prediction; do cp "$S/pred/test/bench/$f.json" "$L/pred/test-$f.json" 2>/dev/null; done
+  cp "$S/pred/test/eval/accept_len.json" "$L/pred/test-accept_len.json" 2>/dev/null
+}
+embedded() {  # the embedded calibrated prediction on GPU 1: calibrate with a weak drafter, predict, measure (small:
+              # transformers decodes SmolLM2 at ~29 ms/token on the H200, RESULTS §10f)
+  embedded_step all "$1" "$SHIPPED"
+}
+regenspeed() {  # issue 13.1: PER_GPU (2) plain servers on GPU SPEED_GPU (1) alone; benchmarks/regen_speed.py's
+                # SPEED_SETTINGS on the same SPEED_CONVS ShareGPT conversations (every turn), prefix cache flushed between
+  local per=${PER_GPU:-2} u args=()
+  say "regen speed: $per servers on GPU ${SPEED_GPU:-1}, settings ${SPEED_SETTINGS:-512x1,128x8}, ${SPEED_CONVS:-3000} conversations"
+  wait_for 900 "$SGL_DIR/.ready"
+  PER_GPU=$per GPU_BASE=${SPEED_GPU:-1} NGPU=1 servers_up || { servers_down; return 1; }
+  for u in "${URLS[@]}"; do args+=(--url "$u"); done
+  timeout 600 $PY benchmarks/regen_speed.py --config $CONFIG "${args[@]}" --conversations "${SPEED_CONVS:-3000}" \
+    --max-turns 1000 --max-new-tokens "${MAX_NEW:-1024}" --settings "${SPEED_SETTINGS:-512x1,128x8}" --out "$S/regen-speed" \
+    "${BASE[@]}" --set "harvest.sources=[{kind: sharegpt, path: $DATA/sharegpt-prompts.json, limit: ${SPEED_CONVS:-3000}}]" \
+    --set harvest.shard_samples=256 2> "$L/regen-speed.log"
+  echo "exit $?"; tail -3 "$L/regen-speed.log"
+  cp "$S/regen-speed/regen_speed.json" "$L/" 2>/dev/null
+  gen_throughput | tee "$L/regen-speed-gen-throughput.txt"
+  servers_down
+}
+s9() {  # issues 13 and 14 in one lease, both GPUs busy: GPU 0 trains T3 (RUNS=ttt3), its offline tau, then the SGLang
+        # calibrated prediction; GPU 1 the held-out features, the embedded calibration, the regen speed, then the
+        # embedded prediction and measurement of T3 (CAL_NEW short, NEW long answers)
+  local t3=$S/${T3:-t3-10m}/export-best
+  regen || return 1
+  ( HELD_GPU=1 heldout > "$L/heldout.txt" 2>&1; touch "$L/.heldout-done"
+    embedded_step cal "$SHIPPED" "$t3"
+    regenspeed > "$L/regenspeed.txt" 2>&1; cat "$L/regenspeed.txt"
+    DRAFTER_READY=$L/.t3-ready embedded_step test "$SHIPPED" "$t3" ) > "$L/gpu1.txt" 2>&1 &
+  train
+  wait_for 600 "$L/.heldout-done"; cat "$L/heldout.txt" 2>/dev/null
+  EVAL_GPU=0 evaluate
+  [[ -d $t3 ]] && touch "$L/.t3-ready"
+  SGL_GPU=0 sglpred "$SHIPPED" "$t3" > "$L/sglpred.txt" 2>&1; cat "$L/sglpred.txt"
+  wait; cat "$L/gpu1.txt"
 }
 resume_ws() {  # issue 16: a checkpoint of 2 ranks resumed on 2 and on 1, on the GPUs (ZeRO-2 and ZeRO-3)
   say "resume across world sizes on the GPUs"
@@ -378,6 +471,11 @@ case ${1:-} in
         eval) evaluate ;;
         sgl) sgl_up && sgl_bench ;;
         embedded) embedded "$S/c0.7m/export-best" ;;
+        regenspeed) regenspeed ;;
+        sglpred) sglpred "$SHIPPED" "${TEST_DRAFTER:-$S/${T3:-t3-10m}/export-best}" ;;
+        s9)
+          wait_for 1200 "$MODEL/config.json"  # the carried pieces may still be on their way
+          s9 ;;
       esac
     done
     say done; touch "$L/.done-$(echo "$@" | tr ' ' '-')" ;;

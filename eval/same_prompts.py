@@ -5,9 +5,21 @@ prompt + answer gives what a harvest would store for it (the aux layers' hidden 
 log-probs of the next token), and eval/accept_len.py's chain evaluation on those features is the
 offline tau of exactly the tokens the live runs decoded. What still differs: the live tau starts a
 cycle only where the previous one ended, while the offline one averages over every answer token.
+
+As a command, the offline tau of `eval.checkpoint` on another bench run's plain answers, before any bench of that
+drafter (the prediction's input when the answers are a calibration run's, eval/economics.py):
+
+    python eval/same_prompts.py --config CFG --run-dir RUN --answers-from CALIBRATION_RUN --set eval.checkpoint=D
+
+The bench config (`bench.prompts`, `bench.settings`) must be the one CALIBRATION_RUN ran with; the result goes to
+RUN/eval/accept_len.json, where eval/economics.py reads offline tau.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,3 +71,67 @@ def offline_tau(
         "roots": rep.roots,
         "settings": {k: v["tau"] for k, v in rep.settings.items()},
     }
+
+
+def plain_answers(run: Path, label: str, count: int) -> list[list[int]]:
+    """The first repetition's plain greedy answers of prompt set `label` in the bench run `run`, by prompt index."""
+    runs, summary = run / "bench" / "runs.jsonl", run / "bench" / "summary.json"
+    if not runs.is_file() or not summary.is_file():
+        raise FileNotFoundError(f"--answers-from {run}: no finished bench there ({runs} and {summary} are needed)")
+    if json.loads(summary.read_text()).get("temperature") != 0:
+        raise ValueError(f"--answers-from {run}: its bench was sampled; offline tau needs greedy (T=0) answers")
+    rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
+    answers = {
+        r["prompt_index"]: r["output_ids"]
+        for r in rows
+        if r["mode"] == "baseline" and r["repetition"] == 0 and r["prompts"] == label
+    }
+    if sorted(answers) != list(range(count)):
+        raise ValueError(
+            f"--answers-from {run}: plain answers for prompts {sorted(answers)} of set {label!r}, expected 0..{count - 1}"
+            " (is bench.prompts the one that run used?)"
+        )
+    return [answers[i] for i in range(count)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from eagle3ft.cli import build_parser, cli_errors, parse_cli
+    from eagle3ft.config import resolve_path
+    from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target, load_prompts, prompt_sets
+    from eagle3ft.runlock import holding
+    from eagle3ft.targets.hf import load_target
+
+    desc = "Offline tau of eval.checkpoint on another bench run's plain answers (RUN/eval/accept_len.json)."
+    parser = build_parser(desc)
+    parser.add_argument("--answers-from", required=True, help="a bench run folder whose plain greedy answers to use")
+    cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser)
+    with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py"):
+        if not cfg.eval.checkpoint:
+            raise ValueError("eval.checkpoint: name the drafter folder to evaluate")
+        label, src = prompt_sets(cfg)[0]
+        prompts = load_prompts(cfg, src)
+        source = Path(args.answers_from)
+        answers = plain_answers(source, label, len(prompts))
+        folder = resolve_path(cfg.eval.checkpoint, base=run_dir)
+        spec = check_drafter_for_run(folder, run_dir, "eval.checkpoint")
+        model, _ = load_target(cfg.target)
+        drafter, aux_ids = drafter_on_target(model, folder, spec)
+        rep = offline_tau(model, drafter, aux_ids, prompts, answers, [Setting.of(s) for s in cfg.bench.settings])
+        if rep is None:
+            raise ValueError("bench.settings has no chain setting (topk 1): nothing to evaluate")
+        doc = {
+            **rep,
+            "source": f"the plain greedy answers of {source}/bench/runs.jsonl (repetition 0, prompt set {label})",
+            "checkpoint": str(folder),
+            "settings": {k: {"tau": v} for k, v in rep["settings"].items()},
+        }
+        out = run_dir / "eval" / "accept_len.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".json.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, out)
+    print(json.dumps({"offline_tau": rep["settings"], "roots": rep["roots"], "written": str(out)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,9 +12,10 @@ import torch
 
 from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.eval import harness
+from eagle3ft.eval import harness, same_prompts
 from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
 from eagle3ft.eval.costs import Setting
+from eagle3ft.eval.economics import offline_tau_by_setting
 from eagle3ft.eval.same_prompts import offline_tau
 from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.targets.hf import load_target
@@ -91,6 +92,15 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
     want = offline_tau(model, drafter, drafter.config.aux_layer_ids, prompts, answers, [Setting(3, 1, 4)])
     got = summary["offline_same_prompts"]
     assert got["roots"] == want["roots"] > 0 and got["settings"] == pytest.approx(want["settings"])
+
+    # the same from the command, in another run folder, before any bench there: a prediction's input
+    overrides = BENCH + [f"eval.checkpoint={tmp_path / 'export'}"]
+    other = tmp_path / "other"
+    same_prompts.main(
+        ["--config", str(REPO_ROOT / "configs/tiny.yaml"), "--run-dir", str(other), "--answers-from", str(tmp_path)]
+        + [a for o in overrides for a in ("--set", o)]
+    )
+    assert offline_tau_by_setting(other / "eval/accept_len.json") == pytest.approx(want["settings"])
 
     # tau: the same greedy decodes by the embedded speculative decoder, counted the same way
     dec = SpeculativeDecoder(model, drafter, drafter.config.aux_layer_ids, 3, 0.0, backend.eos_ids)
