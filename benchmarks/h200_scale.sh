@@ -12,6 +12,11 @@
 #   offline tau, then the live benches: SGLang (plain vs EAGLE-3 with drafters/smollm2-135m, servers started during
 #   training) and the embedded calibrated prediction (benchmarks/calibrated_prediction.sh); beside the training, the
 #   2-rank resume on GPUs (benchmarks/resume_world_size.py).
+#   `s9` (issues 13, 14): the carried TOKENS; GPU 0 trains RUNS=ttt3, its offline tau, then `sglpred` (plain, the
+#   shipped and the new drafter's SGLang servers: calibrate with the shipped, predict the new one from its offline tau
+#   on the calibration's plain answers, measure it); GPU 1 the held-out features, the embedded calibration (EMB_CAL_NEW
+#   tokens), `regenspeed` (PER_GPU=2 servers on one GPU, SPEED_SETTINGS over SPEED_CONVS conversations), then the
+#   embedded prediction and measurement of the new drafter (EMB_NEW tokens). Each phase also runs alone.
 # Carried ($C): a/{deps,sgl1}  b/{sgl2,data/{sharegpt-prompts.json.gz,mtbench-questions.jsonl,HumanEval.jsonl.gz}}
 #               c/gguf.part-aa  d/{gguf.part-ab,chitchat.json.gz}, as folders or (`pack`) in tar pieces that `setup`
 #               unpacks once all have arrived; `curve` also reads b/data/mtbench-general.jsonl (domain_sets.py)
@@ -28,7 +33,8 @@
 #      tests/sglang_double.py), ACCEL (configs/accelerate/1gpu.yaml), INIT (drafter.init: null = from scratch, or a
 #      drafter folder to warm-start from), TOKENS (a folder with the tokens.tgz.part-* of an earlier lease: carried
 #      instead of regenerating, then SGLang and the prompt files are not needed), EXTRA (more --set pairs),
-#      LIMIT / MT_LIMIT / HE_LIMIT (ShareGPT / MT-Bench / HumanEval conversations), PYTHONPATH_OVERRIDE (a dry run: '').
+#      LIMIT / MT_LIMIT / HE_LIMIT (ShareGPT / MT-Bench / HumanEval conversations), HELD_LIMIT (held-out conversations
+#      captured per set), PYTHONPATH_OVERRIDE (a dry run: '').
 # `wait SECS tokens` also packs the regenerated token store into $OUT (tokens.tgz.part-*, 15 MiB each) once regen
 # is done.
 set -uo pipefail
@@ -162,7 +168,7 @@ heldout() {  # offline features of each held-out set, captured from its regenera
     src=$S/main/tokens; [[ $name == humaneval ]] && src=$S/humaneval/tokens
     say "features: $name"
     CUDA_VISIBLE_DEVICES=${HELD_GPU:-0} $PY data/harvest.py --config $CONFIG --run-dir "$S/eval-$name" "${BASE[@]}" "${GEN[@]}" --set harvest.batch_size=64 \
-      --set "harvest.sources=[{kind: tokens, path: $src, split: heldout}]" > "$L/harvest-$name.json" 2> "$L/harvest-$name.log" &
+      --set "harvest.sources=[{kind: tokens, path: $src, split: heldout${HELD_LIMIT:+, limit: $HELD_LIMIT}}]" > "$L/harvest-$name.json" 2> "$L/harvest-$name.log" &
   done
   wait
   tail -c 300 "$L"/harvest-*.json
@@ -200,12 +206,13 @@ runs() {  # the drafters of RUNS, "name gpus [sets...]" per line (ONLY keeps the
 NAMES=$(runs | cut -d' ' -f1 | tr '\n' ' ')
 train() {
   say "train: $NAMES(RUNS=${RUNS:-${PAIR:-layout}}), online, packed, side by side"
-  local name gpu sets i=0
+  local name gpu sets i=0 pids=()
   while read -r name gpu sets; do
     # shellcheck disable=SC2086
     train_one "$name" "$gpu" $((29501 + i++)) $sets &
+    pids+=($!)
   done < <(runs)
-  wait
+  (( ${#pids[@]} )) && wait "${pids[@]}"  # its own runs only: s9 has GPU 1's work running beside it, which waits for this (RESULTS §12)
   for n in $NAMES; do
     cp "$S/$n/train/metrics.jsonl" "$L/metrics-$n.jsonl" 2>/dev/null
     cp "$S/$n/train/data.json" "$L/data-$n.json" 2>/dev/null
@@ -224,17 +231,18 @@ eval_one() {  # eval_one NAME SET CHECKPOINT GPU: offline tau of one export, in 
   echo "$n $ck $set: $($PY -c "import json,sys; print({k: round(v['tau'], 3) for k, v in json.load(open(sys.argv[1]))['settings'].items()})" "$L/accept_len-$n-$set-$ck.json" 2>&1)"
 }
 evaluate() {  # offline tau (chain 1/1/2 .. 5/1/6) of each drafter's best export on each held-out set, 6 at a time
-  local n set ck i=0
+  local n set ck i=0 pids=()
   say "offline tau: $NAMES"
   for n in $NAMES; do
     ck=export-best; [[ -d $S/$n/$ck ]] || ck=export  # the best by held-out tau; the last only when there is no best
     [[ -d $S/$n/$ck ]] || { echo "$n: no export"; continue; }
     for set in mtbench humaneval; do
-      (( i++ >= 6 )) && wait -n
-      eval_one "$n" "$set" "$ck" "${EVAL_GPU:-$((i % 2))}" &
+      if (( ${#pids[@]} >= 6 )); then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+      eval_one "$n" "$set" "$ck" "${EVAL_GPU:-$((i++ % 2))}" &
+      pids+=($!)
     done
   done
-  wait
+  (( ${#pids[@]} )) && wait "${pids[@]}"  # its own evaluations only (see train)
 }
 SHIPPED=$PWD/drafters/smollm2-135m  # the drafter the live benches measure
 SGL=(--set target.kind=hf --set "target.path=$MODEL" --set target.gguf_file=null --set target.dtype=bfloat16

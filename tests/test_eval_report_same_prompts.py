@@ -84,3 +84,36 @@ def test_the_bench_scores_the_first_plain_pass_answers_offline(tmp_path):
     assert summary["offline_same_prompts"]["settings"] == {"3/1/4": 1.9}
     cfg.bench.temperature = 0.7  # sampled answers are not the target's greedy path: not scored
     assert harness.run(cfg, tmp_path, _Backend(), log=lambda *a: None)["offline_same_prompts"] is None
+
+
+def test_plain_answers_of_another_run_are_checked(tmp_path):
+    import json
+
+    from eagle3ft.eval.same_prompts import plain_answers
+
+    with pytest.raises(FileNotFoundError, match="no finished bench"):
+        plain_answers(tmp_path, "mtbench", 2)
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    rows = [
+        {
+            "repetition": r,
+            "mode": m,
+            "prompts": "mtbench",
+            "prompt_index": i,
+            "output_ids": [10 * r + i, m == "baseline"],
+        }
+        for r in (0, 1)
+        for m in ("baseline", "speculative")
+        for i in (0, 1)
+    ]
+    (bench / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (bench / "summary.json").write_text(json.dumps({"temperature": 0.7}))
+    with pytest.raises(ValueError, match="sampled"):
+        plain_answers(tmp_path, "mtbench", 2)
+    (bench / "summary.json").write_text(json.dumps({"temperature": 0.0}))
+    assert plain_answers(tmp_path, "mtbench", 2) == [[0, True], [1, True]]  # the first repetition's plain pass
+    with pytest.raises(ValueError, match="expected 0..2"):
+        plain_answers(tmp_path, "mtbench", 3)
+    with pytest.raises(ValueError, match="expected 0..1"):
+        plain_answers(tmp_path, "humaneval", 2)
