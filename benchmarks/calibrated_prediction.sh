@@ -9,7 +9,8 @@
 # Env: N_PROMPTS (6), NEW (new tokens, 64), CAL_NEW (the calibration bench's new tokens, NEW: where launches bound a
 # cycle, its cost does not depend on the answer's length, so a short calibration can price long answers), REPS (3),
 # SETTINGS (steps/topk/draft tokens, comma-separated: 1/1/2,2/1/3,3/1/4,5/1/6), MTBENCH (the questions' file where the
-# package is not installed), EXTRA (more --set pairs, e.g. the target's path on a GPU machine), PY (python),
+# package is not installed), SOURCE (the prompts as a source's fields instead, e.g. "kind: humaneval, limit: 6"),
+# EXTRA (more --set pairs, e.g. the target's path on a GPU machine), PY (python),
 # DRAFTER_READY (a file to wait for, up to 20 min, before the drafter under test is read: it may still be training
 # while the calibration runs), STEPS (all; cal: the features and the calibration run only; test: the prediction and
 # the measurement only, from an OUT_DIR where `cal` ran).
@@ -22,7 +23,7 @@ CONFIG=configs/smollm2-135m.yaml
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 PY=${PY:-python}
-SRC="kind: mtbench, limit: ${N_PROMPTS:-6}${MTBENCH:+, path: $MTBENCH}"
+SRC=${SOURCE:-"kind: mtbench, limit: ${N_PROMPTS:-6}${MTBENCH:+, path: $MTBENCH}"}
 SETTING_LIST=""
 IFS=, read -r -a settings <<< "${SETTINGS:-1/1/2,2/1/3,3/1/4,5/1/6}"
 for s in "${settings[@]}"; do

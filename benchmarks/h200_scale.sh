@@ -249,13 +249,17 @@ SGL=(--set target.kind=hf --set "target.path=$MODEL" --set target.gguf_file=null
      --set "drafter.config=$SHIPPED/config.json" --set "eval.checkpoint=$SHIPPED" --set "serve.python=$PY"
      --set "serve.model_path=$MODEL" --set serve.attention_backend=triton --set serve.sampling_backend=pytorch
      --set serve.mem_fraction_static=0.1 --set serve.startup_timeout_s=900 --set "serve.log_dir=$L")
-read -r -a SGL_EXTRA <<< "${SGL_EXTRA:-}"  # a dry run on a CPU: --set serve.launch_cmd=[tests/sglang_double.py]
-SGL+=("${SGL_EXTRA[@]}")
+# a dry run on a CPU: SGL_EXTRA="--set serve.launch_cmd=[tests/sglang_double.py]" (an array of another name: bash
+# exports no arrays, and `start` passes the environment on to `run`)
+read -r -a SGL_EXTRA_SETS <<< "${SGL_EXTRA:-}"
+SGL+=("${SGL_EXTRA_SETS[@]}")
+SGL_PIDS=()  # port -> the pid of its launcher (sgl_serve)
 sgl_serve() {  # sgl_serve PORT GPU ROLE...: an SGLang server of eagle3ft.targets.sglang_server in the background
   local port=$1 gpu=$2; shift 2
   $PY -m eagle3ft.targets.sglang_server "$@" --config $CONFIG --run-dir "$S/sgl$port" "${SGL[@]}" --port "$port" \
     --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '$gpu'}" \
     > "$L/sgl-server$port.json" 2> "$L/sgl-server$port.log" &
+  SGL_PIDS[port]=$!
   echo $! >> "$L/sgl.pids"
 }
 sgl_wait() {  # sgl_wait PORT...: every one healthy within 15 min (the wheels may still be on their way)
@@ -263,7 +267,10 @@ sgl_wait() {  # sgl_wait PORT...: every one healthy within 15 min (the wheels ma
   until [[ -f $SGL_DIR/.ready ]]; do (( SECONDS < end )) || { echo "no SGLang wheels"; return 1; }; sleep 5; done
   for port in "$@"; do
     until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do
-      (( SECONDS < end )) || { echo "SGLang server :$port not up"; tail -5 "$L/sgl-server$port.log"; return 1; }; sleep 3
+      if (( SECONDS >= end )) || ! kill -0 "${SGL_PIDS[port]:-0}" 2> /dev/null; then  # its launcher exits with it
+        echo "SGLang server :$port not up"; tail -5 "$L/sgl-server$port.log"; return 1
+      fi
+      sleep 3
     done
   done
 }
@@ -306,6 +313,7 @@ sglpred() {  # sglpred CAL TEST (issue 14.6 in SGLang, one lease): plain, CAL an
              # plain answers (eval/same_prompts.py), written before TEST's own run; then TEST is measured
   local cal=$1 test=$2 gpu=${SGL_GPU:-0} spec name src new
   local t=(--set "drafter.config=$test/config.json" --set "eval.checkpoint=$test")
+  [[ -f $test/config.json ]] || { echo "no drafter at $test: no SGLang prediction"; return 1; }
   export CUDA_VISIBLE_DEVICES=$gpu  # the benches' in-process target (offline tau on the same prompts) beside them
   say "SGLang calibrated prediction on GPU $gpu: calibrate with $cal, predict and measure $test"
   wait_for 900 "$SGL_DIR/.ready"
@@ -381,7 +389,7 @@ s9() {  # issues 13 and 14 in one lease, both GPUs busy: GPU 0 trains T3 (RUNS=t
   train
   wait_for 600 "$L/.heldout-done"; cat "$L/heldout.txt" 2>/dev/null
   EVAL_GPU=0 evaluate
-  [[ -d $t3 ]] && touch "$L/.t3-ready"
+  touch "$L/.t3-ready"  # also when training failed: GPU 1's measurement then stops at once instead of waiting
   SGL_GPU=0 sglpred "$SHIPPED" "$t3" > "$L/sglpred.txt" 2>&1; cat "$L/sglpred.txt"
   wait; cat "$L/gpu1.txt"
 }
@@ -456,7 +464,7 @@ case ${1:-} in
     ls "$C"; ls /tmp/deps/.ok "$SGL_DIR/.ready" "$MODEL/config.json" 2>&1 ;;
   start)  # from a copy of this tree: later calls re-send the tree under a running job
     shift; mkdir -p "$L" "$S"
-    tree=/tmp/tree-$(date +%s) && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git -cf - . | tar -xf - -C "$tree"
+    tree=/tmp/tree-$(date +%s) && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git --exclude=./.venv --exclude=./runs --exclude=./build -cf - . | tar -xf - -C "$tree"
     (cd "$tree" && setsid nohup bash benchmarks/h200_scale.sh run "$@" >> "$L/log" 2>&1 < /dev/null &)
     echo "started: $* (from $tree)" ;;
   run)
