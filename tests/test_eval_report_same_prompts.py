@@ -1,6 +1,8 @@
 """Offline tau on the bench's own prompts and answers: the features are what the harvest-side test helper builds,
 and the tau is eval/accept_len.py's on them, next to the live tau of the same greedy decodes."""
 
+import json
+
 import pytest
 import torch
 from _eval_tiny import AUX, features, greedy_items, prompts, tiny_pair
@@ -11,7 +13,7 @@ from eagle3ft.eval.accept_len import evaluate
 from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import RequestResult
 from eagle3ft.eval.same_prompts import features as bench_features
-from eagle3ft.eval.same_prompts import offline_tau
+from eagle3ft.eval.same_prompts import offline_tau, plain_answers
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
 
 
@@ -87,10 +89,6 @@ def test_the_bench_scores_the_first_plain_pass_answers_offline(tmp_path):
 
 
 def test_plain_answers_of_another_run_are_checked(tmp_path):
-    import json
-
-    from eagle3ft.eval.same_prompts import plain_answers
-
     with pytest.raises(FileNotFoundError, match="no finished bench"):
         plain_answers(tmp_path, "mtbench", 2)
     bench = tmp_path / "bench"
