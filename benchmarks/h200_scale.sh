@@ -508,7 +508,9 @@ case ${1:-} in
       fi
       exit 0
     fi
-    for n in ${BRING-$NAMES}; do  # the best drafters (BRING: which) come back too (bf16, ~20 MB each: in 15 MiB pieces)
+    # the best drafters come back too (bf16, ~20 MB each: in 15 MiB pieces): BRING names them, else the 3 newest of
+    # $S, whatever RUNS this call was given (RESULTS §12: a `wait` without the job's RUNS brought none)
+    for n in ${BRING-$(cd "$S" 2> /dev/null && ls -dt -- */export-best 2> /dev/null | head -3 | cut -d/ -f1)}; do
       [[ -d $S/$n/export-best ]] && tar -czf - -C "$S/$n" export-best | split -b 15m - "$OUT/$n-export-best.tgz.part-"
     done
     ls -la "$OUT" ;;
