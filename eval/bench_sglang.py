@@ -44,7 +44,6 @@ from eagle3ft.eval.harness import (
     RequestResult,
     base_environment,
     check_drafter_for_run,
-    drafter_on_target,
     format_summary,
     gpu_clocks,
     load_prompts,
@@ -345,14 +344,9 @@ class SGLangBackend:
         runs decoded), the target's features from a copy of the target in this process (eval/same_prompts.py)."""
         if not self.cfg.bench.sglang_same_prompts:
             return None
-        from eagle3ft.eval.same_prompts import offline_tau
-        from eagle3ft.targets.hf import load_target
+        from eagle3ft.eval.same_prompts import checkpoint_offline_tau
 
-        folder = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
-        spec = check_drafter_for_run(folder, self.run_dir, "eval.checkpoint")
-        model, _ = load_target(self.cfg.target)
-        drafter, aux_ids = drafter_on_target(model, folder, spec)
-        return offline_tau(model, drafter, aux_ids, prompts, answers, settings)
+        return checkpoint_offline_tau(self.cfg, self.run_dir, prompts, answers, settings)
 
     def environment(self) -> dict:
         servers = {}

@@ -66,19 +66,17 @@ def _md_train(r: dict) -> list[str]:
         ]
         speed = r["train"].get("speed")
         if speed:
-            phases = speed["phase_s"]
-            L += [
+            line = (
                 f"Speed (median of {speed['steps']} logged steps after the first): {speed['tokens_per_s']:,.0f} "
-                f"tokens/s, {speed['s_per_step'] * 1e3:,.1f} ms per step"
-                + (
-                    ": " + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in phases.items()) + ". `between` is the time "
-                    "from one step's end to the next batch on the device (loading, the online target's prefill); when "
-                    "it is large, the GPU waits for data."
-                    if phases
-                    else "."
-                ),
-                "",
-            ]
+                f"tokens/s, {speed['s_per_step'] * 1e3:,.1f} ms per step."
+            )
+            if speed["phase_s"]:
+                line = line[:-1] + ": " + ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in speed["phase_s"].items())
+                line += (
+                    ". `between` is the time from one step's end to the next batch on the device (loading, the "
+                    "online target's prefill); when it is large, the GPU waits for data."
+                )
+            L += [line, ""]
         if "accept_len_est" in t:
             L += [
                 f"Training-batch τ estimate (`accept_len_est`): {t['accept_len_est']:.2f} at step {t['step']}"

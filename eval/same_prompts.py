@@ -18,7 +18,6 @@ RUN/eval/accept_len.json, where eval/economics.py reads offline tau.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from eagle3ft.eval.accept_len import evaluate
 from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.speculate import aux_from_hidden_states
+from eagle3ft.files import read_json
 
 
 @torch.no_grad()
@@ -73,12 +73,28 @@ def offline_tau(
     }
 
 
+def checkpoint_offline_tau(
+    cfg, run_dir: Path, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]
+) -> dict | None:
+    """offline_tau of the drafter `eval.checkpoint` (checked against `run_dir`'s features when there are any), on a
+    copy of `cfg.target` loaded here: what a bench backend without the target in this process (SGLang) uses."""
+    from eagle3ft.config import resolve_path
+    from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target
+    from eagle3ft.targets.hf import load_target
+
+    folder = resolve_path(cfg.eval.checkpoint, base=run_dir)
+    spec = check_drafter_for_run(folder, run_dir, "eval.checkpoint")
+    model, _ = load_target(cfg.target)
+    drafter, aux_ids = drafter_on_target(model, folder, spec)
+    return offline_tau(model, drafter, aux_ids, prompts, answers, settings)
+
+
 def plain_answers(run: Path, label: str, count: int) -> list[list[int]]:
     """The first repetition's plain greedy answers of prompt set `label` in the bench run `run`, by prompt index."""
     runs, summary = run / "bench" / "runs.jsonl", run / "bench" / "summary.json"
     if not runs.is_file() or not summary.is_file():
         raise FileNotFoundError(f"--answers-from {run}: no finished bench there ({runs} and {summary} are needed)")
-    if json.loads(summary.read_text()).get("temperature") != 0:
+    if read_json(summary, "the bench summary").get("temperature") != 0:
         raise ValueError(f"--answers-from {run}: its bench was sampled; offline tau needs greedy (T=0) answers")
     rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
     answers = {
@@ -97,9 +113,9 @@ def plain_answers(run: Path, label: str, count: int) -> list[list[int]]:
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import build_parser, cli_errors, parse_cli
     from eagle3ft.config import resolve_path
-    from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target, load_prompts, prompt_sets
+    from eagle3ft.data.store import _write_atomic
+    from eagle3ft.eval.harness import load_prompts, prompt_sets
     from eagle3ft.runlock import holding
-    from eagle3ft.targets.hf import load_target
 
     desc = "Offline tau of eval.checkpoint on another bench run's plain answers (RUN/eval/accept_len.json)."
     parser = build_parser(desc)
@@ -112,24 +128,19 @@ def main(argv: list[str] | None = None) -> None:
         prompts = load_prompts(cfg, src)
         source = Path(args.answers_from)
         answers = plain_answers(source, label, len(prompts))
-        folder = resolve_path(cfg.eval.checkpoint, base=run_dir)
-        spec = check_drafter_for_run(folder, run_dir, "eval.checkpoint")
-        model, _ = load_target(cfg.target)
-        drafter, aux_ids = drafter_on_target(model, folder, spec)
-        rep = offline_tau(model, drafter, aux_ids, prompts, answers, [Setting.of(s) for s in cfg.bench.settings])
+        settings = [Setting.of(s) for s in cfg.bench.settings]
+        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, settings)
         if rep is None:
             raise ValueError("bench.settings has no chain setting (topk 1): nothing to evaluate")
         doc = {
             **rep,
             "source": f"the plain greedy answers of {source}/bench/runs.jsonl (repetition 0, prompt set {label})",
-            "checkpoint": str(folder),
+            "checkpoint": str(resolve_path(cfg.eval.checkpoint, base=run_dir)),
             "settings": {k: {"tau": v} for k, v in rep["settings"].items()},
         }
         out = run_dir / "eval" / "accept_len.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".json.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, out)
+        _write_atomic(out, json.dumps(doc, indent=1).encode())
     print(json.dumps({"offline_tau": rep["settings"], "roots": rep["roots"], "written": str(out)}))
 
 

@@ -162,7 +162,7 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     took.mark("data")
     torch.manual_seed(cfg.seed)
     model = build_drafter(cfg, run_dir, data.target)
-    if tcfg.compile if tcfg.compile is not None else torch.cuda.is_available():
+    if torch.cuda.is_available() if tcfg.compile is None else tcfg.compile:  # null: on with CUDA
         model.compile_blocks()
     objective = TTTObjective(
         model, tcfg.ttt_steps, tcfg.step_decay, target_head(cfg, data, model), tcfg.loss, tcfg.lk_eta
