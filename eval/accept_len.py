@@ -5,6 +5,9 @@ Expected counts over the whole set, then ratios: reach_k = prod_{j<k} alpha_j,
   attempts_k = sum reach_k,  accepts_k = sum reach_k * alpha_k,  a_k = accepts_k / attempts_k,
   tau = 1 + sum_k prod_{j<=k} a_j   (the 1 is the bonus token, as in SGLang's spec_accept_length).
 acc_k = sum alpha_k / (#depth-k chains) is the unconditional rate: NOT tau.
+Beside each greedy setting's tau over every root, tau_walk: the tokens per cycle of a live greedy decoder that walks
+the same answers cycle by cycle (eval/acceptance.py, cycle_walk). Published tables quote the first; a live bench
+measures the second.
 
 `python eval/accept_len.py --config CFG --run-dir RUN` writes RUN/eval/accept_len.json.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance, tree_accept
+from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
 from eagle3ft.train.model import Eagle3Drafter
 
 # --------------------------------------------------------------------------- counts -> tau
@@ -132,6 +135,8 @@ def evaluate(
     samp_t = temperature if temperature > 0 else 1.0
     g, sm = ChainCounts.zeros(steps), ChainCounts.zeros(steps)
     tree_sum, tree_n, n_samples, n_roots = 0, 0, 0, 0
+    walk = {d: [0, 0] for d in range(1, steps + 1)}  # depth -> [cycles, tokens] of the greedy cycle walk
+    tree_walk = [0, 0]
     for item in samples:
         s = SampleInputs.of(item, device)
         if s.input_ids.shape[0] < 2:
@@ -139,10 +144,15 @@ def evaluate(
         res = chain_acceptance(drafter, s, steps, samp_t)
         g = g + ChainCounts.from_alpha(res.greedy_alpha, res.greedy_valid)
         sm = sm + ChainCounts.from_alpha(res.sampled_alpha, res.sampled_valid)
+        for d, w in walk.items():
+            cycles = cycle_walk(*chain_accept_lengths(res, d))
+            w[0], w[1] = w[0] + len(cycles), w[1] + sum(cycles)
         if topk > 1:
             acc, valid = tree_accept(drafter, s, steps, topk, num_draft_tokens)
             tree_sum += int(acc[valid].sum())
             tree_n += int(valid.sum())
+            cycles = cycle_walk(acc, valid)
+            tree_walk[0], tree_walk[1] = tree_walk[0] + len(cycles), tree_walk[1] + sum(cycles)
         n_samples += 1
         n_roots += int(res.greedy_valid[:, 0].sum())
     rep = AcceptReport(steps, topk, num_draft_tokens, samp_t, n_samples, n_roots)
@@ -151,16 +161,28 @@ def evaluate(
     chain = g if temperature == 0 else sm
     for d in range(1, steps + 1):
         rep.settings[f"{d}/1/{d + 1}"] = {"tau": chain.tau(d), "kind": "chain"}
+        if temperature == 0:  # the walk follows the greedy path only
+            rep.settings[f"{d}/1/{d + 1}"].update(tau_walk=_ratio(walk[d]), cycles_walk=walk[d][0])
     if topk > 1:
         tau_tree = 1.0 * tree_sum / tree_n if tree_n else 0.0
-        rep.tree = {"tau": tau_tree, "roots": tree_n, "acceptance": "greedy"}
-        rep.settings[f"{steps}/{topk}/{num_draft_tokens}"] = {"tau": tau_tree, "kind": "tree (greedy)"}
+        rep.tree = {"tau": tau_tree, "roots": tree_n, "acceptance": "greedy", "tau_walk": _ratio(tree_walk)}
+        rep.settings[f"{steps}/{topk}/{num_draft_tokens}"] = {
+            "tau": tau_tree,
+            "kind": "tree (greedy)",
+            "tau_walk": _ratio(tree_walk),
+            "cycles_walk": tree_walk[0],
+        }
         rep.headline_tau, rep.headline = tau_tree, "tree (greedy)"
     else:
         rep.headline_tau = chain.tau()
         rep.headline = "chain greedy" if temperature == 0 else f"chain sampled T={samp_t:g}"
     rep.seconds = time.perf_counter() - t0
     return rep
+
+
+def _ratio(cycles_tokens: list[int]) -> float | None:
+    cycles, tokens = cycles_tokens
+    return tokens / cycles if cycles else None
 
 
 def format_report(rep: AcceptReport) -> str:
@@ -177,6 +199,9 @@ def format_report(rep: AcceptReport) -> str:
     lines.append(
         f"tau chain greedy {rep.greedy['tau']:.3f}; sampled (T={rep.sampled['temperature']:g}) {rep.sampled['tau']:.3f}"
     )
+    walks = [f"{k} {v['tau_walk']:.3f}" for k, v in rep.settings.items() if v.get("tau_walk")]
+    if walks:
+        lines.append("tau of the live cycle walk (cycles start where the last ended): " + ", ".join(walks))
     if rep.tree:
         lines.append(
             f"tau tree {rep.steps}/{rep.topk}/{rep.num_draft_tokens} (greedy) {rep.tree['tau']:.3f} over "

@@ -79,9 +79,9 @@ def load_calibration(path: str | Path) -> dict:
     return {**cal, "path": str(path)}
 
 
-def predict(cal: dict, offline_tau: dict[str, float]) -> dict:
+def predict(cal: dict, offline_tau: dict[str, float], tau_basis: str = "cycle walk") -> dict:
     """tok/s = tau_offline / cycle per setting, with the calibration run's cycle (or its cost model where it did not
-    run)."""
+    run). tau_basis names what tau_offline is: "cycle walk" (what a live decoder sees) or "every root"."""
     cm = cost_model_from_summary(cal)
     rows = []
     for key, tau in sorted(offline_tau.items()):
@@ -96,7 +96,7 @@ def predict(cal: dict, offline_tau: dict[str, float]) -> dict:
             "predicted_speedup": tau / cycle * cal["baseline_s_per_token"],
         })  # fmt: skip
     keep = ("path", "source_run", "backend", "target", "device", "max_new_tokens", "baseline_tok_s")
-    return {"calibration": {k: cal.get(k) for k in keep}, "rows": rows}
+    return {"calibration": {k: cal.get(k) for k in keep}, "tau_basis": tau_basis, "rows": rows}
 
 
 def _err(pred: float | None, meas: float | None) -> float | None:
@@ -136,7 +136,8 @@ def join(prediction: dict, summary: dict | None, target: str | None = None) -> d
 def format_prediction(p: dict) -> str:
     c = p["calibration"]
     lines = [
-        f"predicted from offline tau with the costs of {c['source_run']} ({c['backend']}, {c['device']}; {c['path']}):"
+        f"predicted from offline tau ({p.get('tau_basis', 'every root')}) with the costs of {c['source_run']} "
+        f"({c['backend']}, {c['device']}; {c['path']}):"
     ]
     lines += [f"  warning: {w}" for w in p.get("warnings", [])]
     for r in p["rows"]:
@@ -160,10 +161,10 @@ def write_calibration(run_dir: Path, summary: dict, target: str | None = None) -
     return out
 
 
-def write_prediction(run_dir: Path, cal: dict, offline_tau: dict[str, float]) -> dict:
+def write_prediction(run_dir: Path, cal: dict, offline_tau: dict[str, float], tau_basis: str = "cycle walk") -> dict:
     """RUN/bench/prediction.json: made_before_bench stays true while the prediction is unchanged."""
     out = Path(run_dir) / "bench" / "prediction.json"
-    pred = predict(cal, offline_tau)
+    pred = predict(cal, offline_tau, tau_basis)
     before = not (Path(run_dir) / "bench" / "summary.json").exists()
     if out.exists():
         old = json.loads(out.read_text())

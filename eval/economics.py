@@ -50,6 +50,7 @@ class Economics:
     settings: list[SettingEconomics] = field(default_factory=list)
     best_setting: str | None = None
     best_basis: str | None = None  # which tau chose the best setting: live or offline
+    tau_basis: str = "cycle walk"  # what the offline tau is: "cycle walk" (as a live decoder) or "every root"
     # every setting with an offline tau (benchmarked or not), priced with the measured costs
     offline_predictions: list[dict] = field(default_factory=list)
     reach: list[dict] = field(
@@ -67,10 +68,12 @@ def analyse(
     calibration: dict | None = None,
     tok_s: float | None = None,
     target: str | None = None,
+    tau_basis: str = "cycle walk",
 ) -> Economics:
     """Predicted against measured for every benchmarked setting, and the best of them.
 
-    `offline_tau` maps a setting key ("steps/topk/draft_tokens") to the offline accept length;
+    `offline_tau` maps a setting key ("steps/topk/draft_tokens") to the offline accept length (`tau_basis`: "cycle
+    walk", what a live decoder sees, or "every root");
     `calibration` is another run's calibration.json (load_calibration); `tok_s` a throughput to price;
     `target` this run's target name, checked against the calibration's.
     """
@@ -117,7 +120,7 @@ def analyse(
         )
     goals = [g * cm.baseline_tok_s for g in GOAL_SPEEDUPS] + ([tok_s] if tok_s else [])
     reach_rows = [reach(cm, r, Setting.of(s["setting"])) for r in goals for s in summary["speculative"]]
-    calibrated = join(predict(calibration, offline_tau), summary, target) if calibration else None
+    calibrated = join(predict(calibration, offline_tau, tau_basis), summary, target) if calibration else None
     return Economics(
         reach=reach_rows,
         calibrated=calibrated,
@@ -130,6 +133,7 @@ def analyse(
         settings=rows,
         best_setting=best,
         best_basis=basis,
+        tau_basis=tau_basis,
     )
 
 
@@ -138,6 +142,7 @@ def format_table(ec: Economics) -> str:
         f"baseline {ec.baseline_tok_s:.1f} tok/s ({ec.baseline_ms_per_token:.2f} ms/token); "
         f"draft forward {ec.draft_forward_ms:.2f} ms; cycle overhead {ec.overhead_ms:.2f} ms",
         "verify ms by tokens: " + ", ".join(f"{k}: {v:.2f}" for k, v in ec.verify_ms.items()),
+        f"tau off: offline, {ec.tau_basis}",
         f"{'setting':>9} {'cycle ms':>9} {'meas. cyc':>9} {'break-even':>10} {'tau live':>8} {'tau off':>8} "
         f"{'pred(live)':>10} {'pred(off)':>10} {'measured':>9}",
     ]
@@ -164,10 +169,19 @@ def format_table(ec: Economics) -> str:
 
 
 def offline_tau_by_setting(accept_len_json: Path) -> dict[str, float]:
+    """Offline tau per setting as a live greedy decoder sees it: the cycle walk's where accept_len.json has one,
+    else the mean over every root (a sampled evaluation, or a file from before the walk)."""
+    return offline_tau_with_basis(accept_len_json)[0]
+
+
+def offline_tau_with_basis(accept_len_json: Path) -> tuple[dict[str, float], str]:
+    """offline_tau_by_setting and what it is: "cycle walk" when every setting has the walk, else "every root"."""
     if not accept_len_json.exists():
-        return {}
-    doc = json.loads(accept_len_json.read_text())
-    return {k: v["tau"] for k, v in doc.get("settings", {}).items()}
+        return {}, "every root"
+    settings = json.loads(accept_len_json.read_text()).get("settings", {})
+    if settings and all(v.get("tau_walk") for v in settings.values()):
+        return {k: v["tau_walk"] for k, v in settings.items()}, "cycle walk"
+    return {k: v["tau"] for k, v in settings.items()}, "every root"
 
 
 def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
@@ -175,15 +189,15 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
     from eagle3ft.config import resolve_path
 
     run_dir = Path(run_dir)
-    offline = offline_tau_by_setting(run_dir / "eval" / "accept_len.json")
+    offline, basis = offline_tau_with_basis(run_dir / "eval" / "accept_len.json")
     cal = load_calibration(resolve_path(cfg.bench.calibration)) if cfg is not None and cfg.bench.calibration else None
     target = cfg.target.name if cfg is not None else None
-    pred = write_prediction(run_dir, cal, offline) if cal else None
+    pred = write_prediction(run_dir, cal, offline, basis) if cal else None
     summary_path = run_dir / "bench" / "summary.json"
     if not summary_path.exists():
         return None, pred
     summary = json.loads(summary_path.read_text())
-    ec = analyse(summary, offline, cal, tok_s, target)
+    ec = analyse(summary, offline, cal, tok_s, target, basis)
     if ec.calibrated and Path(cal["source_run"]).resolve() == run_dir.resolve():
         ec.calibrated["warnings"].append(
             "the calibration comes from this very run: its prediction restates the measurement"

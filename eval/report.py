@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 
 from eagle3ft.eval.calibration import join, load_calibration, predict
-from eagle3ft.eval.economics import analyse, offline_tau_by_setting
+from eagle3ft.eval.economics import analyse, offline_tau_with_basis
 from eagle3ft.eval.report_md import headline_text, markdown
 from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
 
@@ -125,14 +125,14 @@ def build(run_dir: Path, cfg=None) -> dict:
     if acc and acc.get("checkpoint"):
         acc = {**acc, "card": _read_json(Path(acc["checkpoint"]) / "card.json")}
     summary = _read_json(run_dir / "bench" / "summary.json")
-    offline = offline_tau_by_setting(out / "accept_len.json")
+    offline, basis = offline_tau_with_basis(out / "accept_len.json")
     cal = load_calibration(resolve_path(cfg.bench.calibration)) if cfg is not None and cfg.bench.calibration else None
     prediction = _read_json(run_dir / "bench" / "prediction.json")
-    econ = analyse(summary, offline, cal).to_dict() if summary else None
+    econ = analyse(summary, offline, cal, tau_basis=basis).to_dict() if summary else None
     if econ and not econ["calibrated"] and prediction:
         econ["calibrated"] = join(prediction, summary)
     if cal and offline and not summary:
-        prediction = predict(cal, offline)
+        prediction = predict(cal, offline, basis)
     plots = {}
     if metrics or heldout:
         plots["train_loss"] = plot_train(metrics, heldout, out / "train_loss.png").name
@@ -141,7 +141,9 @@ def build(run_dir: Path, cfg=None) -> dict:
     same = (summary or {}).get("offline_same_prompts")
     if econ and econ["settings"]:
         plots["tau_offline_vs_live"] = plot_tau(
-            econ["settings"], out / "tau_offline_vs_live.png", (same or {}).get("settings")
+            econ["settings"],
+            out / "tau_offline_vs_live.png",
+            (same or {}).get("settings_walk") or (same or {}).get("settings"),
         ).name
         plots["tok_s_vs_draft_tokens"] = plot_tok_s(summary, econ, out / "tok_s_vs_draft_tokens.png").name
     headline = {}

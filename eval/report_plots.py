@@ -103,11 +103,13 @@ def plot_tau(rows: list[dict], out: Path, same_prompts: dict[str, float] | None 
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(rows))
     bars = [
-        ("offline, held-out features", [r["tau_offline"] for r in rows]),
+        ("offline, held-out features (cycle walk)", [r["tau_offline"] for r in rows]),
         ("live (benchmark)", [r["tau_live"] for r in rows]),
     ]
     if same_prompts:
-        bars.insert(1, ("offline, the bench's own prompts", [same_prompts.get(r["setting"]) for r in rows]))
+        bars.insert(
+            1, ("offline, the bench's own answers (cycle walk)", [same_prompts.get(r["setting"]) for r in rows])
+        )
     w = 0.8 / len(bars)
     for i, (label, vals) in enumerate(bars):
         b = ax.bar([x + (i - (len(bars) - 1) / 2) * w for x in xs], [v or 0 for v in vals], w, label=label)

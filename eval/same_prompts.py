@@ -3,8 +3,9 @@
 The bench's plain greedy pass gives the target's own answer to each prompt. One target forward over
 prompt + answer gives what a harvest would store for it (the aux layers' hidden states, the top-k
 log-probs of the next token), and eval/accept_len.py's chain evaluation on those features is the
-offline tau of exactly the tokens the live runs decoded. What still differs: the live tau starts a
-cycle only where the previous one ended, while the offline one averages over every answer token.
+offline tau of exactly the tokens the live runs decoded. The offline tau averages over every answer token; the live
+one starts a cycle only where the previous one ended, which the cycle walk's tau (`settings_walk`) follows
+(eval/acceptance.py). Where the two backends compute the same numbers, the walk equals the live tau.
 
 As a command, the offline tau of `eval.checkpoint` on another bench run's plain answers, before any bench of that
 drafter (the prediction's input when the answers are a calibration run's, eval/economics.py):
@@ -70,6 +71,7 @@ def offline_tau(
         "samples": rep.samples,
         "roots": rep.roots,
         "settings": {k: v["tau"] for k, v in rep.settings.items()},
+        "settings_walk": {k: v["tau_walk"] for k, v in rep.settings.items()},
     }
 
 
@@ -136,12 +138,16 @@ def main(argv: list[str] | None = None) -> None:
             **rep,
             "source": f"the plain greedy answers of {source}/bench/runs.jsonl (repetition 0, prompt set {label})",
             "checkpoint": str(resolve_path(cfg.eval.checkpoint, base=run_dir)),
-            "settings": {k: {"tau": v} for k, v in rep["settings"].items()},
+            "settings": {k: {"tau": v, "tau_walk": rep["settings_walk"][k]} for k, v in rep["settings"].items()},
         }
         out = run_dir / "eval" / "accept_len.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(out, json.dumps(doc, indent=1).encode())
-    print(json.dumps({"offline_tau": rep["settings"], "roots": rep["roots"], "written": str(out)}))
+    print(
+        json.dumps(
+            {"offline_tau": rep["settings"], "walk": rep["settings_walk"], "roots": rep["roots"], "written": str(out)}
+        )
+    )
 
 
 if __name__ == "__main__":

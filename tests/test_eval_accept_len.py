@@ -5,7 +5,7 @@ import torch
 from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 
 from eagle3ft.eval.accept_len import ChainCounts, evaluate
-from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance, tree_accept
+from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance, cycle_walk, tree_accept
 from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.train.model import DraftCache
 
@@ -174,3 +174,10 @@ def test_tree_equals_node_by_node_construction(setup):
                 n += 1
     assert n > 40
     assert any(d > 0 for d in trees)  # the tree accepted past a rejected top-1 draft somewhere
+
+
+def test_cycle_walk_by_hand():
+    """A cycle at row i emits accept[i] tokens; the next starts at row i + accept[i], or at the next root."""
+    assert cycle_walk(torch.tensor([2, 1, 3, 1, 2, 1]), torch.tensor([1, 1, 1, 1, 0, 1]).bool()) == [2, 3, 1]
+    # rows 2-3 are the user's turn: the walk restarts at the next answer's first root
+    assert cycle_walk(torch.tensor([2, 1, 1, 1, 2, 1]), torch.tensor([1, 1, 0, 0, 1, 1]).bool()) == [2, 2]

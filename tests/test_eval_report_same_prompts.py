@@ -10,6 +10,7 @@ from _eval_tiny import AUX, features, greedy_items, prompts, tiny_pair
 from eagle3ft.config import load_config
 from eagle3ft.eval import harness
 from eagle3ft.eval.accept_len import evaluate
+from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk
 from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import RequestResult
 from eagle3ft.eval.same_prompts import features as bench_features
@@ -45,6 +46,27 @@ def test_offline_tau_on_the_bench_answers_tracks_the_live_tau():
         live, rel=0.05
     )  # same tokens; only the cycle roots (and the last, cut cycle) differ
     assert offline_tau(target, drafter, AUX, ps, answers, [Setting(3, 2, 6)]) is None  # trees: no chain to score
+
+
+def test_the_cycle_walk_is_the_live_decoders_cycles():
+    """Walking the offline per-root accept lengths cycle by cycle gives the live greedy decoder's accept length of
+    every cycle on the same answer (all but the last, which max_new_tokens cuts), and so its tau."""
+    target, drafter = tiny_pair()
+    ps = prompts(6, seed=1)[:3] + prompts(2, seed=9)  # fitted-on prompts (long accepts) and others (rejections)
+    for steps in (1, 3, 5):
+        dec = SpeculativeDecoder(target, drafter, AUX, steps)
+        live, walked = [], []
+        for p in ps:
+            gen = dec.generate(p, 24)
+            res = chain_acceptance(drafter, SampleInputs.of(features(target, p + gen.tokens, len(p))), steps)
+            cycles = cycle_walk(*chain_accept_lengths(res, steps))
+            assert cycles[:-1] == gen.accept_lengths[:-1], (steps, p)
+            assert 0 <= sum(cycles) - (len(gen.tokens) - 1) <= steps  # the last cycle may run past the answer
+            live += gen.accept_lengths
+            walked += cycles
+        assert min(live) == 1 and max(live) == steps + 1  # both rejections and full accepts
+    rep = offline_tau(target, drafter, AUX, ps, [greedy_decode(target, p, 24).tokens for p in ps], [Setting(3, 1, 4)])
+    assert rep["settings_walk"]["3/1/4"] < rep["settings"]["3/1/4"]  # cycles start after rejections: harder roots
 
 
 class _Backend:

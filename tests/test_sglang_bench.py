@@ -100,7 +100,7 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
         ["--config", str(REPO_ROOT / "configs/tiny.yaml"), "--run-dir", str(other), "--answers-from", str(tmp_path)]
         + [a for o in overrides for a in ("--set", o)]
     )
-    assert offline_tau_by_setting(other / "eval/accept_len.json") == pytest.approx(want["settings"])
+    assert offline_tau_by_setting(other / "eval/accept_len.json") == pytest.approx(want["settings_walk"])
 
     # tau: the same greedy decodes by the embedded speculative decoder, counted the same way
     dec = SpeculativeDecoder(model, drafter, drafter.config.aux_layer_ids, 3, 0.0, backend.eos_ids)
