@@ -414,6 +414,7 @@ curve() {
   wait; cat "$L/resume-phase.txt"
 }
 wait_for() { local end=$((SECONDS + $1)); until [[ -f $2 ]] || (( SECONDS >= end )); do sleep 3; done; }
+[[ ${1:-} == lib ]] && return 0  # sourced by a lease plan of its own (benchmarks/h200_s10.sh): the phases only
 
 case ${1:-} in
   pack)  # pack T DIR...: on this machine, the carry T (t1, t2) in 37 MiB pieces .carry/L3/<k>/T.tar.part-*
@@ -465,7 +466,7 @@ case ${1:-} in
   start)  # from a copy of this tree: later calls re-send the tree under a running job
     shift; mkdir -p "$L" "$S"
     tree=/tmp/tree-$(date +%s) && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git --exclude=./.venv --exclude=./runs --exclude=./build -cf - . | tar -xf - -C "$tree"
-    (cd "$tree" && setsid nohup bash benchmarks/h200_scale.sh run "$@" >> "$L/log" 2>&1 < /dev/null &)
+    (cd "$tree" && setsid nohup bash "${LEASE_SCRIPT:-benchmarks/h200_scale.sh}" run "$@" >> "$L/log" 2>&1 < /dev/null &)
     echo "started: $* (from $tree)" ;;
   run)
     shift; mkdir -p "$L" "$S"

@@ -142,7 +142,7 @@ def format_table(ec: Economics) -> str:
         f"baseline {ec.baseline_tok_s:.1f} tok/s ({ec.baseline_ms_per_token:.2f} ms/token); "
         f"draft forward {ec.draft_forward_ms:.2f} ms; cycle overhead {ec.overhead_ms:.2f} ms",
         "verify ms by tokens: " + ", ".join(f"{k}: {v:.2f}" for k, v in ec.verify_ms.items()),
-        f"tau off: offline, {ec.tau_basis}",
+        *([f"tau off: offline, {ec.tau_basis}"] if any(r.tau_offline for r in ec.settings) else []),
         f"{'setting':>9} {'cycle ms':>9} {'meas. cyc':>9} {'break-even':>10} {'tau live':>8} {'tau off':>8} "
         f"{'pred(live)':>10} {'pred(off)':>10} {'measured':>9}",
     ]
