@@ -61,6 +61,12 @@ GEN=(--set harvest.temperature=0.0 --set "harvest.max_new_tokens=${MAX_NEW:-1024
      --set harvest.max_prompt_tokens=2048 --set harvest.max_turns=1000 --set harvest.shard_samples=256 --set harvest.heldout_fraction=0.0)
 say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
+mem_fraction() {  # mem_fraction SHARE SLOT: SGLang's --mem-fraction-static for the SLOT-th server started on a GPU
+  # (from 0), each started once the one before is up, so that each gets SHARE of the GPU: SGLang 0.5.17 takes the
+  # fraction of the memory still free when the server starts, and two servers starting together fail at random
+  # ("Loaded weights leave no GPU memory for the KV cache", RESULTS §13)
+  awk -v s="$1" -v k="$2" 'BEGIN { printf "%.3f", s / (1 - k * s) }'
+}
 server_start() {  # server_start J BACKEND: plain server J on GPU GPU_BASE + J / PER_GPU, port 30000+J (PER_GPU servers share a GPU)
   local j=$1 k=${PER_GPU:-1} gpu=$((${GPU_BASE:-0} + $1 / ${PER_GPU:-1}))
   if [[ -n ${SERVER_CMD:-} ]]; then
@@ -68,38 +74,43 @@ server_start() {  # server_start J BACKEND: plain server J on GPU GPU_BASE + J /
   else
     CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" \
       --host 127.0.0.1 --port $((30000 + j)) --attention-backend "$2" --sampling-backend pytorch \
-      --mem-fraction-static "$(awk -v k="$k" 'BEGIN { printf "%.3f", 0.85 / k }')" --cuda-graph-max-bs 512 \
-      --max-running-requests $((1024 / k)) --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
+      --mem-fraction-static "$(mem_fraction "$(awk -v k="$k" 'BEGIN { printf "%.4f", 0.85 / k }')" $((j % k)))" \
+      --cuda-graph-max-bs 512 --max-running-requests $((1024 / k)) --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
       > "$L/server$j.log" 2>&1 &
   fi
   PIDS[j]=$!
   echo "server $j on GPU $gpu: $2 (pid ${PIDS[j]})"
 }
-servers_up() {  # servers_up: PER_GPU plain servers per GPU (1) on NGPU GPUs (all) from GPU_BASE (0), healthy within 10 min
-  local i n end fallback_at attn
+server_wait() {  # server_wait I: server I healthy within 10 min; a server of another backend than triton that is not up
+                 # within ATTN_WAIT_S is restarted with triton
+  local i=$1 end=$((SECONDS + 600)) fallback_at=$((SECONDS + ${ATTN_WAIT_S:-420}))
+  until curl -sf "${URLS[i]}/health" > /dev/null; do
+    (( SECONDS < end )) || { echo "server ${URLS[i]} did not come up"; tail -20 "$L"/server*.log; return 1; }
+    if [[ ${BACKENDS[i]} == triton ]] && ! kill -0 "${PIDS[i]}" 2> /dev/null; then
+      echo "server $i exited before it was up"; tail -20 "$L/server$i.log"; return 1
+    fi
+    if [[ ${BACKENDS[i]} != triton ]] && { ! kill -0 "${PIDS[i]}" 2> /dev/null || (( SECONDS > fallback_at )); }; then
+      echo "server $i (${BACKENDS[i]}) not up: restarting it with triton"; tail -5 "$L/server$i.log"
+      kill "${PIDS[i]}" 2> /dev/null; sleep 3; mv "$L/server$i.log" "$L/server$i-${BACKENDS[i]}-failed.log"
+      BACKENDS[i]=triton; server_start "$i" triton
+    fi
+    sleep 2
+  done
+}
+servers_up() {  # servers_up: PER_GPU plain servers per GPU (1) on NGPU GPUs (all) from GPU_BASE (0), healthy within 10 min;
+                # one server per GPU at a time (mem_fraction)
+  local i n slot k=${PER_GPU:-1} attn
   n=${NGPU:-$($PY -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)}
-  n=$((n * ${PER_GPU:-1}))
+  n=$((n * k))
   IFS=, read -r -a attn <<< "${ATTN:-triton}"
   URLS=() PIDS=() BACKENDS=()
   for ((i = 0; i < n; i++)); do
     URLS+=("http://127.0.0.1:$((30000 + i))")
     BACKENDS[i]=${attn[i]:-${attn[-1]}}
-    server_start "$i" "${BACKENDS[i]}"
   done
-  for ((i = 0; i < n; i++)); do
-    end=$((SECONDS + 600)) fallback_at=$((SECONDS + ${ATTN_WAIT_S:-420}))
-    until curl -sf "${URLS[i]}/health" > /dev/null; do
-      (( SECONDS < end )) || { echo "server ${URLS[i]} did not come up"; tail -20 "$L"/server*.log; return 1; }
-      if [[ ${BACKENDS[i]} == triton ]] && ! kill -0 "${PIDS[i]}" 2> /dev/null; then
-        echo "server $i exited before it was up"; tail -20 "$L/server$i.log"; return 1
-      fi
-      if [[ ${BACKENDS[i]} != triton ]] && { ! kill -0 "${PIDS[i]}" 2> /dev/null || (( SECONDS > fallback_at )); }; then
-        echo "server $i (${BACKENDS[i]}) not up: restarting it with triton"; tail -5 "$L/server$i.log"
-        kill "${PIDS[i]}" 2> /dev/null; sleep 3; mv "$L/server$i.log" "$L/server$i-${BACKENDS[i]}-failed.log"
-        BACKENDS[i]=triton; server_start "$i" triton
-      fi
-      sleep 2
-    done
+  for ((slot = 0; slot < k; slot++)); do
+    for ((i = slot; i < n; i += k)); do server_start "$i" "${BACKENDS[i]}"; done
+    for ((i = slot; i < n; i += k)); do server_wait "$i" || return 1; done
   done
   printf '%s\n' "${PIDS[@]}" > "$L/server.pids"
   echo "servers up: ${URLS[*]} (attention: ${BACKENDS[*]})"
@@ -254,9 +265,11 @@ SGL=(--set target.kind=hf --set "target.path=$MODEL" --set target.gguf_file=null
 read -r -a SGL_EXTRA_SETS <<< "${SGL_EXTRA:-}"
 SGL+=("${SGL_EXTRA_SETS[@]}")
 SGL_PIDS=()  # port -> the pid of its launcher (sgl_serve)
-sgl_serve() {  # sgl_serve PORT GPU ROLE...: an SGLang server of eagle3ft.targets.sglang_server in the background
+sgl_serve() {  # sgl_serve PORT GPU ROLE...: an SGLang server of eagle3ft.targets.sglang_server in the background (MEMF:
+               # its --mem-fraction-static, 0.1)
   local port=$1 gpu=$2; shift 2
   $PY -m eagle3ft.targets.sglang_server "$@" --config $CONFIG --run-dir "$S/sgl$port" "${SGL[@]}" --port "$port" \
+    --set "serve.mem_fraction_static=${MEMF:-0.1}" \
     --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '$gpu'}" \
     > "$L/sgl-server$port.json" 2> "$L/sgl-server$port.log" &
   SGL_PIDS[port]=$!
@@ -317,10 +330,13 @@ sglpred() {  # sglpred CAL TEST (issue 14.6 in SGLang, one lease): plain, CAL an
   export CUDA_VISIBLE_DEVICES=$gpu  # the benches' in-process target (offline tau on the same prompts) beside them
   say "SGLang calibrated prediction on GPU $gpu: calibrate with $cal, predict and measure $test"
   wait_for 900 "$SGL_DIR/.ready"
-  sgl_serve 30100 "$gpu" --role baseline
-  sgl_serve 30101 "$gpu" --role speculative --drafter "$cal" --setting 3/1/4
-  sgl_serve 30102 "$gpu" --role speculative --drafter "$test" --setting 3/1/4
-  sgl_wait 30100 30101 30102 || { xargs -r kill < "$L/sgl.pids"; return 1; }
+  # one at a time, each with 0.1 of the GPU (mem_fraction)
+  MEMF=$(mem_fraction 0.1 0) sgl_serve 30100 "$gpu" --role baseline
+  sgl_wait 30100 || { xargs -r kill < "$L/sgl.pids"; return 1; }
+  MEMF=$(mem_fraction 0.1 1) sgl_serve 30101 "$gpu" --role speculative --drafter "$cal" --setting 3/1/4
+  sgl_wait 30101 || { xargs -r kill < "$L/sgl.pids"; return 1; }
+  MEMF=$(mem_fraction 0.1 2) sgl_serve 30102 "$gpu" --role speculative --drafter "$test" --setting 3/1/4
+  sgl_wait 30102 || { xargs -r kill < "$L/sgl.pids"; return 1; }
   for spec in "${SGL_SETS[@]}"; do
     sgl_set "$spec"; say "calibration: $name, $new new tokens"
     sgl_bench_one "$S/sglcal-$name" "$src" "$new" 30101
