@@ -135,8 +135,8 @@ def evaluate(
     samp_t = temperature if temperature > 0 else 1.0
     g, sm = ChainCounts.zeros(steps), ChainCounts.zeros(steps)
     tree_sum, tree_n, n_samples, n_roots = 0, 0, 0, 0
-    walk = {d: [0, 0] for d in range(1, steps + 1)}  # depth -> [cycles, tokens] of the greedy cycle walk
-    tree_walk = [0, 0]
+    walk = {d: [] for d in range(1, steps + 1)}  # depth -> tokens per cycle of the greedy cycle walk, over the set
+    tree_walk = []
     for item in samples:
         s = SampleInputs.of(item, device)
         if s.input_ids.shape[0] < 2:
@@ -144,15 +144,13 @@ def evaluate(
         res = chain_acceptance(drafter, s, steps, samp_t)
         g = g + ChainCounts.from_alpha(res.greedy_alpha, res.greedy_valid)
         sm = sm + ChainCounts.from_alpha(res.sampled_alpha, res.sampled_valid)
-        for d, w in walk.items():
-            cycles = cycle_walk(*chain_accept_lengths(res, d))
-            w[0], w[1] = w[0] + len(cycles), w[1] + sum(cycles)
+        for d, cycles in walk.items():
+            cycles += cycle_walk(*chain_accept_lengths(res, d))
         if topk > 1:
             acc, valid = tree_accept(drafter, s, steps, topk, num_draft_tokens)
             tree_sum += int(acc[valid].sum())
             tree_n += int(valid.sum())
-            cycles = cycle_walk(acc, valid)
-            tree_walk[0], tree_walk[1] = tree_walk[0] + len(cycles), tree_walk[1] + sum(cycles)
+            tree_walk += cycle_walk(acc, valid)
         n_samples += 1
         n_roots += int(res.greedy_valid[:, 0].sum())
     rep = AcceptReport(steps, topk, num_draft_tokens, samp_t, n_samples, n_roots)
@@ -162,15 +160,15 @@ def evaluate(
     for d in range(1, steps + 1):
         rep.settings[f"{d}/1/{d + 1}"] = {"tau": chain.tau(d), "kind": "chain"}
         if temperature == 0:  # the walk follows the greedy path only
-            rep.settings[f"{d}/1/{d + 1}"].update(tau_walk=_ratio(walk[d]), cycles_walk=walk[d][0])
+            rep.settings[f"{d}/1/{d + 1}"].update(tau_walk=_mean(walk[d]), cycles_walk=len(walk[d]))
     if topk > 1:
         tau_tree = 1.0 * tree_sum / tree_n if tree_n else 0.0
-        rep.tree = {"tau": tau_tree, "roots": tree_n, "acceptance": "greedy", "tau_walk": _ratio(tree_walk)}
+        rep.tree = {"tau": tau_tree, "roots": tree_n, "acceptance": "greedy", "tau_walk": _mean(tree_walk)}
         rep.settings[f"{steps}/{topk}/{num_draft_tokens}"] = {
             "tau": tau_tree,
             "kind": "tree (greedy)",
-            "tau_walk": _ratio(tree_walk),
-            "cycles_walk": tree_walk[0],
+            "tau_walk": _mean(tree_walk),
+            "cycles_walk": len(tree_walk),
         }
         rep.headline_tau, rep.headline = tau_tree, "tree (greedy)"
     else:
@@ -180,9 +178,8 @@ def evaluate(
     return rep
 
 
-def _ratio(cycles_tokens: list[int]) -> float | None:
-    cycles, tokens = cycles_tokens
-    return tokens / cycles if cycles else None
+def _mean(cycles: list[int]) -> float | None:
+    return sum(cycles) / len(cycles) if cycles else None
 
 
 def format_report(rep: AcceptReport) -> str:
