@@ -239,7 +239,7 @@ eval_one() {  # eval_one NAME SET CHECKPOINT GPU: offline tau of one export, in 
     --set "eval.checkpoint=$S/$n/$ck" --set eval.steps=5 > "$L/eval-$n-$set-$ck.txt" 2>&1
   cp "$dir/eval/accept_len.json" "$L/accept_len-$n-$set-$ck.json" 2>/dev/null
   cp "$dir/eval/accept_len.json" "$S/$n/eval/accept_len-$set.json" 2>/dev/null  # benchmarks/tau_curve.py reads these
-  echo "$n $ck $set: $($PY -c "import json,sys; print({k: round(v['tau'], 3) for k, v in json.load(open(sys.argv[1]))['settings'].items()})" "$L/accept_len-$n-$set-$ck.json" 2>&1)"
+  echo "$n $ck $set: $($PY -c "import json,sys; print({k: (round(v['tau'], 3), round(v.get('tau_walk', 0), 3)) for k, v in json.load(open(sys.argv[1]))['settings'].items()}, '(every root, cycle walk)')" "$L/accept_len-$n-$set-$ck.json" 2>&1)"
 }
 evaluate() {  # offline tau (chain 1/1/2 .. 5/1/6) of each drafter's best export on each held-out set, 6 at a time
   local n set ck i=0 pids=()
@@ -321,22 +321,26 @@ sgl_bench() {  # plain vs 3/1/4 on the running servers, interleaved, 3 repetitio
   done
   xargs -r kill < "$L/sgl.pids"
 }
+sglpred_serve() {  # sglpred_serve PORT SLOT [DRAFTER]: on GPU SGL_GPU (0), the SLOT-th server there (from 0), with 0.1 of
+                   # the GPU (mem_fraction): plain, or EAGLE-3 3/1/4 with DRAFTER; healthy within 15 min
+  local port=$1 slot=$2 role=(--role baseline)
+  [[ -n ${3:-} ]] && role=(--role speculative --drafter "$3" --setting 3/1/4)
+  wait_for 900 "$SGL_DIR/.ready"
+  MEMF=$(mem_fraction 0.1 "$slot") sgl_serve "$port" "${SGL_GPU:-0}" "${role[@]}"
+  sgl_wait "$port" || { xargs -r kill < "$L/sgl.pids"; return 1; }
+  echo "SGLang :$port up (GPU ${SGL_GPU:-0}, ${3:-plain})"
+}
 sglpred() {  # sglpred CAL TEST (issue 14.6 in SGLang, one lease): plain, CAL and TEST servers on GPU SGL_GPU (0); per
              # set, CAL's run calibrates the 3/1/4 cycle; TEST's tok/s is predicted from its offline tau on that run's
              # plain answers (eval/same_prompts.py), written before TEST's own run; then TEST is measured
-  local cal=$1 test=$2 gpu=${SGL_GPU:-0} spec name src new
+  [[ -f $2/config.json ]] || { echo "no drafter at $2: no SGLang prediction"; return 1; }
+  say "SGLang calibrated prediction on GPU ${SGL_GPU:-0}: calibrate with $1, predict and measure $2"
+  sglpred_serve 30100 0 && sglpred_serve 30101 1 "$1" && sglpred_serve 30102 2 "$2" && sglpred_bench "$2"
+}
+sglpred_bench() {  # sglpred_bench TEST: sglpred's runs, on its three servers once they are up (CAL on :30101, TEST on :30102)
+  local test=$1 spec name src new
   local t=(--set "drafter.config=$test/config.json" --set "eval.checkpoint=$test")
-  [[ -f $test/config.json ]] || { echo "no drafter at $test: no SGLang prediction"; return 1; }
-  export CUDA_VISIBLE_DEVICES=$gpu  # the benches' in-process target (offline tau on the same prompts) beside them
-  say "SGLang calibrated prediction on GPU $gpu: calibrate with $cal, predict and measure $test"
-  wait_for 900 "$SGL_DIR/.ready"
-  # one at a time, each with 0.1 of the GPU (mem_fraction)
-  MEMF=$(mem_fraction 0.1 0) sgl_serve 30100 "$gpu" --role baseline
-  sgl_wait 30100 || { xargs -r kill < "$L/sgl.pids"; return 1; }
-  MEMF=$(mem_fraction 0.1 1) sgl_serve 30101 "$gpu" --role speculative --drafter "$cal" --setting 3/1/4
-  sgl_wait 30101 || { xargs -r kill < "$L/sgl.pids"; return 1; }
-  MEMF=$(mem_fraction 0.1 2) sgl_serve 30102 "$gpu" --role speculative --drafter "$test" --setting 3/1/4
-  sgl_wait 30102 || { xargs -r kill < "$L/sgl.pids"; return 1; }
+  export CUDA_VISIBLE_DEVICES=${SGL_GPU:-0}  # the benches' in-process target (offline tau on the same prompts) beside them
   for spec in "${SGL_SETS[@]}"; do
     sgl_set "$spec"; say "calibration: $name, $new new tokens"
     sgl_bench_one "$S/sglcal-$name" "$src" "$new" 30101
@@ -354,8 +358,14 @@ sglpred() {  # sglpred CAL TEST (issue 14.6 in SGLang, one lease): plain, CAL an
     sgl_bench_one "$S/sgltest-$name" "$src" "$new" 30102 "${t[@]}" --set "bench.calibration=$S/sglcal-$name/bench/calibration.json"
   done
   xargs -r kill < "$L/sgl.pids"
+  for spec in "${SGL_SETS[@]}"; do  # TEST's offline tau on its own server's answers: the tokens its live tau counted
+    sgl_set "$spec"; say "offline tau on the speculative answers: $name"
+    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sglown-$name" "${SGL[@]}" "${t[@]}" --set "bench.prompts=$src" \
+      --set "bench.max_new_tokens=$new" --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' \
+      --answers-from "$S/sgltest-$name" --answers-of 3/1/4 2>&1 | tail -1
+  done
   mkdir -p "$L/sglpred"
-  for run in "$S"/sglcal-* "$S"/sgltest-*; do
+  for run in "$S"/sglcal-* "$S"/sgltest-* "$S"/sglown-*; do
     [[ -d $run ]] || continue
     cp "$run.txt" "$L/sglpred/" 2>/dev/null
     for f in summary economics prediction calibration; do cp "$run/bench/$f.json" "$L/sglpred/$(basename "$run")-$f.json" 2>/dev/null; done

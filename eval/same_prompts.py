@@ -12,6 +12,9 @@ drafter (the prediction's input when the answers are a calibration run's, eval/e
 
     python eval/same_prompts.py --config CFG --run-dir RUN --answers-from CALIBRATION_RUN --set eval.checkpoint=D
 
+With `--answers-of 3/1/4`, on that run's speculative answers at 3/1/4 instead: after a drafter's own bench, its
+offline tau on the tokens its live tau was counted on.
+
 The bench config (`bench.prompts`, `bench.settings`) must be the one CALIBRATION_RUN ran with; the result goes to
 RUN/eval/accept_len.json, where eval/economics.py reads offline tau.
 """
@@ -91,23 +94,25 @@ def checkpoint_offline_tau(
     return offline_tau(model, drafter, aux_ids, prompts, answers, settings)
 
 
-def plain_answers(run: Path, label: str, count: int) -> list[list[int]]:
-    """The first repetition's plain greedy answers of prompt set `label` in the bench run `run`, by prompt index."""
+def bench_answers(run: Path, label: str, count: int, setting: str | None = None) -> list[list[int]]:
+    """The first repetition's greedy answers of prompt set `label` in the bench run `run`, by prompt index: the plain
+    pass's, or with `setting` (a key such as "3/1/4") the speculative pass's, the tokens its live tau was counted on."""
     runs, summary = run / "bench" / "runs.jsonl", run / "bench" / "summary.json"
     if not runs.is_file() or not summary.is_file():
         raise FileNotFoundError(f"--answers-from {run}: no finished bench there ({runs} and {summary} are needed)")
     if read_json(summary, "the bench summary").get("temperature") != 0:
         raise ValueError(f"--answers-from {run}: its bench was sampled; offline tau needs greedy (T=0) answers")
+    mode = "baseline" if setting is None else "speculative"
     rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
     answers = {
         r["prompt_index"]: r["output_ids"]
         for r in rows
-        if r["mode"] == "baseline" and r["repetition"] == 0 and r["prompts"] == label
+        if r["mode"] == mode and r["setting"] == setting and r["repetition"] == 0 and r["prompts"] == label
     }
     if sorted(answers) != list(range(count)):
         raise ValueError(
-            f"--answers-from {run}: plain answers for prompts {sorted(answers)} of set {label!r}, expected 0..{count - 1}"
-            " (is bench.prompts the one that run used?)"
+            f"--answers-from {run}: {setting or 'plain'} answers for prompts {sorted(answers)} of set {label!r}, "
+            f"expected 0..{count - 1} (is bench.prompts the one that run used?)"
         )
     return [answers[i] for i in range(count)]
 
@@ -121,7 +126,13 @@ def main(argv: list[str] | None = None) -> None:
 
     desc = "Offline tau of eval.checkpoint on another bench run's plain answers (RUN/eval/accept_len.json)."
     parser = build_parser(desc)
-    parser.add_argument("--answers-from", required=True, help="a bench run folder whose plain greedy answers to use")
+    parser.add_argument("--answers-from", required=True, help="a bench run folder whose greedy answers to use")
+    parser.add_argument(
+        "--answers-of",
+        metavar="SETTING",
+        help="that run's speculative answers at this setting (e.g. 3/1/4) instead of its plain ones: offline tau on "
+        "the very tokens the live tau was counted on (on a GPU the two passes' bf16 answers part at near-ties)",
+    )
     cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser)
     with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py"):
         if not cfg.eval.checkpoint:
@@ -129,14 +140,15 @@ def main(argv: list[str] | None = None) -> None:
         label, src = prompt_sets(cfg)[0]
         prompts = load_prompts(cfg, src)
         source = Path(args.answers_from)
-        answers = plain_answers(source, label, len(prompts))
+        answers = bench_answers(source, label, len(prompts), args.answers_of)
         settings = [Setting.of(s) for s in cfg.bench.settings]
         rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, settings)
         if rep is None:
             raise ValueError("bench.settings has no chain setting (topk 1): nothing to evaluate")
         doc = {
             **rep,
-            "source": f"the plain greedy answers of {source}/bench/runs.jsonl (repetition 0, prompt set {label})",
+            "source": f"the {args.answers_of or 'plain'} greedy answers of {source}/bench/runs.jsonl (repetition 0, "
+            f"prompt set {label})",
             "checkpoint": str(resolve_path(cfg.eval.checkpoint, base=run_dir)),
             "settings": {k: {"tau": v, "tau_walk": rep["settings_walk"][k]} for k, v in rep["settings"].items()},
         }

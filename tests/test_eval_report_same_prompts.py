@@ -14,7 +14,7 @@ from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_a
 from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import RequestResult
 from eagle3ft.eval.same_prompts import features as bench_features
-from eagle3ft.eval.same_prompts import offline_tau, plain_answers
+from eagle3ft.eval.same_prompts import bench_answers, offline_tau
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
 
 
@@ -110,15 +110,16 @@ def test_the_bench_scores_the_first_plain_pass_answers_offline(tmp_path):
     assert harness.run(cfg, tmp_path, _Backend(), log=lambda *a: None)["offline_same_prompts"] is None
 
 
-def test_plain_answers_of_another_run_are_checked(tmp_path):
+def test_answers_of_another_run_are_checked(tmp_path):
     with pytest.raises(FileNotFoundError, match="no finished bench"):
-        plain_answers(tmp_path, "mtbench", 2)
+        bench_answers(tmp_path, "mtbench", 2)
     bench = tmp_path / "bench"
     bench.mkdir()
     rows = [
         {
             "repetition": r,
             "mode": m,
+            "setting": None if m == "baseline" else "3/1/4",
             "prompts": "mtbench",
             "prompt_index": i,
             "output_ids": [10 * r + i, m == "baseline"],
@@ -130,10 +131,13 @@ def test_plain_answers_of_another_run_are_checked(tmp_path):
     (bench / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (bench / "summary.json").write_text(json.dumps({"temperature": 0.7}))
     with pytest.raises(ValueError, match="sampled"):
-        plain_answers(tmp_path, "mtbench", 2)
+        bench_answers(tmp_path, "mtbench", 2)
     (bench / "summary.json").write_text(json.dumps({"temperature": 0.0}))
-    assert plain_answers(tmp_path, "mtbench", 2) == [[0, True], [1, True]]  # the first repetition's plain pass
+    assert bench_answers(tmp_path, "mtbench", 2) == [[0, True], [1, True]]  # the first repetition's plain pass
+    assert bench_answers(tmp_path, "mtbench", 2, "3/1/4") == [[0, False], [1, False]]  # its speculative pass
+    with pytest.raises(ValueError, match="5/1/6 answers for prompts"):
+        bench_answers(tmp_path, "mtbench", 2, "5/1/6")
     with pytest.raises(ValueError, match="expected 0..2"):
-        plain_answers(tmp_path, "mtbench", 3)
+        bench_answers(tmp_path, "mtbench", 3)
     with pytest.raises(ValueError, match="expected 0..1"):
-        plain_answers(tmp_path, "humaneval", 2)
+        bench_answers(tmp_path, "humaneval", 2)

@@ -101,6 +101,15 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
         + [a for o in overrides for a in ("--set", o)]
     )
     assert offline_tau_by_setting(other / "eval/accept_len.json") == pytest.approx(want["settings_walk"])
+    # and on the speculative pass's own answers, which greedy speculation on the CPU keeps equal to the plain ones
+    own = tmp_path / "own"
+    same_prompts.main(
+        ["--config", str(REPO_ROOT / "configs/tiny.yaml"), "--run-dir", str(own), "--answers-from", str(tmp_path)]
+        + ["--answers-of", "3/1/4"]
+        + [a for o in overrides for a in ("--set", o)]
+    )
+    assert "3/1/4 greedy answers" in json.loads((own / "eval/accept_len.json").read_text())["source"]
+    assert offline_tau_by_setting(own / "eval/accept_len.json") == pytest.approx(want["settings_walk"])
 
     # tau: the same greedy decodes by the embedded speculative decoder, counted the same way
     dec = SpeculativeDecoder(model, drafter, drafter.config.aux_layer_ids, 3, 0.0, backend.eos_ids)
