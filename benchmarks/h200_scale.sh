@@ -419,6 +419,29 @@ s9() {  # issues 13 and 14 in one lease, both GPUs busy: GPU 0 trains T3 (RUNS=t
   SGL_GPU=0 sglpred "$SHIPPED" "$t3" > "$L/sglpred.txt" 2>&1; cat "$L/sglpred.txt"
   wait; cat "$L/gpu1.txt"
 }
+onoff() {  # issue 13.2: offline against online training, the same samples and steps, one GPU: ONOFF_CONVS conversations of
+           # the carried TOKENS harvested into a feature store (bf16 aux states), then the same drafter trained from it
+           # and from the target's prefill per batch (online, on the store's own tokens), ONOFF_STEPS steps each
+  local run=$S/onoff-offline mode n
+  [[ -d $S/main/tokens ]] || regen
+  say "online vs offline: the features of ${ONOFF_CONVS:-600} conversations"
+  CUDA_VISIBLE_DEVICES=0 $PY data/harvest.py --config $CONFIG --run-dir "$run" "${BASE[@]}" "${GEN[@]}" --set harvest.batch_size=64 \
+    --set "harvest.sources=[{kind: tokens, path: $S/main/tokens, split: train, limit: ${ONOFF_CONVS:-600}}, {kind: tokens, path: $S/main/tokens, split: heldout, limit: 16}]" \
+    > "$L/onoff-harvest.json" 2> "$L/onoff-harvest.log"
+  echo "harvest exit $?"; grep -h '"time_s"\|"tokens"' "$L/onoff-harvest.json" | tail -3; du -sh "$run/features"
+  mkdir -p "$S/onoff-online" && ln -sfn "$run/features" "$S/onoff-online/features"
+  for mode in offline online; do
+    n=$S/onoff-$mode
+    CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout -s INT "${ONOFF_S:-240}" accelerate launch --config_file configs/accelerate/1gpu.yaml \
+      --main_process_port 29511 train/finetune.py --config $CONFIG --run-dir "$n" "${BASE[@]}" --set "train.features=$mode" \
+      --set "train.pack_tokens=${PACK:-32768}" --set train.max_len=4096 --set "train.max_steps=${ONOFF_STEPS:-60}" --set train.eval_every=0 \
+      --set "train.lr=${LR:-2e-3}" --set train.warmup_steps=10 --set train.save_every=100000 --set train.log_every=10 \
+      --set drafter.fc_norm=true --set drafter.norm_output=true --set train.ttt_steps=3 > "$L/train-onoff-$mode.log" 2>&1
+    echo "$mode exit $?"; grep -h "start-up:\|first step" "$L/train-onoff-$mode.log" | tr '\r' '\n' | grep -v '^train:'
+    cp "$n/train/metrics.jsonl" "$L/metrics-onoff-$mode.jsonl" 2> /dev/null
+    $PY -c "import json,sys,statistics as st; r=[json.loads(l) for l in open(sys.argv[1])]; r=[x for x in r if 'tokens_per_s' in x][1:] or r; print(sys.argv[2], 'records', len(r), 'tok/s median', round(st.median(x['tokens_per_s'] for x in r)), 'loss', [round(x['loss'], 3) for x in r], 'phase_s median', {k: round(st.median(x['phase_s'][k] for x in r if x.get('phase_s')), 4) for k in (r[-1].get('phase_s') or {})})" "$L/metrics-onoff-$mode.jsonl" "$mode"
+  done
+}
 resume_ws() {  # issue 16: a checkpoint of 2 ranks resumed on 2 and on 1, on the GPUs (ZeRO-2 and ZeRO-3)
   say "resume across world sizes on the GPUs"
   OMP_NUM_THREADS=2 timeout 900 $PY benchmarks/resume_world_size.py --out "$S/resume-ws" --accelerate configs/accelerate/2gpu.yaml \
@@ -515,6 +538,7 @@ case ${1:-} in
         sgl) sgl_up && sgl_bench ;;
         embedded) embedded "$S/c0.7m/export-best" ;;
         regenspeed) regenspeed ;;
+        onoff) wait_for 600 "$MODEL/config.json"; TOKENS=${TOKENS:-$C/tok} onoff ;;
         sglpred) sglpred "$SHIPPED" "${TEST_DRAFTER:-$S/${T3:-t3-10m}/export-best}" ;;
         s9)
           wait_for 1200 "$MODEL/config.json"  # the carried pieces may still be on their way
