@@ -17,6 +17,8 @@
 #   on the calibration's plain answers, measure it); GPU 1 the held-out features, the embedded calibration (EMB_CAL_NEW
 #   tokens), `regenspeed` (PER_GPU=2 servers on one GPU, SPEED_SETTINGS over SPEED_CONVS conversations), then the
 #   embedded prediction and measurement of the new drafter (EMB_NEW tokens). Each phase also runs alone.
+#   `onoff` (issue 13.2): ONOFF_CONVS conversations of the carried TOKENS captured into a feature store, then the same
+#   drafter trained ONOFF_STEPS steps from it (offline) and from the target's prefill (online).
 # Carried ($C): a/{deps,sgl1}  b/{sgl2,data/{sharegpt-prompts.json.gz,mtbench-questions.jsonl,HumanEval.jsonl.gz}}
 #               c/gguf.part-aa  d/{gguf.part-ab,chitchat.json.gz}, as folders or (`pack`) in tar pieces that `setup`
 #               unpacks once all have arrived; `curve` also reads b/data/mtbench-general.jsonl (domain_sets.py)

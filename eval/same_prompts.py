@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3ft.eval.harness import load_prompts, prompt_sets
     from eagle3ft.runlock import holding
 
-    desc = "Offline tau of eval.checkpoint on another bench run's plain answers (RUN/eval/accept_len.json)."
+    desc = "Offline tau of eval.checkpoint on another bench run's greedy answers (RUN/eval/accept_len.json)."
     parser = build_parser(desc)
     parser.add_argument("--answers-from", required=True, help="a bench run folder whose greedy answers to use")
     parser.add_argument(

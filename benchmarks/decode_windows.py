@@ -1,0 +1,117 @@
+"""What a GPU's SGLang servers decoded together over time: their `Decode batch` log lines summed in windows.
+
+Each server logs its own rate ("gen throughput (token/s)") with its running requests and the tokens they hold. Per
+window of `--window` seconds this takes each server's mean rate and sums them over the servers: the GPU's decode
+rate, which the servers' medians alone do not give when several share a GPU. It also prints the running requests and
+tokens of context per request, so that a fall in rate can be told apart from a fall in work (the multi-turn tail).
+
+    python benchmarks/decode_windows.py results/h200_session11/server*.decode-lines.txt --plot decode.png
+
+Files: SGLang server logs, or the `Decode batch` lines of them (benchmarks/h200_scale.sh keeps both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from datetime import datetime
+from pathlib import Path
+
+LINE = re.compile(
+    r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] Decode batch, #running-req: (\d+), #token: (\d+),"
+    r".*?gen throughput \(token/s\): ([0-9.]+)"
+)
+
+
+def decode_lines(path: Path) -> list[tuple[float, int, int, float]]:
+    """(unix seconds, running requests, tokens held, decode tok/s) per `Decode batch` line of one server's log."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = LINE.search(line)
+        if m:
+            t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp()
+            out.append((t, int(m.group(2)), int(m.group(3)), float(m.group(4))))
+    return out
+
+
+def windows(servers: list[list[tuple[float, int, int, float]]], width: float) -> list[dict]:
+    """Per window that any server logged in: the summed mean rate, and per server the mean running requests and
+    tokens of context per request."""
+    by: dict[int, dict[int, list]] = {}
+    for k, lines in enumerate(servers):
+        for t, run, tok, rate in lines:
+            by.setdefault(int(t // width), {}).setdefault(k, []).append((run, tok, rate))
+    rows = []
+    for w in sorted(by):
+        per = by[w]
+        rows.append(
+            {
+                "start": w * width,
+                "servers": len(per),
+                "tok_s": sum(statistics.mean(r for _, _, r in v) for v in per.values()),
+                "running": [
+                    round(statistics.mean(n for n, _, _ in per[k])) if k in per else 0 for k in range(len(servers))
+                ],
+                "context_per_request": [
+                    round(statistics.mean(tok / max(n, 1) for n, tok, _ in per[k])) if k in per else 0
+                    for k in range(len(servers))
+                ],
+            }
+        )
+    return rows
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = rows[0]["start"]
+    t = [(r["start"] - t0) for r in rows]
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    a.step(t, [r["tok_s"] / 1e3 for r in rows], where="post")
+    a.set_ylabel("decode, all servers (k tok/s)")
+    a.grid(alpha=0.3)
+    b.step(t, [sum(r["running"]) for r in rows], where="post", label="running requests")
+    b.set_ylabel("running requests, all servers")
+    c = b.twinx()
+    c.plot(t, [statistics.mean(r["context_per_request"]) for r in rows], color="tab:orange", label="tokens per request")
+    c.set_ylabel("context tokens per request", color="tab:orange")
+    b.set_xlabel("seconds since the first decode line")
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("logs", nargs="+", type=Path, help="one SGLang server log (or its decode lines) per server")
+    p.add_argument("--window", type=float, default=10.0, help="seconds per window (10)")
+    p.add_argument("--plot", type=Path, help="write the rate and the work over time to this PNG")
+    p.add_argument("--json", type=Path, help="write the windows to this JSON file")
+    args = p.parse_args(argv)
+    servers = [decode_lines(f) for f in args.logs]
+    empty = [str(f) for f, s in zip(args.logs, servers) if not s]
+    if empty:
+        raise SystemExit(f"no 'Decode batch' lines with a gen throughput in {', '.join(empty)}")
+    rows = windows(servers, args.window)
+    t0 = rows[0]["start"]
+    for r in rows:
+        print(
+            f"+{r['start'] - t0:6.0f} s  {r['tok_s'] / 1e3:6.1f} k tok/s  running {r['running']}  "
+            f"tokens/request {r['context_per_request']}"
+        )
+    full = [r["tok_s"] for r in rows if r["servers"] == len(servers)]
+    print(f"{len(rows)} windows of {args.window:g} s; all {len(servers)} servers logging in {len(full)}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
