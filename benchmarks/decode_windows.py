@@ -7,7 +7,8 @@ tokens of context per request, so that a fall in rate can be told apart from a f
 
     python benchmarks/decode_windows.py results/h200_session11/server*.decode-lines.txt --plot decode.png
 
-Files: SGLang server logs, or the `Decode batch` lines of them (benchmarks/h200_scale.sh keeps both).
+Files: SGLang server logs, or the `Decode batch` lines of them. It first prints each server's median and p90 rate
+(what benchmarks/h200_scale.sh's `gen_throughput` reports after a regeneration).
 """
 
 from __future__ import annotations
@@ -93,10 +94,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--plot", type=Path, help="write the rate and the work over time to this PNG")
     p.add_argument("--json", type=Path, help="write the windows to this JSON file")
     args = p.parse_args(argv)
-    servers = [decode_lines(f) for f in args.logs]
-    empty = [str(f) for f, s in zip(args.logs, servers) if not s]
-    if empty:
-        raise SystemExit(f"no 'Decode batch' lines with a gen throughput in {', '.join(empty)}")
+    found = {f: decode_lines(f) for f in args.logs}
+    if not any(found.values()):
+        raise SystemExit(f"no 'Decode batch' lines with a gen throughput in {', '.join(map(str, args.logs))}")
+    for f, lines in found.items():  # each server's own rate, over its lines that decoded anything
+        rates = sorted(r for *_, r in lines if r > 0)
+        if not rates:
+            print(f"{f}: no decode lines (left out)")
+            continue
+        p90 = rates[int(0.9 * (len(rates) - 1))]
+        print(f"{f}: gen throughput median {statistics.median(rates):,.0f} tok/s, p90 {p90:,.0f}, {len(rates)} lines")
+    servers = [lines for lines in found.values() if lines]
     rows = windows(servers, args.window)
     t0 = rows[0]["start"]
     for r in rows:

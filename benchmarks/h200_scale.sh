@@ -117,19 +117,11 @@ servers_up() {  # servers_up: PER_GPU plain servers per GPU (1) on NGPU GPUs (al
   printf '%s\n' "${PIDS[@]}" > "$L/server.pids"
   echo "servers up: ${URLS[*]} (attention: ${BACKENDS[*]})"
 }
-gen_throughput() {  # the servers' own decode rates, from their logs: median and p90 of the 'gen throughput' lines
-  local f
-  for f in "$L"/server[0-9].log "$L"/server[0-9][0-9].log; do
-    [[ -f $f ]] || continue
-    $PY - "$f" << 'PYEOF'
-import re, statistics, sys
-v = [float(m) for m in re.findall(r"gen throughput \(token/s\): ([0-9.]+)", open(sys.argv[1]).read())]
-v = [x for x in v if x > 0]
-if v:
-    q = sorted(v)
-    print(f"{sys.argv[1]}: gen throughput median {statistics.median(v):,.0f} tok/s, p90 {q[int(0.9 * (len(q) - 1))]:,.0f}, {len(v)} lines")
-PYEOF
-  done
+gen_throughput() {  # the servers' own decode rates, from their logs: median and p90 per server, then the GPU's sum in
+                    # 10-s windows (benchmarks/decode_windows.py)
+  local f logs=()
+  for f in "$L"/server[0-9].log "$L"/server[0-9][0-9].log; do [[ -f $f ]] && logs+=("$f"); done
+  (( ${#logs[@]} )) && $PY benchmarks/decode_windows.py "${logs[@]}"
 }
 servers_down() {  # the servers of servers_up, also when it gave up before they were all healthy
   [[ -f $L/server.pids ]] && xargs -r kill < "$L/server.pids"
@@ -217,6 +209,20 @@ runs() {  # the drafters of RUNS, "name gpus [sets...]" per line (ONLY keeps the
   done
 }
 NAMES=$(runs | cut -d' ' -f1 | tr '\n' ' ')
+metrics_summary() {  # metrics_summary FILE NAME: one run's metrics.jsonl in a line. The medians leave out the
+                    # first 10-step window (it holds the compile); the loss of every window (first and last if > 12)
+  $PY - "$1" "$2" << 'PYEOF'
+import json, statistics as st, sys
+r = [json.loads(line) for line in open(sys.argv[1])]
+w = [x for x in r if "tokens_per_s" in x]
+m = w[1:] or w
+phases = {k: round(st.median(x["phase_s"][k] for x in m if x.get("phase_s")), 4) for k in (m[-1].get("phase_s") or {})}
+print(sys.argv[2], "steps", r[-1]["step"], "tok/s median", round(st.median(x["tokens_per_s"] for x in m)),
+      "online share", round(st.median(x.get("online_share", 0) for x in m), 3), "loss per window", [round(x["loss"], 3) for x in (w if len(w) <= 12 else (w[0], w[-1]))],
+      "phase_s median", phases, "elapsed_s", round(r[-1].get("elapsed_s", 0)), "first record at", round(r[0].get("elapsed_s", 0)),
+      "heldout (step, tau, s)", [(x["step"], round(x["heldout_tau"], 3), round(x.get("heldout_s", 0), 1)) for x in r if x.get("heldout_tau")])
+PYEOF
+}
 train() {
   say "train: $NAMES(RUNS=${RUNS:-${PAIR:-layout}}), online, packed, side by side"
   local name gpu sets i=0 pids=()
@@ -230,7 +236,7 @@ train() {
     cp "$S/$n/train/metrics.jsonl" "$L/metrics-$n.jsonl" 2>/dev/null
     cp "$S/$n/train/data.json" "$L/data-$n.json" 2>/dev/null
     grep -h "start-up:" "$L/train-$n.log" | sed "s/^/$n /"
-    $PY -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], 'steps', r[-1]['step'], 'tok/s', round(sorted(x['tokens_per_s'] for x in r)[len(r)//2]), 'online share', round(sorted(x.get('online_share', 0) for x in r)[len(r)//2], 3), 'elapsed_s', round(r[-1].get('elapsed_s', 0)), 'first record at', round(r[0].get('elapsed_s', 0)), 'heldout (step, tau, s)', [(x['step'], round(x['heldout_tau'], 3), round(x.get('heldout_s', 0), 1)) for x in r if x.get('heldout_tau')])" "$L/metrics-$n.jsonl" $n
+    metrics_summary "$L/metrics-$n.jsonl" "$n"
   done
   touch "$L/.train-done"
 }
@@ -441,7 +447,7 @@ onoff() {  # issue 13.2: offline against online training, the same samples and s
       --set drafter.fc_norm=true --set drafter.norm_output=true --set train.ttt_steps=3 > "$L/train-onoff-$mode.log" 2>&1
     echo "$mode exit $?"; grep -h "start-up:\|first step" "$L/train-onoff-$mode.log" | tr '\r' '\n' | grep -v '^train:'
     cp "$n/train/metrics.jsonl" "$L/metrics-onoff-$mode.jsonl" 2> /dev/null
-    $PY -c "import json,sys,statistics as st; r=[json.loads(l) for l in open(sys.argv[1])]; r=[x for x in r if 'tokens_per_s' in x][1:] or r; print(sys.argv[2], 'records', len(r), 'tok/s median', round(st.median(x['tokens_per_s'] for x in r)), 'loss', [round(x['loss'], 3) for x in r], 'phase_s median', {k: round(st.median(x['phase_s'][k] for x in r if x.get('phase_s')), 4) for k in (r[-1].get('phase_s') or {})})" "$L/metrics-onoff-$mode.jsonl" "$mode"
+    metrics_summary "$L/metrics-onoff-$mode.jsonl" "$mode"
   done
 }
 resume_ws() {  # issue 16: a checkpoint of 2 ranks resumed on 2 and on 1, on the GPUs (ZeRO-2 and ZeRO-3)

@@ -234,6 +234,17 @@ def _pass_tok_s(results: list[RequestResult]) -> float:
     return sum(r.new_tokens - 1 for r in results) / sum(r.decode_s for r in results)
 
 
+def first_answers(runs: list[dict], pset: str, setting: str | None = None) -> dict[int, list[int]]:
+    """Prompt index -> output ids of the first repetition of prompt set `pset` in a bench's raw runs (runs.jsonl's
+    rows): the plain pass's, or with `setting` (a key such as "3/1/4") the speculative pass's."""
+    mode = "baseline" if setting is None else "speculative"
+    return {
+        r["prompt_index"]: r["output_ids"]
+        for r in runs
+        if r["mode"] == mode and r["setting"] == setting and r["repetition"] == 0 and r["prompts"] == pset
+    }
+
+
 def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int, float] | None) -> dict:
     """Aggregate raw runs (dicts of RequestResult fields plus mode/setting/repetition)."""
 
@@ -382,11 +393,7 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
     for pset, src, prompts in sets:
         same = {}
         if hasattr(backend, "offline_tau") and bc.temperature == 0:  # offline tau on the tokens the live runs decoded
-            answers = {
-                r["prompt_index"]: r["output_ids"]
-                for r in runs
-                if r["mode"] == "baseline" and r["repetition"] == 0 and r["prompts"] == pset
-            }
+            answers = first_answers(runs, pset)
             for d in labels:
                 if len(labels) > 1:
                     backend.use_drafter(d)

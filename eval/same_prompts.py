@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from eagle3ft.eval.accept_len import evaluate
 from eagle3ft.eval.costs import Setting
+from eagle3ft.eval.harness import first_answers
 from eagle3ft.eval.speculate import aux_from_hidden_states
 from eagle3ft.files import read_json
 
@@ -102,13 +103,9 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
         raise FileNotFoundError(f"--answers-from {run}: no finished bench there ({runs} and {summary} are needed)")
     if read_json(summary, "the bench summary").get("temperature") != 0:
         raise ValueError(f"--answers-from {run}: its bench was sampled; offline tau needs greedy (T=0) answers")
-    mode = "baseline" if setting is None else "speculative"
-    rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
-    answers = {
-        r["prompt_index"]: r["output_ids"]
-        for r in rows
-        if r["mode"] == mode and r["setting"] == setting and r["repetition"] == 0 and r["prompts"] == label
-    }
+    answers = first_answers(
+        [json.loads(line) for line in runs.read_text().splitlines() if line.strip()], label, setting
+    )
     if sorted(answers) != list(range(count)):
         raise ValueError(
             f"--answers-from {run}: {setting or 'plain'} answers for prompts {sorted(answers)} of set {label!r}, "

@@ -38,7 +38,13 @@ def test_windows_sum_the_servers_mean_rates_and_keep_the_work_per_server(tmp_pat
     decode_windows.main([str(a), str(b), "--json", str(tmp_path / "w.json"), "--plot", str(tmp_path / "w.png")])
     assert json.loads((tmp_path / "w.json").read_text()) == rows
     assert (tmp_path / "w.png").stat().st_size > 0
-    assert "45.0 k tok/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "45.0 k tok/s" in out
+    assert f"{a}: gen throughput median 10,000 tok/s, p90 10,000, 3 lines" in out  # each server's own rate first
+
+    quiet = write_log(tmp_path / "server2.log", [])  # a server that decoded nothing is left out, and said so
+    decode_windows.main([str(a), str(b), str(quiet)])
+    assert f"{quiet}: no decode lines (left out)" in capsys.readouterr().out
 
 
 def test_a_log_without_decode_lines_is_named(tmp_path):
