@@ -101,8 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="append",
         default=None,
         help="one of our variants, options joined by '+': topk|hidden (teacher form), adam=master|fused|bf16, compile "
-        "(Eagle3Drafter.compile_blocks: norms, q/k/v + rope, MLP), baseline (benchmarks/ttt_baseline.py, the "
-        "unroll before the speed work), attn=flash|lse, tf32, lse_chunk=N, head_chunk=N; repeat for several "
+        "(Eagle3Drafter.compile_blocks: norms, heads + rope, SwiGLU, the TTT attention's merge), baseline "
+        "(benchmarks/ttt_baseline.py, the unroll before the speed work), attn=flash|lse, merge=eager (the merge "
+        "uncompiled under compile), wgrad=autograd (per-step weight gradients summed by autograd, not train/wgrad.py's "
+        "one GEMM per weight), tf32, lse_chunk=N, head_chunk=N; repeat for several "
         f"(default: {' and '.join(DEFAULT_VARIANTS)})",
     )
     p.add_argument(
@@ -370,7 +372,7 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
     known = {"topk", "hidden", "compile", "tf32", "baseline"}
     kv = dict(o.split("=", 1) for o in opts if "=" in o)
     flags = {o for o in opts if "=" not in o}
-    if flags - known or set(kv) - {"adam", "lse_chunk", "head_chunk", "attn"}:
+    if flags - known or set(kv) - {"adam", "lse_chunk", "head_chunk", "attn", "merge", "wgrad"}:
         raise SystemExit(f"unknown ours option(s) in {opts}")
     if "baseline" in flags:
         import importlib.util
@@ -382,9 +384,9 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         spec.loader.exec_module(ttt)
         modules = [ttt]
     else:
-        from eagle3ft.train import attention, losses, ttt
+        from eagle3ft.train import attention, losses, ttt, wgrad
 
-        modules = [ttt, attention, losses]
+        modules = [ttt, attention, losses, wgrad]
     form = "hidden" if "hidden" in flags else "topk"
     cfg = DrafterConfig(
         hidden_size=a.hidden,
@@ -426,6 +428,15 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         knobs["HEAD_CHUNK"] = int(kv["head_chunk"])
     if "attn" in kv:
         knobs["ATTENTION"] = kv["attn"]
+    if kv.get("merge", "compiled") not in ("compiled", "eager") or kv.get("wgrad", "deferred") not in (
+        "deferred",
+        "autograd",
+    ):
+        raise SystemExit(f"merge=compiled|eager and wgrad=deferred|autograd, not {opts}")
+    if "merge" in kv:
+        knobs["MERGE_COMPILE"] = kv["merge"] == "compiled"
+    if "wgrad" in kv:
+        knobs["DEFER"] = kv["wgrad"] == "deferred"
     owners = {name: next((m for m in modules if hasattr(m, name)), None) for name in knobs}
     for name, owner in owners.items():
         if owner is None:

@@ -105,3 +105,52 @@ def test_estimate_allocates_nothing():
     )
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 2**20
     assert e.tokens_per_gpu == 2048 and e.largest_param == 163840 * 7168
+
+
+def test_deferred_stash_count_matches_what_the_stash_holds(monkeypatch):
+    """deferred_bytes against the most train/wgrad.py's stash holds at once (new tensors only: the output gradients
+    and the head's g·x rows; the inputs and softmax - p rows are saved activations already)."""
+    from eagle3ft.train import wgrad
+    from eagle3ft.train.estimate import deferred_bytes
+
+    cfg = DrafterConfig(
+        hidden_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        intermediate_size=320,
+        vocab_size=1000,
+        draft_vocab_size=100,
+    )
+    T, K = 96, 3
+    torch.manual_seed(0)
+    m = Eagle3Drafter(cfg).to(torch.bfloat16)
+    m.t2d[:100] = True
+    batch = {
+        "input_ids": torch.randint(0, 100, (1, T)),
+        "loss_mask": torch.ones(1, T, dtype=torch.long),
+        "aux_hidden": torch.randn(1, T, 384).bfloat16(),
+        "topk_ids": torch.randint(0, 100, (1, T, 4)),
+        "topk_logprobs": torch.log_softmax(torch.randn(1, T, 4), -1),
+    }
+    most = [0]
+    grad = wgrad.WeightGradStash.grad
+
+    def counting(self, weight, g, x):
+        out = grad(self, weight, g, x)
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for u in self.uses.values() for t in u.g}
+        held.update(
+            {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for u in self.uses.values()
+                if u.weight is m.lm_head.weight
+                for t in u.x
+            }
+        )  # g·x, made in the head's backward
+        most[0] = max(most[0], sum(held.values()))
+        return out
+
+    monkeypatch.setattr(wgrad.WeightGradStash, "grad", counting)
+    ttt_forward(m, batch, steps=K).loss.backward()
+    stash, _ = deferred_bytes(cfg, T, K)
+    assert abs(most[0] / stash - 1) < 0.1, (most[0], stash)  # the head trains on fewer rows than T at later steps

@@ -260,3 +260,79 @@ def test_compiled_blocks_match_eager():
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_merge_matches_explicit_mask_over_token_counts_and_steps(monkeypatch):
+    """train.compile's torch.compile'd diagonal merge (flash path): the explicit-mask values and gradients for
+    several numbers of diagonal keys and token counts, one graph per number of keys (T stays dynamic)."""
+    from eagle3ft.train import attention as attn
+
+    monkeypatch.setattr(attn, "ATTENTION", "flash")
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(attn, "_COMPILED_MERGE", {})
+    torch._dynamo.reset()
+    counters.clear()
+    for T, n_diag in [(9, 1), (9, 3), (13, 3), (5, 1), (13, 2)]:
+        g = torch.Generator().manual_seed(T * 10 + n_diag)
+        q = (torch.randn(2, 4, T, 16, generator=g) * 2).requires_grad_()
+        kv = [torch.randn(2, 4, T, 16, generator=g).requires_grad_() for _ in range(2 * (1 + n_diag))]
+        k0, v0, dk, dv = kv[0], kv[1], kv[2::2], kv[3::2]
+        out = attn.ttt_attention(q, k0, v0, dk, dv, compiled=True)
+        ref = explicit_attention(q, k0, v0, dk, dv)
+        w = torch.randn(ref.shape, generator=g)
+        grads = torch.autograd.grad((out * w).sum(), [q, *kv])
+        ref_grads = torch.autograd.grad((ref * w).sum(), [q, *kv])
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for a, r in zip(grads, ref_grads):
+            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+    assert set(attn._COMPILED_MERGE) == {"forward", "backward"}
+    assert counters["stats"]["unique_graphs"] == 2 * 3  # forward and backward for 1, 2 and 3 keys: no T recompiles
+
+
+@pytest.mark.parametrize("loss", ["ce", "lk_hybrid"])
+def test_deferred_weight_grads_equal_autograds_and_fire_each_hook_once(monkeypatch, loss):
+    """train/wgrad.py: one GEMM per weight over the TTT steps gives autograd's per-step sum, and each weight's
+    gradient arrives once (the moment DeepSpeed's hooks reduce it)."""
+    from eagle3ft.train import wgrad
+
+    m = drafter(seed=11)
+    b = batch(seed=12)
+    params = dict((n, p) for n, p in m.named_parameters() if p.requires_grad)
+    monkeypatch.setattr(wgrad, "DEFER", False)
+    ref = ttt_forward(m, b, steps=5, decay=0.8, loss_kind=loss)
+    ref_grads = dict(zip(params, torch.autograd.grad(ref.loss, list(params.values()))))
+    monkeypatch.setattr(wgrad, "DEFER", True)
+    arrivals = {n: 0 for n in params}
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: arrivals.__setitem__(n, arrivals[n] + 1))
+        for n, p in params.items()
+    ]
+    out = ttt_forward(m, b, steps=5, decay=0.8, loss_kind=loss)
+    out.loss.backward()
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)
+    for n, p in params.items():
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert arrivals == {n: 1 for n in params}
+
+
+def test_deferred_weight_grad_of_a_use_outside_the_loss_is_an_error():
+    """A weight use whose output never reaches the loss would leave its weight's sum unfinished: the backward
+    raises instead of handing DeepSpeed a partial gradient."""
+    from eagle3ft.train import wgrad
+    from eagle3ft.train.model import Linear
+
+    lin = Linear(4, 3)
+    x = torch.randn(2, 4)
+    with wgrad.deferred():
+        used, unused = lin(x), lin(x * 2)
+    with pytest.raises(RuntimeError, match="backward never ran"):
+        used.sum().backward()
+    assert unused.requires_grad
+    with wgrad.deferred():
+        y = lin(x) + lin(x * 2)
+    lin.weight.grad = None
+    y.sum().backward()
+    torch.testing.assert_close(lin.weight.grad, torch.ones(2, 3).t() @ (3 * x))

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 # job)
 ATTENTION = os.environ.get("EAGLE3FT_TTT_ATTENTION", "flash")
 LSE_CHUNK = 256  # query rows per chunk when computing the causal log-sum-exp ("lse" path)
+MERGE_COMPILE = True  # False: the flash path's diagonal merge stays eager under train.compile too (a benchmark knob)
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -163,9 +164,61 @@ def _flash_backward(g, q, k, v, out, lse, extra, scale, docs: Documents | None =
     )
 
 
-def _weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (…, hd) times float32 weights w (…) per row, computed in float32, stored in x's dtype."""
-    return torch.mul(x, w[..., None], out=torch.empty_like(x))
+def _merge_forward(out_c, lse_c, q, diag_k, diag_v, scale: float):
+    """The diagonal keys merged into the causal part (out_c, lse_c), in float32.
+
+    Returns (out (B, nh, T, hd) in q's dtype, lse (B, nh, T) and the diagonal scores s (n, B, nh, T), float32)."""
+    qf = q.float()
+    s = torch.stack([(qf * kj.float()).sum(-1) for kj in diag_k]) * scale  # (n, B, nh, T)
+    lse = torch.logaddexp(lse_c, torch.logsumexp(s, 0))  # (B, nh, T)
+    out = out_c.float() * (lse_c - lse).exp()[..., None]  # (B, nh, T, hd)
+    for sj, vj in zip(s, diag_v):
+        out = out + (sj - lse).exp()[..., None] * vj.float()
+    return out.to(q.dtype), lse, s
+
+
+def _merge_backward(g, out, lse, s, q, diag_k, diag_v, dq, scale: float):
+    """The diagonal keys' part of the backward, in float32: (dq (B, nh, T, hd): the flash backward's dq plus the
+    diagonal terms, dk_j, dv_j), each in q's dtype."""
+    gf = g.float()
+    D = (gf * out.float()).sum(-1)  # (B, nh, T) rowsum(dout · out) of the merged softmax
+    dq = dq.float()
+    dks, dvs = [], []
+    for sj, kj, vj in zip(s, diag_k, diag_v):
+        pj = (sj - lse).exp()  # (B, nh, T)
+        ds = pj * ((gf * vj.float()).sum(-1) - D) * scale  # (B, nh, T)
+        dq = dq + ds[..., None] * kj.float()
+        dks.append((ds[..., None] * q.float()).to(q.dtype))
+        dvs.append((pj[..., None] * gf).to(q.dtype))
+    return dq.to(q.dtype), dks, dvs
+
+
+_COMPILED_MERGE: dict[str, object] = {}
+
+
+def _compiled(name: str, fn):
+    """torch.compile'd fn, one graph per number of diagonal keys, the token count dynamic (T varies between batches;
+    without it each new T would recompile until dynamo's cache limit sends the rest to eager)."""
+    if name not in _COMPILED_MERGE:
+        _COMPILED_MERGE[name] = torch.compile(fn)
+
+    def call(*args):
+        T = args[0].shape[2]  # both take a (B, nh, T, hd) tensor first
+        for x in args:
+            for t in x if isinstance(x, list) else (x,):
+                if isinstance(t, torch.Tensor):
+                    for d in range(1, t.dim()):
+                        if t.shape[d] == T:
+                            torch._dynamo.maybe_mark_dynamic(t, d)
+        return _COMPILED_MERGE[name](*args)
+
+    return call
+
+
+def _merge_fns(compiled: bool):
+    if compiled and MERGE_COMPILE:
+        return _compiled("forward", _merge_forward), _compiled("backward", _merge_backward)
+    return _merge_forward, _merge_backward
 
 
 class _FlashTTTAttention(torch.autograd.Function):
@@ -176,26 +229,24 @@ class _FlashTTTAttention(torch.autograd.Function):
     Backward: the flash backward given (out, lse) of the whole key set yields the exact causal-key gradients
     (its probabilities exp(s - lse) and D = rowsum(dout · out) are those of the merged softmax); the diagonal
     keys add p_j = exp(s_j - lse): dv_j = p_j dout, ds_j = p_j (dout·v_j - D), dq += scale ds_j k_j,
-    dk_j = scale ds_j q.
+    dk_j = scale ds_j q. With `compiled` (train.compile) the merge and its backward run through torch.compile,
+    a few fused kernels per step instead of ~10 elementwise ones per diagonal key.
     """
 
     @staticmethod
-    def forward(ctx, docs, q, k0, v0, *diag):
+    def forward(ctx, docs, compiled, q, k0, v0, *diag):
         n = len(diag) // 2
         diag_k, diag_v = diag[:n], diag[n:]
         scale = q.shape[-1] ** -0.5
         out, lse_c, extra = _flash_forward(q, k0, v0, scale, docs)  # (B, nh, T, hd), (B, nh, T)
         lse_c = lse_c[..., : q.shape[2]]
+        merge, _ = _merge_fns(compiled)
         if n:
-            s = torch.stack([(q * kj).sum(-1, dtype=torch.float32) * scale for kj in diag_k])  # (n, B, nh, T)
-            lse = torch.logaddexp(lse_c, torch.logsumexp(s, 0)).contiguous()  # (B, nh, T)
-            out.mul_((lse_c - lse).exp()[..., None])
+            out, lse, s = merge(out, lse_c.contiguous(), q, list(diag_k), list(diag_v), scale)
         else:  # step 0 of a packed batch: the document-causal part alone
             s, lse = lse_c.new_empty(0), lse_c.contiguous()
-        for sj, vj in zip(s, diag_v):
-            out.addcmul_(vj, (sj - lse).exp()[..., None])
         ctx.save_for_backward(q, k0, v0, out, lse, s, *diag)
-        ctx.extra, ctx.scale, ctx.n, ctx.docs = extra, scale, n, docs
+        ctx.extra, ctx.scale, ctx.n, ctx.docs, ctx.compiled = extra, scale, n, docs, compiled
         return out
 
     @staticmethod
@@ -205,15 +256,11 @@ class _FlashTTTAttention(torch.autograd.Function):
         if g.stride(-1) != 1:
             g = g.contiguous()
         dq, dk0, dv0 = _flash_backward(g, q, k0, v0, out, lse, ctx.extra, ctx.scale, ctx.docs)
-        D = (g * out).sum(-1, dtype=torch.float32)  # (B, nh, T)
         dks, dvs = [], []
-        for sj, kj, vj in zip(s, diag_k, diag_v):
-            pj = (sj - lse).exp()  # (B, nh, T)
-            ds = pj * ((g * vj).sum(-1, dtype=torch.float32) - D) * ctx.scale  # (B, nh, T)
-            dq.addcmul_(kj, ds[..., None])
-            dks.append(_weighted(q, ds))
-            dvs.append(_weighted(g, pj))
-        return None, dq, dk0, dv0, *dks, *dvs
+        if ctx.n:
+            _, merge_backward = _merge_fns(ctx.compiled)
+            dq, dks, dvs = merge_backward(g, out, lse, s, q, list(diag_k), list(diag_v), dq, ctx.scale)
+        return None, None, dq, dk0, dv0, *dks, *dvs
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
@@ -227,14 +274,21 @@ def _heads(x: torch.Tensor, nh: int) -> torch.Tensor:
 
 
 def ttt_attention(
-    q, k0, v0, diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], docs: Documents | None = None
+    q,
+    k0,
+    v0,
+    diag_k: list[torch.Tensor],
+    diag_v: list[torch.Tensor],
+    docs: Documents | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Attention of q (B, nh, T, hd) over causal step-0 keys k0/v0 (B, nkv, T, hd) plus, for row t,
     the diagonal keys diag_k[j][:, :, t] (one per step 1..k). Returns (B, nh, T, hd).
-    With docs (packed rows) the step-0 keys are those of row t's own document only."""
+    With docs (packed rows) the step-0 keys are those of row t's own document only. `compiled` (train.compile):
+    the flash path's diagonal merge runs through torch.compile."""
     if (diag_k or docs is not None) and _flash_ok(q):
         nh = q.shape[1]
-        return _FlashTTTAttention.apply(docs, q, *(_heads(x, nh) for x in (k0, v0, *diag_k, *diag_v)))
+        return _FlashTTTAttention.apply(docs, compiled, q, *(_heads(x, nh) for x in (k0, v0, *diag_k, *diag_v)))
     return lse_attention(q, k0, v0, diag_k, diag_v, docs)
 
 

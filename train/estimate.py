@@ -8,6 +8,9 @@ weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and
 partitions all three and gathers one module at a time (the largest module, the embedding, bounds that transient).
 Activations are what autograd keeps per token and per TTT step, counted tensor by tensor in
 `activation_bytes_per_token_step`, for the compiled step (the default on CUDA; `--eager` without train.compile).
+The TTT unroll's deferred weight gradients (train/wgrad.py) keep every projection's output gradient and the head's
+rows until the weight's last use, then concatenate one weight's rows for its GEMM (`deferred_bytes`), on top of the
+activations.
 The fp32 gradient DeepSpeed builds for the update (4 B per parameter, partitioned) lives only in the optimizer step,
 after the backward has freed the activations, so the peak holds the larger of the two, not their sum (the sum was
 14-19% above the H200's measured peaks at 1 and 2 GPUs, RESULTS §11d).
@@ -67,6 +70,22 @@ def activation_bytes_per_token_step(cfg: DrafterConfig, act_bytes: int = 2, comp
     return saved + fp32 - recomputed
 
 
+def deferred_bytes(cfg: DrafterConfig, tokens: int, ttt_steps: int, act_bytes: int = 2) -> tuple[int, int]:
+    """(what train/wgrad.py's stash holds at its most, the largest concatenation), in bytes.
+
+    The stash keeps the output gradients of q/k/v/o, gate/up and down and the head's g·x rows (their inputs and the
+    head's softmax - p rows are saved activations already) until each weight's last use, in step 0's backward. The
+    head is the first weight that step finishes, so the most is every step's head rows and the other weights' rows
+    of steps 1..K-1. Finishing a weight concatenates its input rows and output-gradient rows over the steps."""
+    H, I, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    head = H  # g·x; softmax - p is saved already
+    projections = q + 2 * kv + H + 2 * I + H  # q, k, v, o, gate, up, down
+    stash = act_bytes * tokens * (ttt_steps * head + (ttt_steps - 1) * projections)
+    widest = max(2 * H + q, q + H, H + I, I + H, H + Vd)  # q (k, v narrower), o, gate/up, down, head
+    return stash, act_bytes * ttt_steps * tokens * widest
+
+
 def estimate(
     cfg: DrafterConfig,
     gpus: int,
@@ -83,7 +102,7 @@ def estimate(
     largest = max(p.numel() for p in model.parameters())
     tokens = micro_batch * seq
     per_token = activation_bytes_per_token_step(cfg, compiled=compiled)
-    act = per_token * tokens * ttt_steps
+    act = per_token * tokens * ttt_steps + sum(deferred_bytes(cfg, tokens, ttt_steps))
     head = (
         min(tokens, HEAD_CHUNK_BYTES // (4 * cfg.draft_vocab_size)) * cfg.draft_vocab_size * (2 + 4 + 4)
     )  # fused head CE: one chunk of bf16 logits, fp32 log-softmax and p·log q

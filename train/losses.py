@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from eagle3ft.train import wgrad
+
 HEAD_CHUNK = None  # rows per chunk in the fused lm_head + cross-entropy; None: HEAD_CHUNK_BYTES of fp32 logits
 HEAD_CHUNK_BYTES = 1 << 30
 
@@ -21,11 +23,12 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
     x (N, H); weight (Vd, H); ids (N, K) with p (N, K) (sparse target), or ids None with p (N, Vd).
     Holds at most `chunk` × Vd float32 logits at a time and saves d = softmax - p (N, Vd) in x's dtype,
-    so backward is two GEMMs, gx = g · (d W) and gw = dᵀ (g · x), and recomputes no logits.
+    so backward is two GEMMs, gx = g · (d W) and gw = dᵀ (g · x), and recomputes no logits. With a weight-gradient
+    stash (train/wgrad.py, the TTT unroll) gw is the stash's: one GEMM over every step's rows at the weight's last use.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, ids, p, chunk):
+    def forward(ctx, x, weight, ids, p, chunk, stash):
         def ce(a: int, b: int, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             loss = -(p[a:b] * (logq.gather(1, ids[a:b]) if ids is not None else logq)).sum(-1)
             g = logq.exp_()  # softmax (c, Vd)
@@ -35,20 +38,30 @@ class _HeadCrossEntropy(torch.autograd.Function):
                 g -= p[a:b]
             return loss, g
 
-        return _over_row_chunks(ctx, x, weight, chunk, ce)
+        return _over_row_chunks(ctx, x, weight, chunk, ce, stash)
 
     @staticmethod
     def backward(ctx, g_loss, _g_pred):
-        x, weight, d = ctx.saved_tensors
-        g = g_loss[:, None]  # (N, 1) float32
-        gx = torch.mul(d @ weight, g, out=torch.empty_like(x))  # (N, H)
-        gw = d.t() @ torch.mul(x, g, out=torch.empty_like(x))  # (Vd, H): one GEMM, fp32 accumulation inside
-        return gx, gw, None, None, None
+        return _head_backward(ctx, g_loss) + (None, None, None, None)
 
 
-def _over_row_chunks(ctx, x, weight, chunk: int, per_chunk):
+def _head_backward(ctx, g_loss) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(gx (N, H), gw (Vd, H) or None while a stash defers it) of both head losses, from the saved d."""
+    x, weight, d = ctx.saved_tensors
+    g = g_loss[:, None]  # (N, 1) float32
+    gx = torch.mul(d @ weight, g, out=torch.empty_like(x))  # (N, H)
+    xg = torch.mul(x, g, out=torch.empty_like(x)) if ctx.needs_input_grad[1] else None
+    if ctx.stash is not None:
+        return gx, ctx.stash.grad(weight, d if xg is not None else None, xg)
+    return gx, None if xg is None else d.t() @ xg  # (Vd, H): one GEMM, fp32 accumulation inside
+
+
+def _over_row_chunks(ctx, x, weight, chunk: int, per_chunk, stash):
     """The forward both head losses share: `chunk` rows of logits at a time, per_chunk(a, b, logq) -> (loss rows,
     dloss/dlogits rows); keeps d = dloss/dlogits (N, Vd) in x's dtype for the two-GEMM backward."""
+    if stash is not None:
+        stash.use(weight)
+    ctx.stash = stash
     n = x.shape[0]
     loss = torch.empty(n, dtype=torch.float32, device=x.device)
     pred = torch.empty(n, dtype=torch.long, device=x.device)
@@ -66,7 +79,7 @@ def _over_row_chunks(ctx, x, weight, chunk: int, per_chunk):
 def head_cross_entropy(x, weight, ids, p, chunk: int | None = None):
     """(per-row CE (N,) float32, argmax draft id (N,)); see _HeadCrossEntropy."""
     chunk = chunk or HEAD_CHUNK or max(1, HEAD_CHUNK_BYTES // (4 * weight.shape[0]))
-    return _HeadCrossEntropy.apply(x, weight, ids, p, chunk)
+    return _HeadCrossEntropy.apply(x, weight, ids, p, chunk, wgrad.active(weight))
 
 
 # --------------------------------------------------------------------------- acceptance-targeted losses
@@ -89,7 +102,7 @@ class _HeadOverlapLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, ids, p, chunk, kind, eta):
+    def forward(ctx, x, weight, ids, p, chunk, kind, eta, stash):
         def overlap(a: int, b: int, logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             q = logq.exp()
             pc = p[a:b].float()  # (c, K) or (c, Vd)
@@ -109,11 +122,11 @@ class _HeadOverlapLoss(torch.autograd.Function):
             g_kl = q.scatter_add(1, ids[a:b], -pc) if ids is not None else q - pc  # q - p
             return lam[:, 0] * kl + (1 - lam[:, 0]) * (1 - alpha), lam * g_kl - (1 - lam) * g_alpha
 
-        return _over_row_chunks(ctx, x, weight, chunk, overlap)
+        return _over_row_chunks(ctx, x, weight, chunk, overlap, stash)
 
     @staticmethod
-    def backward(ctx, g_loss, g_pred):
-        return *_HeadCrossEntropy.backward(ctx, g_loss, g_pred), None, None  # the same two GEMMs through d
+    def backward(ctx, g_loss, _g_pred):
+        return _head_backward(ctx, g_loss) + (None,) * 6  # the same two GEMMs through d
 
 
 def head_loss(x, weight, ids, p, loss: str = "ce", eta: float = 3.0, chunk: int | None = None):
@@ -125,4 +138,4 @@ def head_loss(x, weight, ids, p, loss: str = "ce", eta: float = 3.0, chunk: int 
     chunk = (
         chunk or HEAD_CHUNK or max(1, HEAD_CHUNK_BYTES // (12 * weight.shape[0]))
     )  # q, dalpha/dz, dKL/dz: 3 fp32 (c, Vd) at once
-    return _HeadOverlapLoss.apply(x, weight, ids, p, chunk, loss, eta)
+    return _HeadOverlapLoss.apply(x, weight, ids, p, chunk, loss, eta, wgrad.active(weight))

@@ -20,8 +20,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.train import wgrad
 
 # --------------------------------------------------------------------------- building blocks
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias whose weight gradient the TTT unroll may take in one GEMM over its steps
+    (train/wgrad.py); the same parameter and checkpoint key as nn.Linear."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return wgrad.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -97,19 +109,23 @@ class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(2 * cfg.hidden_size, self.nh * self.hd)
+        self.k_proj = Linear(2 * cfg.hidden_size, self.nkv * self.hd)
+        self.v_proj = Linear(2 * cfg.hidden_size, self.nkv * self.hd)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Roped q (B, nh, T, hd), k and v (B, nkv, T, hd); the attention core is the caller's."""
-        B, T, _ = x.shape  # x (B, T, 2H)
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)  # x (B, T, 2H)
+
+    def heads(self, q, k, v, cos, sin):
+        """The projections (B, T, heads·hd) split into heads (B, heads, T, hd), q and k roped (compiled in training)."""
+        B, T, _ = q.shape
+        q = q.view(B, T, self.nh, self.hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
@@ -120,12 +136,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))  # (B, T, H) -> (B, T, I) -> (B, T, H)
+
+    @staticmethod
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up  # (B, T, I), compiled in training
 
 
 class MidLayer(nn.Module):
@@ -246,22 +266,18 @@ class Eagle3Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def compile_blocks(self) -> None:
-        """torch.compile the elementwise-heavy blocks in place: the RMSNorms, q/k/v with rope, the SwiGLU MLP.
+        """torch.compile the elementwise-heavy pieces in place: the RMSNorms, the split into heads with rope, SwiGLU.
 
-        Training's TTT unroll and attention core stay eager; needs a backend that compiles (triton on CUDA).
+        The projections stay outside the compiled graphs, so that the TTT unroll can defer their weight gradients
+        (train/wgrad.py); the unroll and the attention core stay eager too (the TTT attention compiles its own merge).
+        Needs a backend that compiles (triton on CUDA).
         """
         mid = self.midlayer
         self.blocks_compiled = True
-        for m in (
-            self.norm,
-            mid.input_layernorm,
-            mid.hidden_norm,
-            mid.post_attention_layernorm,
-            mid.self_attn,
-            mid.mlp,
-            *(self.fc_norm or ()),
-        ):
+        for m in (self.norm, mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm, *(self.fc_norm or ())):
             m.compile()
+        mid.self_attn.heads = torch.compile(mid.self_attn.heads)
+        mid.mlp.act = torch.compile(mid.mlp.act)
 
     # -- inference
 

@@ -22,6 +22,7 @@ from functools import partial
 
 import torch
 
+from eagle3ft.train import wgrad
 from eagle3ft.train.attention import Documents, shift, ttt_attention
 from eagle3ft.train.losses import LOSSES, head_loss
 from eagle3ft.train.model import Eagle3Drafter
@@ -107,7 +108,13 @@ def ttt_forward(
     target_head: the target's lm_head rows of the draft vocabulary (Vd, Ht), to take p from
     `last_hidden` (exact draft-vocab softmax) instead of the stored top-k.
     loss_kind: the per-position loss, one of LOSSES (see head_loss); lk_eta is lk_hybrid's eta.
+    The midlayer's and lm_head's weight gradients come as one GEMM each over all the steps (train/wgrad.py).
     """
+    with wgrad.deferred():
+        return _unroll(model, batch, steps, decay, target_head, loss_kind, lk_eta)
+
+
+def _unroll(model, batch, steps, decay, target_head, loss_kind, lk_eta) -> TTTOutput:
     ids = batch["input_ids"].long()  # (B, T)
     B, T = ids.shape
     dtype = model.fc.weight.dtype
@@ -147,7 +154,8 @@ def ttt_forward(
         else:
             diag_k.append(kk)
             diag_v.append(vv)
-        out = model.midlayer.finish(ttt_attention(q, k0, v0, diag_k, diag_v, docs), hidden)  # (B, T, H) pre-norm
+        attn = ttt_attention(q, k0, v0, diag_k, diag_v, docs, model.blocks_compiled)  # (B, nh, T, hd)
+        out = model.midlayer.finish(attn, hidden)  # (B, T, H) pre-norm
 
         r, ahead = rows[k], rows[k] + 1 + k  # (N,) valid rows; the rows holding their targets (t+1+k)
         xn = model.norm(flat(out).index_select(0, r))  # (N, H)
