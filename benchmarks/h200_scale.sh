@@ -429,25 +429,26 @@ s9() {  # issues 13 and 14 in one lease, both GPUs busy: GPU 0 trains T3 (RUNS=t
 }
 onoff() {  # issue 13.2: offline against online training, the same samples and steps, one GPU: ONOFF_CONVS conversations of
            # the carried TOKENS harvested into a feature store (bf16 aux states), then the same drafter trained from it
-           # and from the target's prefill per batch (online, on the store's own tokens), ONOFF_STEPS steps each
-  local run=$S/onoff-offline mode n
+           # and from the target's prefill per batch (online, on the store's own tokens), ONOFF_STEPS steps each;
+           # ONOFF_RUNS lists the trainings as mode:ttt_steps ("offline:3 online:3")
+  local run=$S/onoff-offline r mode ttt n
   [[ -d $S/main/tokens ]] || regen
   say "online vs offline: the features of ${ONOFF_CONVS:-600} conversations"
   CUDA_VISIBLE_DEVICES=0 $PY data/harvest.py --config $CONFIG --run-dir "$run" "${BASE[@]}" "${GEN[@]}" --set harvest.batch_size=64 \
     --set "harvest.sources=[{kind: tokens, path: $S/main/tokens, split: train, limit: ${ONOFF_CONVS:-600}}, {kind: tokens, path: $S/main/tokens, split: heldout, limit: 16}]" \
     > "$L/onoff-harvest.json" 2> "$L/onoff-harvest.log"
   echo "harvest exit $?"; grep -h '"time_s"\|"tokens"' "$L/onoff-harvest.json" | tail -3; du -sh "$run/features"
-  mkdir -p "$S/onoff-online" && ln -sfn "$run/features" "$S/onoff-online/features"
-  for mode in offline online; do
-    n=$S/onoff-$mode
+  for r in ${ONOFF_RUNS:-offline:3 online:3}; do
+    mode=${r%:*} ttt=${r#*:} n=$S/onoff-${r/:/-t}
+    mkdir -p "$n" && ln -sfn "$run/features" "$n/features" && ln -sfn "$run/vocab.safetensors" "$n/vocab.safetensors"
     CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout -s INT "${ONOFF_S:-240}" accelerate launch --config_file configs/accelerate/1gpu.yaml \
       --main_process_port 29511 train/finetune.py --config $CONFIG --run-dir "$n" "${BASE[@]}" --set "train.features=$mode" \
       --set "train.pack_tokens=${PACK:-32768}" --set train.max_len=4096 --set "train.max_steps=${ONOFF_STEPS:-60}" --set train.eval_every=0 \
       --set "train.lr=${LR:-2e-3}" --set train.warmup_steps=10 --set train.save_every=100000 --set train.log_every=10 \
-      --set drafter.fc_norm=true --set drafter.norm_output=true --set train.ttt_steps=3 > "$L/train-onoff-$mode.log" 2>&1
-    echo "$mode exit $?"; grep -h "start-up:\|first step" "$L/train-onoff-$mode.log" | tr '\r' '\n' | grep -v '^train:'
-    cp "$n/train/metrics.jsonl" "$L/metrics-onoff-$mode.jsonl" 2> /dev/null
-    metrics_summary "$L/metrics-onoff-$mode.jsonl" "$mode"
+      --set drafter.fc_norm=true --set drafter.norm_output=true --set "train.ttt_steps=$ttt" > "$L/train-onoff-${r/:/-t}.log" 2>&1
+    echo "$r exit $?"; grep -h "start-up:\|first step" "$L/train-onoff-${r/:/-t}.log" | tr '\r' '\n' | grep -v '^train:'
+    cp "$n/train/metrics.jsonl" "$L/metrics-onoff-${r/:/-t}.jsonl" 2> /dev/null
+    metrics_summary "$L/metrics-onoff-${r/:/-t}.jsonl" "$r"
   done
 }
 resume_ws() {  # issue 16: a checkpoint of 2 ranks resumed on 2 and on 1, on the GPUs (ZeRO-2 and ZeRO-3)
