@@ -57,9 +57,11 @@ def attention_inputs(B, nh, nkv, T, hd, n_diag, dtype, seed):
     return [x.to(dtype).requires_grad_() for x in (q, *kv)]
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("nh,nkv,T,hd,n_diag", [(8, 8, 300, 128, 1), (8, 2, 257, 64, 6), (16, 16, 1024, 128, 3)])
-def test_flash_ttt_attention_matches_explicit_mask_fp64(monkeypatch, nh, nkv, T, hd, n_diag):
-    """bf16 flash forward + LSE merge and its backward on CUDA, against the explicit-mask attention in fp64."""
+def test_flash_ttt_attention_matches_explicit_mask_fp64(monkeypatch, nh, nkv, T, hd, n_diag, compiled):
+    """bf16 flash forward + LSE merge and its backward on CUDA, against the explicit-mask attention in fp64; the merge
+    eager and torch.compile'd (train.compile)."""
     from eagle3ft.train import attention as attn
 
     monkeypatch.setattr(attn, "ATTENTION", "flash")
@@ -68,7 +70,7 @@ def test_flash_ttt_attention_matches_explicit_mask_fp64(monkeypatch, nh, nkv, T,
     monkeypatch.setattr(attn._FlashTTTAttention, "apply", lambda *a: calls.append(1) or apply(*a))
     x = attention_inputs(2, nh, nkv, T, hd, n_diag, torch.bfloat16, seed=T + n_diag)
     q, k0, v0, dk, dv = x[0], x[1], x[2], x[3::2], x[4::2]
-    out = attn.ttt_attention(q, k0, v0, dk, dv)
+    out = attn.ttt_attention(q, k0, v0, dk, dv, compiled=compiled)
     assert calls, "the flash path was not taken"
     assert out.dtype == torch.bfloat16
     x64 = [t.detach().double().requires_grad_() for t in x]
@@ -274,6 +276,55 @@ def test_compiled_step_matches_eager_at_k2_dims(tmp_path):
     assert all(r["compiled_vs_ref"] < 5e-2 for r in report["rows"]), max(
         report["rows"], key=lambda r: r["compiled_vs_ref"]
     )
+
+
+def test_deferred_weight_grads_on_cuda_as_close_to_fp64_as_autograds():
+    """train/wgrad.py's one GEMM per weight (bf16, CUDA) against the same TTT step in fp64: each weight gradient no
+    further from the reference than autograd's per-step bf16 sum (train/wgrad.DEFER off), with 2x slack."""
+    from eagle3ft.drafter_config import DrafterConfig
+    from eagle3ft.train import wgrad
+    from eagle3ft.train.model import Eagle3Drafter
+    from eagle3ft.train.ttt import ttt_forward
+
+    cfg = DrafterConfig(
+        hidden_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=4000,
+        draft_vocab_size=1000,
+    )
+    torch.manual_seed(0)
+    m = Eagle3Drafter(cfg).cuda()
+    with torch.no_grad():
+        m.t2d[:1000] = True
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T = 512
+    batch = {
+        "input_ids": torch.randint(0, 1000, (2, T), device="cuda", generator=g),
+        "loss_mask": torch.ones(2, T, dtype=torch.long, device="cuda"),
+        "aux_hidden": torch.randn(2, T, 3 * 512, device="cuda", generator=g),
+        "topk_ids": torch.randint(0, 1000, (2, T, 8), device="cuda", generator=g),
+        "topk_logprobs": torch.log_softmax(torch.randn(2, T, 8, device="cuda", generator=g), -1),
+    }
+
+    def grads(model, defer):
+        wgrad.DEFER = defer
+        try:
+            ps = [p for p in model.parameters() if p.requires_grad]
+            return torch.autograd.grad(ttt_forward(model, batch, steps=7).loss, ps)
+        finally:
+            wgrad.DEFER = True
+
+    import copy
+
+    ref = grads(copy.deepcopy(m).double(), True)
+    half = m.bfloat16()
+    deferred, per_step = grads(half, True), grads(half, False)
+    names = [n for n, p in m.named_parameters() if p.requires_grad]
+    for name, d, a, r in zip(names, deferred, per_step, ref):
+        assert rel(d, r) < max(2 * rel(a, r), 1e-3), (name, rel(d, r), rel(a, r))
 
 
 # --------------------------------------------------------------------------- the trainer on CUDA: its defaults there
