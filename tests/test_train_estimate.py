@@ -36,23 +36,23 @@ def test_kimi_k2_parameter_count_and_memory(capsys):
     assert "ZeRO-2" in out and "ZeRO-3" in out and "1.191B trainable" in out
 
 
-def saved_bytes_per_token_step(compiled: bool) -> tuple[float, DrafterConfig]:
-    """What autograd keeps per token and TTT step for a small bf16 drafter (eager, or with train.compile's blocks)."""
+T, K = 96, 3  # tokens and TTT steps of the counts below
+
+
+def small_bf16_drafter(nkv: int = 8) -> tuple[Eagle3Drafter, dict, DrafterConfig]:
+    """(a small bf16 drafter, one batch of T tokens, its config)."""
     cfg = DrafterConfig(
         hidden_size=128,
         num_attention_heads=8,
-        num_key_value_heads=8,
+        num_key_value_heads=nkv,
         head_dim=16,
         intermediate_size=320,
         vocab_size=1000,
         draft_vocab_size=100,
     )
-    T, K = 96, 3
     torch.manual_seed(0)
     m = Eagle3Drafter(cfg).to(torch.bfloat16)
     m.t2d[:100] = True
-    if compiled:
-        m.compile_blocks()
     batch = {
         "input_ids": torch.randint(0, 100, (1, T)),
         "loss_mask": torch.ones(1, T, dtype=torch.long),
@@ -60,6 +60,14 @@ def saved_bytes_per_token_step(compiled: bool) -> tuple[float, DrafterConfig]:
         "topk_ids": torch.randint(0, 100, (1, T, 4)),
         "topk_logprobs": torch.log_softmax(torch.randn(1, T, 4), -1),
     }
+    return m, batch, cfg
+
+
+def saved_bytes_per_token_step(compiled: bool) -> tuple[float, DrafterConfig]:
+    """What autograd keeps per token and TTT step for a small bf16 drafter (eager, or with train.compile's blocks)."""
+    m, batch, cfg = small_bf16_drafter()
+    if compiled:
+        m.compile_blocks()
     if compiled:
         ttt_forward(m, batch, steps=K).loss.backward()  # compile outside the measurement
     storages = {}
@@ -113,26 +121,7 @@ def test_deferred_stash_count_matches_what_the_stash_holds(monkeypatch):
     from eagle3ft.train import wgrad
     from eagle3ft.train.estimate import deferred_bytes
 
-    cfg = DrafterConfig(
-        hidden_size=128,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=16,
-        intermediate_size=320,
-        vocab_size=1000,
-        draft_vocab_size=100,
-    )
-    T, K = 96, 3
-    torch.manual_seed(0)
-    m = Eagle3Drafter(cfg).to(torch.bfloat16)
-    m.t2d[:100] = True
-    batch = {
-        "input_ids": torch.randint(0, 100, (1, T)),
-        "loss_mask": torch.ones(1, T, dtype=torch.long),
-        "aux_hidden": torch.randn(1, T, 384).bfloat16(),
-        "topk_ids": torch.randint(0, 100, (1, T, 4)),
-        "topk_logprobs": torch.log_softmax(torch.randn(1, T, 4), -1),
-    }
+    m, batch, cfg = small_bf16_drafter(nkv=4)
     most = [0]
     grad = wgrad.WeightGradStash.grad
 

@@ -188,12 +188,17 @@ def test_ttt_attention_paths_match_explicit_mask(monkeypatch, attention, nkv, n_
     from eagle3ft.train import attention as attn
 
     monkeypatch.setattr(attn, "ATTENTION", attention)
-    g = torch.Generator().manual_seed(n_diag * 10 + nkv)
-    B, nh, T, hd = 2, 4, 9, 16
-    q = (torch.randn(B, nh, T, hd, generator=g) * 2).requires_grad_()
-    kv = [torch.randn(B, nkv, T, hd, generator=g).requires_grad_() for _ in range(2 * (1 + n_diag))]
+    check_against_explicit(attn.ttt_attention, nkv=nkv, T=9, n_diag=n_diag, seed=n_diag * 10 + nkv)
+
+
+def check_against_explicit(ttt_attention, nkv: int, T: int, n_diag: int, seed: int, **kw) -> None:
+    """ttt_attention(q, k0, v0, diag_k, diag_v, **kw) on random fp32 inputs (2 x 4 heads x T x 16): the
+    explicit-mask values and gradients."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(2, 4, T, 16, generator=g) * 2).requires_grad_()
+    kv = [torch.randn(2, nkv, T, 16, generator=g).requires_grad_() for _ in range(2 * (1 + n_diag))]
     k0, v0, dk, dv = kv[0], kv[1], kv[2::2], kv[3::2]
-    out = attn.ttt_attention(q, k0, v0, dk, dv)
+    out = ttt_attention(q, k0, v0, dk, dv, **kw)
     ref = explicit_attention(q, k0, v0, dk, dv)
     w = torch.randn(ref.shape, generator=g)
     grads = torch.autograd.grad((out * w).sum(), [q, *kv])
@@ -274,18 +279,7 @@ def test_compiled_merge_matches_explicit_mask_over_token_counts_and_steps(monkey
     torch._dynamo.reset()
     counters.clear()
     for T, n_diag in [(9, 1), (9, 3), (13, 3), (5, 1), (13, 2)]:
-        g = torch.Generator().manual_seed(T * 10 + n_diag)
-        q = (torch.randn(2, 4, T, 16, generator=g) * 2).requires_grad_()
-        kv = [torch.randn(2, 4, T, 16, generator=g).requires_grad_() for _ in range(2 * (1 + n_diag))]
-        k0, v0, dk, dv = kv[0], kv[1], kv[2::2], kv[3::2]
-        out = attn.ttt_attention(q, k0, v0, dk, dv, compiled=True)
-        ref = explicit_attention(q, k0, v0, dk, dv)
-        w = torch.randn(ref.shape, generator=g)
-        grads = torch.autograd.grad((out * w).sum(), [q, *kv])
-        ref_grads = torch.autograd.grad((ref * w).sum(), [q, *kv])
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        for a, r in zip(grads, ref_grads):
-            torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5)
+        check_against_explicit(attn.ttt_attention, nkv=4, T=T, n_diag=n_diag, seed=T * 10 + n_diag, compiled=True)
     assert set(attn._COMPILED_MERGE) == {"forward", "backward"}
     assert counters["stats"]["unique_graphs"] == 2 * 3  # forward and backward for 1, 2 and 3 keys: no T recompiles
 
