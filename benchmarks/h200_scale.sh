@@ -18,7 +18,8 @@
 #   tokens), `regenspeed` (PER_GPU=2 servers on one GPU, SPEED_SETTINGS over SPEED_CONVS conversations), then the
 #   embedded prediction and measurement of the new drafter (EMB_NEW tokens). Each phase also runs alone.
 #   `onoff` (issue 13.2): ONOFF_CONVS conversations of the carried TOKENS captured into a feature store, then the same
-#   drafter trained ONOFF_STEPS steps from it (offline) and from the target's prefill (online).
+#   drafter trained ONOFF_STEPS steps from it (offline) and from the target's prefill (online); ONOFF_RUNS picks the
+#   trainings as mode:ttt_steps (default "offline:3 online:3").
 # Carried ($C): a/{deps,sgl1}  b/{sgl2,data/{sharegpt-prompts.json.gz,mtbench-questions.jsonl,HumanEval.jsonl.gz}}
 #               c/gguf.part-aa  d/{gguf.part-ab,chitchat.json.gz}, as folders or (`pack`) in tar pieces that `setup`
 #               unpacks once all have arrived; `curve` also reads b/data/mtbench-general.jsonl (domain_sets.py)

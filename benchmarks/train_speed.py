@@ -428,11 +428,10 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         knobs["HEAD_CHUNK"] = int(kv["head_chunk"])
     if "attn" in kv:
         knobs["ATTENTION"] = kv["attn"]
-    if kv.get("merge", "compiled") not in ("compiled", "eager") or kv.get("wgrad", "deferred") not in (
-        "deferred",
-        "autograd",
-    ):
-        raise SystemExit(f"merge=compiled|eager and wgrad=deferred|autograd, not {opts}")
+    if kv.get("merge", "compiled") not in ("compiled", "eager"):
+        raise SystemExit(f"merge={kv['merge']}: expected compiled or eager")
+    if kv.get("wgrad", "deferred") not in ("deferred", "autograd"):
+        raise SystemExit(f"wgrad={kv['wgrad']}: expected deferred or autograd")
     if "merge" in kv:
         knobs["MERGE_COMPILE"] = kv["merge"] == "compiled"
     if "wgrad" in kv:
