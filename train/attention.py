@@ -193,14 +193,13 @@ def _merge_backward(g, out, lse, s, q, diag_k, diag_v, dq, scale: float):
     return dq.to(q.dtype), dks, dvs
 
 
-_COMPILED_MERGE: dict[str, object] = {}
+_COMPILED_MERGE: dict[str, object] = {}  # "forward" / "backward" -> the compiled function, built on first use
 
 
-def _compiled(name: str, fn):
+def _compiled(fn):
     """torch.compile'd fn, one graph per number of diagonal keys, the token count dynamic (T varies between batches;
     without it each new T would recompile until dynamo's cache limit sends the rest to eager)."""
-    if name not in _COMPILED_MERGE:
-        _COMPILED_MERGE[name] = torch.compile(fn)
+    compiled = torch.compile(fn)
 
     def call(*args):
         T = args[0].shape[2]  # both take a (B, nh, T, hd) tensor first
@@ -210,15 +209,17 @@ def _compiled(name: str, fn):
                     for d in range(1, t.dim()):
                         if t.shape[d] == T:
                             torch._dynamo.maybe_mark_dynamic(t, d)
-        return _COMPILED_MERGE[name](*args)
+        return compiled(*args)
 
     return call
 
 
 def _merge_fns(compiled: bool):
-    if compiled and MERGE_COMPILE:
-        return _compiled("forward", _merge_forward), _compiled("backward", _merge_backward)
-    return _merge_forward, _merge_backward
+    if not (compiled and MERGE_COMPILE):
+        return _merge_forward, _merge_backward
+    if not _COMPILED_MERGE:
+        _COMPILED_MERGE.update(forward=_compiled(_merge_forward), backward=_compiled(_merge_backward))
+    return _COMPILED_MERGE["forward"], _COMPILED_MERGE["backward"]
 
 
 class _FlashTTTAttention(torch.autograd.Function):
@@ -240,8 +241,8 @@ class _FlashTTTAttention(torch.autograd.Function):
         scale = q.shape[-1] ** -0.5
         out, lse_c, extra = _flash_forward(q, k0, v0, scale, docs)  # (B, nh, T, hd), (B, nh, T)
         lse_c = lse_c[..., : q.shape[2]]
-        merge, _ = _merge_fns(compiled)
         if n:
+            merge, _ = _merge_fns(compiled)
             out, lse, s = merge(out, lse_c.contiguous(), q, list(diag_k), list(diag_v), scale)
         else:  # step 0 of a packed batch: the document-causal part alone
             s, lse = lse_c.new_empty(0), lse_c.contiguous()
