@@ -8,6 +8,13 @@ shard of data/tokens.py once all its conversations are done. Rerunning the same
 command skips the committed chunks, so a killed run resumes, losing and
 duplicating nothing.
 
+Scheduling: a conversation's turns depend on one another, so its remaining user turns are a chain that no
+number of servers shortens. Each ready turn therefore carries a priority, the user turns its conversation
+still has to answer (this one included), and is sent highest first (`ReadyTurns`), also to the server
+(SGLang's ``priority`` field, honoured by a server started with ``--enable-priority-scheduling``): long
+chains start at once and never wait behind single turns, which fill the servers around them. A
+conversation stays on one server, whose prefix cache then holds the prompt of its next turn.
+
 Each assistant turn is generated in order: turn k's prompt is turn k-1's prompt,
 the target's own answer ids (end-of-turn token included), then the template's
 ids for the next user turn (``ChatFormat.next_turn_ids``); no text round trip.
@@ -36,6 +43,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads slow a busy CPU; before torch loads
 
 import hashlib
+import itertools
 import json
 import queue
 import sys
@@ -79,6 +87,7 @@ class ConvState:
     unfinished: int = 0
     answers: list[str] = field(default_factory=list)  # decoded answers: the history the template renders
     sample: TokenSample | None = None
+    server: int = 0  # every turn goes to this server (its prefix cache holds the conversation so far)
 
 
 @dataclass
@@ -86,6 +95,24 @@ class RunStats:
     answer_tokens: int = 0
     answers: int = 0
     unfinished: int = 0
+
+
+class ReadyTurns:
+    """The turns ready to generate on one server: highest priority first, first come first served among equal
+    priorities. Thread-safe (the main thread puts, the server's workers take)."""
+
+    def __init__(self) -> None:
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+
+    def put(self, s: ConvState, g: Gen) -> None:
+        self._q.put((-g.priority, next(self._seq), (s, g)))
+
+    def get(self, timeout: float) -> tuple[ConvState, Gen]:
+        return self._q.get(timeout=timeout)[2]
+
+    def get_nowait(self) -> tuple[ConvState, Gen]:
+        return self._q.get_nowait()[2]
 
 
 class Regenerator:
@@ -100,7 +127,8 @@ class Regenerator:
             writer,
             bar,
         )
-        self.ready: queue.Queue = queue.Queue()
+        self.ready = [ReadyTurns() for _ in range(backend.servers)]
+        self.opened = 0  # conversations opened so far: the next one's server is opened % servers
         self.results: queue.Queue = queue.Queue()
         self.stop = threading.Event()
         self.stats = RunStats()
@@ -134,7 +162,7 @@ class Regenerator:
                 chunk_skips["turns_cut_by_max_total_tokens"] += len(s.users) - s.turn
             return None
         s.ids, s.mask = prompt, s.mask + [0] * len(ids)
-        return Gen(prompt, budget, request_seed(self.seed, s.conv.key, s.turn))
+        return Gen(prompt, budget, request_seed(self.seed, s.conv.key, s.turn), priority=len(s.users) - s.turn)
 
     def _take(self, s: ConvState, a: Answer) -> None:
         s.ids = s.ids + a.ids
@@ -149,15 +177,16 @@ class Regenerator:
     # ------------------------------------------------------------------ workers
 
     def _worker(self, slot: int) -> None:
+        ready = self.ready[self.backend.slot_server[slot]]
         while not self.stop.is_set():
             try:
-                first = self.ready.get(timeout=0.05)
+                first = ready.get(timeout=0.5)  # idle workers wake rarely: thousands may wait at once
             except queue.Empty:
                 continue
             batch = [first]
             while len(batch) < self.backend.batch:
                 try:
-                    batch.append(self.ready.get_nowait())
+                    batch.append(ready.get_nowait())
                 except queue.Empty:
                     break
             try:
@@ -194,6 +223,9 @@ class Regenerator:
                         )
                         for c in members
                     ]
+                    for st in states:  # round robin in the longest-first order: every server gets long chains
+                        st.server = self.opened % len(self.ready)
+                        self.opened += 1
                     skips: Counter = Counter()
                     open_chunks[(split, index)] = (states, skips)
                     self.left[(split, index)] = len(states)
@@ -222,7 +254,7 @@ class Regenerator:
     def _advance(self, s: ConvState, skips: Counter) -> None:
         g = self._next(s, skips)
         if g is not None:
-            self.ready.put((s, g))
+            self.ready[s.server].put(s, g)
             return
         if s.turn:
             s.sample = TokenSample(sample_id(s.conv.key), s.ids, s.mask, turns=s.turn, unfinished=s.unfinished)

@@ -1,8 +1,9 @@
 """Where data/regen.py's answers come from: plain SGLang servers or the embedded transformers target.
 
-Both backends take a batch of turns (`Gen`: prompt ids, a token budget, a seed) on one of their `slots` and
-return one `Answer` per turn (generated ids, whether it stopped on a stop token); `open_backend` picks one by
-``harvest.backend``. The regeneration's workers call `generate(slot, batch)` from their own threads.
+Both backends take a batch of turns (`Gen`: prompt ids, a token budget, a seed, a priority) on one of their
+`slots` and return one `Answer` per turn (generated ids, whether it stopped on a stop token); `open_backend` picks
+one by ``harvest.backend``. The regeneration's workers call `generate(slot, batch)` from their own threads; a slot
+belongs to one of the backend's `servers` (`slot_server`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class Gen:
     prompt_ids: list[int]
     max_new_tokens: int
     seed: int
+    priority: int = 0  # higher first: the user turns its conversation still has to answer, this one included
 
 
 @dataclass
@@ -55,6 +57,8 @@ class SGLangBackend:
                 ),
             )
         self.slots = [u for u in self.urls for _ in range(client_cfg.concurrency)]
+        self.servers = len(self.urls)
+        self.slot_server = [i for i in range(self.servers) for _ in range(client_cfg.concurrency)]
         self.batch = client_cfg.prompts_per_request
         self.sampling, self.stop_ids = sampling, [int(i) for i in stop_ids]
         self.trimmed = 0  # answers whose output_ids carried more ids than completion_tokens (see _answer)
@@ -106,7 +110,11 @@ class SGLangBackend:
         from eagle3ft.targets.sglang import call
 
         url = self.slots[slot]
-        payload = {"input_ids": [g.prompt_ids for g in batch], "sampling_params": [self._params(g) for g in batch]}
+        payload = {
+            "input_ids": [g.prompt_ids for g in batch],
+            "sampling_params": [self._params(g) for g in batch],
+            "priority": max(g.priority for g in batch),  # one per request; ignored without --enable-priority-scheduling
+        }
         body, _, _ = call(url, "/generate", payload, self.policy, what=f"/generate of {len(batch)} prompts")
         outs = body if isinstance(body, list) else [body]
         if len(outs) != len(batch):
@@ -123,6 +131,7 @@ class HFBackend:
         model, tokenizer = load_target(cfg.target)
         self.target = HFTarget(cfg.target, None, model=model, tokenizer=tokenizer)
         self.slots = ["embedded"]
+        self.servers, self.slot_server = 1, [0]
         self.batch = cfg.harvest.batch_size
         self.sampling, self.stop_ids = sampling, tuple(stop_ids)
         self.trimmed = 0

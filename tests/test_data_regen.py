@@ -65,11 +65,13 @@ class Recorder(DoubleEngine):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.log: list[tuple[list[int], list[int]]] = []
+        self.priorities: dict[tuple[int, ...], int | None] = {}
 
     def generate(self, req):
         out, timeline = super().generate(req)
         with self.lock:
             self.log.append((list(req["input_ids"]), list(out["output_ids"])))
+            self.priorities[tuple(req["input_ids"])] = req.get("priority")
         return out, timeline
 
 
@@ -138,6 +140,43 @@ def test_two_servers_share_the_work_and_give_the_same_store(reference, doubles, 
     summary = main(sglang_cfg([d.url for d in doubles]), tmp_path)
     assert all(d.requests > b for d, b in zip(doubles, before))
     assert items(tmp_path) == items(reference[0]) and summary["counts"] == reference[1]["counts"]
+
+
+def test_a_conversation_stays_on_one_server_and_its_turns_carry_the_turns_left(reference, stopping_model, tmp_path):
+    model, tok = stopping_model
+    ds = [SGLangDouble(Recorder(model, tok), version="0.5.17").start() for _ in range(2)]
+    try:
+        main(sglang_cfg([d.url for d in ds], "harvest.sglang.prompts_per_request=1"), tmp_path)
+    finally:
+        for d in ds:
+            d.stop()
+    assert all(d.engine.priorities for d in ds), "both servers get conversations"
+    chains = []
+    for split, rows in items(tmp_path).items():
+        for _, ids, _ in rows:
+            chain = sorted(
+                (len(p), k, prio)
+                for k, d in enumerate(ds)
+                for p, prio in d.engine.priorities.items()
+                if ids[: len(p)] == list(p)
+            )
+            assert len({k for _, k, _ in chain}) == 1, "every turn of a conversation goes to the same server"
+            prios = [prio for *_, prio in chain]
+            assert prios == list(range(prios[0], prios[0] - len(prios), -1)), "one user turn fewer left per turn"
+            chains.append(prios)
+    assert all(1 <= c[-1] and c[0] <= 3 for c in chains)  # harvest.max_turns=3: at most 3 user turns left
+    assert max(map(len, chains)) > 1 and items(tmp_path) == items(reference[0])
+
+
+def test_ready_turns_come_out_highest_priority_first_and_in_order_among_equals():
+    from eagle3ft.data.regen import ReadyTurns
+    from eagle3ft.data.regen_backends import Gen
+
+    q = ReadyTurns()
+    for name, prio in [("a", 1), ("b", 3), ("c", 2), ("d", 3), ("e", 1)]:
+        q.put(name, Gen([1], 4, 0, priority=prio))
+    out = [q.get(timeout=0.1)[0]] + [q.get_nowait()[0] for _ in range(4)]
+    assert out == ["b", "d", "c", "a", "e"]
 
 
 def test_a_server_dying_mid_run_stops_with_its_name_and_a_rerun_completes_equal(reference, stopping_model, tmp_path):
