@@ -179,6 +179,9 @@ class TrainConfig:
     eval_samples: int = 256  # the first this many held-out samples form the fixed held-out set (train/validate.py)
     # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
     features: str = "offline"
+    # online: more token stores (tokens/ folders of data/regen.py runs of the same target and chat template, e.g. a
+    # sampled second pass over the same prompts) whose train splits are trained on after RUN/tokens'
+    more_tokens: list[str] = field(default_factory=list)
     pack_tokens: int | None = (
         None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
     )

@@ -13,6 +13,7 @@ from train_fixtures import launch
 
 from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import run_harvest
+from eagle3ft.data.store import StoreError
 from eagle3ft.data.tokens import TokenSample, TokenWriter
 from eagle3ft.train.data import TrainData, collate_packed, pack_bins, sample_spans
 from eagle3ft.train.ttt import ttt_forward
@@ -148,6 +149,30 @@ def test_online_reads_the_token_store_when_there_is_one(harvested, tmp_path):
     want = next(iter(TrainData(tiny_cfg("train.micro_batch_size=2"), harvested).epoch(OneRank(), 0)))
     assert got.sample_ids == want.sample_ids
     torch.testing.assert_close(got.tensors["topk_logprobs"], want.tensors["topk_logprobs"], rtol=1e-4, atol=1e-5)
+
+
+def test_more_token_stores_train_after_run_tokens_and_must_match_its_identity(harvested, tmp_path):
+    """train.more_tokens: a second store's train samples follow RUN/tokens' (e.g. a sampled pass over the same
+    prompts); one of another target is refused, and so is the key without online training."""
+    write_tokens(tmp_path / "run", harvested)
+    write_tokens(tmp_path / "second", harvested)
+    one = TrainData(tiny_cfg("train.features=online"), tmp_path / "run")
+    both = TrainData(
+        tiny_cfg("train.features=online", f"train.more_tokens=[{tmp_path / 'second' / 'tokens'}]"), tmp_path / "run"
+    )
+    assert len(both) == 2 * len(one) and both.answer_tokens == 2 * one.answer_tokens
+    assert [both.dataset[i]["input_ids"].tolist() for i in range(len(one), len(both))] == [
+        one.dataset[i]["input_ids"].tolist() for i in range(len(one))
+    ]
+    assert both.where == f"{tmp_path / 'run' / 'tokens'} + {tmp_path / 'second' / 'tokens'}"
+    manifest = tmp_path / "second" / "tokens" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["identity"] = {"target": "another"}
+    manifest.write_text(json.dumps(m))
+    with pytest.raises(StoreError, match="another target"):
+        TrainData(tiny_cfg("train.features=online", f"train.more_tokens=[{manifest.parent}]"), tmp_path / "run")
+    with pytest.raises(ValueError, match="online training only"):
+        TrainData(tiny_cfg(f"train.more_tokens=[{manifest.parent}]"), harvested)
 
 
 def test_online_without_any_store_names_both(tmp_path):

@@ -2,10 +2,11 @@
 
 Features (`train.features`):
 - offline: the samples of RUN/features, each with its stored aux states and top-k.
-- online: token samples (RUN/tokens from data/tokens.py, else the token ids of RUN/features). The target runs
-  beside the drafter on each rank's own micro-batch: one prefill of its samples through the harvest's capture
-  (eagle3ft/targets/hf.py: forward hooks at the aux layers, the top-k head of eagle3ft/targets/head.py), under no grad,
-  in bf16 on CUDA and fp32 on the CPU. The batch then holds exactly what the store would. Nothing is written.
+- online: token samples (RUN/tokens from data/tokens.py, and the train splits of `train.more_tokens`' stores; else
+  the token ids of RUN/features). The target runs beside the drafter on each rank's own micro-batch: one prefill of
+  its samples through the harvest's capture (eagle3ft/targets/hf.py: forward hooks at the aux layers, the top-k head
+  of eagle3ft/targets/head.py), under no grad, in bf16 on CUDA and fp32 on the CPU. The batch then holds exactly what
+  the store would. Nothing is written.
 
 Layout (`train.pack_tokens`):
 - None: `micro_batch_size` samples per micro-batch in the seeded epoch order, right-padded (data/store.py collate).
@@ -203,13 +204,29 @@ class MicroBatch:
     tokens: int  # real tokens (padding excluded)
 
 
-def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train"):
-    """(RUN/tokens' split, else the token ids of the feature store's; where it is) for online training."""
-    from eagle3ft.data.tokens import TokenStore
+def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train", more: list[str] = ()):
+    """(RUN/tokens' split, else the token ids of the feature store's; where it is) for online training. The train
+    split also takes the samples of the token stores `more` (train.more_tokens), which must have RUN/tokens'
+    identity (target, tokenizer, chat template)."""
+    from eagle3ft.data.tokens import TokenDataset, TokenStore
 
     tokens = run_dir / "tokens"
+    if more and not (tokens / MANIFEST).is_file():
+        raise StoreError(f"train.more_tokens needs a token store at {tokens} to train beside")
     if (tokens / MANIFEST).is_file():
-        return TokenStore(tokens).dataset(split), str(tokens)
+        main = TokenStore(tokens)
+        if split != "train" or not more:
+            return main.dataset(split), str(tokens)
+        shards = main.shards(split)
+        for path in more:
+            other = TokenStore(resolve_path(path))
+            if other.identity != main.identity:
+                raise StoreError(
+                    f"train.more_tokens: {other.dir} was regenerated with another target, tokenizer or chat template "
+                    f"than {tokens} ({other.identity} != {main.identity})"
+                )
+            shards += other.shards(split)
+        return TokenDataset(shards), " + ".join([str(tokens)] + [str(resolve_path(p)) for p in more])
     if store is not None:
         return store.dataset(split, keys=TOKEN_KEYS), str(store.dir)
     raise StoreError(
@@ -268,6 +285,8 @@ class TrainData:
             raise ValueError(f"train.features '{tcfg.features}' is not one of offline, online")
         if tcfg.pack_tokens is not None and tcfg.pack_tokens <= 0:
             raise ValueError(f"train.pack_tokens must be positive or null, got {tcfg.pack_tokens}")
+        if tcfg.more_tokens and tcfg.features != "online":
+            raise ValueError("train.more_tokens is read by online training only (train.features: online)")
         self.cfg, self.online, self._bins = cfg, None, {}
         features = run_dir / "features"
         self.store = (
@@ -277,7 +296,7 @@ class TrainData:
             self.dataset, self.where = self.store.dataset("train"), str(self.store.dir)
             self.target, self.has_last_hidden = self.store.target, self.store.manifest.get("has_last_hidden", False)
         else:
-            self.dataset, self.where = token_dataset(run_dir, self.store)
+            self.dataset, self.where = token_dataset(run_dir, self.store, more=tcfg.more_tokens)
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
         per_sample = self.dataset.loss_tokens()
