@@ -8,7 +8,8 @@ tokens of context per request, so that a fall in rate can be told apart from a f
     python benchmarks/decode_windows.py results/h200_session11/server*.decode-lines.txt --plot decode.png
 
 Files: SGLang server logs, or the `Decode batch` lines of them. It first prints each server's median and p90 rate
-(what benchmarks/h200_scale.sh's `gen_throughput` reports after a regeneration).
+(what benchmarks/h200_scale.sh's `gen_throughput` reports after a regeneration), and, from its `Prefill batch` lines
+where the log has them, the prompt tokens it prefilled and those its prefix cache held.
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ LINE = re.compile(
     r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] Decode batch, #running-req: (\d+), #token: (\d+),"
     r".*?gen throughput \(token/s\): ([0-9.]+)"
 )
+
+PREFILL = re.compile(r"Prefill batch.*?#new-token: (\d+), #cached-token: (\d+)")
+
+
+def prefill_tokens(path: Path) -> tuple[int, int]:
+    """(prompt tokens prefilled, prompt tokens found in the prefix cache) over one server's `Prefill batch` lines."""
+    new = cached = 0
+    for m in PREFILL.finditer(path.read_text(errors="replace")):
+        new, cached = new + int(m.group(1)), cached + int(m.group(2))
+    return new, cached
 
 
 def decode_lines(path: Path) -> list[tuple[float, int, int, float]]:
@@ -104,6 +115,11 @@ def main(argv: list[str] | None = None) -> None:
             continue
         p90 = rates[int(0.9 * (len(rates) - 1))]
         print(f"{f}: gen throughput median {statistics.median(rates):,.0f} tok/s, p90 {p90:,.0f}, {len(rates)} lines")
+        new, cached = prefill_tokens(f)
+        if new + cached:
+            print(
+                f"  prefill: {new:,} prompt tokens computed, {cached:,} from the prefix cache ({cached / (new + cached):.0%})"
+            )
     servers = [lines for lines in found.values() if lines]
     rows = windows(servers, args.window)
     t0 = rows[0]["start"]

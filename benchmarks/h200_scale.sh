@@ -56,6 +56,10 @@ export PYTHONPATH=${PYTHONPATH_OVERRIDE-/tmp/deps:/tmp/eagle3ft-site} PYTHONSAFE
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
+# regeneration servers order their queues by the priority data/regen.py sends (the user turns a conversation has
+# left), without preempting running requests; PRIO=0 leaves them first come first served
+PRIO_ARGS=(--enable-priority-scheduling --disable-priority-preemption)
+[[ ${PRIO:-1} == 0 ]] && PRIO_ARGS=()
 BASE=(--set "target.path=$MODEL" --set target.gguf_file=null --set train.wandb_mode=disabled
       --set "drafter.init=${INIT:-null}")
 read -r -a EXTRA_SETS <<< "${EXTRA:-}"
@@ -79,10 +83,19 @@ server_start() {  # server_start J BACKEND: plain server J on GPU GPU_BASE + J /
       --host 127.0.0.1 --port $((30000 + j)) --attention-backend "$2" --sampling-backend pytorch \
       --mem-fraction-static "$(mem_fraction "$(awk -v k="$k" 'BEGIN { printf "%.4f", 0.85 / k }')" $((j % k)))" \
       --cuda-graph-max-bs 512 --max-running-requests $((1024 / k)) --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
-      > "$L/server$j.log" 2>&1 &
+      "${PRIO_ARGS[@]}" > "$L/server$j.log" 2>&1 &
   fi
   PIDS[j]=$!
   echo "server $j on GPU $gpu: $2 (pid ${PIDS[j]})"
+}
+server_placed() {  # server_placed I: server I has its KV pool (SGLang logs "Memory pool end"), or is up; the next
+                   # server on its GPU can then start (RESULTS §13: one that measures the free memory before this one's
+                   # pool is allocated fails), while this one still captures its CUDA graphs
+  local i=$1 end=$((SECONDS + 600))
+  until grep -q "Memory pool end" "$L/server$i.log" 2> /dev/null || curl -sf "${URLS[i]}/health" > /dev/null; do
+    (( SECONDS < end )) && kill -0 "${PIDS[i]}" 2> /dev/null || return 0  # server_wait reports it
+    sleep 1
+  done
 }
 server_wait() {  # server_wait I: server I healthy within 10 min; a server of another backend than triton that is not up
                  # within ATTN_WAIT_S is restarted with triton
@@ -101,7 +114,7 @@ server_wait() {  # server_wait I: server I healthy within 10 min; a server of an
   done
 }
 servers_up() {  # servers_up: PER_GPU plain servers per GPU (1) on NGPU GPUs (all) from GPU_BASE (0), healthy within 10 min;
-                # one server per GPU at a time (mem_fraction)
+                # the next server on a GPU starts once the one before has its KV pool (server_placed, mem_fraction)
   local i n slot k=${PER_GPU:-1} attn
   n=${NGPU:-$($PY -c "import torch; print(max(1, torch.cuda.device_count()))" 2>/dev/null || echo 1)}
   n=$((n * k))
@@ -111,10 +124,13 @@ servers_up() {  # servers_up: PER_GPU plain servers per GPU (1) on NGPU GPUs (al
     URLS+=("http://127.0.0.1:$((30000 + i))")
     BACKENDS[i]=${attn[i]:-${attn[-1]}}
   done
+  local t0=$SECONDS
   for ((slot = 0; slot < k; slot++)); do
     for ((i = slot; i < n; i += k)); do server_start "$i" "${BACKENDS[i]}"; done
-    for ((i = slot; i < n; i += k)); do server_wait "$i" || return 1; done
+    for ((i = slot; i < n; i += k)); do server_placed "$i"; done
   done
+  for ((i = 0; i < n; i++)); do server_wait "$i" || return 1; done
+  echo "servers up after $((SECONDS - t0)) s"
   printf '%s\n' "${PIDS[@]}" > "$L/server.pids"
   echo "servers up: ${URLS[*]} (attention: ${BACKENDS[*]})"
 }
@@ -128,13 +144,13 @@ servers_down() {  # the servers of servers_up, also when it gave up before they 
   [[ -f $L/server.pids ]] && xargs -r kill < "$L/server.pids"
   kill "${PIDS[@]:-}" 2> /dev/null; rm -f "$L/server.pids"; sleep 5
 }
-regen_run() {  # regen_run RUN_DIR SOURCES: data/regen.py through the servers
+regen_run() {  # regen_run RUN_DIR SOURCES [sets...]: data/regen.py through the servers
   local joined
   joined=$(IFS=,; echo "${URLS[*]}")
   timeout -s INT "${REGEN_S:-360}" $PY data/regen.py --config $CONFIG --run-dir "$1" "${BASE[@]}" "${GEN[@]}" \
     --set harvest.backend=sglang --set "harvest.sglang.urls=[${joined//,/, }]" \
     --set "harvest.sglang.concurrency=${SETTING%x*}" --set "harvest.sglang.prompts_per_request=${SETTING#*x}" \
-    --set "harvest.sources=$2"
+    --set "harvest.sources=$2" "${@:3}"
 }
 
 gpu() {  # issue 18: the CUDA-only paths against their references, and eager vs compiled at K2 dims
@@ -205,6 +221,7 @@ runs() {  # the drafters of RUNS, "name gpus [sets...]" per line (ONLY keeps the
         "c0.7m-e6 0 $v31 $m=700000 --set train.epochs=6" \
         "c2m-2gpu 0,1 $v31 $m=2000000 --set train.pack_tokens=16384" ;;
     ttt3) printf '%s\n' "t3-10m 0 $v31 --set train.ttt_steps=3" ;;  # §9b's recipe with TTT 3 (§10b's best change)
+    ttt3x2) printf '%s\n' "t3-2x 0 $v31 --set train.ttt_steps=3 --set train.more_tokens=[$S/t07/tokens]" ;;  # + the T=0.7 pass
   esac | while read -r name rest; do
     [[ -z ${ONLY:-} || " $ONLY " == *" $name "* ]] && echo "$name $rest"
   done
@@ -564,7 +581,8 @@ case ${1:-} in
     tar -czf "$OUT/L.tgz" --exclude='*.pids' -C "$(dirname "$L")" "$(basename "$L")"
     if [[ ${3:-} == tokens ]]; then  # the token store, for a later lease to carry instead of regenerating
       if [[ -f $L/.regen-done && ! -f $L/.tokens-sent ]]; then
-        tar -czf - -C "$S" main/tokens humaneval/tokens | split -b 15m - "$OUT/tokens.tgz.part-" && touch "$L/.tokens-sent"
+        tar -czf - -C "$S" main/tokens humaneval/tokens $(cd "$S" && ls -d t07/tokens 2> /dev/null) \
+          | split -b 15m - "$OUT/tokens.tgz.part-" && touch "$L/.tokens-sent"
         ls -la "$OUT"
       fi
       exit 0

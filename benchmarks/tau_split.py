@@ -6,7 +6,8 @@ chain τ (greedy, as eval/accept_len.py counts it) of each part:
   - copy: roots whose next token continues an n-gram (`--ngram` tokens ending at the root) seen earlier in the
     same conversation with the same next token (what an n-gram / prompt-lookup drafter gets for free) vs the rest.
 
-    python benchmarks/tau_split.py --config configs/smollm2-135m.yaml --run-dir RUN --drafter DRAFTER [--steps 3]
+    python benchmarks/tau_split.py --config configs/smollm2-135m.yaml --run-dir RUN --drafter DRAFTER [--steps 3] \
+        [--set target.path=HF_DIR ...]
 
 RUN holds held-out features (data/harvest.py); prints JSON (and writes it to --out).
 """
@@ -70,8 +71,9 @@ def main() -> None:
     ap.add_argument("--cut", type=int, default=1024, help="answers this long were cut by harvest.max_new_tokens")
     ap.add_argument("--ngram", type=int, default=4)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides (the target)")
     args = ap.parse_args()
-    cfg = load_config(args.config, [])
+    cfg = load_config(args.config, args.set)
     drafter = load_drafter(args.drafter, embedding=load_input_embedding(cfg.target)).eval()
     ds = FeatureStore(args.run_dir / "features").dataset("heldout")
     parts = {name: ChainCounts.zeros(args.steps) for name in ("all", "cut", "finished", "copy", "novel")}

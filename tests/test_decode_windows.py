@@ -52,3 +52,18 @@ def test_a_log_without_decode_lines_is_named(tmp_path):
     empty.write_text("[2026-12-01 03:26:00] The server is fired up and ready to roll!\n")
     with pytest.raises(SystemExit, match="server9.log"):
         decode_windows.main([str(empty)])
+
+
+def test_prefill_lines_give_the_prompt_tokens_computed_and_cached(tmp_path, capsys):
+    prefill = (
+        "[2026-12-01 03:26:{s:02d}] Prefill batch, #new-seq: 8, #new-token: {new}, #cached-token: {hit}, "
+        "token usage: 0.01, #running-req: 300, #queue-req: 40, #pending-token: 0, cuda graph: False, "
+        "input throughput (token/s): 90000.00"
+    )
+    log = write_log(tmp_path / "server0.log", [(1, 100, 50_000, 10_000.0)])
+    log.write_text(
+        log.read_text() + prefill.format(s=2, new=1200, hit=3000) + "\n" + prefill.format(s=3, new=800, hit=0)
+    )
+    assert decode_windows.prefill_tokens(log) == (2000, 3000)
+    decode_windows.main([str(log)])
+    assert "2,000 prompt tokens computed, 3,000 from the prefix cache (60%)" in capsys.readouterr().out
