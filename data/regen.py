@@ -9,11 +9,12 @@ command skips the committed chunks, so a killed run resumes, losing and
 duplicating nothing.
 
 Scheduling: a conversation's turns depend on one another, so its remaining user turns are a chain that no
-number of servers shortens. Each ready turn therefore carries a priority, the user turns its conversation
-still has to answer (this one included), and is sent highest first (`ReadyTurns`), also to the server
-(SGLang's ``priority`` field, honoured by a server started with ``--enable-priority-scheduling``): long
-chains start at once and never wait behind single turns, which fill the servers around them. A
-conversation stays on one server, whose prefix cache then holds the prompt of its next turn.
+number of servers shortens. With ``harvest.sglang.priority`` (the default) each ready turn carries a
+priority, the user turns its conversation still has to answer (this one included), and is sent highest
+first (`ReadyTurns`), also to the server (SGLang's ``priority`` field, honoured by a server started with
+``--enable-priority-scheduling``): long chains start at once and never wait behind single turns, which
+fill the servers around them. Without it, turns go first come first served. A conversation stays on one
+server, whose prefix cache then holds the prompt of its next turn.
 
 Each assistant turn is generated in order: turn k's prompt is turn k-1's prompt,
 the target's own answer ids (end-of-turn token included), then the template's
@@ -162,7 +163,8 @@ class Regenerator:
                 chunk_skips["turns_cut_by_max_total_tokens"] += len(s.users) - s.turn
             return None
         s.ids, s.mask = prompt, s.mask + [0] * len(ids)
-        return Gen(prompt, budget, request_seed(self.seed, s.conv.key, s.turn), priority=len(s.users) - s.turn)
+        priority = len(s.users) - s.turn if self.h.sglang.priority else 0
+        return Gen(prompt, budget, request_seed(self.seed, s.conv.key, s.turn), priority=priority)
 
     def _take(self, s: ConvState, a: Answer) -> None:
         s.ids = s.ids + a.ids

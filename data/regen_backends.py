@@ -59,7 +59,7 @@ class SGLangBackend:
         self.slots = [u for u in self.urls for _ in range(client_cfg.concurrency)]
         self.servers = len(self.urls)
         self.slot_server = [i for i in range(self.servers) for _ in range(client_cfg.concurrency)]
-        self.batch = client_cfg.prompts_per_request
+        self.batch, self.priority = client_cfg.prompts_per_request, client_cfg.priority
         self.sampling, self.stop_ids = sampling, [int(i) for i in stop_ids]
         self.trimmed = 0  # answers whose output_ids carried more ids than completion_tokens (see _answer)
         self._lock = threading.Lock()
@@ -70,6 +70,7 @@ class SGLangBackend:
             "servers": self.urls,
             "requests_in_flight_per_server": len(self.slots) // len(self.urls),
             "prompts_per_request": self.batch,
+            "priority": self.priority,
         }
 
     def _params(self, g: Gen) -> dict:
@@ -110,11 +111,9 @@ class SGLangBackend:
         from eagle3ft.targets.sglang import call
 
         url = self.slots[slot]
-        payload = {
-            "input_ids": [g.prompt_ids for g in batch],
-            "sampling_params": [self._params(g) for g in batch],
-            "priority": max(g.priority for g in batch),  # one per request; ignored without --enable-priority-scheduling
-        }
+        payload = {"input_ids": [g.prompt_ids for g in batch], "sampling_params": [self._params(g) for g in batch]}
+        if self.priority:  # one per request; a server without --enable-priority-scheduling ignores it
+            payload["priority"] = max(g.priority for g in batch)
         body, _, _ = call(url, "/generate", payload, self.policy, what=f"/generate of {len(batch)} prompts")
         outs = body if isinstance(body, list) else [body]
         if len(outs) != len(batch):

@@ -100,6 +100,9 @@ class SGLangClientConfig:
     urls: list[str] = field(default_factory=lambda: ["http://127.0.0.1:30000"])
     concurrency: int = 4  # requests in flight per server
     prompts_per_request: int = 8  # data/regen.py: prompts batched into one /generate call (a list of input_ids)
+    # data/regen.py: turns go highest priority first (the user turns their conversation has left), also as SGLang's
+    # `priority` (a server started with --enable-priority-scheduling honours it); false: first come first served
+    priority: bool = True
     timeout_s: float = 600.0
     retries: int = 3
     backoff_s: float = 1.0

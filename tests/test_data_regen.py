@@ -168,6 +168,22 @@ def test_a_conversation_stays_on_one_server_and_its_turns_carry_the_turns_left(r
     assert max(map(len, chains)) > 1 and items(tmp_path) == items(reference[0])
 
 
+def test_first_come_first_served_sends_no_priority_and_makes_the_same_store(reference, stopping_model, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("regen_speed", REPO_ROOT / "benchmarks" / "regen_speed.py")
+    regen_speed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(regen_speed)
+    assert regen_speed.parse_settings("128x8, 1024x1:fifo") == [(128, 8, True), (1024, 1, False)]
+    with pytest.raises(SystemExit, match="CxB"):
+        regen_speed.parse_settings("8x1:lifo")
+    model, tok = stopping_model
+    with SGLangDouble(Recorder(model, tok), version="0.5.17") as d:
+        summary = main(sglang_cfg([d.url], "harvest.sglang.priority=false"), tmp_path)
+        assert set(d.engine.priorities.values()) == {None}
+    assert summary["generation"]["priority"] is False and items(tmp_path) == items(reference[0])
+
+
 def test_ready_turns_come_out_highest_priority_first_and_in_order_among_equals():
     from eagle3ft.data.regen import ReadyTurns
     from eagle3ft.data.regen_backends import Gen
