@@ -9,7 +9,10 @@
 #   3. RUNS=ttt3x2 (the shipped recipe: EAGLE-3.1, CE, TTT 3, online, packed) on both passes for EPOCHS (2).
 #   4. offline tau (every root, cycle walk) of it and of the shipped drafter on MT-Bench and HumanEval, and
 #      benchmarks/tau_split.py (the answers that finished) on MT-Bench.
-# Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s13.sh start` starts the plan.
+# With TOKENS (a folder of the tokens-*.tgz.part-* that `wait SECS tokens` brought back) steps 1-2 are skipped: the
+# stores are unpacked, and neither SGLang nor the prompt files need to be carried.
+# Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s13.sh start` starts the plan. Keep a `wait`
+# call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-ttt3x2}
@@ -25,7 +28,38 @@ pass2() {  # the same prompts sampled at T2, train split only, into $S/t07
 
 s13() {
   local t n
-  wait_for 1200 "$SGL_DIR/.ready"; wait_for 600 "$MODEL/config.json"
+  wait_for 600 "$MODEL/config.json"
+  if [[ -n ${TOKENS:-} ]]; then  # the token stores of an earlier lease (`wait SECS tokens`): no SGLang, no regeneration
+    regen || return 1
+  else
+    regen_passes || return 1
+  fi
+  t=$SECONDS
+  HELD_GPU=0 heldout > "$L/heldout.txt" 2>&1; tail -c 600 "$L/heldout.txt"
+  echo "phase heldout: $((SECONDS - t)) s"
+
+  say "3. train $NAMES on both passes"
+  t=$SECONDS
+  train
+  echo "phase train: $((SECONDS - t)) s"
+
+  say "4. offline tau of $NAMES and the shipped drafter"
+  t=$SECONDS
+  mkdir -p "$S/shipped" && ln -sfn "$SHIPPED" "$S/shipped/export-best"
+  NAMES="$NAMES shipped" EVAL_GPU=0 evaluate
+  for n in $NAMES shipped; do
+    [[ -d $S/$n/export-best ]] || continue
+    OMP_NUM_THREADS=8 $PY benchmarks/tau_split.py --config $CONFIG --run-dir "$S/eval-mtbench" --drafter "$S/$n/export-best" \
+      --steps 3 --set "target.path=$MODEL" --set target.gguf_file=null --out "$L/tau_split-$n.json" > /dev/null 2> "$L/tau_split-$n.log" &
+  done
+  wait
+  for n in "$L"/tau_split-*.json; do echo "$n: $($PY -c "import json, sys; p = json.load(open(sys.argv[1]))['parts']; print({k: v['tau']['3/1/4'] for k, v in p.items()})" "$n")"; done
+  echo "phase eval: $((SECONDS - t)) s"
+}
+
+regen_passes() {  # steps 1 and 2: both regeneration passes through PER_GPU servers on the one GPU
+  local t n
+  wait_for 1200 "$SGL_DIR/.ready"
   ulimit -n "$(ulimit -Hn)" 2> /dev/null  # SETTING's connections: 1024 per server, client and server side
   echo "open files: $(ulimit -n); ${PER_GPU:-3} servers x ${SETTING%x*} requests in flight"
   say "1. regen, ${PER_GPU:-3} servers on one GPU at $SETTING (priority ${PRIO:-1}): ShareGPT (all) + chitchat ($CHITCHAT)"
@@ -50,27 +84,6 @@ s13() {
   gen_throughput > "$L/gen-throughput-both.txt"
   servers_down
   touch "$L/.regen-done"
-  t=$SECONDS
-  HELD_GPU=0 heldout > "$L/heldout.txt" 2>&1; tail -c 600 "$L/heldout.txt"
-  echo "phase heldout: $((SECONDS - t)) s"
-
-  say "3. train $NAMES on both passes"
-  t=$SECONDS
-  train
-  echo "phase train: $((SECONDS - t)) s"
-
-  say "4. offline tau of $NAMES and the shipped drafter"
-  t=$SECONDS
-  mkdir -p "$S/shipped" && ln -sfn "$SHIPPED" "$S/shipped/export-best"
-  NAMES="$NAMES shipped" EVAL_GPU=0 evaluate
-  for n in $NAMES shipped; do
-    [[ -d $S/$n/export-best ]] || continue
-    OMP_NUM_THREADS=8 $PY benchmarks/tau_split.py --config $CONFIG --run-dir "$S/eval-mtbench" --drafter "$S/$n/export-best" \
-      --steps 3 --set "target.path=$MODEL" --set target.gguf_file=null --out "$L/tau_split-$n.json" > /dev/null 2> "$L/tau_split-$n.log" &
-  done
-  wait
-  for n in "$L"/tau_split-*.json; do echo "$n: $($PY -c "import json, sys; p = json.load(open(sys.argv[1]))['parts']; print({k: v['tau']['3/1/4'] for k, v in p.items()})" "$n")"; done
-  echo "phase eval: $((SECONDS - t)) s"
 }
 
 case ${1:-} in

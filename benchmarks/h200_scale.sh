@@ -34,12 +34,12 @@
 #      EAGLE-3.1 with ce vs LOSS2 (lk_hybrid), curve = data sizes and ablations, see runs()), ONLY (names: a subset of
 #      RUNS), EVAL_EVERY (100), SERVER_CMD (a dry run on a CPU:
 #      tests/sglang_double.py), ACCEL (configs/accelerate/1gpu.yaml), INIT (drafter.init: null = from scratch, or a
-#      drafter folder to warm-start from), TOKENS (a folder with the tokens.tgz.part-* of an earlier lease: carried
+#      drafter folder to warm-start from), TOKENS (a folder with the tokens*.tgz.part-* of an earlier lease: carried
 #      instead of regenerating, then SGLang and the prompt files are not needed), EXTRA (more --set pairs),
 #      LIMIT / MT_LIMIT / HE_LIMIT (ShareGPT / MT-Bench / HumanEval conversations), HELD_LIMIT (held-out conversations
 #      captured per set), PYTHONPATH_OVERRIDE (a dry run: '').
-# `wait SECS tokens` also packs the regenerated token store into $OUT (tokens.tgz.part-*, 15 MiB each) once regen
-# is done.
+# `wait SECS tokens` returns as soon as a group of token stores is complete and packs it into $OUT (main with humaneval,
+# then a second pass t07: tokens-<group>.tgz.part-*, 15 MiB each), for a later lease to carry as TOKENS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 C=${C:-/tmp/c}
@@ -168,7 +168,11 @@ gpu() {  # issue 18: the CUDA-only paths against their references, and eager vs 
 regen() {
   if [[ -n ${TOKENS:-} ]]; then  # a token store an earlier lease brought back (wait SECS tokens): no regeneration
     say "regen: the carried token store $TOKENS"
-    cat "$TOKENS"/tokens.tgz.part-* | tar -xzf - -C "$S" && touch "$L/.regen-done"
+    local a
+    for a in $(ls "$TOKENS"/tokens*.tgz.part-* | sed 's/[.]part-[a-z]*$//' | sort -u); do  # one archive per store group
+      cat "$a".part-* | tar -xzf - -C "$S" || return 1
+    done
+    touch "$L/.regen-done"
     ls "$S"/*/tokens/manifest.json
     return
   fi
@@ -574,17 +578,28 @@ case ${1:-} in
     done
     say done; touch "$L/.done-$(echo "$@" | tr ' ' '-')" ;;
   wait)
+    # the token stores, for a later lease to carry instead of regenerating: each group (main with humaneval, then the
+    # second pass t07) as soon as it is complete, so that a machine lost later keeps what came back
+    complete() { grep -qs '"complete": true' "$S/$1/tokens/manifest.json"; }
+    due() {  # the next token group not sent yet whose stores are complete
+      local g
+      for g in main t07; do
+        [[ -f $L/.tokens-$g-sent ]] && continue
+        if [[ $g == main ]]; then complete main && complete humaneval && { echo main; return; }
+        else complete "$g" && { echo "$g"; return; }; fi
+      done
+    }
     end=$((SECONDS + ${2:-60}))
-    until ls "$L"/.done-* > /dev/null 2>&1 || (( SECONDS >= end )); do sleep 5; done
+    until ls "$L"/.done-* > /dev/null 2>&1 || (( SECONDS >= end )) || [[ ${3:-} == tokens && -n $(due) ]]; do sleep 5; done
     tail -60 "$L/log"
     [[ -n ${OUT:-} ]] || exit 0
     tar -czf "$OUT/L.tgz" --exclude='*.pids' -C "$(dirname "$L")" "$(basename "$L")"
-    if [[ ${3:-} == tokens ]]; then  # the token store, for a later lease to carry instead of regenerating
-      if [[ -f $L/.regen-done && ! -f $L/.tokens-sent ]]; then
-        tar -czf - -C "$S" main/tokens humaneval/tokens $(cd "$S" && ls -d t07/tokens 2> /dev/null) \
-          | split -b 15m - "$OUT/tokens.tgz.part-" && touch "$L/.tokens-sent"
-        ls -la "$OUT"
-      fi
+    if [[ ${3:-} == tokens ]]; then
+      while g=$(due) && [[ -n $g ]]; do
+        dirs="$g/tokens"; [[ $g == main ]] && dirs="main/tokens humaneval/tokens"
+        tar -czf - -C "$S" $dirs | split -b 15m - "$OUT/tokens-$g.tgz.part-" && touch "$L/.tokens-$g-sent" || break
+      done
+      ls -la "$OUT"
       exit 0
     fi
     # the best drafters come back too (bf16, ~20 MB each: in 15 MiB pieces): BRING names them, else the 3 newest of
