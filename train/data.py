@@ -204,29 +204,26 @@ class MicroBatch:
     tokens: int  # real tokens (padding excluded)
 
 
-def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train", more: list[str] = ()):
+def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train", more: tuple[str, ...] = ()):
     """(RUN/tokens' split, else the token ids of the feature store's; where it is) for online training. The train
     split also takes the samples of the token stores `more` (train.more_tokens), which must have RUN/tokens'
     identity (target, tokenizer, chat template)."""
     from eagle3ft.data.tokens import TokenDataset, TokenStore
 
     tokens = run_dir / "tokens"
-    if more and not (tokens / MANIFEST).is_file():
-        raise StoreError(f"train.more_tokens needs a token store at {tokens} to train beside")
     if (tokens / MANIFEST).is_file():
-        main = TokenStore(tokens)
-        if split != "train" or not more:
-            return main.dataset(split), str(tokens)
-        shards = main.shards(split)
-        for path in more:
-            other = TokenStore(resolve_path(path))
-            if other.identity != main.identity:
+        first = TokenStore(tokens)
+        others = [TokenStore(resolve_path(p)) for p in more] if split == "train" else []
+        for other in others:
+            if other.identity != first.identity:
                 raise StoreError(
                     f"train.more_tokens: {other.dir} was regenerated with another target, tokenizer or chat template "
-                    f"than {tokens} ({other.identity} != {main.identity})"
+                    f"than {tokens} ({other.identity} != {first.identity})"
                 )
-            shards += other.shards(split)
-        return TokenDataset(shards), " + ".join([str(tokens)] + [str(resolve_path(p)) for p in more])
+        shards = first.shards(split) + [f for other in others for f in other.shards(split)]
+        return TokenDataset(shards), " + ".join(str(s.dir) for s in [first, *others])
+    if more:
+        raise StoreError(f"train.more_tokens needs a token store at {tokens} to train beside")
     if store is not None:
         return store.dataset(split, keys=TOKEN_KEYS), str(store.dir)
     raise StoreError(
@@ -296,7 +293,7 @@ class TrainData:
             self.dataset, self.where = self.store.dataset("train"), str(self.store.dir)
             self.target, self.has_last_hidden = self.store.target, self.store.manifest.get("has_last_hidden", False)
         else:
-            self.dataset, self.where = token_dataset(run_dir, self.store, more=tcfg.more_tokens)
+            self.dataset, self.where = token_dataset(run_dir, self.store, more=tuple(tcfg.more_tokens))
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
         per_sample = self.dataset.loss_tokens()
