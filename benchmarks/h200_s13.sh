@@ -67,15 +67,8 @@ regen_passes() {  # steps 1 and 2: both regeneration passes through PER_GPU serv
   t=$SECONDS
   PER_GPU=${PER_GPU:-3} NGPU=1 servers_up || { servers_down; return 1; }
   echo "phase servers_up: $((SECONDS - t)) s"
-  t=$SECONDS
-  regen_run "$S/main" "[{kind: sharegpt, path: $DATA/sharegpt-prompts.json${LIMIT:+, limit: $LIMIT}}, {kind: chitchat, path: $C/d/chitchat.json, limit: $CHITCHAT}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout${MT_LIMIT:+, limit: $MT_LIMIT}}]" \
-    > "$L/regen-main.json" 2> "$L/regen-main.log"
-  echo "exit $?; phase regen-main: $((SECONDS - t)) s"; tail -c 1200 "$L/regen-main.json"
-  gen_throughput | tee "$L/gen-throughput.txt"
-  for n in "$L"/server[0-9].log; do cp "$n" "${n%.log}.pass1.log"; done
-  regen_run "$S/humaneval" "[{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, split: heldout${HE_LIMIT:+, limit: $HE_LIMIT}}]" \
-    > "$L/regen-humaneval.json" 2> "$L/regen-humaneval.log"
-  echo "humaneval exit $?"
+  regen_stores
+  for n in "$L"/server[0-9].log; do cp "$n" "${n%.log}.pass1.log"; done  # the second pass logs on into the same files
 
   say "2. the second pass at T=${T2:-0.7}, then the held-out features (the servers hold 0.85 of the GPU until then)"
   t=$SECONDS

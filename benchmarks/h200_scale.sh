@@ -178,15 +178,19 @@ regen() {
   fi
   say "regen: ShareGPT (all) + chitchat ($SETTING, MT-Bench held out)"
   servers_up || return 1
+  regen_stores
+  servers_down
+  touch "$L/.regen-done"
+}
+regen_stores() {  # on the running servers: the main store (ShareGPT, chitchat, MT-Bench held out), then HumanEval held out
+  local t=$SECONDS
   regen_run "$S/main" "[{kind: sharegpt, path: $DATA/sharegpt-prompts.json${LIMIT:+, limit: $LIMIT}}, {kind: chitchat, path: $C/d/chitchat.json, limit: ${CHITCHAT:-2000}}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout${MT_LIMIT:+, limit: $MT_LIMIT}}]" \
     > "$L/regen-main.json" 2> "$L/regen-main.log"
-  echo "exit $?"; tail -c 1200 "$L/regen-main.json"
+  echo "exit $?; phase regen-main: $((SECONDS - t)) s"; tail -c 1200 "$L/regen-main.json"
   gen_throughput | tee "$L/gen-throughput.txt"
   say "regen: HumanEval (held out)"
   regen_run "$S/humaneval" "[{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, split: heldout${HE_LIMIT:+, limit: $HE_LIMIT}}]" > "$L/regen-humaneval.json" 2> "$L/regen-humaneval.log"
   echo "exit $?"; tail -c 400 "$L/regen-humaneval.json"
-  servers_down
-  touch "$L/.regen-done"
 }
 heldout() {  # offline features of each held-out set, captured from its regenerated tokens by the embedded target
   local name src
