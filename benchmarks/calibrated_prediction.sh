@@ -10,6 +10,8 @@
 # cycle, its cost does not depend on the answer's length, so a short calibration can price long answers), REPS (3),
 # SETTINGS (steps/topk/draft tokens, comma-separated: 1/1/2,2/1/3,3/1/4,5/1/6), MTBENCH (the questions' file where the
 # package is not installed), SOURCE (the prompts as a source's fields instead, e.g. "kind: humaneval, limit: 6"),
+# CAL_SOURCE (the calibration run's prompts as a source's fields, SOURCE's by default: costs measured on other prompts
+# than the ones predicted, so that the calibration may bench the drafter under test itself),
 # EXTRA (more --set pairs, e.g. the target's path on a GPU machine), PY (python),
 # DRAFTER_READY (a file to wait for, up to 20 min, before the drafter under test is read: it may still be training
 # while the calibration runs), STEPS (all; cal: the features and the calibration run only; test: the prediction and
@@ -50,9 +52,10 @@ if [[ $STEPS != test ]]; then
   mkdir -p "$OUT/test" && ln -sfn "$(cd "$OUT/calibrate" && pwd)/features" "$OUT/test/features"
 
   say "calibration run: $CAL_DRAFTER, every setting, interleaved with plain decoding"
+  CAL_SETS=(--set "bench.max_new_tokens=${CAL_NEW:-${NEW:-64}}" ${CAL_SOURCE:+--set "bench.prompts={$CAL_SOURCE}"})
   $PY eval/bench.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$CAL_DRAFTER")" \
-    --set "bench.max_new_tokens=${CAL_NEW:-${NEW:-64}}"
-  $PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > /dev/null
+    "${CAL_SETS[@]}"
+  $PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" "${CAL_SETS[@]}" > /dev/null
 fi
 [[ $STEPS != cal ]] || exit 0
 

@@ -28,7 +28,8 @@
 #      sizes: CHITCHAT (conversations, 2000), MAX_NEW (1024), MAX_TOTAL (4096), EPOCHS (2), PACK (32768), LR (2e-3),
 #      REGEN_S (regen time limit, 360), TRAIN_S (training time limit, 300), SETTING (requests in flight x prompts per
 #      request, 128x8, per server), PER_GPU (plain servers per GPU for regen, 1: each gets 0.85 / PER_GPU of the memory;
-#      a 135M target's server is bound by its scheduler's CPU, RESULTS §9a), ATTN (attention backend per server, comma-separated, e.g. flashinfer,triton; a server that is
+#      a 135M target's server is bound by its scheduler's CPU, RESULTS §9a), RUNNING (requests running at once per GPU,
+#      1024, split over its servers), SERVER_EXTRA (more flags for each regeneration server), ATTN (attention backend per server, comma-separated, e.g. flashinfer,triton; a server that is
 #      not up in ATTN_WAIT_S (420 s: FlashInfer JIT-compiles for ~4 min 45 s on its first start, RESULTS §9a) is
 #      restarted with triton), RUNS (the drafters trained side by side: layout = EAGLE-3 vs EAGLE-3.1, loss =
 #      EAGLE-3.1 with ce vs LOSS2 (lk_hybrid), curve = data sizes and ablations, see runs()), ONLY (names: a subset of
@@ -60,6 +61,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # left), without preempting running requests; PRIO=0 leaves them first come first served
 PRIO_ARGS=(--enable-priority-scheduling --disable-priority-preemption)
 [[ ${PRIO:-1} == 0 ]] && PRIO_ARGS=()
+read -r -a SERVER_EXTRA_ARGS <<< "${SERVER_EXTRA:-}"  # more flags for every regeneration server
 BASE=(--set "target.path=$MODEL" --set target.gguf_file=null --set train.wandb_mode=disabled
       --set "drafter.init=${INIT:-null}")
 read -r -a EXTRA_SETS <<< "${EXTRA:-}"
@@ -75,15 +77,17 @@ mem_fraction() {  # mem_fraction SHARE SLOT: SGLang's --mem-fraction-static for 
   awk -v s="$1" -v k="$2" 'BEGIN { printf "%.3f", s / (1 - k * s) }'
 }
 server_start() {  # server_start J BACKEND: plain server J on GPU GPU_BASE + J / PER_GPU, port 30000+J (PER_GPU servers share a GPU)
-  local j=$1 k=${PER_GPU:-1} gpu=$((${GPU_BASE:-0} + $1 / ${PER_GPU:-1}))
+  local j=$1 k=${PER_GPU:-1} gpu=$((${GPU_BASE:-0} + $1 / ${PER_GPU:-1})) running graph_bs
+  running=$((${RUNNING:-1024} / k))  # requests each server runs at once; its decode CUDA graphs cover them all
+  graph_bs=$(( running > 512 ? (running + 31) / 32 * 32 : 512 ))
   if [[ -n ${SERVER_CMD:-} ]]; then
     $PY $SERVER_CMD --model-path "$MODEL" --port $((30000 + j)) --skip-tokenizer-init > "$L/server$j.log" 2>&1 &
   else
     CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" \
       --host 127.0.0.1 --port $((30000 + j)) --attention-backend "$2" --sampling-backend pytorch \
       --mem-fraction-static "$(mem_fraction "$(awk -v k="$k" 'BEGIN { printf "%.4f", 0.85 / k }')" $((j % k)))" \
-      --cuda-graph-max-bs 512 --max-running-requests $((1024 / k)) --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
-      "${PRIO_ARGS[@]}" > "$L/server$j.log" 2>&1 &
+      --cuda-graph-max-bs "$graph_bs" --max-running-requests "$running" --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
+      "${PRIO_ARGS[@]}" "${SERVER_EXTRA_ARGS[@]}" > "$L/server$j.log" 2>&1 &
   fi
   PIDS[j]=$!
   echo "server $j on GPU $gpu: $2 (pid ${PIDS[j]})"
