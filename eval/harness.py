@@ -5,7 +5,7 @@ are the two backends.
 Prompts come from `bench.prompts` (MT-Bench by default): the first user turn, rendered with the
 target's chat template into token ids once, so every backend decodes exactly the same tokens.
 Runs alternate A B A B: per repetition the baseline pass over all prompts, then one pass per
-`bench.settings` entry; `bench.repetitions` repetitions after one untimed warm-up. Writes
+`bench.settings` entry; `bench.repetitions` repetitions after an untimed warm-up (`bench.warmup`). Writes
 RUN/bench/runs.jsonl (one line per request and pass), RUN/bench/summary.json (median and
 min-max tok/s per pass kind, tau, seconds per verify / draft forward / cycle, the measured cost
 model, the environment), RUN/bench/economics.json (eval/economics.py on the summary) and
@@ -358,13 +358,14 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
             backend.use_drafter(drafter)
         return backend.run_speculative(prompts, s, max_new_tokens)
 
-    first = sets[0][2][:1]
-    backend.run_baseline(
-        first, bc.max_new_tokens
-    )  # warm-up, untimed, as long as a timed request: kernels for every length
+    if bc.warmup not in ("all", "first"):
+        raise ValueError(f"bench.warmup {bc.warmup!r}: expected all (every prompt once per arm) or first")
+    # warm-up, untimed, requests as long as the timed ones: every prompt of every set per arm, or the first one
+    warm = [p for _, _, prompts in sets for p in prompts] if bc.warmup == "all" else sets[0][2][:1]
+    backend.run_baseline(warm, bc.max_new_tokens)
     for d in labels:
         for s in settings:
-            speculative(first, s, d, bc.max_new_tokens)
+            speculative(warm, s, d, bc.max_new_tokens)
     runs: list[dict] = []
     with open(out / "runs.jsonl.tmp", "w") as f:
 

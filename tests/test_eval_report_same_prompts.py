@@ -141,3 +141,33 @@ def test_answers_of_another_run_are_checked(tmp_path):
         bench_answers(tmp_path, "mtbench", 3)
     with pytest.raises(ValueError, match="expected 0..1"):
         bench_answers(tmp_path, "humaneval", 2)
+
+
+class _CountingBackend(_Backend):
+    """The double, recording how many prompts each baseline and speculative pass got, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.passes = []
+
+    def run_baseline(self, prompts, max_new_tokens):
+        self.passes.append(("baseline", len(prompts)))
+        return super().run_baseline(prompts, max_new_tokens)
+
+    def run_speculative(self, prompts, setting, max_new_tokens):
+        self.passes.append((setting.key, len(prompts)))
+        return super().run_speculative(prompts, setting, max_new_tokens)
+
+
+@pytest.mark.parametrize("warmup, warm", [("all", 3), ("first", 1)])
+def test_the_warm_up_runs_every_prompt_or_the_first_once_per_arm_untimed(tmp_path, warmup, warm):
+    cfg = load_config("configs/tiny.yaml", ["bench.prompts.limit=3", "bench.repetitions=2", f"bench.warmup={warmup}"])
+    backend = _CountingBackend()
+    harness.run(cfg, tmp_path, backend, log=lambda *a: None)
+    timed = [("baseline", 3), ("3/1/4", 3)] * 2
+    assert backend.passes == [("baseline", warm), ("3/1/4", warm)] + timed
+    rows = [json.loads(line) for line in (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()]
+    assert sorted({r["repetition"] for r in rows}) == [0, 1] and len(rows) == 12  # the warm-up is not recorded
+    cfg.bench.warmup = "none"
+    with pytest.raises(ValueError, match="bench.warmup 'none'"):
+        harness.run(cfg, tmp_path, backend, log=lambda *a: None)
