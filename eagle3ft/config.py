@@ -229,6 +229,9 @@ class BenchConfig:
     concurrency: list[int] = field(default_factory=lambda: [1])
     settings: list[BenchSetting] = field(default_factory=lambda: [BenchSetting()])
     threads: int | None = None  # embedded: torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
+    # embedded: the target's attention, "sdpa" (transformers') or "chain" (eval/chain_attention.py: batch 1, no mask
+    # tensors, so a verify makes ~550-900 fewer aten ops; not yet timed on a GPU)
+    attention: str = "sdpa"
     # sglang: offline tau on the plain server's own answers, their features from a copy of the target loaded in the
     # bench process (transformers, target.device) after the timed passes: only for a target that fits there
     sglang_same_prompts: bool = False

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.eval import chain_attention
 from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import RequestResult, base_environment, check_drafter_for_run, drafter_on_target
 from eagle3ft.eval.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
@@ -108,6 +109,7 @@ class EmbeddedBackend:
             k: check_drafter_for_run(f, run_dir, where) for k, (f, where) in folders.items()
         }  # all, before the target
         self.model, self.tokenizer = load_target(cfg.target)
+        chain_attention.use(self.model, cfg.bench.attention)
         self.device = next(self.model.parameters()).device
         self.drafters, self.aux_ids = {}, {}
         for label, (folder, _) in folders.items():  # each in the target's dtype: a bf16 folder runs as the target does
@@ -189,5 +191,6 @@ class EmbeddedBackend:
             **base_environment(self.device),
             "backend": self.name,
             "target_dtype": str(next(self.model.parameters()).dtype),
+            "attention": self.model.config._attn_implementation,
             "drafter_dtype": str(next(self.drafter.parameters()).dtype),
         }

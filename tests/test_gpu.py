@@ -379,3 +379,41 @@ def test_trainer_defaults_on_cuda_compile_and_load_in_workers_like_eager(tmp_pat
     online = runs["online"][0]
     assert len(online) == 8 and all(math.isfinite(r["loss"]) for r in online)
     assert math.isfinite(online[-1]["heldout_tau"]) and online[-1]["heldout_tau"] >= 1
+
+
+# --------------------------------------------------------------------------- embedded decoders: bench.attention chain
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chain_attention_on_cuda_matches_sdpa_and_dispatches_to_a_fused_kernel(dtype):
+    """chain attention gives sdpa's logits on a GQA Llama with SmolLM2's head size; in bf16 its verify goes to flash
+    attention without a mask tensor (no tril, no where)."""
+    import copy
+
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from eagle3ft.eval import chain_attention
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=576, num_hidden_layers=4, num_attention_heads=9,
+                      num_key_value_heads=3, intermediate_size=1536, max_position_embeddings=1024)  # fmt: skip
+    target = LlamaForCausalLM(cfg).to("cuda", dtype).eval()
+    chained = copy.deepcopy(target)
+    chain_attention.use(chained, "chain")
+    prompt = torch.randint(0, 512, (1, 300), device="cuda")
+    verify = torch.randint(0, 512, (1, 6), device="cuda")
+    logits, ops = [], []
+    for model in (target, chained):
+        cache = DynamicCache()
+        with torch.no_grad():
+            first = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = model(input_ids=verify, past_key_values=cache, use_cache=True).logits
+        logits.append((first, out))
+        ops.append({e.key for e in prof.key_averages()})
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for a, b in zip(*logits):
+        assert rel(b, a) < tol
+    if dtype == torch.bfloat16:  # flash attention takes grouped heads and the lower-right pattern as they are
+        assert "aten::tril" not in ops[1] and "aten::where" not in ops[1], sorted(ops[1])
