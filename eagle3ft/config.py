@@ -223,7 +223,8 @@ class BenchConfig:
     max_new_tokens: int = 128
     repetitions: int = 3
     # untimed, before the repetitions: "all" runs every prompt once per arm (a whole pass), "first" only the first
-    # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm (RESULTS §17b)
+    # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm (RESULTS §17b); that a
+    # whole pass is enough has not been measured yet
     warmup: str = "all"
     temperature: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1])

@@ -4,8 +4,9 @@ A verify feeds K+1 new tokens after a cache. transformers' sdpa path then builds
 repeats the grouped K/V heads and converts that mask for the kernel: ~900 more aten ops per SmolLM2 forward than a
 one-token step (6,595 against 7,510 on transformers 5.24), which is what a verify costs above a plain step where
 launches bound the forward (RESULTS §17b). Here every query sees the whole cache and the new tokens causally, the
-lower-right causal pattern, which `torch.nn.attention.bias.causal_lower_right` hands to the fused kernels without
-materialising it, and grouped heads go to SDPA as they are (`enable_gqa`).
+lower-right causal pattern, which `torch.nn.attention.bias.causal_lower_right` hands to CUDA's flash kernel without
+materialising it (the CPU materialises it per layer), and grouped heads go to SDPA as they are (`enable_gqa`). The
+GPU path is checked by tests/test_gpu.py; its speed has not been measured yet.
 
 Valid only for one sequence without padding, which is what eval/speculate.py's decoders run (prompt prefill, plain
 steps, verifies) and eval/same_prompts.py's features (one sequence, no cache). Batched, padded forwards (the harvest)
