@@ -57,8 +57,7 @@ s14() {
   say "3. regen, the A side: the same workload at ${SETTING_A:-341x1} per server, caches flushed"
   flush
   t=$SECONDS
-  SETTING=${SETTING_A:-341x1} regen_run "$S/main-a" "[{kind: sharegpt, path: $DATA/sharegpt-prompts.json${LIMIT:+, limit: $LIMIT}}, {kind: chitchat, path: $C/d/chitchat.json, limit: $CHITCHAT}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout${MT_LIMIT:+, limit: $MT_LIMIT}}]" \
-    > "$L/regen-main-a.json" 2> "$L/regen-main-a.log"
+  SETTING=${SETTING_A:-341x1} regen_run "$S/main-a" "$(main_sources)" > "$L/regen-main-a.json" 2> "$L/regen-main-a.log"
   echo "exit $?; phase regen-main-a: $((SECONDS - t)) s"; tail -c 1200 "$L/regen-main-a.json"
   gen_throughput > "$L/gen-throughput-both.txt"
   servers_down

@@ -186,10 +186,12 @@ regen() {
   servers_down
   touch "$L/.regen-done"
 }
+main_sources() {  # the main store's prompt sources: ShareGPT (all, or LIMIT), CHITCHAT chitchat, MT-Bench held out
+  echo "[{kind: sharegpt, path: $DATA/sharegpt-prompts.json${LIMIT:+, limit: $LIMIT}}, {kind: chitchat, path: $C/d/chitchat.json, limit: ${CHITCHAT:-2000}}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout${MT_LIMIT:+, limit: $MT_LIMIT}}]"
+}
 regen_stores() {  # on the running servers: the main store (ShareGPT, chitchat, MT-Bench held out), then HumanEval held out
   local t=$SECONDS
-  regen_run "$S/main" "[{kind: sharegpt, path: $DATA/sharegpt-prompts.json${LIMIT:+, limit: $LIMIT}}, {kind: chitchat, path: $C/d/chitchat.json, limit: ${CHITCHAT:-2000}}, {kind: mtbench, path: $DATA/mtbench-questions.jsonl, split: heldout${MT_LIMIT:+, limit: $MT_LIMIT}}]" \
-    > "$L/regen-main.json" 2> "$L/regen-main.log"
+  regen_run "$S/main" "$(main_sources)" > "$L/regen-main.json" 2> "$L/regen-main.log"
   echo "exit $?; phase regen-main: $((SECONDS - t)) s"; tail -c 1200 "$L/regen-main.json"
   gen_throughput | tee "$L/gen-throughput.txt"
   say "regen: HumanEval (held out)"
