@@ -233,11 +233,15 @@ class BenchConfig:
     # embedded: the target's attention, "sdpa" (transformers') or "chain" (eval/chain_attention.py: batch 1, no mask
     # tensors, so a verify makes ~550-900 fewer aten ops; not yet timed on a GPU)
     attention: str = "sdpa"
+    # embedded: how a cycle drafts, "graph" (eval/draft_graph.py: the chain on the device with no host round trip, one
+    # CUDA graph replay on a GPU; greedy only), "eager" (a drafter forward at a time), "auto" (graph when greedy)
+    drafting: str = "auto"
     # sglang: offline tau on the plain server's own answers, their features from a copy of the target loaded in the
     # bench process (transformers, target.device) after the timed passes: only for a target that fits there
     sglang_same_prompts: bool = False
     baseline_url: str | None = None  # sglang: an already-running plain server
     speculative_url: str | None = None  # sglang: an already-running EAGLE3 server
+    speculative_urls: list[str] = field(default_factory=list)  # sglang: more of them; a setting runs where it is served
     launch: bool = False  # sglang: start/stop the servers with launch/ recipes
     calibration: str | None = (
         None  # another run's bench/calibration.json: predict this run's tok/s from its offline tau

@@ -5,7 +5,8 @@ bench.drafters) share the target; `use_drafter(label)` picks the one the next pa
 The decoders of eval/speculate.py time nothing; the timed subclasses here time around their phases,
 the device synchronised on both sides of each: the prefill (through the first new token), every
 target verify, every drafter forward (the extends and the draft steps), every whole cycle (draft +
-verify + accept + extend), and the decode (after the first new token until the last).
+verify + accept + extend), and the decode (after the first new token until the last). A graphed draft chain
+(`bench.drafting`, eval/draft_graph.py) is timed as one, and each of its forwards counts as its mean.
 """
 
 from __future__ import annotations
@@ -83,11 +84,27 @@ class TimedSpeculativeDecoder(_Timed, SpeculativeDecoder):
     def draft_step(self, *args):
         return self._time(self.timings.draft_forward_s, super().draft_step, *args)
 
+    def draft_chain(self, *args):
+        spent: list[float] = []
+        drafts = self._time(spent, super().draft_chain, *args)
+        if self.steps > 1:  # the chain's drafter forwards, each at their mean (its first draft needs none)
+            self.timings.draft_forward_s += [spent[0] / (self.steps - 1)] * (self.steps - 1)
+        return drafts
+
     def verify(self, *args):
         return self._time(self.timings.verify_s, super().verify, *args)
 
     def cycle(self, *args):
         return self._time(self.timings.cycle_s, super().cycle, *args)
+
+
+def drafting_for(drafting: str, temperature: float) -> str:
+    """bench.drafting -> the decoder's: auto is graph when greedy, eager when sampling."""
+    if drafting not in ("auto", "graph", "eager"):
+        raise ValueError(f"bench.drafting {drafting!r}: expected auto, graph or eager")
+    if drafting == "graph" and temperature > 0:
+        raise ValueError(f"bench.drafting graph drafts greedily: bench.temperature is {temperature}; use auto or eager")
+    return drafting if drafting != "auto" else ("graph" if temperature <= 0 else "eager")
 
 
 class EmbeddedBackend:
@@ -118,6 +135,8 @@ class EmbeddedBackend:
         self.eos_ids = ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids
         self.temperature = cfg.bench.temperature
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.drafting = drafting_for(cfg.bench.drafting, self.temperature)
+        self._decoders: dict[tuple[str, int], TimedSpeculativeDecoder] = {}  # a graphed chain is captured once
 
     @property
     def drafter_labels(self) -> list[str]:
@@ -127,6 +146,7 @@ class EmbeddedBackend:
         """The drafter the next speculative passes (and offline_tau) use: eval.checkpoint's or a bench.drafters
         label."""
         self.drafter, self.aux_layer_ids = self.drafters[label], self.aux_ids[label]
+        self.label = label
 
     def _result(self, i: int, g: Generation, t: Timings) -> RequestResult:
         spec = g.verify_count > 0
@@ -154,9 +174,13 @@ class EmbeddedBackend:
                 f"embedded backend drafts chains only: setting {setting.key} needs topk 1 and num_draft_tokens = steps "
                 "+ 1"
             )
-        dec = TimedSpeculativeDecoder(
-            self.model, self.drafter, self.aux_layer_ids, setting.steps, self.temperature, self.eos_ids, self.generator
-        )
+        key = (self.label, setting.steps)
+        if key not in self._decoders:
+            self._decoders[key] = TimedSpeculativeDecoder(
+                self.model, self.drafter, self.aux_layer_ids, setting.steps, self.temperature, self.eos_ids,
+                self.generator, self.drafting,
+            )  # fmt: skip
+        dec = self._decoders[key]
         return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts)]
 
     @torch.no_grad()
@@ -192,5 +216,6 @@ class EmbeddedBackend:
             "backend": self.name,
             "target_dtype": str(next(self.model.parameters()).dtype),
             "attention": self.model.config._attn_implementation,
+            "drafting": self.drafting,  # graph: a CUDA graph on a GPU, the same chain uncaptured elsewhere
             "drafter_dtype": str(next(self.drafter.parameters()).dtype),
         }

@@ -16,8 +16,9 @@ is at position j.
 
 Per request it records the verify count and the tokens emitted per verify (bonus included, as SGLang's
 spec_accept_length). The algorithm alone, as gpt-fast's generate.py: it times nothing. Its phases are
-methods (prefill, draft_step, verify, extend, cycle) so that a caller can time around them
-(eval/bench_embedded.py does).
+methods (prefill, draft_step or draft_chain, verify, extend, cycle) so that a caller can time around them
+(eval/bench_embedded.py does). With drafting="graph" (greedy only) the drafts after the extend come from
+eval/draft_graph.py: the same chain with no host round trip, one CUDA graph replay per cycle on a GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from eagle3ft.train.model import DraftCache, Eagle3Drafter
+from eagle3ft.eval.draft_graph import DraftGraph
+from eagle3ft.train.model import DraftCache, Eagle3Drafter, StaticDraftCache
 
 
 @dataclass
@@ -106,13 +108,14 @@ def greedy_decode(
     return PlainDecoder(model, eos_ids, temperature, generator).generate(prompt_ids, max_new_tokens)
 
 
-def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor) -> tuple[int, int]:
-    """target_logits (K+1, V) over tokens after root, d1..dK; drafts (K,) -> (accepted drafts, next token)."""
-    best = target_logits.argmax(-1)
+def verify_greedy(target_logits: torch.Tensor, drafts) -> tuple[int, int]:
+    """target_logits (K+1, V) over tokens after root, d1..dK; drafts K ids -> (accepted drafts, next token).
+    The target's choices come to the host in one copy."""
+    best, drafts = target_logits.argmax(-1).tolist(), [int(d) for d in drafts]
     m = 0
-    while m < drafts.shape[0] and int(drafts[m]) == int(best[m]):
+    while m < len(drafts) and drafts[m] == best[m]:
         m += 1
-    return m, int(best[m])
+    return m, best[m]
 
 
 def verify_sampled(
@@ -139,7 +142,7 @@ class DecodeState:
     is token length - 1), and the drafter's last pre-norm output h and logits (the first draft's inputs)."""
 
     tcache: DynamicCache
-    dcache: DraftCache
+    dcache: DraftCache | StaticDraftCache
     root: int
     length: int
     h: torch.Tensor  # (1, 1, H)
@@ -147,7 +150,8 @@ class DecodeState:
 
 
 class SpeculativeDecoder:
-    """Target (transformers causal LM) + Eagle3Drafter, chain drafting of `steps` tokens per cycle."""
+    """Target (transformers causal LM) + Eagle3Drafter, chain drafting of `steps` tokens per cycle. drafting:
+    "eager" (a drafter forward at a time) or "graph" (greedy: eval/draft_graph.py, captured as a CUDA graph on a GPU)."""
 
     def __init__(
         self,
@@ -158,9 +162,14 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         eos_ids=(),
         generator: torch.Generator | None = None,
+        drafting: str = "eager",
     ):
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
+        if drafting not in ("eager", "graph"):
+            raise ValueError(f"drafting {drafting!r}: expected eager or graph")
+        if drafting == "graph" and temperature > 0:
+            raise ValueError("the graphed draft chain is greedy: drafting graph needs temperature 0")
         self.target, self.drafter = target, drafter
         self.aux_layer_ids = list(aux_layer_ids)
         self.steps, self.temperature = steps, temperature
@@ -169,6 +178,14 @@ class SpeculativeDecoder:
         self.device = target.device
         self.dtype = next(drafter.parameters()).dtype
         self.vocab = drafter.config.vocab_size
+        self.drafting = drafting
+        self.graph: DraftGraph | None = None  # drafting="graph": built for the longest request so far
+
+    def _graph_for(self, rows: int) -> DraftGraph:
+        """A DraftGraph whose cache holds `rows`, captured again (at the next power of two, >= 1024) when it does not."""
+        if self.graph is None or self.graph.capacity < rows:
+            self.graph = DraftGraph(self.drafter, self.steps, max(1024, 1 << (rows - 1).bit_length()), self.device)
+        return self.graph
 
     def _target(self, ids: list[int] | torch.Tensor, cache: DynamicCache):
         ids = torch.as_tensor(ids, device=self.device).view(1, -1)
@@ -192,6 +209,10 @@ class SpeculativeDecoder:
         """One target forward over [root, d1..dK]: logits (K+1, V) and aux features (K+1, 3Ht)."""
         return self._target([root] + drafts, cache)
 
+    def draft_chain(self, s: DecodeState) -> list[int]:
+        """drafting="graph": the cycle's drafts from the extend's logits, in one go on the device."""
+        return self.graph.run(s.logits, s.h, s.length - 1)
+
     def _pick_draft(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """(target id of the draft token, q over the target vocab or None when greedy)."""
         if self.temperature <= 0:
@@ -205,13 +226,18 @@ class SpeculativeDecoder:
     def prefill(self, prompt_ids: list[int]) -> DecodeState:
         """The prompt's target forward, the first new token (the root), the drafter extended over the prompt."""
         tcache, dcache = DynamicCache(), DraftCache()
+        if self.graph is not None:
+            dcache = self.graph.cache
+            dcache.crop(0)
         logits, aux = self._target(prompt_ids, tcache)
         root = _choose(logits[-1], self.temperature, self.generator)
         h, lg = self.extend(dcache, list(prompt_ids[1:]) + [root], aux, 0)
         return DecodeState(tcache, dcache, root, len(prompt_ids) + 1, h, lg)
 
-    def cycle(self, s: DecodeState) -> list[int]:
-        """Draft, verify, accept, extend; returns the tokens emitted (bonus included) and advances s."""
+    def draft(self, s: DecodeState) -> tuple[list[int], list[torch.Tensor | None]]:
+        """The cycle's `steps` drafts (target ids) and, per draft, q over the target vocab (None when greedy)."""
+        if self.graph is not None:
+            return self.draft_chain(s), []
         drafts, qs = [], []
         h, lg = s.h, s.logits
         for k in range(self.steps):
@@ -220,12 +246,17 @@ class SpeculativeDecoder:
             qs.append(q)
             if k < self.steps - 1:
                 h, lg = self.draft_step(d, h, s.length - 1 + k, s.dcache)
+        return drafts, qs
+
+    def cycle(self, s: DecodeState) -> list[int]:
+        """Draft, verify, accept, extend; returns the tokens emitted (bonus included) and advances s."""
+        drafts, qs = self.draft(s)
         vlogits, vaux = self.verify(s.root, drafts, s.tcache)
-        dt = torch.tensor(drafts, device=self.device)
         if self.temperature <= 0:
-            m, nxt = verify_greedy(vlogits, dt)
+            m, nxt = verify_greedy(vlogits, drafts)
         else:
             p = F.softmax(vlogits.double() / self.temperature, dim=-1)
+            dt = torch.tensor(drafts, device=self.device)
             m, nxt = verify_sampled(p, torch.stack(qs), dt, self.generator)
         new = drafts[:m] + [nxt]
         crop_target(s.tcache, s.length + m)
@@ -237,6 +268,8 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        if self.drafting == "graph":  # the drafter's rows: the prompt, the answer, a cycle's drafts beyond it
+            self._graph_for(len(prompt_ids) + max_new_tokens + self.steps + 1)
         s = self.prefill(prompt_ids)
         g = Generation(tokens=[s.root], prompt_tokens=len(prompt_ids))
         g.tokens, done = _finish(g.tokens, max_new_tokens, self.eos)

@@ -46,9 +46,9 @@ def test_greedy_stops_at_eos(pair):
 def test_verify_greedy():
     logits = torch.zeros(4, 6)
     logits[torch.arange(4), torch.tensor([2, 5, 1, 0])] = 1.0
-    assert verify_greedy(logits, torch.tensor([2, 5, 3])) == (2, 1)
-    assert verify_greedy(logits, torch.tensor([2, 5, 1])) == (3, 0)
-    assert verify_greedy(logits, torch.tensor([4, 5, 1])) == (0, 2)
+    assert verify_greedy(logits, [2, 5, 3]) == (2, 1)
+    assert verify_greedy(logits, [2, 5, 1]) == (3, 0)
+    assert verify_greedy(logits, [4, 5, 1]) == (0, 2)
 
 
 def _tv(counts: torch.Tensor, p: torch.Tensor) -> float:

@@ -204,6 +204,32 @@ class DraftCache:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
 
 
+class StaticDraftCache:
+    """DraftCache in buffers of a fixed `capacity` (B, nkv, capacity, hd), written in place, so that a CUDA graph can
+    read and write them (eval/draft_graph.py). The same `length`, `append` and `crop` as DraftCache."""
+
+    def __init__(self, cfg: DrafterConfig, capacity: int, device, dtype: torch.dtype, batch: int = 1) -> None:
+        shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.capacity, self.length = capacity, 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"a static draft cache of {self.capacity} entries cannot hold {end}")
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def crop(self, n: int) -> None:
+        """Roll back to the first n entries (the buffers keep the rest, to be overwritten)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} entries to {n}")
+        self.length = n
+
+
 class Eagle3Drafter(nn.Module):
     """embed_tokens (frozen target embedding) -> fc fuses 3 aux states -> midlayer -> norm -> lm_head over the draft
     vocab.
@@ -262,6 +288,11 @@ class Eagle3Drafter(nn.Module):
         """The hidden state the next draft step reads: the pre-norm output, or norm(out) with norm_output."""
         return self.norm(hidden_out) if self.config.norm_output else hidden_out  # (B, T, H)
 
+    def outputs(self, hidden_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(feedback (B, T, H), logits (B, T, Vd)) of one forward's pre-norm output, the norm computed once."""
+        normed = self.norm(hidden_out)
+        return (normed if self.config.norm_output else hidden_out), self.lm_head(normed)
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
@@ -305,8 +336,7 @@ class Eagle3Drafter(nn.Module):
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, enable_gqa=self.config.num_key_value_heads != self.config.num_attention_heads
         )
-        out = self.midlayer.finish(o, hidden)  # (B, T, H) pre-norm
-        return self.feedback(out), self.logits(out)
+        return self.outputs(self.midlayer.finish(o, hidden))  # finish: (B, T, H) pre-norm
 
 
 def export_keys(fc_norm: bool = False) -> list[str]:

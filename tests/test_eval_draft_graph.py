@@ -1,0 +1,120 @@
+"""bench.drafting graph (eval/draft_graph.py): the draft chain on the device over a static cache drafts what the
+eager chain drafts, cycle by cycle, through the decoder and the real bench; its cache grows for longer requests;
+bad settings are refused. The CUDA capture itself: tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _eval_tiny import AUX, prompts, tiny_pair
+
+from eagle3ft.config import load_config
+from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.eval import bench, harness
+from eagle3ft.eval.bench_embedded import drafting_for
+from eagle3ft.eval.draft_graph import chain_drafts
+from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+from eagle3ft.train.checkpoint import export_drafter
+from eagle3ft.train.model import DraftCache, Eagle3Drafter, StaticDraftCache
+
+
+class Recording(SpeculativeDecoder):
+    """Records every cycle's drafts."""
+
+    def draft(self, s):
+        drafts, qs = super().draft(s)
+        self.seen.append(list(drafts))
+        return drafts, qs
+
+
+def _run(target, drafter, p, steps, drafting, new=40):
+    dec = Recording(target, drafter, AUX, steps=steps, drafting=drafting)
+    dec.seen = []
+    return dec.generate(p, new), dec.seen
+
+
+@pytest.mark.parametrize("steps", [1, 3, 6])
+def test_the_static_chain_drafts_what_the_eager_chain_drafts(steps):
+    target, drafter = tiny_pair()
+    for p in prompts(3):
+        eager, eager_drafts = _run(target, drafter, p, steps, "eager")
+        graph, graph_drafts = _run(target, drafter, p, steps, "graph")
+        assert graph_drafts == eager_drafts  # every cycle's drafts
+        assert graph.accept_lengths == eager.accept_lengths
+        assert graph.tokens == eager.tokens == greedy_decode(target, p, 40).tokens
+    assert max(a for a in eager.accept_lengths) > 1  # drafts were accepted: the chain's later steps mattered
+
+
+def test_chain_drafts_writes_its_rows_and_reads_only_the_rows_so_far():
+    """One chain against eager steps on a DraftCache, after garbage in the static rows beyond the cache's length."""
+    _, drafter = tiny_pair()
+    cfg, H = drafter.config, drafter.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    ids, hid = torch.randint(0, cfg.vocab_size, (1, 9), generator=g), torch.randn(1, 9, H, generator=g).double()
+    static = StaticDraftCache(cfg, 32, torch.device("cpu"), torch.float64)
+    static.k.normal_(generator=g)
+    static.v.normal_(generator=g)  # stale rows: the mask must hide them
+    eager = DraftCache()
+    with torch.no_grad():
+        h, lg = drafter.step(ids, hid, torch.arange(9)[None], eager)
+        h_s, lg_s = drafter.step(ids, hid, torch.arange(9)[None], static)
+        torch.testing.assert_close(lg_s, lg, rtol=0, atol=0)
+        got = chain_drafts(drafter, static, lg_s[0, -1], h_s[:, -1:], torch.tensor([9]), torch.arange(32), 4)
+        want, h, lg = [], h[:, -1:], lg[0, -1]
+        for j in range(4):
+            want.append(int(drafter.draft_to_target(lg.argmax(-1))))
+            if j < 3:
+                h, lgs = drafter.step(torch.tensor([[want[-1]]]), h, torch.tensor([[9 + j]]), eager)
+                lg = lgs[0, -1]
+    assert got.tolist() == want
+    torch.testing.assert_close(static.k[:, :, :12], eager.k, rtol=1e-12, atol=1e-12)
+    assert static.length == 9  # the chain's rows are not the cache's until an extend appends them
+
+
+def test_the_graph_grows_for_a_longer_request_and_refuses_sampling():
+    target, drafter = tiny_pair()
+    dec = SpeculativeDecoder(target, drafter, AUX, steps=3, drafting="graph")
+    p = prompts(1)[0]
+    dec.generate(p, 8)
+    assert dec.graph.capacity == 1024
+    first = dec.graph
+    dec.generate(p, 8)
+    assert dec.graph is first  # reused
+    dec.generate(p, 1100)  # more rows than 1024: a new graph, the next power of two
+    assert dec.graph.capacity == 2048
+    with pytest.raises(ValueError, match="greedy"):
+        SpeculativeDecoder(target, drafter, AUX, steps=3, temperature=0.7, drafting="graph")
+    with pytest.raises(ValueError, match="expected eager or graph"):
+        SpeculativeDecoder(target, drafter, AUX, steps=3, drafting="cuda")
+    assert drafting_for("auto", 0.0) == "graph" and drafting_for("auto", 0.7) == "eager"
+    with pytest.raises(ValueError, match="bench.temperature is 0.7"):
+        drafting_for("graph", 0.7)
+    with pytest.raises(ValueError, match="expected auto, graph or eager"):
+        drafting_for("fast", 0.0)
+
+
+def test_the_embedded_bench_drafts_the_same_with_the_graphed_chain(tmp_path):
+    """bench.drafting graph and eager through eval/bench.py's embedded backend on the tiny config: the same output
+    ids and accept lengths per prompt and pass, the environment names the drafting, every forward is timed."""
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig.from_json("configs/drafters/tiny.json"))
+    drafter.t2d[: drafter.config.draft_vocab_size] = True  # d2t 0: draft id i is target id i
+    export_drafter(drafter, tmp_path / "export")
+    outputs = {}
+    for drafting in ("eager", "graph"):
+        run = tmp_path / drafting
+        run.mkdir()
+        (run / "export").symlink_to(tmp_path / "export")
+        cfg = load_config("configs/tiny.yaml", ["bench.prompts.limit=2", "bench.max_new_tokens=6",
+                                                "bench.repetitions=2", f"bench.drafting={drafting}",
+                                                "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"])  # fmt: skip
+        summary = harness.run(cfg, run, bench.make_backend(cfg, run), log=lambda *a: None)
+        assert summary["environment"]["drafting"] == drafting
+        rows = [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]
+        outputs[drafting] = [(r["mode"], r["prompt_index"], r["output_ids"], r.get("accept_lengths")) for r in rows]
+        for r in rows:
+            if r["mode"] != "baseline":  # an extend per verify plus steps - 1 forwards per cycle
+                assert len(r["draft_forward_s"]) == r["verify_count"] * 3 + 1
+    assert outputs["graph"] == outputs["eager"]
