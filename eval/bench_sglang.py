@@ -1,8 +1,8 @@
 """The `sglang` backend of the live benchmark (eval/harness.py): live SGLang servers, baseline against EAGLE3.
 
-Servers come from the config: ``bench.baseline_url`` / ``bench.speculative_url`` (already
-running; the speculative one serves the one setting it was started with, read from its
-``/server_info``), or ``bench.launch: true`` (the baseline and one EAGLE3 server per setting,
+Servers come from the config: ``bench.baseline_url`` / ``bench.speculative_url`` and
+``bench.speculative_urls`` (already running; each speculative one serves the one setting it was started with,
+read from its ``/server_info``, and each setting runs on the one that serves it), or ``bench.launch: true`` (the baseline and one EAGLE3 server per setting,
 started from ``serve`` with the exported drafter ``eval.checkpoint``; at most
 ``serve.max_servers`` at once, the least recently used stopped first; all stopped by ``close()``
 or at exit).
@@ -174,33 +174,38 @@ class SGLangBackend:
         """The server for the baseline (None) or one speculative setting, started when bench.launch."""
         bc = self.cfg.bench
         key = "baseline" if setting is None else setting.key
-        given = bc.baseline_url if setting is None else bc.speculative_url
-        if given:
-            url = given.rstrip("/")
+        if setting is None and bc.baseline_url:
+            url = bc.baseline_url.rstrip("/")
             si = self._info(key, url)
-            if setting is None and si.speculative:
+            if si.speculative:
                 raise SGLangError(
                     f"bench.baseline_url {url} runs {si.raw.get('speculative_algorithm')}: the baseline must be plain"
                 )
-            if setting is not None:
+            return url
+        given = [u.rstrip("/") for u in ([bc.speculative_url] if bc.speculative_url else []) + bc.speculative_urls]
+        if setting is not None and given:
+            serves = {}
+            for url in given:
+                si = server_info(url)
                 have = (
                     si.raw.get("speculative_num_steps"),
                     si.raw.get("speculative_eagle_topk"),
                     si.raw.get("speculative_num_draft_tokens"),
                 )
-                if si.raw.get("speculative_algorithm") != "EAGLE3" or have != (
+                if si.raw.get("speculative_algorithm") == "EAGLE3" and have == (
                     setting.steps,
                     setting.topk,
                     setting.num_draft_tokens,
                 ):
-                    if not bc.launch:
-                        raise SGLangError(
-                            f"bench.speculative_url {url} serves {si.raw.get('speculative_algorithm')} "
-                            f"{'/'.join(map(str, have))}, not EAGLE3 {setting.key}; set bench.launch to "
-                            "start the others"
-                        )
-                    return self._launch(key, setting)
-            return url
+                    self.infos[key] = si.raw
+                    return url
+                serves[url] = f"{si.raw.get('speculative_algorithm')} {'/'.join(map(str, have))}"
+            if not bc.launch:
+                listed = "; ".join(f"{u} serves {what}" for u, what in serves.items())
+                raise SGLangError(
+                    f"no server given for EAGLE3 {setting.key} ({listed}): add it to bench.speculative_urls, or set "
+                    "bench.launch to start it"
+                )
         if not bc.launch:
             raise SGLangError(
                 f"no server for {key}: set bench.{'baseline' if setting is None else 'speculative'}_url or "

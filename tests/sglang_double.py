@@ -555,6 +555,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cuda-graph-max-bs", type=int)
     ap.add_argument("--max-running-requests", type=int)
     ap.add_argument("--log-level")
+    ap.add_argument("--sleep-on-idle", action="store_true")  # 0.5.17: an idle scheduler sleeps instead of polling
     args = ap.parse_args(argv)
     if args.host not in ("127.0.0.1", "localhost"):
         ap.error("the double serves on loopback only")

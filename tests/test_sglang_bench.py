@@ -161,12 +161,30 @@ def test_speculative_url_serves_only_its_setting(tiny, doubles, tmp_path):
         REPO_ROOT / "configs/tiny.yaml", BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}"]
     )
     backend = SGLangBackend(cfg, tmp_path)
-    with pytest.raises(SGLangError, match="serves EAGLE3 3/1/4, not EAGLE3 2/1/3"):
+    with pytest.raises(SGLangError, match=f"no server given for EAGLE3 2/1/3 \\({spec.url} serves EAGLE3 3/1/4\\)"):
         backend.url(Setting(2, 1, 3))
     cfg.bench.baseline_url = spec.url
     with pytest.raises(SGLangError, match="the baseline must be plain"):
         backend.url(None)
     backend.close()
+
+
+def test_each_setting_runs_on_the_listed_server_that_serves_it(tiny, doubles, tmp_path):
+    _, model, tok, drafter = tiny
+    base, spec = doubles
+    engine = DoubleEngine(model, tok, drafter=drafter, spec_steps=2, spec_topk=1, spec_num_draft_tokens=3)
+    spec2 = SGLangDouble(engine, version="0.5.17").start()
+    try:
+        sets = [f"bench.baseline_url={base.url}", f"bench.speculative_urls=[{spec2.url}, {spec.url}]"]
+        backend = SGLangBackend(load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + sets), tmp_path)
+        assert backend.url(Setting(3, 1, 4)) == spec.url and backend.url(Setting(2, 1, 3)) == spec2.url
+        assert backend.url(None) == base.url
+        assert backend.infos["2/1/3"]["speculative_num_steps"] == 2
+        with pytest.raises(SGLangError, match="add it to bench.speculative_urls"):
+            backend.url(Setting(5, 1, 6))
+        backend.close()
+    finally:
+        spec2.stop()
 
 
 def test_accept_lengths_from_histogram_or_counts():
