@@ -14,8 +14,9 @@
 # than the ones predicted, so that the calibration may bench the drafter under test itself),
 # EXTRA (more --set pairs, e.g. the target's path on a GPU machine), PY (python),
 # DRAFTER_READY (a file to wait for, up to 20 min, before the drafter under test is read: it may still be training
-# while the calibration runs), STEPS (all; cal: the features and the calibration run only; test: the prediction and
-# the measurement only, from an OUT_DIR where `cal` ran).
+# while the calibration runs), STEPS (all; features: the held-out features only; cal: the features, unless an earlier
+# `features` made them, and the calibration run; test: the prediction and the measurement only, from an OUT_DIR where
+# `cal` ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: $0 OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]}
@@ -45,11 +46,15 @@ SETS=(
 say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
 STEPS=${STEPS:-all}
-[[ $STEPS == @(all|cal|test) ]] || { echo "STEPS=$STEPS: expected all, cal or test" >&2; exit 2; }
+[[ $STEPS == @(all|features|cal|test) ]] || { echo "STEPS=$STEPS: expected all, features, cal or test" >&2; exit 2; }
 if [[ $STEPS != test ]]; then
-  say "held-out features of the bench's prompts (the target's own answers)"
-  $PY data/harvest.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > "$OUT/harvest.json"
-  mkdir -p "$OUT/test" && ln -sfn "$(cd "$OUT/calibrate" && pwd)/features" "$OUT/test/features"
+  if [[ $STEPS == features || ! -s $OUT/harvest.json ]]; then
+    say "held-out features of the bench's prompts (the target's own answers)"
+    $PY data/harvest.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" > "$OUT/harvest.json.partial"
+    mv "$OUT/harvest.json.partial" "$OUT/harvest.json"
+    mkdir -p "$OUT/test" && ln -sfn "$(cd "$OUT/calibrate" && pwd)/features" "$OUT/test/features"
+  fi
+  [[ $STEPS != features ]] || exit 0
 
   say "calibration run: $CAL_DRAFTER, every setting, interleaved with plain decoding"
   CAL_SETS=(--set "bench.max_new_tokens=${CAL_NEW:-${NEW:-64}}" ${CAL_SOURCE:+--set "bench.prompts={$CAL_SOURCE}"})

@@ -361,10 +361,11 @@ sgl_bench() {  # plain vs 3/1/4 on the running servers, interleaved, 3 repetitio
   done
   xargs -r kill < "$L/sgl.pids"
 }
-sglpred_serve() {  # sglpred_serve PORT SLOT [DRAFTER]: on GPU SGL_GPU (0), the SLOT-th server there (from 0), with 0.1 of
-                   # the GPU (mem_fraction): plain, or EAGLE-3 3/1/4 with DRAFTER; healthy within 15 min
+sglpred_serve() {  # sglpred_serve PORT SLOT [DRAFTER [SETTING]]: on GPU SGL_GPU (0), the SLOT-th server there (from 0),
+                   # with 0.1 of the GPU (mem_fraction): plain, or EAGLE-3 with DRAFTER at SETTING (3/1/4); healthy
+                   # within 15 min
   local port=$1 slot=$2 role=(--role baseline)
-  [[ -n ${3:-} ]] && role=(--role speculative --drafter "$3" --setting 3/1/4)
+  [[ -n ${3:-} ]] && role=(--role speculative --drafter "$3" --setting "${4:-3/1/4}")
   wait_for 900 "$SGL_DIR/.ready"
   MEMF=$(mem_fraction 0.1 "$slot") sgl_serve "$port" "${SGL_GPU:-0}" "${role[@]}"
   sgl_wait "$port" || { xargs -r kill < "$L/sgl.pids"; return 1; }

@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/h200_scale.sh's phases:
+#   0. the GPU tests of the embedded decoder's CUDA paths: the graphed draft chain (eval/draft_graph.py) and chain
+#      attention; meanwhile the embedded bench's held-out features (calibrated_prediction.sh STEPS=features)
+#   1. SGLang 0.5.17 servers on the GPU, one at a time, each with 0.1 of it and --sleep-on-idle (an idle scheduler
+#      otherwise spins a host core): plain (:30100), then EAGLE-3 with the shipped drafter at each of SGL_SETTINGS
+#      (2/1/3,3/1/4,5/1/6; :30101 on)
+#   2. the embedded bench with the servers idle: benchmarks/calibrated_prediction.sh with the shipped drafter,
+#      bench.attention EMB_ATTENTION (chain) and bench.drafting (auto: the graphed chain), its costs calibrated on
+#      EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW (96) new tokens, its tok/s predicted from offline tau on
+#      EMB_PROMPTS (4) MT-Bench prompts at EMB_NEW (384) and measured there (EMB_SETTINGS 3/1/4,5/1/6,7/1/8, EMB_REPS 3)
+#   3. SGLang: the calibration run on SGL_LIMIT (8) HumanEval prompts at SGL_NEW (512) new tokens, plain and every
+#      setting interleaved (3 repetitions, batch 1, the shipped drafter); then the measurement on SGL_LIMIT MT-Bench
+#      prompts at SGL_NEW, its economics predicting each setting's tok/s from the calibration's cycles and offline tau
+#      on this run's plain answers (eval/same_prompts.py) -- no speculative figure of this run is an input -- and
+#      the setting it picks; then offline tau on each speculative server's own answers (live against offline)
+#   4. the A side of 2's graphed draft chain: the same prompts and sizes at EMB_AB_SETTING (5/1/6) with bench.drafting
+#      eager (a drafter forward at a time, as in RESULTS §17b), plain interleaved (EMB_AB=0 leaves it out)
+# Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s15.sh start` starts the plan. Keep a `wait`
+# call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/h200_scale.sh lib
+: "${SGL_SETTINGS:=2/1/3,3/1/4,5/1/6}" "${SGL_NEW:=512}" "${SGL_LIMIT:=8}"
+IFS=, read -r -a SGL_LIST <<< "$SGL_SETTINGS"
+
+settings_yaml() {  # settings_yaml 3/1/4,5/1/6 -> [{steps: 3, topk: 1, num_draft_tokens: 4}, ...]
+  local s out="" st tk nd
+  IFS=, read -r -a s <<< "$1"
+  for x in "${s[@]}"; do IFS=/ read -r st tk nd <<< "$x"; out+="${out:+, }{steps: $st, topk: $tk, num_draft_tokens: $nd}"; done
+  echo "[$out]"
+}
+emb() {  # emb STEPS: benchmarks/calibrated_prediction.sh's STEPS with this plan's sizes
+  CUDA_VISIBLE_DEVICES=0 STEPS=$1 EXTRA="${BASE[*]} --set bench.attention=${EMB_ATTENTION:-chain} --set bench.drafting=$EMB_DRAFTING" \
+    NEW=${EMB_NEW:-384} \
+    CAL_NEW=${EMB_CAL_NEW:-96} REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-4} SETTINGS=${EMB_SETTINGS:-3/1/4,5/1/6,7/1/8} \
+    PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
+    CAL_SOURCE="kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: ${EMB_CAL_PROMPTS:-4}" \
+    timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$SHIPPED" "$SHIPPED" >> "$L/embedded.txt" 2>&1
+}
+sgl_servers() {  # phase 1: plain, then one EAGLE-3 server per SGL_SETTINGS entry, each up before the next starts
+  local i=0 s
+  sglpred_serve 30100 0 || return 1
+  for s in "${SGL_LIST[@]}"; do
+    i=$((i + 1)); sglpred_serve $((30100 + i)) "$i" "$SHIPPED" "$s" || return 1
+  done
+  touch "$L/.sgl-up"
+}
+sgl_run() {  # sgl_run RUN SRC [sets...]: plain (:30100) against every setting's server, interleaved, 3 repetitions
+  local run=$1 src=$2 urls="" i; shift 2
+  for ((i = 1; i <= ${#SGL_LIST[@]}; i++)); do urls+="${urls:+, }http://127.0.0.1:$((30100 + i))"; done
+  timeout 420 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
+    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[$urls]" \
+    --set "bench.prompts=$src" --set "bench.max_new_tokens=$SGL_NEW" --set bench.repetitions=3 \
+    --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" --set 'bench.concurrency=[1]' --set 'bench.drafters={}' \
+    "$@" > "$run.txt" 2>&1
+  echo "exit $?"; tail -14 "$run.txt"
+}
+sglang_phase() {
+  local cal=$S/sgl-cal test=$S/sgl-test s
+  export CUDA_VISIBLE_DEVICES=0  # the benches' in-process target (offline tau on the same prompts)
+  say "3a. SGLang calibration: $SGL_LIMIT HumanEval prompts, $SGL_NEW new tokens, plain and $SGL_SETTINGS"
+  sgl_run "$cal" "{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: $SGL_LIMIT}"
+  say "3b. SGLang measurement: $SGL_LIMIT MT-Bench prompts, predicted from 3a's cycles and offline tau on the plain answers"
+  sgl_run "$test" "{kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: $SGL_LIMIT}" \
+    --set "bench.calibration=$cal/bench/calibration.json"
+  $PY eval/same_prompts.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --answers-from "$test" \
+    --set "bench.prompts={kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: $SGL_LIMIT}" \
+    --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -1
+  $PY eval/economics.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --set "bench.calibration=$cal/bench/calibration.json" \
+    --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -8
+  xargs -r kill < "$L/sgl.pids"
+  for s in "${SGL_LIST[@]}"; do  # offline tau on each speculative server's own answers: the tokens its live tau counted
+    say "offline tau on the $s answers"
+    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sgl-own-${s//\//-}" "${SGL[@]}" \
+      --set "bench.prompts={kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: $SGL_LIMIT}" \
+      --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$s")" \
+      --answers-from "$test" --answers-of "$s" 2>&1 | tail -1
+  done
+  mkdir -p "$L/sgl"
+  for run in "$cal" "$test" "$S"/sgl-own-*; do
+    [[ -d $run ]] || continue
+    cp "$run.txt" "$L/sgl/" 2>/dev/null
+    for f in summary economics prediction calibration; do cp "$run/bench/$f.json" "$L/sgl/$(basename "$run")-$f.json" 2>/dev/null; done
+    cp "$run/bench/runs.jsonl" "$L/sgl/$(basename "$run")-runs.jsonl" 2>/dev/null
+    cp "$run/eval/accept_len.json" "$L/sgl/$(basename "$run")-accept_len.json" 2>/dev/null
+  done
+}
+emb_eager() {  # phase 4: eval/bench.py as 2's measurement, bench.drafting eager, one setting
+  local st tk nd
+  IFS=/ read -r st tk nd <<< "${EMB_AB_SETTING:-5/1/6}"
+  CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout 480 $PY eval/bench.py --config $CONFIG --run-dir "$S/emb-eager" "${BASE[@]}" \
+    --set bench.attention=${EMB_ATTENTION:-chain} --set bench.drafting=eager --set "eval.checkpoint=$SHIPPED" \
+    --set "bench.prompts={kind: mtbench, limit: ${EMB_PROMPTS:-4}, path: $DATA/mtbench-questions.jsonl}" \
+    --set "bench.max_new_tokens=${EMB_NEW:-384}" --set "bench.repetitions=${EMB_REPS:-3}" --set "bench.drafters={}" \
+    --set "bench.settings=[{steps: $st, topk: $tk, num_draft_tokens: $nd}]" > "$L/emb-eager.txt" 2>&1
+  echo "exit $?"; tail -12 "$L/emb-eager.txt"
+  mkdir -p "$L/emb-eager" && cp "$S"/emb-eager/bench/{summary,economics}.json "$S/emb-eager/bench/runs.jsonl" "$L/emb-eager/" 2>/dev/null
+}
+s15() {
+  local t
+  wait_for 600 "$MODEL/config.json"
+  say "0. GPU tests (the graphed draft chain, chain attention) and the embedded bench's features"
+  timeout 300 $PY -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_gpu.py -k "draft_chain or chain_attention" > "$L/gpu-tests.txt" 2>&1
+  echo "exit $?"; tail -3 "$L/gpu-tests.txt"
+  EMB_DRAFTING=${EMB_DRAFTING:-auto}
+  if grep -q "FAILED.*draft_chain" "$L/gpu-tests.txt"; then
+    echo "the graphed draft chain failed its GPU test: the embedded benches draft eagerly"; EMB_DRAFTING=eager
+  fi
+  ( t=$SECONDS; emb features; echo "features exit $? in $((SECONDS - t)) s" ) > "$L/emb-features.txt" 2>&1 &
+  local feats=$!
+  say "1. SGLang servers: plain, then $SGL_SETTINGS with the shipped drafter, one at a time"
+  wait_for 600 "$SGL_DIR/.ready"
+  local flags=${SGL_SERVER_FLAGS---sleep-on-idle}
+  if [[ -z ${SGL_EXTRA:-} && -n $flags ]] && ! PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout 180 $PY -m sglang.launch_server --help 2>&1 | grep -q -- "--sleep-on-idle"; then
+    echo "this SGLang has no --sleep-on-idle: the servers start without it"; flags=
+  fi
+  SGL+=(--set "serve.extra_args=[$flags]")
+  t=$SECONDS
+  sgl_servers > "$L/sgl-up.txt" 2>&1; cat "$L/sgl-up.txt"; echo "phase sgl_servers: $((SECONDS - t)) s"
+  wait "$feats"; cat "$L/emb-features.txt"
+  say "2. embedded: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench (servers idle)"
+  t=$SECONDS
+  emb cal; echo "cal exit $?"
+  emb test; echo "test exit $?"; tail -30 "$L/embedded.txt"
+  mkdir -p "$L/pred" && cp "$S"/pred/calibrate/bench/{summary,calibration,runs}.json* "$L/pred/" 2>/dev/null
+  for f in summary economics prediction; do cp "$S/pred/test/bench/$f.json" "$L/pred/test-$f.json" 2>/dev/null; done
+  cp "$S/pred/test/bench/runs.jsonl" "$L/pred/test-runs.jsonl" 2>/dev/null
+  cp "$S/pred/test/eval/accept_len.json" "$L/pred/test-accept_len.json" 2>/dev/null
+  echo "phase embedded: $((SECONDS - t)) s"
+  if [[ -f $L/.sgl-up ]]; then
+    t=$SECONDS; sglang_phase; echo "phase sglang: $((SECONDS - t)) s"
+  else
+    echo "the SGLang servers are not all up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
+  fi
+  if [[ ${EMB_AB:-1} == 1 ]]; then
+    say "4. embedded, the A side: bench.drafting eager at ${EMB_AB_SETTING:-5/1/6}"
+    t=$SECONDS; emb_eager; echo "phase emb_eager: $((SECONDS - t)) s"
+  fi
+}
+
+case ${1:-} in
+  run) shift; mkdir -p "$L" "$S"; s15; say done; touch "$L/.done-s15" ;;
+  *) LEASE_SCRIPT=benchmarks/h200_s15.sh exec bash benchmarks/h200_scale.sh "$@" ;;
+esac
