@@ -28,10 +28,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 PY=${PY:-python}
 SRC=${SOURCE:-"kind: mtbench, limit: ${N_PROMPTS:-6}${MTBENCH:+, path: $MTBENCH}"}
 SETTING_LIST=""
+DEPTH=5  # offline tau is evaluated to the deepest setting's chain, and at least to 5/1/6
 IFS=, read -r -a settings <<< "${SETTINGS:-1/1/2,2/1/3,3/1/4,5/1/6}"
 for s in "${settings[@]}"; do
   IFS=/ read -r st tk nd <<< "$s"
   SETTING_LIST+="${SETTING_LIST:+, }{steps: $st, topk: $tk, num_draft_tokens: $nd}"
+  (( st > DEPTH )) && DEPTH=$st
 done
 read -r -a EXTRA_SETS <<< "${EXTRA:-}"
 SETS=(
@@ -39,7 +41,7 @@ SETS=(
   --set "harvest.sources=[{$SRC, split: heldout}]"
   --set harvest.max_turns=1 --set harvest.max_new_tokens=${NEW:-64} --set harvest.max_total_tokens=$((${NEW:-64} + 2048))
   --set harvest.batch_size=6 --set harvest.shard_samples=32
-  --set eval.steps=5 --set eval.num_draft_tokens=6
+  --set eval.steps=$DEPTH --set eval.num_draft_tokens=$((DEPTH + 1))
   --set "bench.prompts={$SRC}" --set bench.max_new_tokens=${NEW:-64}
   --set bench.repetitions=${REPS:-3} --set "bench.drafters={}" --set "bench.settings=[$SETTING_LIST]"
 )

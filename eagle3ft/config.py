@@ -223,15 +223,15 @@ class BenchConfig:
     max_new_tokens: int = 128
     repetitions: int = 3
     # untimed, before the repetitions: "all" runs every prompt once per arm (a whole pass), "first" only the first
-    # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm (RESULTS §17b); that a
-    # whole pass is enough has not been measured yet
+    # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm (RESULTS §17b), after "all"
+    # it did not (one lease, §18a)
     warmup: str = "all"
     temperature: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1])
     settings: list[BenchSetting] = field(default_factory=lambda: [BenchSetting()])
     threads: int | None = None  # embedded: torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
     # embedded: the target's attention, "sdpa" (transformers') or "chain" (eval/chain_attention.py: batch 1, no mask
-    # tensors, so a verify makes ~550-900 fewer aten ops; not yet timed on a GPU)
+    # tensors, so a verify makes ~550-900 fewer aten ops; on the H200 a verify then costs a plain step, RESULTS §18a)
     attention: str = "sdpa"
     # embedded: how a cycle drafts, "graph" (eval/draft_graph.py: the chain on the device with no host round trip, one
     # CUDA graph replay on a GPU; greedy only), "eager" (a drafter forward at a time), "auto" (graph when greedy)
