@@ -10,7 +10,7 @@
 #      EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW (96) new tokens, its tok/s predicted from offline tau on
 #      EMB_PROMPTS (4) MT-Bench prompts at EMB_NEW (384) and measured there (EMB_SETTINGS 3/1/4,5/1/6,7/1/8, EMB_REPS 3)
 #   3. SGLang: the calibration run on SGL_LIMIT (8) HumanEval prompts at SGL_NEW (512) new tokens, plain and every
-#      setting interleaved (3 repetitions, batch 1, the shipped drafter); then the measurement on SGL_LIMIT MT-Bench
+#      setting interleaved (SGL_REPS (3) repetitions, batch 1, the shipped drafter); then the measurement on SGL_LIMIT MT-Bench
 #      prompts at SGL_NEW, its economics predicting each setting's tok/s from the calibration's cycles and offline tau
 #      on this run's plain answers (eval/same_prompts.py) -- no speculative figure of this run is an input -- and
 #      the setting it picks; then offline tau on each speculative server's own answers (live against offline)
@@ -51,7 +51,7 @@ sgl_run() {  # sgl_run RUN SRC [sets...]: plain (:30100) against every setting's
   for ((i = 1; i <= ${#SGL_LIST[@]}; i++)); do urls+="${urls:+, }http://127.0.0.1:$((30100 + i))"; done
   timeout 420 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
     --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[$urls]" \
-    --set "bench.prompts=$src" --set "bench.max_new_tokens=$SGL_NEW" --set bench.repetitions=3 \
+    --set "bench.prompts=$src" --set "bench.max_new_tokens=$SGL_NEW" --set "bench.repetitions=${SGL_REPS:-3}" \
     --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" --set 'bench.concurrency=[1]' --set 'bench.drafters={}' \
     "$@" > "$run.txt" 2>&1
   echo "exit $?"; tail -14 "$run.txt"

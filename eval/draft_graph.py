@@ -1,9 +1,10 @@
-"""The greedy draft chain of one cycle with no host round trip, replayed as one CUDA graph (`bench.draft_graph`).
+"""The greedy draft chain of one cycle with no host round trip, replayed as one CUDA graph (`bench.drafting`).
 
 eval/speculate.py drafts a chain one drafter forward at a time: each draft token goes to the host (`int`) and back
 as the next forward's input, and each forward launches ~110 small ops. Where launches bound a forward (a 1-layer
-drafter at batch 1 on a GPU: ~1.3 ms a forward on the H200, RESULTS §17b) that is most of a draft step. Here the
-chain after the extend stays on the device, draft ids included, so it can be captured once as a CUDA graph:
+drafter at batch 1 on a GPU: 1.1-1.3 ms a forward on the H200, RESULTS §17b, §18a) that is most of a draft step.
+Here the chain after the extend stays on the device, draft ids included, so it can be captured once as a CUDA graph
+(0.19 ms a forward on the H200, §18a):
 
   d_0 = argmax(logits of the extend)                                  (target ids through d2t)
   for j in 1..steps-1:  h, logits = drafter forward on (d_{j-1}, h) at position pos + j - 1,

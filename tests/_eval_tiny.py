@@ -8,6 +8,8 @@ own greedy continuations so that drafts are accepted often enough to exercise ev
 from __future__ import annotations
 
 import functools
+import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -112,3 +114,23 @@ def tiny_pair() -> tuple[LlamaForCausalLM, Eagle3Drafter]:
     """The shared (target, fitted drafter): fitted once per test session on the seed-1 prompts."""
     target = tiny_target()
     return target, fitted_drafter(target, greedy_items(target, prompts(6, seed=1), 40), steps=120)
+
+
+def tiny_config_bench(tmp_path: Path, label: str, sets: list[str]) -> tuple[dict, list[dict]]:
+    """eval/bench.py's harness on configs/tiny.yaml with `sets`, in the run folder tmp_path/label, whose export is a
+    random tiny drafter (d2t 0: draft id i is target id i) made once in tmp_path/export: (summary, runs.jsonl rows)."""
+    from eagle3ft.config import load_config
+    from eagle3ft.eval import bench, harness
+    from eagle3ft.train.checkpoint import export_drafter
+
+    if not (tmp_path / "export").exists():
+        torch.manual_seed(0)
+        drafter = Eagle3Drafter(DrafterConfig.from_json("configs/drafters/tiny.json"))
+        drafter.t2d[: drafter.config.draft_vocab_size] = True
+        export_drafter(drafter, tmp_path / "export")
+    run = tmp_path / label
+    run.mkdir()
+    (run / "export").symlink_to(tmp_path / "export")
+    cfg = load_config("configs/tiny.yaml", sets)
+    summary = harness.run(cfg, run, bench.make_backend(cfg, run), log=lambda *a: None)
+    return summary, [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]

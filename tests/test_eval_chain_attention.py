@@ -4,20 +4,15 @@ embedded decoders make, the same greedy speculative output, and fewer aten ops p
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
-from _eval_tiny import AUX, prompts, tiny_pair
+from _eval_tiny import AUX, prompts, tiny_config_bench, tiny_pair
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
-from eagle3ft.config import load_config
-from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.eval import bench, chain_attention, harness
+from eagle3ft.eval import chain_attention
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
-from eagle3ft.train.checkpoint import export_drafter
-from eagle3ft.train.model import Eagle3Drafter
 
 
 def _forwards(model, prompt, steps):
@@ -75,19 +70,15 @@ def test_chain_attention_refuses_batches_and_unknown_names():
 def test_the_embedded_bench_with_chain_attention_decodes_what_sdpa_decodes(tmp_path):
     """bench.attention chain through the embedded backend of eval/bench.py on the tiny config: the same output ids
     per prompt and pass as with sdpa, and the summary names the attention."""
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(DrafterConfig.from_json("configs/drafters/tiny.json"))
-    drafter.t2d[: drafter.config.draft_vocab_size] = True  # d2t 0: draft id i is target id i
-    export_drafter(drafter, tmp_path / "export")
     outputs = {}
     for attention in ("sdpa", "chain"):
-        run = tmp_path / attention
-        run.mkdir()
-        (run / "export").symlink_to(tmp_path / "export")
-        cfg = load_config("configs/tiny.yaml", ["bench.prompts.limit=2", "bench.max_new_tokens=6",
-                                                "bench.repetitions=1", f"bench.attention={attention}"])  # fmt: skip
-        summary = harness.run(cfg, run, bench.make_backend(cfg, run), log=lambda *a: None)
+        sets = [
+            "bench.prompts.limit=2",
+            "bench.max_new_tokens=6",
+            "bench.repetitions=1",
+            f"bench.attention={attention}",
+        ]
+        summary, rows = tiny_config_bench(tmp_path, attention, sets)
         assert summary["environment"]["attention"] == {"sdpa": "sdpa", "chain": chain_attention.NAME}[attention]
-        rows = [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]
         outputs[attention] = [(r["mode"], r["prompt_index"], r["output_ids"]) for r in rows]
     assert outputs["chain"] == outputs["sdpa"]

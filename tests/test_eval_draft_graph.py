@@ -4,20 +4,14 @@ bad settings are refused. The CUDA capture itself: tests/test_gpu.py."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from _eval_tiny import AUX, prompts, tiny_pair
+from _eval_tiny import AUX, prompts, tiny_config_bench, tiny_pair
 
-from eagle3ft.config import load_config
-from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.eval import bench, harness
 from eagle3ft.eval.bench_embedded import drafting_for
 from eagle3ft.eval.draft_graph import chain_drafts
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
-from eagle3ft.train.checkpoint import export_drafter
-from eagle3ft.train.model import DraftCache, Eagle3Drafter, StaticDraftCache
+from eagle3ft.train.model import DraftCache, StaticDraftCache
 
 
 class Recording(SpeculativeDecoder):
@@ -98,21 +92,12 @@ def test_the_graph_grows_for_a_longer_request_and_refuses_sampling():
 def test_the_embedded_bench_drafts_the_same_with_the_graphed_chain(tmp_path):
     """bench.drafting graph and eager through eval/bench.py's embedded backend on the tiny config: the same output
     ids and accept lengths per prompt and pass, the environment names the drafting, every forward is timed."""
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(DrafterConfig.from_json("configs/drafters/tiny.json"))
-    drafter.t2d[: drafter.config.draft_vocab_size] = True  # d2t 0: draft id i is target id i
-    export_drafter(drafter, tmp_path / "export")
     outputs = {}
     for drafting in ("eager", "graph"):
-        run = tmp_path / drafting
-        run.mkdir()
-        (run / "export").symlink_to(tmp_path / "export")
-        cfg = load_config("configs/tiny.yaml", ["bench.prompts.limit=2", "bench.max_new_tokens=6",
-                                                "bench.repetitions=2", f"bench.drafting={drafting}",
-                                                "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"])  # fmt: skip
-        summary = harness.run(cfg, run, bench.make_backend(cfg, run), log=lambda *a: None)
+        sets = ["bench.prompts.limit=2", "bench.max_new_tokens=6", "bench.repetitions=2", f"bench.drafting={drafting}",
+                "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"]  # fmt: skip
+        summary, rows = tiny_config_bench(tmp_path, drafting, sets)
         assert summary["environment"]["drafting"] == drafting
-        rows = [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]
         outputs[drafting] = [(r["mode"], r["prompt_index"], r["output_ids"], r.get("accept_lengths")) for r in rows]
         for r in rows:
             if r["mode"] != "baseline":  # an extend per verify plus steps - 1 forwards per cycle
