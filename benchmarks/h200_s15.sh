@@ -14,8 +14,9 @@
 #      prompts at SGL_NEW, its economics predicting each setting's tok/s from the calibration's cycles and offline tau
 #      on this run's plain answers (eval/same_prompts.py) -- no speculative figure of this run is an input -- and
 #      the setting it picks; then offline tau on each speculative server's own answers (live against offline)
-#   4. the A side of 2's graphed draft chain: the same prompts and sizes at EMB_AB_SETTING (5/1/6) with bench.drafting
-#      eager (a drafter forward at a time, as in RESULTS §17b), plain interleaved (EMB_AB=0 leaves it out)
+#   4. an A side of 2: the same prompts and sizes at EMB_AB_SETTING (5/1/6) with EMB_AB_SET (bench.drafting=eager: a
+#      drafter forward at a time, as in RESULTS §17b; bench.draft_graph_extend=true: the extends graphed too), plain
+#      interleaved (EMB_AB=0 leaves it out)
 # Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s15.sh start` starts the plan. Keep a `wait`
 # call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
@@ -86,11 +87,11 @@ sglang_phase() {
     cp "$run/eval/accept_len.json" "$L/sgl/$(basename "$run")-accept_len.json" 2>/dev/null
   done
 }
-emb_eager() {  # phase 4: eval/bench.py as 2's measurement, bench.drafting eager, one setting
+emb_eager() {  # phase 4: eval/bench.py as 2's measurement with EMB_AB_SET, one setting
   local st tk nd
   IFS=/ read -r st tk nd <<< "${EMB_AB_SETTING:-5/1/6}"
   CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout 480 $PY eval/bench.py --config $CONFIG --run-dir "$S/emb-eager" "${BASE[@]}" \
-    --set bench.attention=${EMB_ATTENTION:-chain} --set bench.drafting=eager --set "eval.checkpoint=$SHIPPED" \
+    --set bench.attention=${EMB_ATTENTION:-chain} --set "${EMB_AB_SET:-bench.drafting=eager}" --set "eval.checkpoint=$SHIPPED" \
     --set "bench.prompts={kind: mtbench, limit: ${EMB_PROMPTS:-4}, path: $DATA/mtbench-questions.jsonl}" \
     --set "bench.max_new_tokens=${EMB_NEW:-384}" --set "bench.repetitions=${EMB_REPS:-3}" --set "bench.drafters={}" \
     --set "bench.settings=[{steps: $st, topk: $tk, num_draft_tokens: $nd}]" > "$L/emb-eager.txt" 2>&1
@@ -104,7 +105,7 @@ s15() {
   timeout 300 $PY -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_gpu.py -k "draft_chain or chain_attention" > "$L/gpu-tests.txt" 2>&1
   echo "exit $?"; tail -3 "$L/gpu-tests.txt"
   EMB_DRAFTING=${EMB_DRAFTING:-auto}
-  if grep -q "FAILED.*draft_chain" "$L/gpu-tests.txt"; then
+  if grep -q "FAILED.*draft_chain.*False" "$L/gpu-tests.txt"; then
     echo "the graphed draft chain failed its GPU test: the embedded benches draft eagerly"; EMB_DRAFTING=eager
   fi
   ( t=$SECONDS; emb features; echo "features exit $? in $((SECONDS - t)) s" ) > "$L/emb-features.txt" 2>&1 &
@@ -134,7 +135,7 @@ s15() {
     echo "the SGLang servers are not all up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
   fi
   if [[ ${EMB_AB:-1} == 1 ]]; then
-    say "4. embedded, the A side: bench.drafting eager at ${EMB_AB_SETTING:-5/1/6}"
+    say "4. embedded, the A side: ${EMB_AB_SET:-bench.drafting=eager} at ${EMB_AB_SETTING:-5/1/6}"
     t=$SECONDS; emb_eager; echo "phase emb_eager: $((SECONDS - t)) s"
   fi
 }

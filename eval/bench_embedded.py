@@ -178,7 +178,7 @@ class EmbeddedBackend:
         if key not in self._decoders:
             self._decoders[key] = TimedSpeculativeDecoder(
                 self.model, self.drafter, self.aux_layer_ids, setting.steps, self.temperature, self.eos_ids,
-                self.generator, self.drafting,
+                self.generator, self.drafting, self.cfg.bench.draft_graph_extend,
             )  # fmt: skip
         dec = self._decoders[key]
         return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts)]
@@ -217,5 +217,6 @@ class EmbeddedBackend:
             "target_dtype": str(next(self.model.parameters()).dtype),
             "attention": self.model.config._attn_implementation,
             "drafting": self.drafting,  # graph: a CUDA graph on a GPU, the same chain uncaptured elsewhere
+            "draft_graph_extend": self.drafting == "graph" and self.cfg.bench.draft_graph_extend,
             "drafter_dtype": str(next(self.drafter.parameters()).dtype),
         }

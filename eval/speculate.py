@@ -18,7 +18,8 @@ Per request it records the verify count and the tokens emitted per verify (bonus
 spec_accept_length). The algorithm alone, as gpt-fast's generate.py: it times nothing. Its phases are
 methods (prefill, draft_step or draft_chain, verify, extend, cycle) so that a caller can time around them
 (eval/bench_embedded.py does). With drafting="graph" (greedy only) the drafts after the extend come from
-eval/draft_graph.py: the same chain with no host round trip, one CUDA graph replay per cycle on a GPU.
+eval/draft_graph.py: the same chain with no host round trip, one CUDA graph replay per cycle on a GPU (with
+graph_extend, the extend after each verify too).
 """
 
 from __future__ import annotations
@@ -151,7 +152,8 @@ class DecodeState:
 
 class SpeculativeDecoder:
     """Target (transformers causal LM) + Eagle3Drafter, chain drafting of `steps` tokens per cycle. drafting:
-    "eager" (a drafter forward at a time) or "graph" (greedy: eval/draft_graph.py, captured as a CUDA graph on a GPU)."""
+    "eager" (a drafter forward at a time) or "graph" (greedy: eval/draft_graph.py, captured as a CUDA graph on a GPU;
+    graph_extend: the extend after each verify too)."""
 
     def __init__(
         self,
@@ -163,6 +165,7 @@ class SpeculativeDecoder:
         eos_ids=(),
         generator: torch.Generator | None = None,
         drafting: str = "eager",
+        graph_extend: bool = False,
     ):
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
@@ -178,13 +181,14 @@ class SpeculativeDecoder:
         self.device = target.device
         self.dtype = next(drafter.parameters()).dtype
         self.vocab = drafter.config.vocab_size
-        self.drafting = drafting
+        self.drafting, self.graph_extend = drafting, graph_extend and drafting == "graph"
         self.graph: DraftGraph | None = None  # drafting="graph": built for the longest request so far
 
     def _graph_for(self, rows: int) -> DraftGraph:
         """A DraftGraph whose cache holds `rows`, captured again (at the next power of two, >= 1024) when it does not."""
         if self.graph is None or self.graph.capacity < rows:
-            self.graph = DraftGraph(self.drafter, self.steps, max(1024, 1 << (rows - 1).bit_length()), self.device)
+            capacity = max(1024, 1 << (rows - 1).bit_length())
+            self.graph = DraftGraph(self.drafter, self.steps, capacity, self.device, extend=self.graph_extend)
         return self.graph
 
     def _target(self, ids: list[int] | torch.Tensor, cache: DynamicCache):
@@ -193,7 +197,10 @@ class SpeculativeDecoder:
         return out.logits[0], aux_from_hidden_states(out.hidden_states, self.aux_layer_ids)[0]  # (T, V), (T, 3Ht)
 
     def extend(self, cache: DraftCache, next_ids: list[int], aux: torch.Tensor, start: int):
-        """Drafter forward over tokens whose aux features are known: entry j = aux of token j, embedding of j+1."""
+        """Drafter forward over tokens whose aux features are known: entry j = aux of token j, embedding of j+1.
+        graph_extend: a cycle's extend (at most steps + 1 tokens) is the DraftGraph's."""
+        if self.graph_extend and self.graph is not None and len(next_ids) <= self.steps + 1:
+            return self.graph.extend(next_ids, aux, start)
         ids = torch.tensor([next_ids], device=self.device)
         pos = torch.arange(start, start + len(next_ids), device=self.device)[None]
         h, lg = self.drafter.step(ids, self.drafter.fuse(aux.to(self.dtype)[None]), pos, cache)

@@ -9,7 +9,7 @@ import torch
 from _eval_tiny import AUX, prompts, tiny_config_bench, tiny_pair
 
 from eagle3ft.eval.bench_embedded import drafting_for
-from eagle3ft.eval.draft_graph import chain_drafts
+from eagle3ft.eval.draft_graph import DraftGraph, chain_drafts
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
 from eagle3ft.train.model import DraftCache, StaticDraftCache
 
@@ -23,18 +23,19 @@ class Recording(SpeculativeDecoder):
         return drafts, qs
 
 
-def _run(target, drafter, p, steps, drafting, new=40):
-    dec = Recording(target, drafter, AUX, steps=steps, drafting=drafting)
+def _run(target, drafter, p, steps, drafting, new=40, graph_extend=False):
+    dec = Recording(target, drafter, AUX, steps=steps, drafting=drafting, graph_extend=graph_extend)
     dec.seen = []
     return dec.generate(p, new), dec.seen
 
 
+@pytest.mark.parametrize("graph_extend", [False, True])
 @pytest.mark.parametrize("steps", [1, 3, 6])
-def test_the_static_chain_drafts_what_the_eager_chain_drafts(steps):
+def test_the_static_chain_drafts_what_the_eager_chain_drafts(steps, graph_extend):
     target, drafter = tiny_pair()
     for p in prompts(3):
         eager, eager_drafts = _run(target, drafter, p, steps, "eager")
-        graph, graph_drafts = _run(target, drafter, p, steps, "graph")
+        graph, graph_drafts = _run(target, drafter, p, steps, "graph", graph_extend=graph_extend)
         assert graph_drafts == eager_drafts  # every cycle's drafts
         assert graph.accept_lengths == eager.accept_lengths
         assert graph.tokens == eager.tokens == greedy_decode(target, p, 40).tokens
@@ -67,6 +68,41 @@ def test_chain_drafts_writes_its_rows_and_reads_only_the_rows_so_far():
     assert static.length == 9  # the chain's rows are not the cache's until an extend appends them
 
 
+def test_the_static_extend_gives_the_eager_extends_outputs_and_rows():
+    """DraftGraph.extend (uncaptured on the CPU) over 1..steps+1 accepted tokens after a prompt, against
+    Eagle3Drafter.step on a DraftCache: the same last feedback and logits, the same cache rows, and the chain's inputs
+    written in place; an extend that is not at the cache's end is refused."""
+    _, drafter = tiny_pair()
+    cfg = drafter.config
+    g = torch.Generator().manual_seed(5)
+    graph = DraftGraph(drafter, steps=4, capacity=64, device=torch.device("cpu"), extend=True)
+    eager = DraftCache()
+    ids = torch.randint(0, cfg.vocab_size, (1, 8), generator=g)
+    aux = torch.randn(8, 3 * cfg.target_hidden_size, generator=g).double()
+    with torch.no_grad():
+        drafter.step(ids, drafter.fuse(aux[None]), torch.arange(8)[None], eager)
+        drafter.step(ids, drafter.fuse(aux[None]), torch.arange(8)[None], graph.cache)
+        start = 8
+        for t in (1, 3, 5):
+            new = torch.randint(0, cfg.vocab_size, (t,), generator=g).tolist()
+            a = torch.randn(t, 3 * cfg.target_hidden_size, generator=g).double()
+            pos = torch.arange(start, start + t)[None]
+            h_e, lg_e = drafter.step(torch.tensor([new]), drafter.fuse(a[None]), pos, eager)
+            h_s, lg_s = graph.extend(new, a, start)
+            torch.testing.assert_close(lg_s, lg_e[0, -1], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(h_s, h_e[:, -1:], rtol=1e-12, atol=1e-12)
+            assert h_s is graph.h and lg_s is graph.logits  # the chain reads them where they are
+            start += t
+        assert graph.cache.length == eager.length == start
+        torch.testing.assert_close(graph.cache.k[:, :, :start], eager.k, rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="an extend at row 3"):
+            graph.extend([1], a[:1], 3)
+        with pytest.raises(ValueError, match="not 6"):
+            graph.extend([1] * 6, a[:1].expand(6, -1), start)
+    with pytest.raises(ValueError, match="built without extend"):
+        DraftGraph(drafter, steps=4, capacity=64, device=torch.device("cpu")).extend([1], a[:1], 0)
+
+
 def test_the_graph_grows_for_a_longer_request_and_refuses_sampling():
     target, drafter = tiny_pair()
     dec = SpeculativeDecoder(target, drafter, AUX, steps=3, drafting="graph")
@@ -93,13 +129,14 @@ def test_the_embedded_bench_drafts_the_same_with_the_graphed_chain(tmp_path):
     """bench.drafting graph and eager through eval/bench.py's embedded backend on the tiny config: the same output
     ids and accept lengths per prompt and pass, the environment names the drafting, every forward is timed."""
     outputs = {}
-    for drafting in ("eager", "graph"):
+    for label, drafting, extend in (("eager", "eager", False), ("graph", "graph", False), ("extend", "graph", True)):
         sets = ["bench.prompts.limit=2", "bench.max_new_tokens=6", "bench.repetitions=2", f"bench.drafting={drafting}",
-                "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"]  # fmt: skip
-        summary, rows = tiny_config_bench(tmp_path, drafting, sets)
+                f"bench.draft_graph_extend={extend}", "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"]  # fmt: skip
+        summary, rows = tiny_config_bench(tmp_path, label, sets)
         assert summary["environment"]["drafting"] == drafting
-        outputs[drafting] = [(r["mode"], r["prompt_index"], r["output_ids"], r.get("accept_lengths")) for r in rows]
+        assert summary["environment"]["draft_graph_extend"] is extend
+        outputs[label] = [(r["mode"], r["prompt_index"], r["output_ids"], r.get("accept_lengths")) for r in rows]
         for r in rows:
             if r["mode"] != "baseline":  # an extend per verify plus steps - 1 forwards per cycle
                 assert len(r["draft_forward_s"]) == r["verify_count"] * 3 + 1
-    assert outputs["graph"] == outputs["eager"]
+    assert outputs["graph"] == outputs["eager"] == outputs["extend"]

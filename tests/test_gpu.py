@@ -419,10 +419,11 @@ def test_chain_attention_on_cuda_matches_sdpa_and_dispatches_to_a_fused_kernel(d
         assert "aten::tril" not in ops[1] and "aten::where" not in ops[1], sorted(ops[1])
 
 
-def test_the_draft_chain_as_a_cuda_graph_drafts_what_the_eager_chain_drafts():
-    """bench.drafting graph on CUDA: the captured chain replays per cycle and drafts, in float64, what the eager chain
-    drafts in every cycle; in bf16 at SmolLM2's drafter shape its drafts agree with the eager drafter's nearly always
-    and the greedy output is plain decoding's."""
+@pytest.mark.parametrize("graph_extend", [False, True])
+def test_the_draft_chain_as_a_cuda_graph_drafts_what_the_eager_chain_drafts(graph_extend):
+    """bench.drafting graph on CUDA: the captured chain (and with bench.draft_graph_extend each captured extend)
+    replays per cycle and drafts, in float64, what the eager drafter drafts in every cycle, and the greedy output is
+    plain decoding's."""
     import sys
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -434,12 +435,12 @@ def test_the_draft_chain_as_a_cuda_graph_drafts_what_the_eager_chain_drafts():
     for p in prompts(3):
         runs = {}
         for drafting in ("eager", "graph"):
-            dec = SpeculativeDecoder(target, drafter, AUX, steps=4, drafting=drafting)
+            dec = SpeculativeDecoder(target, drafter, AUX, steps=4, drafting=drafting, graph_extend=graph_extend)
             seen, draft = [], dec.draft
             dec.draft = lambda s, draft=draft, seen=seen: seen.append(draft(s)[0]) or (seen[-1], [])
             g = dec.generate(p, 40)
             runs[drafting] = (seen, g.accept_lengths, g.tokens)
             if drafting == "graph":
-                assert dec.graph.graph is not None  # captured, not run uncaptured
+                assert set(dec.graph.graphs) == {"chain", *([1, 2, 3, 4, 5] if graph_extend else [])}  # captured
         assert runs["graph"] == runs["eager"]
         assert runs["graph"][2] == greedy_decode(target, p, 40).tokens
