@@ -28,10 +28,7 @@ embedded_alone() {
     CAL_SOURCE="kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: ${EMB_CAL_PROMPTS:-4}" \
     timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$SHIPPED" "$SHIPPED" >> "$L/embedded.txt" 2>&1
   echo "exit $?"; tail -32 "$L/embedded.txt"
-  mkdir -p "$L/pred" && cp "$S"/pred/calibrate/bench/{summary,calibration,runs}.json* "$L/pred/" 2>/dev/null
-  for f in summary economics prediction; do cp "$S/pred/test/bench/$f.json" "$L/pred/test-$f.json" 2>/dev/null; done
-  cp "$S/pred/test/bench/runs.jsonl" "$L/pred/test-runs.jsonl" 2>/dev/null
-  cp "$S/pred/test/eval/accept_len.json" "$L/pred/test-accept_len.json" 2>/dev/null
+  pred_back
   echo "phase embedded: $((SECONDS - t)) s"
 }
 

@@ -124,10 +124,7 @@ s15() {
   t=$SECONDS
   emb cal; echo "cal exit $?"
   emb test; echo "test exit $?"; tail -30 "$L/embedded.txt"
-  mkdir -p "$L/pred" && cp "$S"/pred/calibrate/bench/{summary,calibration,runs}.json* "$L/pred/" 2>/dev/null
-  for f in summary economics prediction; do cp "$S/pred/test/bench/$f.json" "$L/pred/test-$f.json" 2>/dev/null; done
-  cp "$S/pred/test/bench/runs.jsonl" "$L/pred/test-runs.jsonl" 2>/dev/null
-  cp "$S/pred/test/eval/accept_len.json" "$L/pred/test-accept_len.json" 2>/dev/null
+  pred_back
   echo "phase embedded: $((SECONDS - t)) s"
   if [[ -f $L/.sgl-up ]]; then
     t=$SECONDS; sglang_phase; echo "phase sglang: $((SECONDS - t)) s"

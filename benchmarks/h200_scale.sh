@@ -420,8 +420,12 @@ embedded_step() {  # embedded_step STEPS CAL TEST: benchmarks/calibrated_predict
     MTBENCH=$DATA/mtbench-questions.jsonl DRAFTER_READY=${DRAFTER_READY:-} \
     timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$2" "$3" >> "$L/embedded.txt" 2>&1
   echo "exit $?"; tail -30 "$L/embedded.txt"
-  mkdir -p "$L/pred" && cp "$S"/pred/calibrate/bench/{summary,calibration}.json "$L/pred/" 2>/dev/null
+  pred_back
+}
+pred_back() {  # calibrated_prediction.sh's files in $S/pred into $L/pred: the calibration's, then the test's as test-*
+  mkdir -p "$L/pred" && cp "$S"/pred/calibrate/bench/{summary,calibration,runs}.json* "$L/pred/" 2>/dev/null
   for f in summary economics prediction; do cp "$S/pred/test/bench/$f.json" "$L/pred/test-$f.json" 2>/dev/null; done
+  cp "$S/pred/test/bench/runs.jsonl" "$L/pred/test-runs.jsonl" 2>/dev/null
   cp "$S/pred/test/eval/accept_len.json" "$L/pred/test-accept_len.json" 2>/dev/null
 }
 embedded() {  # the embedded calibrated prediction on GPU 1: calibrate with a weak drafter, predict, measure (small:

@@ -2,8 +2,9 @@
 
 Servers come from the config: ``bench.baseline_url`` / ``bench.speculative_url`` and
 ``bench.speculative_urls`` (already running; each speculative one serves the one setting it was started with,
-read from its ``/server_info``, and each setting runs on the one that serves it), or ``bench.launch: true`` (the baseline and one EAGLE3 server per setting,
-started from ``serve`` with the exported drafter ``eval.checkpoint``; at most
+read from its ``/server_info`` once, and each setting runs on the one that serves it), or ``bench.launch: true``
+(the baseline and one EAGLE3 server per setting, started from ``serve`` with the exported drafter
+``eval.checkpoint``; at most
 ``serve.max_servers`` at once, the least recently used stopped first; all stopped by ``close()``
 or at exit).
 
@@ -154,6 +155,7 @@ class SGLangBackend:
         self.launched: dict[str, SGLangServer] = {}  # key -> server, least recently used first
         self._ports: dict[str, int] = {}
         self.infos: dict[str, dict] = {}
+        self._given: dict[str, tuple[str, dict, str]] | None = None  # _given_speculative, once
         self.server_tau: dict[str, list[float]] = {}
         self.request_tau: dict[str, list[float]] = {}
         (self.run_dir / "bench").mkdir(parents=True, exist_ok=True)
@@ -182,26 +184,13 @@ class SGLangBackend:
                     f"bench.baseline_url {url} runs {si.raw.get('speculative_algorithm')}: the baseline must be plain"
                 )
             return url
-        given = [u.rstrip("/") for u in ([bc.speculative_url] if bc.speculative_url else []) + bc.speculative_urls]
+        given = self._given_speculative()
         if setting is not None and given:
-            serves = {}
-            for url in given:
-                si = server_info(url)
-                have = (
-                    si.raw.get("speculative_num_steps"),
-                    si.raw.get("speculative_eagle_topk"),
-                    si.raw.get("speculative_num_draft_tokens"),
-                )
-                if si.raw.get("speculative_algorithm") == "EAGLE3" and have == (
-                    setting.steps,
-                    setting.topk,
-                    setting.num_draft_tokens,
-                ):
-                    self.infos[key] = si.raw
-                    return url
-                serves[url] = f"{si.raw.get('speculative_algorithm')} {'/'.join(map(str, have))}"
+            if key in given:
+                url, self.infos[key], _ = given[key]
+                return url
             if not bc.launch:
-                listed = "; ".join(f"{u} serves {what}" for u, what in serves.items())
+                listed = "; ".join(f"{u} serves {what}" for u, _, what in given.values())
                 raise SGLangError(
                     f"no server given for EAGLE3 {setting.key} ({listed}): add it to bench.speculative_urls, or set "
                     "bench.launch to start it"
@@ -212,6 +201,24 @@ class SGLangBackend:
                 "bench.launch: true"
             )
         return self._launch(key, setting)
+
+    def _given_speculative(self) -> dict[str, tuple[str, dict, str]]:
+        """bench.speculative_url and bench.speculative_urls by what each serves, read from /server_info once: an EAGLE3
+        server under its setting key ("3/1/4"), anything else under its algorithm and numbers -> (url, server info,
+        what it serves)."""
+        if self._given is None:
+            bc = self.cfg.bench
+            self._given = {}
+            for url in [
+                u.rstrip("/") for u in ([bc.speculative_url] if bc.speculative_url else []) + bc.speculative_urls
+            ]:
+                raw = server_info(url).raw
+                have = "/".join(
+                    str(raw.get(f"speculative_{k}")) for k in ("num_steps", "eagle_topk", "num_draft_tokens")
+                )
+                what = f"{raw.get('speculative_algorithm')} {have}"
+                self._given[have if raw.get("speculative_algorithm") == "EAGLE3" else what] = (url, raw, what)
+        return self._given
 
     def _info(self, key: str, url: str):
         si = server_info(url)

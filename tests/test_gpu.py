@@ -424,9 +424,6 @@ def test_the_draft_chain_as_a_cuda_graph_drafts_what_the_eager_chain_drafts(grap
     """bench.drafting graph on CUDA: the captured chain (and with bench.draft_graph_extend each captured extend)
     replays per cycle and drafts, in float64, what the eager drafter drafts in every cycle, and the greedy output is
     plain decoding's."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "tests"))
     from _eval_tiny import AUX, prompts, tiny_pair
 
     from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
