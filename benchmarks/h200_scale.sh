@@ -315,8 +315,8 @@ sgl_serve() {  # sgl_serve PORT GPU ROLE...: an SGLang server of eagle3ft.target
   SGL_PIDS[port]=$!
   echo $! >> "$L/sgl.pids"
 }
-sgl_wait() {  # sgl_wait PORT...: every one healthy within 15 min (the wheels may still be on their way)
-  local end=$((SECONDS + 900)) port
+sgl_wait() {  # sgl_wait PORT...: every one healthy within SGL_WAIT_S (15 min: the wheels may still be on their way)
+  local end=$((SECONDS + ${SGL_WAIT_S:-900})) port
   until [[ -f $SGL_DIR/.ready ]]; do (( SECONDS < end )) || { echo "no SGLang wheels"; return 1; }; sleep 5; done
   for port in "$@"; do
     until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do

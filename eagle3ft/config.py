@@ -91,6 +91,9 @@ class SourceConfig:
     categories: list[str] = field(
         default_factory=list
     )  # keep only records whose "category" is one of these (MT-Bench: math, reasoning, coding, ...)
+    # keep at most this many records of each "category", in file order (MT-Bench: 2 keeps 16 questions, two of each
+    # of its eight categories; its first ten are all writing)
+    per_category: int | None = None
 
 
 @dataclass
@@ -226,6 +229,10 @@ class BenchConfig:
     # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm (RESULTS §17b), after "all"
     # it did not (one lease, §18a)
     warmup: str = "all"
+    # "prompt": per repetition, each prompt goes through plain and then every setting before the next prompt, so the
+    # arms of a prompt run seconds apart and share the host's speed of the moment (on the H200 it changes 1.5-2x for
+    # seconds at a time, RESULTS §19); "pass": the plain pass over all prompts, then one pass per setting
+    interleave: str = "prompt"
     temperature: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1])
     settings: list[BenchSetting] = field(default_factory=lambda: [BenchSetting()])

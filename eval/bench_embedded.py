@@ -164,11 +164,11 @@ class EmbeddedBackend:
             cycle_s=t.cycle_s if spec else None,
         )
 
-    def run_baseline(self, prompts, max_new_tokens):
+    def run_baseline(self, prompts, max_new_tokens, first_index=0):
         dec = TimedPlainDecoder(self.model, self.eos_ids, self.temperature, self.generator)
-        return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts)]
+        return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts, first_index)]
 
-    def run_speculative(self, prompts, setting, max_new_tokens):
+    def run_speculative(self, prompts, setting, max_new_tokens, first_index=0):
         if setting.topk != 1 or setting.num_draft_tokens != setting.steps + 1:
             raise ValueError(
                 f"embedded backend drafts chains only: setting {setting.key} needs topk 1 and num_draft_tokens = steps "
@@ -181,7 +181,7 @@ class EmbeddedBackend:
                 self.generator, self.drafting, self.cfg.bench.draft_graph_extend,
             )  # fmt: skip
         dec = self._decoders[key]
-        return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts)]
+        return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts, first_index)]
 
     @torch.no_grad()
     def verify_costs(self, prompt: list[int], sizes: list[int], repeats: int = 5) -> dict[int, float]:

@@ -305,11 +305,11 @@ class SGLangBackend:
             accept_lengths=acc,
         )
 
-    def _pass(self, setting: Setting | None, prompts: list[list[int]], max_new: int) -> list[RequestResult]:
+    def _pass(self, setting: Setting | None, prompts: list[list[int]], max_new: int, first: int) -> list[RequestResult]:
         url = self.url(setting)
         key = "baseline" if setting is None else setting.key
         self.flush_cache(url)
-        results = [self._one(url, i, p, max_new, key) for i, p in enumerate(prompts)]
+        results = [self._one(url, i, p, max_new, key) for i, p in enumerate(prompts, first)]
         self._log.flush()
         if setting is not None:
             tau = server_info(url).avg_spec_accept_length
@@ -317,11 +317,13 @@ class SGLangBackend:
                 self.server_tau.setdefault(key, []).append(tau)
         return results
 
-    def run_baseline(self, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]:
-        return self._pass(None, prompts, max_new_tokens)
+    def run_baseline(self, prompts: list[list[int]], max_new_tokens: int, first_index: int = 0) -> list[RequestResult]:
+        return self._pass(None, prompts, max_new_tokens, first_index)
 
-    def run_speculative(self, prompts: list[list[int]], setting: Setting, max_new_tokens: int) -> list[RequestResult]:
-        return self._pass(setting, prompts, max_new_tokens)
+    def run_speculative(
+        self, prompts: list[list[int]], setting: Setting, max_new_tokens: int, first_index: int = 0
+    ) -> list[RequestResult]:
+        return self._pass(setting, prompts, max_new_tokens, first_index)
 
     def throughput(self, setting: Setting | None, prompts: list[list[int]], max_new: int, concurrency: int) -> dict:
         """All prompts with `concurrency` requests in flight: output tok/s over the wall time."""

@@ -6,7 +6,9 @@ the cost model. A later run with `--set bench.calibration=OTHER/bench/calibratio
 tok/s predicted from its offline tau alone, tok/s = tau_offline / cycle_calibrated, written to
 RUN/bench/prediction.json before its own benchmark exists; once it does, economics.json holds the
 prediction next to the measured figure with the error in percent (also predicted from the live tau,
-which separates an error of the costs from an error of tau).
+which separates an error of the costs from an error of tau). The speed-up is predicted from the cycle in plain steps
+(each repetition's cycle over its own plain pass's step, median over repetitions: a host that runs slower for a while
+slows both) and held against the measured speed-up of each repetition over its own plain pass (`speedup_paired`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def calibration_from_summary(summary: dict, source_run: str, target: str | None 
         settings[r["key"]] = {
             "cycle_s": cycle,
             "cycle_basis": basis,
+            "cycle_plain_steps": r.get("cycle_plain_steps"),  # the cycle in the same repetition's plain steps
             "tau_live": r.get("tau"),
             "tok_s_median": r.get("tok_s_median"),
         }
@@ -86,14 +89,17 @@ def predict(cal: dict, offline_tau: dict[str, float], tau_basis: str = "cycle wa
     rows = []
     for key, tau in sorted(offline_tau.items()):
         st = Setting(*map(int, key.split("/")))
+        steps = None
         if key in cal["settings"]:
             cycle, basis = cal["settings"][key]["cycle_s"], "measured"
+            steps = cal["settings"][key].get("cycle_plain_steps")
         else:
             cycle, basis = cm.cycle_s(st), "cost model"
+        steps = steps or cycle / cal["baseline_s_per_token"]  # a cycle in plain steps: what the speed-up divides by
         rows.append({
             "setting": key, "tau_offline": tau, "max_tau": max_tau(st), "cycle_ms": 1e3 * cycle, "cycle_basis": basis,
-            "break_even_tau": cycle / cal["baseline_s_per_token"], "predicted_tok_s": tau / cycle,
-            "predicted_speedup": tau / cycle * cal["baseline_s_per_token"],
+            "cycle_plain_steps": steps, "break_even_tau": steps, "predicted_tok_s": tau / cycle,
+            "predicted_speedup": tau / steps,
         })  # fmt: skip
     keep = ("path", "source_run", "backend", "target", "device", "max_new_tokens", "baseline_tok_s")
     return {"calibration": {k: cal.get(k) for k in keep}, "tau_basis": tau_basis, "rows": rows}
@@ -123,10 +129,13 @@ def join(prediction: dict, summary: dict | None, target: str | None = None) -> d
         if not m:
             continue
         cycle = r["cycle_ms"] / 1e3
+        paired = (m.get("speedup_paired") or {}).get("median")  # the speed-up of each repetition's own plain pass
+        speedup = paired or m.get("speedup_median")
         r.update(
-            measured_tok_s=m.get("tok_s_median"), measured_speedup=m.get("speedup_median"), tau_live=m.get("tau"),
+            measured_tok_s=m.get("tok_s_median"), measured_speedup=speedup, tau_live=m.get("tau"),
+            measured_speedup_basis="paired" if paired else "median over median",
             error_pct=_err(r["predicted_tok_s"], m.get("tok_s_median")),
-            speedup_error_pct=_err(r["predicted_speedup"], m.get("speedup_median")),
+            speedup_error_pct=_err(r["predicted_speedup"], speedup),
             predicted_tok_s_live_tau=m["tau"] / cycle if m.get("tau") else None,
             error_pct_live_tau=_err(m["tau"] / cycle if m.get("tau") else None, m.get("tok_s_median")),
         )  # fmt: skip

@@ -4,8 +4,10 @@ are the two backends.
 
 Prompts come from `bench.prompts` (MT-Bench by default): the first user turn, rendered with the
 target's chat template into token ids once, so every backend decodes exactly the same tokens.
-Runs alternate A B A B: per repetition the baseline pass over all prompts, then one pass per
-`bench.settings` entry; `bench.repetitions` repetitions after an untimed warm-up (`bench.warmup`). Writes
+Runs alternate A B A B (`bench.interleave`): per repetition, each prompt through the baseline and then every
+`bench.settings` entry before the next prompt ("prompt"), or the baseline pass over all prompts and then one pass per
+setting ("pass"); either way a repetition's results per arm make one pass. `bench.repetitions` repetitions after an
+untimed warm-up (`bench.warmup`). Writes
 RUN/bench/runs.jsonl (one line per request and pass), RUN/bench/summary.json (median and
 min-max tok/s per pass kind, tau, seconds per verify / draft forward / cycle, the measured cost
 model, the environment), RUN/bench/economics.json (eval/economics.py on the summary) and
@@ -22,9 +24,10 @@ Backends sit behind a narrow interface:
 
     class BenchBackend(Protocol):
         name: str
-        def run_baseline(self, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]
+        def run_baseline(self, prompts: list[list[int]], max_new_tokens: int, first_index: int = 0)
+            -> list[RequestResult]
         def run_speculative(
-            self, prompts: list[list[int]], setting: Setting, max_new_tokens: int
+            self, prompts: list[list[int]], setting: Setting, max_new_tokens: int, first_index: int = 0
         ) -> list[RequestResult]
         def environment(self) -> dict
     optional:
@@ -34,7 +37,8 @@ Backends sit behind a narrow interface:
             the drafter's offline tau on the prompts and the plain pass's answers (summary's
             offline_same_prompts: offline and live tau on the same tokens; greedy benches only)
 
-`prompts` are token ids (chat template applied, generation prompt included); decoding follows
+`prompts` are token ids (chat template applied, generation prompt included), prompts[k] being prompt number
+first_index + k of the set (its RequestResult's prompt_index); decoding follows
 `bench.temperature` and stops at the template's end-of-turn/eos ids or at max_new_tokens. A
 RequestResult's decode_s is the time after the first new token until the last one, so tok/s =
 (new_tokens - 1) / decode_s for both kinds of pass; speculative results carry the verify count and
@@ -84,10 +88,12 @@ class RequestResult:
 class BenchBackend(Protocol):
     name: str
 
-    def run_baseline(self, prompts: list[list[int]], max_new_tokens: int) -> list[RequestResult]: ...
+    def run_baseline(
+        self, prompts: list[list[int]], max_new_tokens: int, first_index: int = 0
+    ) -> list[RequestResult]: ...
 
     def run_speculative(
-        self, prompts: list[list[int]], setting: Setting, max_new_tokens: int
+        self, prompts: list[list[int]], setting: Setting, max_new_tokens: int, first_index: int = 0
     ) -> list[RequestResult]: ...
 
     def environment(self) -> dict: ...
@@ -272,6 +278,13 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         acc = [a for r in allr for a in (r.accept_lengths or [])]
         verifies = sum(r.verify_count or 0 for r in allr)
         tok_s = [_pass_tok_s(v) for _, v in sorted(sp.items())]
+        paired = [_pass_tok_s(v) / _pass_tok_s(base[rep]) for rep, v in sorted(sp.items()) if rep in base]
+        cycle_steps = [
+            (sum(r.decode_s for r in v) / sum(r.verify_count or 0 for r in v))
+            / (sum(r.decode_s for r in base[rep]) / sum(r.new_tokens - 1 for r in base[rep]))
+            for rep, v in sorted(sp.items())
+            if rep in base and any(r.verify_count for r in v)
+        ]
         verify_s = [t for r in allr for t in (r.verify_s or [])]
         draft_s = [t for r in allr for t in (r.draft_forward_s or [])]
         cycle_s = [t for r in allr for t in (r.cycle_s or [])]
@@ -286,6 +299,9 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
             "tok_s": spread(tok_s),
             "tok_s_median": statistics.median(tok_s),
             "speedup_median": statistics.median(tok_s) / statistics.median(base_tok_s),
+            # per repetition, this pass's tok/s over the same repetition's plain pass: with bench.interleave prompt
+            # the two ran over the same seconds, so a slow spell of the host slows both
+            "speedup_paired": spread(paired) if paired else None,
             "tau": sum(acc) / verifies if verifies else None,
             "verify_count": verifies,
             "accept_histogram": {str(k): v for k, v in sorted(Counter(acc).items())},
@@ -295,6 +311,8 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
             "cycle_s_per_pass": _median(
                 per_pass
             ),  # decode time / verifies: the mean cycle, what tok/s = tau / cycle holds for
+            # that mean cycle over the same repetition's plain seconds per token, median over repetitions
+            "cycle_plain_steps": _median(cycle_steps),
             "outputs_match_baseline": sum(r.output_ids == baseline_outputs.get(r.prompt_index) for r in allr)
             / len(allr)
             if all(r.output_ids is not None for r in allr)
@@ -353,13 +371,16 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
         + (f", drafters {labels}" if len(labels) > 1 else "")
     )
 
-    def speculative(prompts, s: Setting, drafter: str, max_new_tokens: int) -> list[RequestResult]:
+    def speculative(prompts, s: Setting, drafter: str, max_new_tokens: int, first: int = 0) -> list[RequestResult]:
         if len(labels) > 1:
             backend.use_drafter(drafter)
-        return backend.run_speculative(prompts, s, max_new_tokens)
+        return backend.run_speculative(prompts, s, max_new_tokens, first_index=first)
 
     if bc.warmup not in ("all", "first"):
         raise ValueError(f"bench.warmup {bc.warmup!r}: expected all (every prompt once per arm) or first")
+    if bc.interleave not in ("prompt", "pass"):
+        raise ValueError(f"bench.interleave {bc.interleave!r}: expected prompt (every arm per prompt) or pass")
+    arms = [(None, None)] + [(d, s) for d in labels for s in settings]  # (drafter, setting); the baseline first
     # warm-up, untimed, requests as long as the timed ones: every prompt of every set per arm, or the first one
     warm = [p for _, _, prompts in sets for p in prompts] if bc.warmup == "all" else sets[0][2][:1]
     backend.run_baseline(warm, bc.max_new_tokens)
@@ -381,10 +402,18 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
 
         for rep in range(bc.repetitions):
             for pset, _, prompts in sets:
-                record(rep, "baseline", None, pset, None, backend.run_baseline(prompts, bc.max_new_tokens))
-                for d in labels:
-                    for s in settings:
-                        record(rep, "speculative", s.key, pset, d, speculative(prompts, s, d, bc.max_new_tokens))
+                step = 1 if bc.interleave == "prompt" else len(prompts)
+                got: list[list[RequestResult]] = [[] for _ in arms]
+                for first in range(0, len(prompts), step):
+                    chunk = prompts[first : first + step]
+                    for k, (d, s) in enumerate(arms):
+                        if s is None:
+                            got[k] += backend.run_baseline(chunk, bc.max_new_tokens, first_index=first)
+                        else:
+                            got[k] += speculative(chunk, s, d, bc.max_new_tokens, first)
+                for (d, s), results in zip(arms, got):
+                    mode, key = ("baseline", None) if s is None else ("speculative", s.key)
+                    record(rep, mode, key, pset, d, results)
     os.replace(out / "runs.jsonl.tmp", out / "runs.jsonl")
     curve = None
     if hasattr(backend, "verify_costs"):
@@ -423,6 +452,7 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
         "prompts": {"source": top["source"], "count": top["count"], "tokens": top["tokens"]},
         "max_new_tokens": bc.max_new_tokens,
         "repetitions": bc.repetitions,
+        "interleave": bc.interleave,
         "temperature": bc.temperature,
         "baseline": top["baseline"],
         "speculative": top["drafters"][primary_drafter]["speculative"],
@@ -442,7 +472,9 @@ def _format_rows(rows: list[dict], indent: str = "") -> list[str]:
         t = r["tok_s"]
         lines.append(
             f"{indent}spec {r['key']:<7} {t['median']:8.1f} tok/s ({t['min']:.1f}-{t['max']:.1f})  "
-            f"x{r['speedup_median']:.2f}  tau {r['tau']:.2f}"
+            f"x{r['speedup_median']:.2f}"
+            + (f" (paired x{r['speedup_paired']['median']:.2f})" if r.get("speedup_paired") else "")
+            + f"  tau {r['tau']:.2f}"
             + (f"  verify {r['verify_ms']:.2f} ms  draft fwd {r['draft_forward_ms']:.2f} ms" if r["verify_ms"] else "")
         )
     return lines

@@ -62,20 +62,26 @@ def offline_tau(
     answers: list[list[int]],
     settings: list[Setting],
 ) -> dict | None:
-    """Chain-greedy offline tau per chain setting (d/1/d+1 up to the deepest benchmarked) on these prompts and
-    answers."""
+    """Greedy offline tau on these prompts and answers: every chain d/1/d+1 up to the deepest benchmarked chain, and
+    each benchmarked tree (topk > 1) as SGLang builds it (eval/acceptance.py's tree_accept)."""
     depth = max((s.steps for s in settings if s.topk == 1), default=0)
-    if depth == 0:
+    trees = [s for s in settings if s.topk > 1]
+    if depth == 0 and not trees:
         return None
     device = next(model.parameters()).device
-    items = (features(model, aux_layer_ids, p, a) for p, a in zip(prompts, answers) if len(a) > 1)
-    rep = evaluate(drafter, items, depth, 1, depth + 1, 0.0, device)
+    items = [features(model, aux_layer_ids, p, a) for p, a in zip(prompts, answers) if len(a) > 1]
+    rep = evaluate(drafter, iter(items), max(depth, 1), 1, max(depth, 1) + 1, 0.0, device)  # also counts the roots
+    found = dict(rep.settings) if depth else {}
+    for st in trees:  # one evaluation per tree: its own key only (its chain rows repeat the chain's)
+        found[st.key] = evaluate(drafter, iter(items), st.steps, st.topk, st.num_draft_tokens, 0.0, device).settings[
+            st.key
+        ]
     return {
         "source": "the plain pass's greedy answers to the bench prompts",
         "samples": rep.samples,
         "roots": rep.roots,
-        "settings": {k: v["tau"] for k, v in rep.settings.items()},
-        "settings_walk": {k: v["tau_walk"] for k, v in rep.settings.items()},
+        "settings": {k: v["tau"] for k, v in found.items()},
+        "settings_walk": {k: v["tau_walk"] for k, v in found.items()},
     }
 
 
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = [Setting.of(s) for s in cfg.bench.settings]
         rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, settings)
         if rep is None:
-            raise ValueError("bench.settings has no chain setting (topk 1): nothing to evaluate")
+            raise ValueError("bench.settings is empty: nothing to evaluate")
         doc = {
             **rep,
             "source": f"the {args.answers_of or 'plain'} greedy answers of {source}/bench/runs.jsonl (repetition 0, "

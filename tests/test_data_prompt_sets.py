@@ -51,6 +51,17 @@ def test_mtbench_math_categories():
     assert len(everything) == 80 and {c.key for c in convs} < {c.key for c in everything}
 
 
+def test_mtbench_per_category_keeps_the_first_questions_of_each_of_its_eight():
+    convs = collect([SourceConfig(kind="mtbench", per_category=2, split="heldout")], skips=Counter(), **KW)
+    everything = collect([SourceConfig(kind="mtbench")], skips=Counter(), **KW)
+    first_two = [c.key for i, c in enumerate(everything) if i % 10 < 2]  # the file holds each category's ten together
+    assert [c.key for c in convs] == first_two and len(convs) == 16
+    math = collect([SourceConfig(kind="mtbench", categories=["math"], per_category=3)], skips=Counter(), **KW)
+    assert [c.key for c in math] == [c.key for c in everything[30:33]]  # after the category filter
+    with pytest.raises(ValueError, match="per_category 0: expected at least 1"):
+        collect([SourceConfig(kind="mtbench", per_category=0)], skips=Counter(), **KW)
+
+
 def test_sources_in_yaml():
     cfg = load_config(
         None,

@@ -167,6 +167,25 @@ def test_calibration_predicts_a_later_run_from_offline_tau_alone(tmp_path):
     assert ec.calibrated["rows"] == j["rows"] and "error +4.0%" in format_table(ec)
 
 
+def test_the_speed_up_is_predicted_in_plain_steps_and_held_to_the_paired_speed_up():
+    # the calibration's 3/1/4 cycle cost 2.5 of its own repetitions' plain steps (a slow spell of the host slowed both)
+    a = _summary(0.010, [("3/1/4", 1.6, 1.6 / 0.020, 0.020)])
+    a["speculative"][0]["cycle_plain_steps"] = 2.5
+    cal = {**calibration_from_summary(a, "runs/a"), "path": "runs/a/bench/calibration.json"}
+    assert cal["settings"]["3/1/4"]["cycle_plain_steps"] == 2.5
+    r = predict(cal, {"3/1/4": 3.0})["rows"][0]
+    assert r["predicted_speedup"] == pytest.approx(1.2) and r["break_even_tau"] == 2.5  # not 0.020 / 0.010 = 2
+    assert r["predicted_tok_s"] == pytest.approx(3.0 / 0.020)  # tok/s still from the cycle in seconds
+    b = _summary(0.010, [("3/1/4", 2.9, 140.0, 0.021)])
+    b["speculative"][0]["speedup_paired"] = {"median": 1.25, "min": 1.2, "max": 1.3, "per_repetition": [1.2, 1.25, 1.3]}
+    m = join(predict(cal, {"3/1/4": 3.0}), b)["rows"][0]
+    assert m["measured_speedup"] == 1.25 and m["measured_speedup_basis"] == "paired"
+    assert m["speedup_error_pct"] == pytest.approx(100 * (1.2 - 1.25) / 1.25)
+    del b["speculative"][0]["speedup_paired"]  # a summary from before: the median over the median
+    m = join(predict(cal, {"3/1/4": 3.0}), b)["rows"][0]
+    assert m["measured_speedup"] == pytest.approx(1.4) and m["measured_speedup_basis"] == "median over median"
+
+
 def test_load_calibration_names_the_file(tmp_path):
     with pytest.raises(CalibrationError, match="nope.json: no such calibration file"):
         load_calibration(tmp_path / "nope.json")

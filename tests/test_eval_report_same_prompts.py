@@ -45,7 +45,16 @@ def test_offline_tau_on_the_bench_answers_tracks_the_live_tau():
     assert res["settings"]["3/1/4"] == pytest.approx(
         live, rel=0.05
     )  # same tokens; only the cycle roots (and the last, cut cycle) differ
-    assert offline_tau(target, drafter, AUX, ps, answers, [Setting(3, 2, 6)]) is None  # trees: no chain to score
+    trees = offline_tau(target, drafter, AUX, ps, answers, [Setting(3, 1, 4), Setting(3, 2, 6), Setting(2, 3, 5)])
+    for st in (Setting(3, 2, 6), Setting(2, 3, 5)):  # each tree as accept_len.py scores it alone, chains unchanged
+        alone = evaluate(drafter, greedy_items(target, ps, 24), st.steps, st.topk, st.num_draft_tokens, 0.0)
+        assert trees["settings"][st.key] == alone.settings[st.key]["tau"]
+        assert trees["settings_walk"][st.key] == alone.settings[st.key]["tau_walk"]
+    assert {k: trees["settings"][k] for k in res["settings"]} == res["settings"]
+    assert set(trees["settings"]) == {*res["settings"], "3/2/6", "2/3/5"}  # no chain deeper than the deepest benched
+    only = offline_tau(target, drafter, AUX, ps, answers, [Setting(3, 2, 6)])
+    assert set(only["settings"]) == {"3/2/6"} and only["roots"] == res["roots"]
+    assert offline_tau(target, drafter, AUX, ps, answers, []) is None
 
 
 def test_the_cycle_walk_is_the_live_decoders_cycles():
@@ -77,17 +86,17 @@ class _Backend:
     def __init__(self):
         self.rep, self.got = -2, None  # the untimed warm-up pass is -1, the timed repetitions 0, 1, ...
 
-    def _results(self, prompts, spec):
+    def _results(self, prompts, spec, first):
         return [RequestResult(i, len(p), 5, 0.01, 0.04, output_ids=[100 + i, self.rep, 7, 8, 9],
                               verify_count=2 if spec else None, accept_lengths=[2, 2] if spec else None)
-                for i, p in enumerate(prompts)]  # fmt: skip
+                for i, p in enumerate(prompts, first)]  # fmt: skip
 
-    def run_baseline(self, prompts, max_new_tokens):
-        self.rep += 1
-        return self._results(prompts, False)
+    def run_baseline(self, prompts, max_new_tokens, first_index=0):
+        self.rep += first_index == 0  # a repetition starts at the first prompt
+        return self._results(prompts, False, first_index)
 
-    def run_speculative(self, prompts, setting, max_new_tokens):
-        return self._results(prompts, True)
+    def run_speculative(self, prompts, setting, max_new_tokens, first_index=0):
+        return self._results(prompts, True, first_index)
 
     def offline_tau(self, prompts, answers, settings):
         self.got = (prompts, answers, [s.key for s in settings])
@@ -150,18 +159,21 @@ class _CountingBackend(_Backend):
         super().__init__()
         self.passes = []
 
-    def run_baseline(self, prompts, max_new_tokens):
+    def run_baseline(self, prompts, max_new_tokens, first_index=0):
         self.passes.append(("baseline", len(prompts)))
-        return super().run_baseline(prompts, max_new_tokens)
+        return super().run_baseline(prompts, max_new_tokens, first_index)
 
-    def run_speculative(self, prompts, setting, max_new_tokens):
+    def run_speculative(self, prompts, setting, max_new_tokens, first_index=0):
         self.passes.append((setting.key, len(prompts)))
-        return super().run_speculative(prompts, setting, max_new_tokens)
+        return super().run_speculative(prompts, setting, max_new_tokens, first_index)
 
 
 @pytest.mark.parametrize("warmup, warm", [("all", 3), ("first", 1)])
 def test_the_warm_up_runs_every_prompt_or_the_first_once_per_arm_untimed(tmp_path, warmup, warm):
-    cfg = load_config("configs/tiny.yaml", ["bench.prompts.limit=3", "bench.repetitions=2", f"bench.warmup={warmup}"])
+    cfg = load_config(
+        "configs/tiny.yaml",
+        ["bench.prompts.limit=3", "bench.repetitions=2", f"bench.warmup={warmup}", "bench.interleave=pass"],
+    )
     backend = _CountingBackend()
     harness.run(cfg, tmp_path, backend, log=lambda *a: None)
     timed = [("baseline", 3), ("3/1/4", 3)] * 2
@@ -170,4 +182,32 @@ def test_the_warm_up_runs_every_prompt_or_the_first_once_per_arm_untimed(tmp_pat
     assert sorted({r["repetition"] for r in rows}) == [0, 1] and len(rows) == 12  # the warm-up is not recorded
     cfg.bench.warmup = "none"
     with pytest.raises(ValueError, match="bench.warmup 'none'"):
+        harness.run(cfg, tmp_path, backend, log=lambda *a: None)
+
+
+def test_interleave_prompt_runs_every_arm_on_a_prompt_before_the_next_and_keeps_its_index(tmp_path):
+    cfg = load_config(
+        "configs/tiny.yaml",
+        ["bench.prompts.limit=3", "bench.repetitions=2", "bench.warmup=first",
+         "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 1, topk: 1, num_draft_tokens: 2}]"],
+    )  # fmt: skip
+    assert cfg.bench.interleave == "prompt"  # the default
+    backend = _CountingBackend()
+    summary = harness.run(cfg, tmp_path, backend, log=lambda *a: None)
+    per_prompt = [("baseline", 1), ("3/1/4", 1), ("1/1/2", 1)]
+    assert backend.passes == [("baseline", 1), ("3/1/4", 1), ("1/1/2", 1)] + per_prompt * 3 * 2
+    rows = [json.loads(line) for line in (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()]
+    assert len(rows) == 18  # one row per request: 3 prompts x 3 arms x 2 repetitions, each arm's prompts together
+    for rep in (0, 1):
+        for key in (None, "3/1/4", "1/1/2"):
+            mine = [r for r in rows if r["repetition"] == rep and r["setting"] == key]
+            assert [r["prompt_index"] for r in mine] == [0, 1, 2]
+            assert [r["output_ids"][0] for r in mine] == [100, 101, 102]  # the double's answer to prompt i
+            assert {r["output_ids"][1] for r in mine} == {rep}  # both repetitions are told apart
+    assert summary["interleave"] == "prompt"
+    for row in summary["speculative"]:  # the double's passes all take 0.04 s per request, plain or not
+        assert row["speedup_paired"]["per_repetition"] == [1.0, 1.0]
+        assert row["cycle_plain_steps"] == pytest.approx((0.04 / 2) / (0.04 / 4))  # 2 verifies vs 4 plain steps
+    cfg.bench.interleave = "token"
+    with pytest.raises(ValueError, match="bench.interleave 'token'"):
         harness.run(cfg, tmp_path, backend, log=lambda *a: None)

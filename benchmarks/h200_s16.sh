@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/h200_scale.sh's phases,
+# every bench interleaved per prompt (bench.interleave: prompt, new: the host's speed changes 1.5-2x for seconds at a
+# time, RESULTS §19) and its speed-up taken per repetition against that repetition's own plain pass (speedup_paired):
+#   0. the GPU tests of the embedded decoder's CUDA paths (the graphed draft chain, its graphed extend, chain attention)
+#   1. SGLang 0.5.17 servers on the GPU, one at a time, each with 0.1 of it and --sleep-on-idle: plain (:30100), then
+#      EAGLE-3 with the shipped drafter at each of SGL_SETTINGS (the chain 7/1/8 and the trees 5/4/8, 7/4/16, 8/4/32:
+#      offline, on §18c's answers, their walk is 2.80, 3.02, 3.53, 3.78; :30101 on); a setting whose server does not
+#      come up is benched without; meanwhile the embedded bench's held-out features (calibrated_prediction.sh
+#      STEPS=features)
+#   2. SGLang: the calibration run on SGL_CAL_LIMIT (8) HumanEval prompts at SGL_NEW (512) new tokens, plain and every
+#      setting (SGL_REPS (3) repetitions, batch 1, the shipped drafter); then the measurement on SGL_PER_CAT (2)
+#      MT-Bench questions of each of its eight categories (16; §18c's first 8 were all writing), its economics
+#      predicting each setting's tok/s and speed-up from the calibration's cycles and offline tau on this run's plain
+#      answers (eval/same_prompts.py): no speculative figure of this run is an input; then offline tau on each
+#      speculative server's own answers (live against offline). The servers are stopped after it.
+#   3. the embedded bench alone on the machine: benchmarks/calibrated_prediction.sh with the shipped drafter as §18a
+#      (bench.attention chain, the graphed chain; costs calibrated on EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW
+#      (96) new tokens, tok/s predicted from offline tau on EMB_PROMPTS (4) MT-Bench prompts at EMB_NEW (384) and
+#      measured there; EMB_SETTINGS 3/1/4,5/1/6,7/1/8, EMB_REPS 3)
+# Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s16.sh start` starts the plan. Keep a `wait`
+# call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+: "${SGL_SETTINGS:=7/1/8,5/4/8,7/4/16,8/4/32}" "${SGL_NEW:=512}" "${SGL_CAL_LIMIT:=8}" "${SGL_PER_CAT:=2}"
+source benchmarks/h200_s15.sh lib  # its phases (sgl_run, emb) over h200_scale.sh's, with these settings
+MTB="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT}"
+
+sgl_servers16() {  # plain on :30100, then one EAGLE-3 server per SGL_SETTINGS entry, each up before the next starts;
+                   # SGL_LIST and SGL_SETTINGS keep the settings whose server came up (sgl_run's ports follow them)
+  local slot=0 s port up=()
+  sglpred_serve 30100 0 || return 1
+  for s in "${SGL_LIST[@]}"; do
+    slot=$((slot + 1)); port=$((30100 + slot))
+    MEMF=$(mem_fraction 0.1 "$slot") sgl_serve "$port" 0 --role speculative --drafter "$SHIPPED" --setting "$s"
+    if SGL_WAIT_S=300 sgl_wait "$port"; then  # ~70 s each in §18c
+      up+=("$s"); echo "SGLang :$port up ($s)"
+    else
+      echo "SGLang :$port ($s) did not come up: benched without it"; kill "${SGL_PIDS[port]}" 2> /dev/null
+      wait "${SGL_PIDS[port]}" 2> /dev/null; slot=$((slot - 1))
+    fi
+  done
+  (( ${#up[@]} )) || return 1
+  SGL_LIST=("${up[@]}"); SGL_SETTINGS=$(IFS=,; echo "${up[*]}")
+  touch "$L/.sgl-up"
+}
+
+sglang_phase16() {
+  local cal=$S/sgl-cal test=$S/sgl-test s run
+  export CUDA_VISIBLE_DEVICES=0  # the benches' in-process target (offline tau on the same prompts)
+  say "2a. SGLang calibration: $SGL_CAL_LIMIT HumanEval prompts, $SGL_NEW new tokens, plain and $SGL_SETTINGS"
+  sgl_run "$cal" "{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: $SGL_CAL_LIMIT}"
+  say "2b. SGLang measurement: $SGL_PER_CAT MT-Bench questions per category, predicted from 2a's cycles and offline tau on the plain answers"
+  sgl_run "$test" "$MTB" --set "bench.calibration=$cal/bench/calibration.json"
+  $PY eval/same_prompts.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --answers-from "$test" \
+    --set "bench.prompts=$MTB" --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -1
+  $PY eval/economics.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --set "bench.calibration=$cal/bench/calibration.json" \
+    --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -8
+  xargs -r kill < "$L/sgl.pids"
+  for s in "${SGL_LIST[@]}"; do  # offline tau on each speculative server's own answers: the tokens its live tau counted
+    say "offline tau on the $s answers"
+    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sgl-own-${s//\//-}" "${SGL[@]}" --set "bench.prompts=$MTB" \
+      --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$s")" \
+      --answers-from "$test" --answers-of "$s" 2>&1 | tail -1
+  done
+  mkdir -p "$L/sgl"
+  for run in "$cal" "$test" "$S"/sgl-own-*; do
+    [[ -d $run ]] || continue
+    cp "$run.txt" "$L/sgl/" 2>/dev/null
+    for f in summary economics prediction calibration; do cp "$run/bench/$f.json" "$L/sgl/$(basename "$run")-$f.json" 2>/dev/null; done
+    cp "$run/bench/runs.jsonl" "$L/sgl/$(basename "$run")-runs.jsonl" 2>/dev/null
+    cp "$run/eval/accept_len.json" "$L/sgl/$(basename "$run")-accept_len.json" 2>/dev/null
+  done
+}
+s16() {
+  local t
+  wait_for 600 "$MODEL/config.json"
+  say "0. GPU tests (the graphed draft chain and its extend, chain attention)"
+  timeout 300 $PY -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_gpu.py -k "draft_chain or chain_attention" > "$L/gpu-tests.txt" 2>&1
+  echo "exit $?"; tail -4 "$L/gpu-tests.txt"
+  EMB_DRAFTING=${EMB_DRAFTING:-auto}
+  if grep -q "FAILED.*draft_chain.*False" "$L/gpu-tests.txt"; then
+    echo "the graphed draft chain failed its GPU test: the embedded benches draft eagerly"; EMB_DRAFTING=eager
+  fi
+  ( t=$SECONDS; emb features; echo "features exit $? in $((SECONDS - t)) s" ) > "$L/emb-features.txt" 2>&1 &
+  local feats=$!
+  say "1. SGLang servers: plain, then $SGL_SETTINGS with the shipped drafter, one at a time"
+  wait_for 600 "$SGL_DIR/.ready"
+  SGL+=(--set "serve.extra_args=[${SGL_SERVER_FLAGS---sleep-on-idle}]")
+  t=$SECONDS
+  sgl_servers16 > "$L/sgl-up.txt" 2>&1; cat "$L/sgl-up.txt"; echo "phase sgl_servers: $((SECONDS - t)) s"
+  wait "$feats"; cat "$L/emb-features.txt"
+  if [[ -f $L/.sgl-up ]]; then
+    t=$SECONDS; sglang_phase16; echo "phase sglang: $((SECONDS - t)) s"
+  else
+    echo "the SGLang servers are not all up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
+  fi
+  say "3. embedded, alone: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench"
+  t=$SECONDS
+  emb cal; echo "cal exit $?"
+  emb test; echo "test exit $?"; tail -30 "$L/embedded.txt"
+  pred_back
+  echo "phase embedded: $((SECONDS - t)) s"
+}
+
+case ${1:-} in
+  lib) ;;
+  run) shift; mkdir -p "$L" "$S"; s16; say done; touch "$L/.done-s16" ;;
+  *) LEASE_SCRIPT=benchmarks/h200_s16.sh exec bash benchmarks/h200_scale.sh "$@" ;;
+esac
