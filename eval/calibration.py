@@ -102,7 +102,17 @@ def predict(cal: dict, offline_tau: dict[str, float], tau_basis: str = "cycle wa
             "predicted_speedup": tau / steps,
         })  # fmt: skip
     keep = ("path", "source_run", "backend", "target", "device", "max_new_tokens", "baseline_tok_s")
-    return {"calibration": {k: cal.get(k) for k in keep}, "tau_basis": tau_basis, "rows": rows}
+    return {"calibration": {k: cal.get(k) for k in keep}, "tau_basis": tau_basis, "rows": rows, "pick": pick(rows)}
+
+
+def pick(rows: list[dict]) -> dict | None:
+    """The setting the economics picks: the highest predicted speed-up among the settings the calibration ran (the
+    cost model's other settings are interpolations no run has checked), with the tau it needs to break even."""
+    ran = [r for r in rows if r["cycle_basis"] == "measured"] or rows
+    if not ran:
+        return None
+    best = max(ran, key=lambda r: r["predicted_speedup"])
+    return {k: best[k] for k in ("setting", "predicted_speedup", "predicted_tok_s", "break_even_tau", "tau_offline")}
 
 
 def _err(pred: float | None, meas: float | None) -> float | None:
@@ -139,6 +149,9 @@ def join(prediction: dict, summary: dict | None, target: str | None = None) -> d
             predicted_tok_s_live_tau=m["tau"] / cycle if m.get("tau") else None,
             error_pct_live_tau=_err(m["tau"] / cycle if m.get("tau") else None, m.get("tok_s_median")),
         )  # fmt: skip
+    chosen = next((r for r in out["rows"] if out.get("pick") and r["setting"] == out["pick"]["setting"]), None)
+    if chosen and chosen.get("measured_speedup") is not None:
+        out["pick"] = {**out["pick"], "measured_speedup": chosen["measured_speedup"], "tau_live": chosen["tau_live"]}
     return out
 
 
@@ -160,6 +173,15 @@ def format_prediction(p: dict) -> str:
                 f"{r['error_pct']:+.1f}% (speed-up {fmt(r['speedup_error_pct'], '{:+.1f}')}%, from live tau "
                 f"{fmt(r['error_pct_live_tau'], '{:+.1f}')}%)"
             )
+        lines.append(line)
+    if p.get("pick"):
+        k = p["pick"]
+        line = (
+            f"  the economics picks {k['setting']}: predicted x{k['predicted_speedup']:.2f}, where it breaks even at "
+            f"tau {k['break_even_tau']:.2f} (offline {k['tau_offline']:.2f})"
+        )
+        if k.get("measured_speedup") is not None:
+            line += f"; measured x{k['measured_speedup']:.2f} at live tau {fmt(k.get('tau_live'))}"
         lines.append(line)
     return "\n".join(lines)
 

@@ -315,6 +315,14 @@ def _md_calibrated(p: dict) -> list[str]:
             f"{_f(r.get('error_pct'), '{:+.1f}%')} | "
             f"{_f(r.get('predicted_tok_s_live_tau'), '{:.1f}')}, {_f(r.get('error_pct_live_tau'), '{:+.1f}%')} |"
         )
+    if p.get("pick"):
+        k = p["pick"]
+        L += [
+            "",
+            f"The economics picks **{k['setting']}** (the highest predicted speed-up among the settings the "
+            f"calibration ran): x{k['predicted_speedup']:.2f}, breaking even at τ {k['break_even_tau']:.2f}"
+            + (f"; measured x{k['measured_speedup']:.2f}." if k.get("measured_speedup") is not None else "."),
+        ]
     return L + [""]
 
 

@@ -4,7 +4,14 @@ import json
 
 import pytest
 
-from eagle3ft.eval.calibration import CalibrationError, calibration_from_summary, join, load_calibration, predict
+from eagle3ft.eval.calibration import (
+    CalibrationError,
+    calibration_from_summary,
+    format_prediction,
+    join,
+    load_calibration,
+    predict,
+)
 from eagle3ft.eval.costs import CostModel, Setting, max_tau, reach, reach_text
 from eagle3ft.eval.economics import analyse, format_table, main
 
@@ -184,6 +191,26 @@ def test_the_speed_up_is_predicted_in_plain_steps_and_held_to_the_paired_speed_u
     del b["speculative"][0]["speedup_paired"]  # a summary from before: the median over the median
     m = join(predict(cal, {"3/1/4": 3.0}), b)["rows"][0]
     assert m["measured_speedup"] == pytest.approx(1.4) and m["measured_speedup_basis"] == "median over median"
+
+
+def test_the_economics_picks_the_best_predicted_speed_up_among_the_settings_the_calibration_ran():
+    # 2/1/3 at 2.0 plain steps, 5/4/8 at 2.6: the tree pays more at its offline tau; 1/1/2 only has the cost model
+    a = _summary(0.010, [("2/1/3", 1.5, 75.0, 0.020), ("5/4/8", 2.0, 77.0, 0.026)])
+    a["speculative"][0]["cycle_plain_steps"], a["speculative"][1]["cycle_plain_steps"] = 2.0, 2.6
+    cal = {**calibration_from_summary(a, "runs/a"), "path": "runs/a/bench/calibration.json"}
+    pred = predict(cal, {"1/1/2": 1.9, "2/1/3": 2.2, "5/4/8": 3.25})
+    assert pred["pick"]["setting"] == "5/4/8" and pred["pick"]["predicted_speedup"] == pytest.approx(1.25)
+    assert pred["pick"]["break_even_tau"] == 2.6 and "measured_speedup" not in pred["pick"]
+    by = {r["setting"]: r for r in pred["rows"]}
+    assert by["1/1/2"]["cycle_basis"] == "cost model"  # priced, but never the pick: no run measured its cycle
+    b = _summary(0.010, [("2/1/3", 2.1, 100.0, 0.021), ("5/4/8", 3.1, 120.0, 0.025)])
+    b["speculative"][1]["speedup_paired"] = {"median": 1.2, "min": 1.1, "max": 1.3, "per_repetition": [1.1, 1.2, 1.3]}
+    j = join(pred, b)
+    assert j["pick"]["measured_speedup"] == 1.2 and j["pick"]["tau_live"] == 3.1
+    assert (
+        "the economics picks 5/4/8: predicted x1.25, where it breaks even at tau 2.60 (offline 3.25); measured "
+        "x1.20 at live tau 3.10" in format_prediction(j)
+    )
 
 
 def test_load_calibration_names_the_file(tmp_path):
