@@ -146,6 +146,12 @@ class SGLangBackend:
         from eagle3ft.targets.hf import load_tokenizer
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
+        arms = 1 + len(cfg.bench.settings)
+        if cfg.bench.launch and 0 < cfg.serve.max_servers < arms and cfg.bench.interleave == "prompt":
+            raise ValueError(
+                f"bench.interleave prompt with serve.max_servers {cfg.serve.max_servers} and {arms} arms would restart a "
+                "server for every prompt: set bench.interleave: pass (a server per pass), or serve.max_servers 0"
+            )
         if (
             cfg.bench.launch
         ):  # the EAGLE3 servers will load eval.checkpoint: it must fit the features, before any server starts

@@ -189,7 +189,7 @@ def _md_bench(s: dict | None, e: dict | None, a: dict | None) -> list[str]:
         f"Plain decoding: {b['median']:.1f} tok/s (min {b['min']:.1f}, max {b['max']:.1f}), "
         f"{s['baseline']['ms_per_token']:.2f} ms/token.",
         "",
-        "| setting | tok/s median (min-max) | speed-up | τ live | verifies (tokens) | τ offline, same prompts: every "
+        "| setting | tok/s median (min-max) | speed-up (paired) | τ live | verifies (tokens) | τ offline, same prompts: every "
         "root / cycle walk | τ offline, held-out (cycle walk) | break-even τ | max τ | verify ms | draft fwd ms | cycle ms | predicted tok/s "
         "(live τ) | outputs = plain |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -200,7 +200,8 @@ def _md_bench(s: dict | None, e: dict | None, a: dict | None) -> list[str]:
         tk = row["tok_s"]
         n_tok = row["tau"] * row["verify_count"] if row.get("tau") and row.get("verify_count") else None
         L.append(
-            f"| {row['key']} | {tk['median']:.1f} ({tk['min']:.1f}-{tk['max']:.1f}) | {row['speedup_median']:.2f} | "
+            f"| {row['key']} | {tk['median']:.1f} ({tk['min']:.1f}-{tk['max']:.1f}) | {row['speedup_median']:.2f} "
+            f"({_f((row.get('speedup_paired') or {}).get('median'))}) | "
             f"{_f(row['tau'])} | "
             f"{row.get('verify_count') or '—'} ({_f(n_tok, '{:.0f}')}) | "
             f"{_f(same.get('settings', {}).get(row['key']))} / {_f(same.get('settings_walk', {}).get(row['key']))} | "

@@ -216,6 +216,9 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
             f"serve.extra_args=[--double-config, {REPO_ROOT / 'configs/tiny.yaml'}]",
         ],
     )
+    with pytest.raises(ValueError, match="would restart a server for every prompt: set bench.interleave: pass"):
+        SGLangBackend(cfg, tmp_path)  # one server at a time, interleaved per prompt
+    cfg.bench.interleave = "pass"
     backend = SGLangBackend(cfg, tmp_path)
     prompt = harness.load_prompts(cfg)[:1]
     (b,) = backend.run_baseline(prompt, 8)
