@@ -84,16 +84,18 @@ s16() {
   fi
   ( t=$SECONDS; emb features; echo "features exit $? in $((SECONDS - t)) s" ) > "$L/emb-features.txt" 2>&1 &
   local feats=$!
-  say "1. SGLang servers: plain, then $SGL_SETTINGS with the shipped drafter, one at a time"
-  wait_for 600 "$SGL_DIR/.ready"
-  SGL+=(--set "serve.extra_args=[${SGL_SERVER_FLAGS---sleep-on-idle}]")
-  t=$SECONDS
-  sgl_servers16 > "$L/sgl-up.txt" 2>&1; cat "$L/sgl-up.txt"; echo "phase sgl_servers: $((SECONDS - t)) s"
+  if [[ ${SGL_BENCH:-1} != 0 ]]; then
+    say "1. SGLang servers: plain, then $SGL_SETTINGS with the shipped drafter, one at a time"
+    wait_for 600 "$SGL_DIR/.ready"
+    SGL+=(--set "serve.extra_args=[${SGL_SERVER_FLAGS---sleep-on-idle}]")
+    t=$SECONDS
+    sgl_servers16 > "$L/sgl-up.txt" 2>&1; cat "$L/sgl-up.txt"; echo "phase sgl_servers: $((SECONDS - t)) s"
+  fi
   wait "$feats"; cat "$L/emb-features.txt"
   if [[ -f $L/.sgl-up ]]; then
     t=$SECONDS; sglang_phase16; echo "phase sglang: $((SECONDS - t)) s"
-  else
-    echo "the SGLang servers are not all up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
+  elif [[ ${SGL_BENCH:-1} != 0 ]]; then
+    echo "no SGLang server came up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
   fi
   say "3. embedded, alone: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench"
   t=$SECONDS
