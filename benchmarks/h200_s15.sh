@@ -57,24 +57,25 @@ sgl_run() {  # sgl_run RUN SRC [sets...]: plain (:30100) against every setting's
     "$@" > "$run.txt" 2>&1
   echo "exit $?"; tail -14 "$run.txt"
 }
-sglang_phase() {
+sglang_phase() {  # the calibration on SGL_CAL_SRC (SGL_LIMIT HumanEval prompts), the measurement on SGL_TEST_SRC (SGL_LIMIT
+                  # MT-Bench prompts)
   local cal=$S/sgl-cal test=$S/sgl-test s
+  local cal_src=${SGL_CAL_SRC:-"{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: $SGL_LIMIT}"}
+  local test_src=${SGL_TEST_SRC:-"{kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: $SGL_LIMIT}"}
   export CUDA_VISIBLE_DEVICES=0  # the benches' in-process target (offline tau on the same prompts)
-  say "3a. SGLang calibration: $SGL_LIMIT HumanEval prompts, $SGL_NEW new tokens, plain and $SGL_SETTINGS"
-  sgl_run "$cal" "{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: $SGL_LIMIT}"
-  say "3b. SGLang measurement: $SGL_LIMIT MT-Bench prompts, predicted from 3a's cycles and offline tau on the plain answers"
-  sgl_run "$test" "{kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: $SGL_LIMIT}" \
-    --set "bench.calibration=$cal/bench/calibration.json"
+  say "3a. SGLang calibration: $cal_src, $SGL_NEW new tokens, plain and $SGL_SETTINGS"
+  sgl_run "$cal" "$cal_src"
+  say "3b. SGLang measurement: $test_src, predicted from 3a's cycles and offline tau on the plain answers"
+  sgl_run "$test" "$test_src" --set "bench.calibration=$cal/bench/calibration.json"
   $PY eval/same_prompts.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --answers-from "$test" \
-    --set "bench.prompts={kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: $SGL_LIMIT}" \
+    --set "bench.prompts=$test_src" \
     --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -1
   $PY eval/economics.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --set "bench.calibration=$cal/bench/calibration.json" \
     --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -8
   xargs -r kill < "$L/sgl.pids"
   for s in "${SGL_LIST[@]}"; do  # offline tau on each speculative server's own answers: the tokens its live tau counted
     say "offline tau on the $s answers"
-    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sgl-own-${s//\//-}" "${SGL[@]}" \
-      --set "bench.prompts={kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: $SGL_LIMIT}" \
+    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sgl-own-${s//\//-}" "${SGL[@]}" --set "bench.prompts=$test_src" \
       --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$s")" \
       --answers-from "$test" --answers-of "$s" 2>&1 | tail -1
   done

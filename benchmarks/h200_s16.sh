@@ -23,8 +23,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${SGL_SETTINGS:=7/1/8,5/4/8,7/4/16,8/4/32}" "${SGL_NEW:=512}" "${SGL_CAL_LIMIT:=8}" "${SGL_PER_CAT:=2}"
-source benchmarks/h200_s15.sh lib  # its phases (sgl_run, emb) over h200_scale.sh's, with these settings
-MTB="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT}"
+source benchmarks/h200_s15.sh lib  # its phases (sgl_run, sglang_phase, emb) over h200_scale.sh's, with these settings
+SGL_CAL_SRC="{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: $SGL_CAL_LIMIT}"  # h200_s15.sh's sglang_phase
+SGL_TEST_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT}"
 
 sgl_servers16() {  # plain on :30100, then one EAGLE-3 server per SGL_SETTINGS entry, each up before the next starts;
                    # SGL_LIST and SGL_SETTINGS keep the settings whose server came up (sgl_run's ports follow them)
@@ -45,33 +46,6 @@ sgl_servers16() {  # plain on :30100, then one EAGLE-3 server per SGL_SETTINGS e
   touch "$L/.sgl-up"
 }
 
-sglang_phase16() {
-  local cal=$S/sgl-cal test=$S/sgl-test s run
-  export CUDA_VISIBLE_DEVICES=0  # the benches' in-process target (offline tau on the same prompts)
-  say "2a. SGLang calibration: $SGL_CAL_LIMIT HumanEval prompts, $SGL_NEW new tokens, plain and $SGL_SETTINGS"
-  sgl_run "$cal" "{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: $SGL_CAL_LIMIT}"
-  say "2b. SGLang measurement: $SGL_PER_CAT MT-Bench questions per category, predicted from 2a's cycles and offline tau on the plain answers"
-  sgl_run "$test" "$MTB" --set "bench.calibration=$cal/bench/calibration.json"
-  $PY eval/same_prompts.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --answers-from "$test" \
-    --set "bench.prompts=$MTB" --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -1
-  $PY eval/economics.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --set "bench.calibration=$cal/bench/calibration.json" \
-    --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -8
-  xargs -r kill < "$L/sgl.pids"
-  for s in "${SGL_LIST[@]}"; do  # offline tau on each speculative server's own answers: the tokens its live tau counted
-    say "offline tau on the $s answers"
-    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sgl-own-${s//\//-}" "${SGL[@]}" --set "bench.prompts=$MTB" \
-      --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$s")" \
-      --answers-from "$test" --answers-of "$s" 2>&1 | tail -1
-  done
-  mkdir -p "$L/sgl"
-  for run in "$cal" "$test" "$S"/sgl-own-*; do
-    [[ -d $run ]] || continue
-    cp "$run.txt" "$L/sgl/" 2>/dev/null
-    for f in summary economics prediction calibration; do cp "$run/bench/$f.json" "$L/sgl/$(basename "$run")-$f.json" 2>/dev/null; done
-    cp "$run/bench/runs.jsonl" "$L/sgl/$(basename "$run")-runs.jsonl" 2>/dev/null
-    cp "$run/eval/accept_len.json" "$L/sgl/$(basename "$run")-accept_len.json" 2>/dev/null
-  done
-}
 s16() {
   local t
   wait_for 600 "$MODEL/config.json"
@@ -93,7 +67,7 @@ s16() {
   fi
   wait "$feats"; cat "$L/emb-features.txt"
   if [[ -f $L/.sgl-up ]]; then
-    t=$SECONDS; sglang_phase16; echo "phase sglang: $((SECONDS - t)) s"
+    t=$SECONDS; sglang_phase; echo "phase sglang: $((SECONDS - t)) s"
   elif [[ ${SGL_BENCH:-1} != 0 ]]; then
     echo "no SGLang server came up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
   fi
