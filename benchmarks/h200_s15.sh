@@ -99,10 +99,11 @@ emb_eager() {  # phase 4: eval/bench.py as 2's measurement with EMB_AB_SET, one 
   echo "exit $?"; tail -12 "$L/emb-eager.txt"
   mkdir -p "$L/emb-eager" && cp "$S"/emb-eager/bench/{summary,economics}.json "$S/emb-eager/bench/runs.jsonl" "$L/emb-eager/" 2>/dev/null
 }
-s15() {
+gpu_tests() {  # phase 0: the GPU tests of the embedded decoder's CUDA paths (EMB_DRAFTING eager if the graphed chain
+               # fails them), then the embedded bench's features in the background (FEATS: its pid)
   local t
   wait_for 600 "$MODEL/config.json"
-  say "0. GPU tests (the graphed draft chain, chain attention) and the embedded bench's features"
+  say "0. GPU tests (the graphed draft chain and its extend, chain attention) and the embedded bench's features"
   timeout 300 $PY -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_gpu.py -k "draft_chain or chain_attention" > "$L/gpu-tests.txt" 2>&1
   echo "exit $?"; tail -3 "$L/gpu-tests.txt"
   EMB_DRAFTING=${EMB_DRAFTING:-auto}
@@ -110,7 +111,20 @@ s15() {
     echo "the graphed draft chain failed its GPU test: the embedded benches draft eagerly"; EMB_DRAFTING=eager
   fi
   ( t=$SECONDS; emb features; echo "features exit $? in $((SECONDS - t)) s" ) > "$L/emb-features.txt" 2>&1 &
-  local feats=$!
+  FEATS=$!
+}
+emb_phase() {  # emb_phase TITLE: the embedded calibration, prediction and measurement (calibrated_prediction.sh)
+  local t=$SECONDS
+  say "$1"
+  emb cal; echo "cal exit $?"
+  emb test; echo "test exit $?"; tail -30 "$L/embedded.txt"
+  pred_back
+  echo "phase embedded: $((SECONDS - t)) s"
+}
+s15() {
+  local t
+  gpu_tests
+  local feats=$FEATS
   say "1. SGLang servers: plain, then $SGL_SETTINGS with the shipped drafter, one at a time"
   wait_for 600 "$SGL_DIR/.ready"
   local flags=${SGL_SERVER_FLAGS---sleep-on-idle}
@@ -121,12 +135,7 @@ s15() {
   t=$SECONDS
   sgl_servers > "$L/sgl-up.txt" 2>&1; cat "$L/sgl-up.txt"; echo "phase sgl_servers: $((SECONDS - t)) s"
   wait "$feats"; cat "$L/emb-features.txt"
-  say "2. embedded: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench (servers idle)"
-  t=$SECONDS
-  emb cal; echo "cal exit $?"
-  emb test; echo "test exit $?"; tail -30 "$L/embedded.txt"
-  pred_back
-  echo "phase embedded: $((SECONDS - t)) s"
+  emb_phase "2. embedded: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench (servers idle)"
   if [[ -f $L/.sgl-up ]]; then
     t=$SECONDS; sglang_phase; echo "phase sglang: $((SECONDS - t)) s"
   else

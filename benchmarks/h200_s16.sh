@@ -48,16 +48,8 @@ sgl_servers16() {  # plain on :30100, then one EAGLE-3 server per SGL_SETTINGS e
 
 s16() {
   local t
-  wait_for 600 "$MODEL/config.json"
-  say "0. GPU tests (the graphed draft chain and its extend, chain attention)"
-  timeout 300 $PY -m pytest -q -ra -m gpu -p no:cacheprovider tests/test_gpu.py -k "draft_chain or chain_attention" > "$L/gpu-tests.txt" 2>&1
-  echo "exit $?"; tail -4 "$L/gpu-tests.txt"
-  EMB_DRAFTING=${EMB_DRAFTING:-auto}
-  if grep -q "FAILED.*draft_chain.*False" "$L/gpu-tests.txt"; then
-    echo "the graphed draft chain failed its GPU test: the embedded benches draft eagerly"; EMB_DRAFTING=eager
-  fi
-  ( t=$SECONDS; emb features; echo "features exit $? in $((SECONDS - t)) s" ) > "$L/emb-features.txt" 2>&1 &
-  local feats=$!
+  gpu_tests
+  local feats=$FEATS
   if [[ ${SGL_BENCH:-1} != 0 ]]; then
     say "1. SGLang servers: plain, then $SGL_SETTINGS with the shipped drafter, one at a time"
     wait_for 600 "$SGL_DIR/.ready"
@@ -71,12 +63,7 @@ s16() {
   elif [[ ${SGL_BENCH:-1} != 0 ]]; then
     echo "no SGLang server came up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
   fi
-  say "3. embedded, alone: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench"
-  t=$SECONDS
-  emb cal; echo "cal exit $?"
-  emb test; echo "test exit $?"; tail -30 "$L/embedded.txt"
-  pred_back
-  echo "phase embedded: $((SECONDS - t)) s"
+  emb_phase "3. embedded, alone: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench"
 }
 
 case ${1:-} in
