@@ -243,8 +243,8 @@ class BenchConfig:
     # embedded: how a cycle drafts, "graph" (eval/draft_graph.py: the chain on the device with no host round trip, one
     # CUDA graph replay on a GPU; greedy only), "eager" (a drafter forward at a time), "auto" (graph when greedy)
     drafting: str = "auto"
-    # embedded, drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); new,
-    # its capture has not run on a GPU yet
+    # embedded, drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); its
+    # capture passed tests/test_gpu.py on the H200 (RESULTS §19), its speed is not measured yet
     draft_graph_extend: bool = False
     # sglang: offline tau on the plain server's own answers, their features from a copy of the target loaded in the
     # bench process (transformers, target.device) after the timed passes: only for a target that fits there

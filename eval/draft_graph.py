@@ -14,7 +14,8 @@ Here the chain after the extend stays on the device, draft ids included, so it c
 
 With `extend` (`bench.draft_graph_extend`), the extend after a verify (the drafter over the T = 1..steps+1
 accepted tokens and their aux features) is captured too, one graph per T, and writes the chain's inputs in place;
-the prompt's extend stays eager. That capture has not run on a GPU yet (tests/test_gpu.py checks it).
+the prompt's extend stays eager. tests/test_gpu.py holds that capture to the eager extend; it passed on the H200
+(RESULTS §19), and its speed is not measured yet.
 
 Attention reads the whole static buffer with a mask of the rows <= each query's position, where the eager step
 reads the rows so far: the same keys, another kernel, so bf16 logits may differ in the last bits. `static_forward`
