@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/h200_scale.sh's phases,
 # every bench interleaved per prompt (bench.interleave: prompt, new: the host's speed changes 1.5-2x for seconds at a
-# time, RESULTS §19) and its speed-up taken per repetition against that repetition's own plain pass (speedup_paired):
+# time, RESULTS §19a) and its speed-up taken per repetition against that repetition's own plain pass (speedup_paired):
 #   0. the GPU tests of the embedded decoder's CUDA paths (the graphed draft chain, its graphed extend, chain attention)
 #   1. SGLang 0.5.17 servers on the GPU, one at a time, each with 0.1 of it and --sleep-on-idle: plain (:30100), then
 #      EAGLE-3 with the shipped drafter at each of SGL_SETTINGS (the chain 7/1/8 and the trees 5/4/8, 7/4/16, 8/4/32:
@@ -18,6 +18,7 @@
 #      (bench.attention chain, the graphed chain; costs calibrated on EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW
 #      (96) new tokens, tok/s predicted from offline tau on EMB_PROMPTS (4) MT-Bench prompts at EMB_NEW (384) and
 #      measured there; EMB_SETTINGS 3/1/4,5/1/6,7/1/8, EMB_REPS 3)
+# SGL_BENCH=0 leaves out 1-2: the embedded bench alone, once the GPU tests and its features are done.
 # Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s16.sh start` starts the plan. Keep a `wait`
 # call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
@@ -34,7 +35,7 @@ sgl_servers16() {  # plain on :30100, then one EAGLE-3 server per SGL_SETTINGS e
   for s in "${SGL_LIST[@]}"; do
     slot=$((slot + 1)); port=$((30100 + slot))
     MEMF=$(mem_fraction 0.1 "$slot") sgl_serve "$port" 0 --role speculative --drafter "$SHIPPED" --setting "$s"
-    if SGL_WAIT_S=300 sgl_wait "$port"; then  # ~70 s each in §18c
+    if SGL_WAIT_S=300 sgl_wait "$port"; then  # ~85 s each in RESULTS §19b
       up+=("$s"); echo "SGLang :$port up ($s)"
     else
       echo "SGLang :$port ($s) did not come up: benched without it"; kill "${SGL_PIDS[port]}" 2> /dev/null
