@@ -39,12 +39,22 @@ emb() {  # emb STEPS: benchmarks/calibrated_prediction.sh's STEPS with this plan
     CAL_SOURCE="kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: ${EMB_CAL_PROMPTS:-4}" \
     timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$SHIPPED" "$SHIPPED" >> "$L/embedded.txt" 2>&1
 }
-sgl_servers() {  # phase 1: plain, then one EAGLE-3 server per SGL_SETTINGS entry, each up before the next starts
-  local i=0 s
+sgl_servers() {  # phase 1: plain on :30100, then one EAGLE-3 server per SGL_SETTINGS entry, each up before the next
+                 # starts; SGL_LIST and SGL_SETTINGS keep the settings whose server came up (sgl_run's ports follow)
+  local slot=0 s port up=()
   sglpred_serve 30100 0 || return 1
   for s in "${SGL_LIST[@]}"; do
-    i=$((i + 1)); sglpred_serve $((30100 + i)) "$i" "$SHIPPED" "$s" || return 1
+    slot=$((slot + 1)); port=$((30100 + slot))
+    MEMF=$(mem_fraction 0.1 "$slot") sgl_serve "$port" 0 --role speculative --drafter "$SHIPPED" --setting "$s"
+    if SGL_WAIT_S=300 sgl_wait "$port"; then  # ~85 s each in RESULTS §19b
+      up+=("$s"); echo "SGLang :$port up ($s)"
+    else
+      echo "SGLang :$port ($s) did not come up: benched without it"; kill "${SGL_PIDS[port]}" 2> /dev/null
+      wait "${SGL_PIDS[port]}" 2> /dev/null; slot=$((slot - 1))
+    fi
   done
+  (( ${#up[@]} )) || return 1
+  SGL_LIST=("${up[@]}"); SGL_SETTINGS=$(IFS=,; echo "${up[*]}")
   touch "$L/.sgl-up"
 }
 sgl_run() {  # sgl_run RUN SRC [sets...]: plain (:30100) against every setting's server, interleaved, 3 repetitions
@@ -139,7 +149,7 @@ s15() {
   if [[ -f $L/.sgl-up ]]; then
     t=$SECONDS; sglang_phase; echo "phase sglang: $((SECONDS - t)) s"
   else
-    echo "the SGLang servers are not all up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
+    echo "no SGLang server came up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
   fi
   if [[ ${EMB_AB:-1} == 1 ]]; then
     say "4. embedded, the A side: ${EMB_AB_SET:-bench.drafting=eager} at ${EMB_AB_SETTING:-5/1/6}"

@@ -24,28 +24,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${SGL_SETTINGS:=7/1/8,5/4/8,7/4/16,8/4/32}" "${SGL_NEW:=512}" "${SGL_CAL_LIMIT:=8}" "${SGL_PER_CAT:=2}"
-source benchmarks/h200_s15.sh lib  # its phases (sgl_run, sglang_phase, emb) over h200_scale.sh's, with these settings
+source benchmarks/h200_s15.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over h200_scale.sh's, with these settings
 SGL_CAL_SRC="{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: $SGL_CAL_LIMIT}"  # h200_s15.sh's sglang_phase
 SGL_TEST_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT}"
-
-sgl_servers16() {  # plain on :30100, then one EAGLE-3 server per SGL_SETTINGS entry, each up before the next starts;
-                   # SGL_LIST and SGL_SETTINGS keep the settings whose server came up (sgl_run's ports follow them)
-  local slot=0 s port up=()
-  sglpred_serve 30100 0 || return 1
-  for s in "${SGL_LIST[@]}"; do
-    slot=$((slot + 1)); port=$((30100 + slot))
-    MEMF=$(mem_fraction 0.1 "$slot") sgl_serve "$port" 0 --role speculative --drafter "$SHIPPED" --setting "$s"
-    if SGL_WAIT_S=300 sgl_wait "$port"; then  # ~85 s each in RESULTS §19b
-      up+=("$s"); echo "SGLang :$port up ($s)"
-    else
-      echo "SGLang :$port ($s) did not come up: benched without it"; kill "${SGL_PIDS[port]}" 2> /dev/null
-      wait "${SGL_PIDS[port]}" 2> /dev/null; slot=$((slot - 1))
-    fi
-  done
-  (( ${#up[@]} )) || return 1
-  SGL_LIST=("${up[@]}"); SGL_SETTINGS=$(IFS=,; echo "${up[*]}")
-  touch "$L/.sgl-up"
-}
 
 s16() {
   local t
@@ -56,7 +37,7 @@ s16() {
     wait_for 600 "$SGL_DIR/.ready"
     SGL+=(--set "serve.extra_args=[${SGL_SERVER_FLAGS---sleep-on-idle}]")
     t=$SECONDS
-    sgl_servers16 > "$L/sgl-up.txt" 2>&1; cat "$L/sgl-up.txt"; echo "phase sgl_servers: $((SECONDS - t)) s"
+    sgl_servers > "$L/sgl-up.txt" 2>&1; cat "$L/sgl-up.txt"; echo "phase sgl_servers: $((SECONDS - t)) s"
   fi
   wait "$feats"; cat "$L/emb-features.txt"
   if [[ -f $L/.sgl-up ]]; then

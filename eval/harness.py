@@ -265,9 +265,8 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
 
     base = passes("baseline", None)
     base_tok_s = [_pass_tok_s(v) for _, v in sorted(base.items())]
-    base_s_per_token = statistics.median(
-        sum(r.decode_s for r in v) / sum(r.new_tokens - 1 for r in v) for v in base.values()
-    )
+    base_step = {rep: sum(r.decode_s for r in v) / sum(r.new_tokens - 1 for r in v) for rep, v in base.items()}
+    base_s_per_token = statistics.median(base_step.values())
     baseline_outputs = {(r.prompt_index): r.output_ids for v in base.values() for r in v}
     spec_rows, draft_fwd, overheads, run_verify = [], [], [], {}
     for st in settings:
@@ -279,20 +278,16 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         verifies = sum(r.verify_count or 0 for r in allr)
         tok_s = [_pass_tok_s(v) for _, v in sorted(sp.items())]
         paired = [_pass_tok_s(v) / _pass_tok_s(base[rep]) for rep, v in sorted(sp.items()) if rep in base]
-        cycle_steps = [
-            (sum(r.decode_s for r in v) / sum(r.verify_count or 0 for r in v))
-            / (sum(r.decode_s for r in base[rep]) / sum(r.new_tokens - 1 for r in base[rep]))
+        cycles = {  # per repetition: decode time / verifies, the mean cycle
+            rep: sum(r.decode_s for r in v) / sum(r.verify_count or 0 for r in v)
             for rep, v in sorted(sp.items())
-            if rep in base and any(r.verify_count for r in v)
-        ]
+            if any(r.verify_count for r in v)
+        }
+        per_pass = list(cycles.values())
+        cycle_steps = [c / base_step[rep] for rep, c in cycles.items() if rep in base_step]
         verify_s = [t for r in allr for t in (r.verify_s or [])]
         draft_s = [t for r in allr for t in (r.draft_forward_s or [])]
         cycle_s = [t for r in allr for t in (r.cycle_s or [])]
-        per_pass = [
-            sum(r.decode_s for r in v) / sum(r.verify_count or 0 for r in v)
-            for v in sp.values()
-            if any(r.verify_count for r in v)
-        ]
         row = {
             "setting": asdict(st),
             "key": st.key,
