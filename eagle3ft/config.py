@@ -94,6 +94,10 @@ class SourceConfig:
     # keep at most this many records of each "category", in file order (MT-Bench: 2 keeps 16 questions, two of each
     # of its eight categories; its first ten are all writing)
     per_category: int | None = None
+    # leave out the first `skip` records (of each category, with per_category) before limit and per_category apply:
+    # prompts disjoint from another source's, e.g. a calibration run's (MT-Bench per_category 2, skip 2: the third
+    # and fourth question of each category)
+    skip: int = 0
 
 
 @dataclass

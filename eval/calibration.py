@@ -133,6 +133,12 @@ def join(prediction: dict, summary: dict | None, target: str | None = None) -> d
     ):
         if cal.get(k) is not None and mine is not None and cal[k] != mine:
             out["warnings"].append(f"{k} differs: calibration {cal[k]!r}, this run {mine!r}")
+    plain = summary.get("baseline", {}).get("tok_s_median")
+    if cal.get("baseline_tok_s") and plain:  # the host's own drift between the runs, with no drafter in it
+        out["baseline"] = {
+            "calibration_tok_s": cal["baseline_tok_s"], "measured_tok_s": plain,
+            "error_pct": _err(cal["baseline_tok_s"], plain),
+        }  # fmt: skip
     measured = {r["key"]: r for r in summary["speculative"]}
     for r in out["rows"]:
         m = measured.get(r["setting"])
@@ -174,6 +180,12 @@ def format_prediction(p: dict) -> str:
                 f"{fmt(r['error_pct_live_tau'], '{:+.1f}')}%)"
             )
         lines.append(line)
+    if p.get("baseline"):
+        b = p["baseline"]
+        lines.append(
+            f"  plain decoding: {b['calibration_tok_s']:.1f} tok/s in the calibration, {b['measured_tok_s']:.1f} here "
+            f"({b['error_pct']:+.1f}%: the host's drift between the two runs, the same for every setting's tok/s)"
+        )
     if p.get("pick"):
         k = p["pick"]
         line = (

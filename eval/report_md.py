@@ -316,6 +316,13 @@ def _md_calibrated(p: dict) -> list[str]:
             f"{_f(r.get('error_pct'), '{:+.1f}%')} | "
             f"{_f(r.get('predicted_tok_s_live_tau'), '{:.1f}')}, {_f(r.get('error_pct_live_tau'), '{:+.1f}%')} |"
         )
+    if p.get("baseline"):
+        b = p["baseline"]
+        L += [
+            "",
+            f"Plain decoding ran {b['calibration_tok_s']:.1f} tok/s in the calibration and {b['measured_tok_s']:.1f} "
+            f"here ({b['error_pct']:+.1f}%): the host's drift between the runs, in every setting's tok/s error.",
+        ]
     if p.get("pick"):
         k = p["pick"]
         L += [

@@ -553,6 +553,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+")
     ap.add_argument("--skip-tokenizer-init", action="store_true")
     ap.add_argument("--cuda-graph-max-bs", type=int)
+    ap.add_argument("--cuda-graph-backend-prefill")  # 0.5.17: disabled leaves prefill graphs out
     ap.add_argument("--max-running-requests", type=int)
     ap.add_argument("--log-level")
     ap.add_argument("--sleep-on-idle", action="store_true")  # 0.5.17: an idle scheduler sleeps instead of polling

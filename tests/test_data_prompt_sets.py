@@ -62,6 +62,16 @@ def test_mtbench_per_category_keeps_the_first_questions_of_each_of_its_eight():
         collect([SourceConfig(kind="mtbench", per_category=0)], skips=Counter(), **KW)
 
 
+def test_skip_gives_prompts_disjoint_from_the_first():
+    everything = collect([SourceConfig(kind="mtbench")], skips=Counter(), **KW)
+    after = collect([SourceConfig(kind="mtbench", per_category=2, skip=2)], skips=Counter(), **KW)
+    assert [c.key for c in after] == [c.key for i, c in enumerate(everything) if 2 <= i % 10 < 4]
+    writing = collect([SourceConfig(kind="mtbench", limit=4, skip=4)], skips=Counter(), **KW)
+    assert [c.key for c in writing] == [c.key for c in everything[4:8]]  # skip before limit
+    with pytest.raises(ValueError, match="skip -1: expected 0 or more"):
+        collect([SourceConfig(kind="mtbench", skip=-1)], skips=Counter(), **KW)
+
+
 def test_sources_in_yaml():
     cfg = load_config(
         None,

@@ -169,6 +169,9 @@ def test_calibration_predicts_a_later_run_from_offline_tau_alone(tmp_path):
     assert r["speedup_error_pct"] == pytest.approx(100 * (1.3 - 125 * 0.0105) / (125 * 0.0105))
     assert "measured_tok_s" not in {x["setting"]: x for x in j["rows"]}["1/1/2"]
     assert j["warnings"] == ["device differs: calibration 'cpu: X', this run 'cpu: Y'"]
+    # plain decoding ran 100 tok/s in A and 95.2 in B: 5% of every setting's tok/s error is the host's, not the drafter's
+    assert j["baseline"]["error_pct"] == pytest.approx(100 * (100 - 1 / 0.0105) / (1 / 0.0105))
+    assert "plain decoding: 100.0 tok/s in the calibration, 95.2 here (+5.0%" in format_prediction(j)
 
     ec = analyse(b, offline, cal, target="smol")
     assert ec.calibrated["rows"] == j["rows"] and "error +4.0%" in format_table(ec)
