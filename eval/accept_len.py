@@ -7,7 +7,8 @@ Expected counts over the whole set, then ratios: reach_k = prod_{j<k} alpha_j,
 acc_k = sum alpha_k / (#depth-k chains) is the unconditional rate: NOT tau.
 Beside each greedy setting's tau over every root, tau_walk: the tokens per cycle of a live greedy decoder that walks
 the same answers cycle by cycle (eval/acceptance.py, cycle_walk). Published tables quote the first; a live bench
-measures the second.
+measures the second. tau_walk_interval: its 90% interval over the samples drawn again (walk_interval), how far tau
+moves on another draw of as many prompts.
 
 `python eval/accept_len.py --config CFG --run-dir RUN` writes RUN/eval/accept_len.json.
 """
@@ -135,7 +136,7 @@ def evaluate(
     samp_t = temperature if temperature > 0 else 1.0
     g, sm = ChainCounts.zeros(steps), ChainCounts.zeros(steps)
     tree_sum, tree_n, n_samples, n_roots = 0, 0, 0, 0
-    walk = {d: [] for d in range(1, steps + 1)}  # depth -> tokens per cycle of the greedy cycle walk, over the set
+    walk = {d: [] for d in range(1, steps + 1)}  # depth -> (tokens, cycles) of the greedy cycle walk, per sample
     tree_walk = []
     for item in samples:
         s = SampleInputs.of(item, device)
@@ -144,13 +145,13 @@ def evaluate(
         res = chain_acceptance(drafter, s, steps, samp_t)
         g = g + ChainCounts.from_alpha(res.greedy_alpha, res.greedy_valid)
         sm = sm + ChainCounts.from_alpha(res.sampled_alpha, res.sampled_valid)
-        for d, cycles in walk.items():
-            cycles += cycle_walk(*chain_accept_lengths(res, d))
+        for d, per_sample in walk.items():
+            per_sample.append(_totals(cycle_walk(*chain_accept_lengths(res, d))))
         if topk > 1:
             acc, valid = tree_accept(drafter, s, steps, topk, num_draft_tokens)
             tree_sum += int(acc[valid].sum())
             tree_n += int(valid.sum())
-            tree_walk += cycle_walk(acc, valid)
+            tree_walk.append(_totals(cycle_walk(acc, valid)))
         n_samples += 1
         n_roots += int(res.greedy_valid[:, 0].sum())
     rep = AcceptReport(steps, topk, num_draft_tokens, samp_t, n_samples, n_roots)
@@ -160,15 +161,14 @@ def evaluate(
     for d in range(1, steps + 1):
         rep.settings[f"{d}/1/{d + 1}"] = {"tau": chain.tau(d), "kind": "chain"}
         if temperature == 0:  # the walk follows the greedy path only
-            rep.settings[f"{d}/1/{d + 1}"].update(tau_walk=_mean(walk[d]), cycles_walk=len(walk[d]))
+            rep.settings[f"{d}/1/{d + 1}"].update(_walk_fields(walk[d]))
     if topk > 1:
         tau_tree = 1.0 * tree_sum / tree_n if tree_n else 0.0
-        rep.tree = {"tau": tau_tree, "roots": tree_n, "acceptance": "greedy", "tau_walk": _mean(tree_walk)}
+        rep.tree = {"tau": tau_tree, "roots": tree_n, "acceptance": "greedy", "tau_walk": _walk_tau(tree_walk)}
         rep.settings[f"{steps}/{topk}/{num_draft_tokens}"] = {
             "tau": tau_tree,
             "kind": "tree (greedy)",
-            "tau_walk": _mean(tree_walk),
-            "cycles_walk": len(tree_walk),
+            **_walk_fields(tree_walk),
         }
         rep.headline_tau, rep.headline = tau_tree, "tree (greedy)"
     else:
@@ -178,8 +178,39 @@ def evaluate(
     return rep
 
 
-def _mean(cycles: list[int]) -> float | None:
-    return sum(cycles) / len(cycles) if cycles else None
+def _totals(cycles: list[int]) -> tuple[int, int]:
+    """One sample's cycle walk -> (tokens, cycles)."""
+    return sum(cycles), len(cycles)
+
+
+def _walk_tau(per_sample: list[tuple[int, int]]) -> float | None:
+    cycles = sum(c for _, c in per_sample)
+    return sum(t for t, _ in per_sample) / cycles if cycles else None
+
+
+def _walk_fields(per_sample: list[tuple[int, int]]) -> dict:
+    return {
+        "tau_walk": _walk_tau(per_sample),
+        "cycles_walk": sum(c for _, c in per_sample),
+        "tau_walk_interval": walk_interval(per_sample),
+    }
+
+
+def walk_interval(
+    per_sample: list[tuple[int, int]], level: float = 0.9, resamples: int = 1000, seed: int = 0
+) -> list[float] | None:
+    """The `level` interval of the walk's tau over the samples drawn again with replacement (a bootstrap): how far
+    the same drafter's tau moves on another draw of as many prompts and answers. A live bench whose answers part
+    from these (bf16 numerics at near-ties) meets such another draw."""
+    if len(per_sample) < 2:
+        return None
+    t = torch.tensor(per_sample, dtype=torch.float64)  # (n, 2): tokens, cycles
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(per_sample), (resamples, len(per_sample)), generator=g)  # (resamples, n)
+    draws = t[idx].sum(1)  # (resamples, 2)
+    taus = draws[:, 0] / draws[:, 1].clamp_min(1)
+    lo, hi = torch.quantile(taus, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)).tolist()
+    return [lo, hi]
 
 
 def format_report(rep: AcceptReport) -> str:

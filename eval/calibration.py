@@ -82,10 +82,14 @@ def load_calibration(path: str | Path) -> dict:
     return {**cal, "path": str(path)}
 
 
-def predict(cal: dict, offline_tau: dict[str, float], tau_basis: str = "cycle walk") -> dict:
+def predict(
+    cal: dict, offline_tau: dict[str, float], tau_basis: str = "cycle walk", intervals: dict | None = None
+) -> dict:
     """tok/s = tau_offline / cycle per setting, with the calibration run's cycle (or its cost model where it did not
-    run). tau_basis names what tau_offline is: "cycle walk" (what a live decoder sees) or "every root"."""
+    run). tau_basis names what tau_offline is: "cycle walk" (what a live decoder sees) or "every root"; `intervals`
+    maps a setting to the walk's 90% interval over the prompts drawn again (accept_len.walk_interval), priced alike."""
     cm = cost_model_from_summary(cal)
+    intervals = intervals or {}
     rows = []
     for key, tau in sorted(offline_tau.items()):
         st = Setting(*map(int, key.split("/")))
@@ -96,10 +100,12 @@ def predict(cal: dict, offline_tau: dict[str, float], tau_basis: str = "cycle wa
         else:
             cycle, basis = cm.cycle_s(st), "cost model"
         steps = steps or cycle / cal["baseline_s_per_token"]  # a cycle in plain steps: what the speed-up divides by
+        iv = intervals.get(key)
         rows.append({
             "setting": key, "tau_offline": tau, "max_tau": max_tau(st), "cycle_ms": 1e3 * cycle, "cycle_basis": basis,
             "cycle_plain_steps": steps, "break_even_tau": steps, "predicted_tok_s": tau / cycle,
-            "predicted_speedup": tau / steps,
+            "predicted_speedup": tau / steps, "tau_offline_interval": iv,
+            "predicted_tok_s_interval": [iv[0] / cycle, iv[1] / cycle] if iv else None,
         })  # fmt: skip
     keep = ("path", "source_run", "backend", "target", "device", "max_new_tokens", "baseline_tok_s")
     return {"calibration": {k: cal.get(k) for k in keep}, "tau_basis": tau_basis, "rows": rows, "pick": pick(rows)}
@@ -155,6 +161,9 @@ def join(prediction: dict, summary: dict | None, target: str | None = None) -> d
             predicted_tok_s_live_tau=m["tau"] / cycle if m.get("tau") else None,
             error_pct_live_tau=_err(m["tau"] / cycle if m.get("tau") else None, m.get("tok_s_median")),
         )  # fmt: skip
+        iv = r.get("predicted_tok_s_interval")
+        if iv and m.get("tok_s_median") is not None:
+            r["measured_in_interval"] = iv[0] <= m["tok_s_median"] <= iv[1]
     chosen = next((r for r in out["rows"] if out.get("pick") and r["setting"] == out["pick"]["setting"]), None)
     if chosen and chosen.get("measured_speedup") is not None:
         out["pick"] = {**out["pick"], "measured_speedup": chosen["measured_speedup"], "tau_live": chosen["tau_live"]}
@@ -169,9 +178,13 @@ def format_prediction(p: dict) -> str:
     ]
     lines += [f"  warning: {w}" for w in p.get("warnings", [])]
     for r in p["rows"]:
+        tau_iv, tok_iv = r.get("tau_offline_interval"), r.get("predicted_tok_s_interval")
         line = (
-            f"  {r['setting']:>7} tau offline {r['tau_offline']:.2f} x cycle {r['cycle_ms']:.2f} ms "
-            f"({r['cycle_basis']}) -> {r['predicted_tok_s']:.1f} tok/s (x{r['predicted_speedup']:.2f})"
+            f"  {r['setting']:>7} tau offline {r['tau_offline']:.2f}"
+            + (f" ({tau_iv[0]:.2f}-{tau_iv[1]:.2f})" if tau_iv else "")
+            + f" x cycle {r['cycle_ms']:.2f} ms ({r['cycle_basis']}) -> {r['predicted_tok_s']:.1f} tok/s"
+            + (f" ({tok_iv[0]:.1f}-{tok_iv[1]:.1f})" if tok_iv else "")
+            + f" (x{r['predicted_speedup']:.2f})"
         )
         if r.get("measured_tok_s") is not None:
             line += (
@@ -179,7 +192,14 @@ def format_prediction(p: dict) -> str:
                 f"{r['error_pct']:+.1f}% (speed-up {fmt(r['speedup_error_pct'], '{:+.1f}')}%, from live tau "
                 f"{fmt(r['error_pct_live_tau'], '{:+.1f}')}%)"
             )
+            if "measured_in_interval" in r:
+                line += ", inside the range" if r["measured_in_interval"] else ", outside the range"
         lines.append(line)
+    if any(r.get("tau_offline_interval") for r in p["rows"]):
+        lines.append(
+            "  (ranges: 90% of the offline tau over the prompts drawn again, as many: how far tau moves on another "
+            "draw, which a live bench whose answers part from the plain ones meets)"
+        )
     if p.get("baseline"):
         b = p["baseline"]
         lines.append(
@@ -204,10 +224,16 @@ def write_calibration(run_dir: Path, summary: dict, target: str | None = None) -
     return out
 
 
-def write_prediction(run_dir: Path, cal: dict, offline_tau: dict[str, float], tau_basis: str = "cycle walk") -> dict:
+def write_prediction(
+    run_dir: Path,
+    cal: dict,
+    offline_tau: dict[str, float],
+    tau_basis: str = "cycle walk",
+    intervals: dict | None = None,
+) -> dict:
     """RUN/bench/prediction.json: made_before_bench stays true while the prediction is unchanged."""
     out = Path(run_dir) / "bench" / "prediction.json"
-    pred = predict(cal, offline_tau, tau_basis)
+    pred = predict(cal, offline_tau, tau_basis, intervals)
     before = not (Path(run_dir) / "bench" / "summary.json").exists()
     if out.exists():
         old = json.loads(out.read_text())

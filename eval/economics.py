@@ -69,13 +69,15 @@ def analyse(
     tok_s: float | None = None,
     target: str | None = None,
     tau_basis: str = "cycle walk",
+    intervals: dict | None = None,
 ) -> Economics:
     """Predicted against measured for every benchmarked setting, and the best of them.
 
     `offline_tau` maps a setting key ("steps/topk/draft_tokens") to the offline accept length (`tau_basis`: "cycle
     walk", what a live decoder sees, or "every root");
     `calibration` is another run's calibration.json (load_calibration); `tok_s` a throughput to price;
-    `target` this run's target name, checked against the calibration's.
+    `target` this run's target name, checked against the calibration's; `intervals` the offline tau's 90% interval
+    per setting (offline_tau_intervals), priced with the calibration.
     """
     cm = cost_model_from_summary(summary)
     offline_tau = offline_tau or {}
@@ -120,7 +122,7 @@ def analyse(
         )
     goals = [g * cm.baseline_tok_s for g in GOAL_SPEEDUPS] + ([tok_s] if tok_s else [])
     reach_rows = [reach(cm, r, Setting.of(s["setting"])) for r in goals for s in summary["speculative"]]
-    calibrated = join(predict(calibration, offline_tau, tau_basis), summary, target) if calibration else None
+    calibrated = join(predict(calibration, offline_tau, tau_basis, intervals), summary, target) if calibration else None
     return Economics(
         reach=reach_rows,
         calibrated=calibrated,
@@ -184,20 +186,29 @@ def offline_tau_with_basis(accept_len_json: Path) -> tuple[dict[str, float], str
     return {k: v["tau"] for k, v in settings.items()}, "every root"
 
 
+def offline_tau_intervals(accept_len_json: Path) -> dict[str, list[float]]:
+    """The cycle walk's 90% interval per setting over the prompts drawn again, where accept_len.json has one."""
+    if not accept_len_json.exists():
+        return {}
+    settings = json.loads(accept_len_json.read_text()).get("settings", {})
+    return {k: v["tau_walk_interval"] for k, v in settings.items() if v.get("tau_walk_interval")}
+
+
 def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
     """economics.json (+ calibration.json) from this run's summary, and the prediction when bench.calibration is set."""
     from eagle3ft.config import resolve_path
 
     run_dir = Path(run_dir)
     offline, basis = offline_tau_with_basis(run_dir / "eval" / "accept_len.json")
+    intervals = offline_tau_intervals(run_dir / "eval" / "accept_len.json") if basis == "cycle walk" else {}
     cal = load_calibration(resolve_path(cfg.bench.calibration)) if cfg is not None and cfg.bench.calibration else None
     target = cfg.target.name if cfg is not None else None
-    pred = write_prediction(run_dir, cal, offline, basis) if cal else None
+    pred = write_prediction(run_dir, cal, offline, basis, intervals) if cal else None
     summary_path = run_dir / "bench" / "summary.json"
     if not summary_path.exists():
         return None, pred
     summary = json.loads(summary_path.read_text())
-    ec = analyse(summary, offline, cal, tok_s, target, basis)
+    ec = analyse(summary, offline, cal, tok_s, target, basis, intervals)
     if ec.calibrated and Path(cal["source_run"]).resolve() == run_dir.resolve():
         ec.calibrated["warnings"].append(
             "the calibration comes from this very run: its prediction restates the measurement"

@@ -292,6 +292,10 @@ def _md_economics(s: dict | None, e: dict | None, prediction: dict | None) -> li
     return L + ["![tau](tau_offline_vs_live.png)", "", "![tok/s](tok_s_vs_draft_tokens.png)", ""]
 
 
+def _range(iv: list[float] | None) -> str:
+    return f" [{iv[0]:.1f}-{iv[1]:.1f}]" if iv else ""
+
+
 def _md_calibrated(p: dict) -> list[str]:
     c = p["calibration"]
     L = [
@@ -311,11 +315,17 @@ def _md_calibrated(p: dict) -> list[str]:
     for r in p["rows"]:
         L.append(
             f"| {r['setting']} | {r['tau_offline']:.2f} | {r['cycle_ms']:.2f} ({r['cycle_basis']}) | "
-            f"{r['predicted_tok_s']:.1f} (x{r['predicted_speedup']:.2f}) | "
+            f"{r['predicted_tok_s']:.1f}{_range(r.get('predicted_tok_s_interval'))} (x{r['predicted_speedup']:.2f}) | "
             f"{_f(r.get('measured_tok_s'), '{:.1f}')} (x{_f(r.get('measured_speedup'))}) | "
             f"{_f(r.get('error_pct'), '{:+.1f}%')} | "
             f"{_f(r.get('predicted_tok_s_live_tau'), '{:.1f}')}, {_f(r.get('error_pct_live_tau'), '{:+.1f}%')} |"
         )
+    if any(r.get("predicted_tok_s_interval") for r in p["rows"]):
+        L += [
+            "",
+            "In brackets: the tok/s of the offline τ's 90% interval over the prompts drawn again, as many: how far τ "
+            "moves on another draw of prompts, which a live bench whose answers part from the plain ones meets.",
+        ]
     if p.get("baseline"):
         b = p["baseline"]
         L += [

@@ -82,6 +82,7 @@ def offline_tau(
         "roots": rep.roots,
         "settings": {k: v["tau"] for k, v in found.items()},
         "settings_walk": {k: v["tau_walk"] for k, v in found.items()},
+        "settings_walk_interval": {k: v.get("tau_walk_interval") for k, v in found.items()},
     }
 
 
@@ -153,7 +154,14 @@ def main(argv: list[str] | None = None) -> None:
             "source": f"the {args.answers_of or 'plain'} greedy answers of {source}/bench/runs.jsonl (repetition 0, "
             f"prompt set {label})",
             "checkpoint": str(resolve_path(cfg.eval.checkpoint, base=run_dir)),
-            "settings": {k: {"tau": v, "tau_walk": rep["settings_walk"][k]} for k, v in rep["settings"].items()},
+            "settings": {
+                k: {
+                    "tau": v,
+                    "tau_walk": rep["settings_walk"][k],
+                    "tau_walk_interval": rep["settings_walk_interval"][k],
+                }
+                for k, v in rep["settings"].items()
+            },
         }
         out = run_dir / "eval" / "accept_len.json"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 
-from eagle3ft.eval.accept_len import ChainCounts, evaluate
+from eagle3ft.eval.accept_len import ChainCounts, evaluate, walk_interval
 from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance, cycle_walk, tree_accept
 from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.train.model import DraftCache
@@ -181,3 +181,23 @@ def test_cycle_walk_by_hand():
     assert cycle_walk(torch.tensor([2, 1, 3, 1, 2, 1]), torch.tensor([1, 1, 1, 1, 0, 1]).bool()) == [2, 3, 1]
     # rows 2-3 are the user's turn: the walk restarts at the next answer's first root
     assert cycle_walk(torch.tensor([2, 1, 1, 1, 2, 1]), torch.tensor([1, 1, 0, 0, 1, 1]).bool()) == [2, 2]
+
+
+def test_walk_interval_is_the_tau_of_the_samples_drawn_again():
+    # two answers walked at 4 and 2 tokens per cycle, 100 cycles each: the walk's tau is 3.0
+    per_sample = [(400, 100), (200, 100)]
+    lo, hi = walk_interval(per_sample, resamples=400)
+    assert lo == pytest.approx(2.0) and hi == pytest.approx(4.0)  # a draw of two takes both, one twice or either alone
+    assert walk_interval(per_sample, level=0.0, resamples=400) == [pytest.approx(3.0), pytest.approx(3.0)]
+    assert walk_interval([(400, 100)]) is None  # one sample: no spread to draw from
+    even = [(300, 100)] * 16  # sixteen answers of the same tau: nothing moves
+    assert walk_interval(even) == [pytest.approx(3.0), pytest.approx(3.0)]
+
+
+def test_evaluate_gives_each_walk_its_interval(setup):
+    _, drafter, heldout = setup
+    rep = evaluate(drafter, heldout, steps=STEPS, topk=2, num_draft_tokens=6)
+    for key in ("1/1/2", "3/1/4", f"{STEPS}/2/6"):
+        s = rep.settings[key]
+        lo, hi = s["tau_walk_interval"]
+        assert lo <= s["tau_walk"] <= hi and s["cycles_walk"] > 0

@@ -13,7 +13,7 @@ from eagle3ft.eval.calibration import (
     predict,
 )
 from eagle3ft.eval.costs import CostModel, Setting, max_tau, reach, reach_text
-from eagle3ft.eval.economics import analyse, format_table, main
+from eagle3ft.eval.economics import analyse, format_table, main, offline_tau_intervals
 
 S324 = Setting(steps=2, topk=1, num_draft_tokens=3)
 
@@ -194,6 +194,26 @@ def test_the_speed_up_is_predicted_in_plain_steps_and_held_to_the_paired_speed_u
     del b["speculative"][0]["speedup_paired"]  # a summary from before: the median over the median
     m = join(predict(cal, {"3/1/4": 3.0}), b)["rows"][0]
     assert m["measured_speedup"] == pytest.approx(1.4) and m["measured_speedup_basis"] == "median over median"
+
+
+def test_the_prediction_prices_the_offline_taus_interval_and_says_whether_the_measurement_fell_in_it(tmp_path):
+    a = _summary(0.010, [("3/1/4", 1.6, 1.6 / 0.020, 0.020), ("8/4/32", 2.0, 80.0, 0.025)])
+    cal = {**calibration_from_summary(a, "runs/a"), "path": "runs/a/bench/calibration.json"}
+    pred = predict(cal, {"3/1/4": 3.0, "8/4/32": 4.0}, intervals={"3/1/4": [2.7, 3.3], "8/4/32": [3.6, 4.4]})
+    by = {r["setting"]: r for r in pred["rows"]}
+    assert by["3/1/4"]["predicted_tok_s_interval"] == [pytest.approx(135.0), pytest.approx(165.0)]
+    b = _summary(0.010, [("3/1/4", 2.9, 140.0, 0.021), ("8/4/32", 3.5, 141.0, 0.025)])
+    j = join(pred, b)
+    by = {r["setting"]: r for r in j["rows"]}
+    assert by["3/1/4"]["measured_in_interval"] and not by["8/4/32"]["measured_in_interval"]  # 141 < 3.6 / 0.025
+    text = format_prediction(j)
+    assert "tau offline 3.00 (2.70-3.30) x cycle 20.00 ms (measured) -> 150.0 tok/s (135.0-165.0)" in text
+    assert "inside the range" in text and "outside the range" in text
+    assert predict(cal, {"3/1/4": 3.0})["rows"][0]["predicted_tok_s_interval"] is None  # no interval, no range
+    # economics.py reads the intervals from RUN/eval/accept_len.json, beside the walk
+    acc = tmp_path / "accept_len.json"
+    acc.write_text(json.dumps({"settings": {"3/1/4": {"tau": 3.4, "tau_walk": 3.0, "tau_walk_interval": [2.7, 3.3]}}}))
+    assert offline_tau_intervals(acc) == {"3/1/4": [2.7, 3.3]}
 
 
 def test_the_economics_picks_the_best_predicted_speed_up_among_the_settings_the_calibration_ran():

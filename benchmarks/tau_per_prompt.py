@@ -1,0 +1,95 @@
+"""Live against offline tau prompt by prompt: where a speculative pass's answers part from the plain ones.
+
+A prediction prices the cycle walk on the plain pass's answers; a live speculative pass decodes its own. Where the
+two part (bf16 numerics at near-ties), the answers after that token differ in length and in how much they loop, and
+a 135M target's loops are what a drafter drafts best. Per prompt of a finished greedy bench run, this prints the
+walk on the plain answer, the setting's live tau and the walk on its own answer, both answers' lengths, where they
+part, and the share of each answer's 8-grams that repeat an earlier one (a loop's mark). With --leave-out 6,12 the
+totals are also given without those prompts.
+
+    python benchmarks/tau_per_prompt.py --config configs/smollm2-135m.yaml --run RUN --setting 8/4/32 \
+        --set eval.checkpoint=DRAFTER --set "bench.prompts={...}" [--set target.path=HF_DIR ...]
+
+RUN holds bench/runs.jsonl and bench/summary.json (eval/bench.py or bench_sglang.py); bench.prompts must be the
+source that run used. Prints one JSON line per prompt, then the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from eagle3ft.config import load_config, resolve_path
+from eagle3ft.eval.accept_len import evaluate
+from eagle3ft.eval.costs import Setting
+from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target, load_prompts, prompt_sets
+from eagle3ft.eval.same_prompts import bench_answers, features
+from eagle3ft.targets.hf import load_target
+
+
+def repeated_share(ids: list[int], n: int = 8) -> float:
+    """The share of the answer's n-grams that occurred earlier in it."""
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+    seen, repeats = set(), 0
+    for g in grams:
+        repeats += g in seen
+        seen.add(g)
+    return repeats / len(grams) if grams else 0.0
+
+
+def walk(drafter, item: dict, st: Setting, device) -> tuple[int, int]:
+    """(tokens, cycles) of the cycle walk of one answer at setting `st`."""
+    s = evaluate(drafter, iter([item]), st.steps, st.topk, st.num_draft_tokens, 0.0, device).settings[st.key]
+    return round(s["tau_walk"] * s["cycles_walk"]), s["cycles_walk"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run", required=True, type=Path, help="a finished greedy bench run folder")
+    ap.add_argument("--setting", required=True, help="steps/topk/num_draft_tokens, e.g. 8/4/32")
+    ap.add_argument("--set", action="append", default=[], dest="overrides")
+    ap.add_argument("--leave-out", default="", help="prompt indices, comma-separated: totals without them too")
+    args = ap.parse_args()
+    cfg = load_config(args.config, args.overrides)
+    st = Setting(*map(int, args.setting.split("/")))
+    label, src = prompt_sets(cfg)[0]
+    prompts = load_prompts(cfg, src)
+    plain = bench_answers(args.run, label, len(prompts))
+    own = bench_answers(args.run, label, len(prompts), st.key)
+    runs = [json.loads(line) for line in (args.run / "bench" / "runs.jsonl").read_text().splitlines() if line.strip()]
+    live = {
+        r["prompt_index"]: r
+        for r in runs
+        if r["mode"] == "speculative" and r["setting"] == st.key and r["repetition"] == 0 and r["prompts"] == label
+    }
+    model, _ = load_target(cfg.target)
+    folder = resolve_path(cfg.eval.checkpoint)
+    drafter, aux_ids = drafter_on_target(model, folder, check_drafter_for_run(folder, args.run, "eval.checkpoint"))
+    device = next(model.parameters()).device
+    left_out = {int(i) for i in args.leave_out.split(",") if i}
+    totals = {"plain": [0, 0], "live": [0, 0], "own": [0, 0]}
+    kept = {"plain": [0, 0], "live": [0, 0], "own": [0, 0]}
+    for i, (p, a, b) in enumerate(zip(prompts, plain, own)):
+        wp = walk(drafter, features(model, aux_ids, p, a), st, device)
+        wo = walk(drafter, features(model, aux_ids, p, b), st, device)
+        lv = (sum(live[i]["accept_lengths"]), live[i]["verify_count"])  # as the bench's live tau counts
+        for k, v in (("plain", wp), ("live", lv), ("own", wo)):
+            for acc in (totals, kept) if i not in left_out else (totals,):
+                acc[k][0] += v[0]
+                acc[k][1] += v[1]
+        part = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        print(json.dumps({
+            "prompt": i, "plain_tokens": len(a), "own_tokens": len(b), "part_at": part,
+            "walk_plain": round(wp[0] / wp[1], 3), "live": round(lv[0] / lv[1], 3), "walk_own": round(wo[0] / wo[1], 3),
+            "cycles": {"plain": wp, "live": lv, "own": wo},  # (tokens, cycles) of each
+            "repeated_plain": round(repeated_share(a), 2), "repeated_own": round(repeated_share(b), 2),
+        }))  # fmt: skip
+    print(json.dumps({"setting": st.key, **{f"tau_{k}": t / c for k, (t, c) in totals.items()}}))
+    if left_out:
+        print(json.dumps({"without": sorted(left_out), **{f"tau_{k}": t / c for k, (t, c) in kept.items()}}))
+
+
+if __name__ == "__main__":
+    main()
