@@ -52,29 +52,21 @@ sgl_servers() {  # phase 1: plain on :30100, then one EAGLE-3 server per SGL_SET
     slot=$((slot + 1)); port=$((30100 + slot))
     MEMF=$(mem_fraction 0.1 "$slot") sgl_serve "$port" 0 --role speculative --drafter "$SHIPPED" --setting "$s"
     if [[ ${SGL_STAGGER:-0} == 1 ]]; then sgl_placed "$port" 2; continue; fi  # two pools: the target's, the drafter's
-    if SGL_WAIT_S=300 sgl_wait "$port"; then  # ~85 s each in RESULTS §19b
-      up+=("$s"); ports+=("$port"); echo "SGLang :$port up ($s)"
-    else
-      echo "SGLang :$port ($s) did not come up: benched without it"; kill "${SGL_PIDS[port]}" 2> /dev/null
-      wait "${SGL_PIDS[port]}" 2> /dev/null; slot=$((slot - 1))
-    fi
+    sgl_keep "$port" "$s" || { wait "${SGL_PIDS[port]}" 2> /dev/null; slot=$((slot - 1)); }  # ~85 s each (§19b)
   done
   if [[ ${SGL_STAGGER:-0} == 1 ]]; then
     SGL_WAIT_S=600 sgl_wait 30100 || { xargs -r kill < "$L/sgl.pids"; return 1; }
     echo "SGLang :30100 up (plain)"
-    slot=0
-    for s in "${SGL_LIST[@]}"; do
-      slot=$((slot + 1)); port=$((30100 + slot))
-      if SGL_WAIT_S=300 sgl_wait "$port"; then
-        up+=("$s"); ports+=("$port"); echo "SGLang :$port up ($s)"
-      else
-        echo "SGLang :$port ($s) did not come up: benched without it"; kill "${SGL_PIDS[port]}" 2> /dev/null
-      fi
-    done
+    for ((slot = 1; slot <= ${#SGL_LIST[@]}; slot++)); do sgl_keep $((30100 + slot)) "${SGL_LIST[slot - 1]}"; done
   fi
   (( ${#up[@]} )) || return 1
   SGL_LIST=("${up[@]}") SGL_PORTS=("${ports[@]}"); SGL_SETTINGS=$(IFS=,; echo "${up[*]}")
   touch "$L/.sgl-up"
+}
+sgl_keep() {  # sgl_keep PORT SETTING: sgl_servers' server on PORT, healthy within 5 min, joins its up and ports; one
+              # that does not is stopped and benched without
+  if SGL_WAIT_S=300 sgl_wait "$1"; then up+=("$2"); ports+=("$1"); echo "SGLang :$1 up ($2)"; return 0; fi
+  echo "SGLang :$1 ($2) did not come up: benched without it"; kill "${SGL_PIDS[$1]}" 2> /dev/null; return 1
 }
 sgl_placed() {  # sgl_placed PORT POOLS: the server on PORT has logged POOLS KV pools ("Memory pool end"), is up, has
                 # exited, or 5 min passed: the next server on the GPU may start (mem_fraction; RESULTS §13)
@@ -88,7 +80,7 @@ sgl_placed() {  # sgl_placed PORT POOLS: the server on PORT has logged POOLS KV 
 sgl_run() {  # sgl_run RUN SRC [sets...]: plain (:30100) against every setting's server, interleaved, 3 repetitions
   local run=$1 src=$2 urls="" i; shift 2
   for i in "${SGL_PORTS[@]}"; do urls+="${urls:+, }http://127.0.0.1:$i"; done
-  timeout 420 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
+  timeout "${SGL_RUN_TIMEOUT:-420}" $PY eval/bench_sglang.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
     --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[$urls]" \
     --set "bench.prompts=$src" --set "bench.max_new_tokens=$SGL_NEW" --set "bench.repetitions=${SGL_REPS:-3}" \
     --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" --set 'bench.concurrency=[1]' --set 'bench.drafters={}' \

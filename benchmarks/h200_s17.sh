@@ -21,7 +21,9 @@
 #      measurement at SGL_NEW (512) new tokens, batch 1, SGL_REPS (3) repetitions interleaved per prompt, its economics
 #      from the calibration's cycles and offline tau on the measurement's plain answers; then offline tau on each
 #      speculative server's own answers
-# SGL_BENCH=0 leaves out 2. Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s17.sh start`
+# SGL_BENCH=0 leaves out 2, EMB_BENCH=0 leaves out 1. More prompts narrow the offline tau's interval (RESULTS §20c):
+# SGL_PER_CAT=5 benches 40 MT-Bench questions, calibrated on 40 others (then SGL_RUN_TIMEOUT=900, each run's limit).
+# Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s17.sh start`
 # starts the plan. Keep a `wait` call in flight all the time: a machine with no call for 30 s is given back with the
 # job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
@@ -38,9 +40,11 @@ EMB_DRAFTING=${EMB_DRAFTING:-auto}  # the graphed chain passed its GPU tests in 
 s17() {
   local t
   wait_for 600 "$MODEL/config.json"
-  say "0. the embedded bench's held-out features"
-  t=$SECONDS; emb features; echo "features exit $? in $((SECONDS - t)) s"
-  emb_phase "1. embedded, alone, in ${EMB_DTYPE:-float32}: calibrated on $EMB_CAL_SOURCE, predicted and measured on MT-Bench"
+  if [[ ${EMB_BENCH:-1} != 0 ]]; then
+    say "0. the embedded bench's held-out features"
+    t=$SECONDS; emb features; echo "features exit $? in $((SECONDS - t)) s"
+    emb_phase "1. embedded, alone, in ${EMB_DTYPE:-float32}: calibrated on $EMB_CAL_SOURCE, predicted and measured on MT-Bench"
+  fi
   [[ ${SGL_BENCH:-1} != 0 ]] || return 0
   say "2. SGLang servers: plain, then $SGL_SETTINGS with the shipped drafter, staggered"
   wait_for 600 "$SGL_DIR/.ready"

@@ -201,7 +201,8 @@ def walk_interval(
 ) -> list[float] | None:
     """The `level` interval of the walk's tau over the samples drawn again with replacement (a bootstrap): how far
     the same drafter's tau moves on another draw of as many prompts and answers. A live bench whose answers part
-    from these (bf16 numerics at near-ties) meets such another draw."""
+    from these (bf16 numerics at near-ties) decodes partly other answers: a scale of how far its tau may move, not a
+    bound (RESULTS §20c)."""
     if len(per_sample) < 2:
         return None
     t = torch.tensor(per_sample, dtype=torch.float64)  # (n, 2): tokens, cycles

@@ -198,7 +198,7 @@ def format_prediction(p: dict) -> str:
     if any(r.get("tau_offline_interval") for r in p["rows"]):
         lines.append(
             "  (ranges: 90% of the offline tau over the prompts drawn again, as many: how far tau moves on another "
-            "draw, which a live bench whose answers part from the plain ones meets)"
+            "draw, a scale for a live bench whose answers part from the plain ones)"
         )
     if p.get("baseline"):
         b = p["baseline"]

@@ -324,7 +324,7 @@ def _md_calibrated(p: dict) -> list[str]:
         L += [
             "",
             "In brackets: the tok/s of the offline τ's 90% interval over the prompts drawn again, as many: how far τ "
-            "moves on another draw of prompts, which a live bench whose answers part from the plain ones meets.",
+            "moves on another draw of prompts, a scale for a live bench whose answers part from the plain ones.",
         ]
     if p.get("baseline"):
         b = p["baseline"]
