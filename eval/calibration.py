@@ -103,7 +103,7 @@ def predict(
         iv = intervals.get(key)
         rows.append({
             "setting": key, "tau_offline": tau, "max_tau": max_tau(st), "cycle_ms": 1e3 * cycle, "cycle_basis": basis,
-            "cycle_plain_steps": steps, "break_even_tau": steps, "predicted_tok_s": tau / cycle,
+            "break_even_tau": steps, "predicted_tok_s": tau / cycle,
             "predicted_speedup": tau / steps, "tau_offline_interval": iv,
             "predicted_tok_s_interval": [iv[0] / cycle, iv[1] / cycle] if iv else None,
         })  # fmt: skip

@@ -77,7 +77,7 @@ def analyse(
     walk", what a live decoder sees, or "every root");
     `calibration` is another run's calibration.json (load_calibration); `tok_s` a throughput to price;
     `target` this run's target name, checked against the calibration's; `intervals` the offline tau's 90% interval
-    per setting (offline_tau_intervals), priced with the calibration.
+    per setting (read_offline_tau), priced with the calibration.
     """
     cm = cost_model_from_summary(summary)
     offline_tau = offline_tau or {}
@@ -173,25 +173,19 @@ def format_table(ec: Economics) -> str:
 def offline_tau_by_setting(accept_len_json: Path) -> dict[str, float]:
     """Offline tau per setting as a live greedy decoder sees it: the cycle walk's where accept_len.json has one,
     else the mean over every root (a sampled evaluation, or a file from before the walk)."""
-    return offline_tau_with_basis(accept_len_json)[0]
+    return read_offline_tau(accept_len_json)[0]
 
 
-def offline_tau_with_basis(accept_len_json: Path) -> tuple[dict[str, float], str]:
-    """offline_tau_by_setting and what it is: "cycle walk" when every setting has the walk, else "every root"."""
+def read_offline_tau(accept_len_json: Path) -> tuple[dict[str, float], str, dict[str, list[float]]]:
+    """offline_tau_by_setting, what it is ("cycle walk" when every setting has the walk, else "every root"), and with
+    the walk each setting's 90% interval over the prompts drawn again (accept_len.walk_interval), where it has one."""
     if not accept_len_json.exists():
-        return {}, "every root"
+        return {}, "every root", {}
     settings = json.loads(accept_len_json.read_text()).get("settings", {})
     if settings and all(v.get("tau_walk") for v in settings.values()):
-        return {k: v["tau_walk"] for k, v in settings.items()}, "cycle walk"
-    return {k: v["tau"] for k, v in settings.items()}, "every root"
-
-
-def offline_tau_intervals(accept_len_json: Path) -> dict[str, list[float]]:
-    """The cycle walk's 90% interval per setting over the prompts drawn again, where accept_len.json has one."""
-    if not accept_len_json.exists():
-        return {}
-    settings = json.loads(accept_len_json.read_text()).get("settings", {})
-    return {k: v["tau_walk_interval"] for k, v in settings.items() if v.get("tau_walk_interval")}
+        intervals = {k: v["tau_walk_interval"] for k, v in settings.items() if v.get("tau_walk_interval")}
+        return {k: v["tau_walk"] for k, v in settings.items()}, "cycle walk", intervals
+    return {k: v["tau"] for k, v in settings.items()}, "every root", {}
 
 
 def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
@@ -199,8 +193,7 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
     from eagle3ft.config import resolve_path
 
     run_dir = Path(run_dir)
-    offline, basis = offline_tau_with_basis(run_dir / "eval" / "accept_len.json")
-    intervals = offline_tau_intervals(run_dir / "eval" / "accept_len.json") if basis == "cycle walk" else {}
+    offline, basis, intervals = read_offline_tau(run_dir / "eval" / "accept_len.json")
     cal = load_calibration(resolve_path(cfg.bench.calibration)) if cfg is not None and cfg.bench.calibration else None
     target = cfg.target.name if cfg is not None else None
     pred = write_prediction(run_dir, cal, offline, basis, intervals) if cal else None

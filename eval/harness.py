@@ -264,9 +264,9 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         return by
 
     base = passes("baseline", None)
-    base_tok_s = [_pass_tok_s(v) for _, v in sorted(base.items())]
-    base_step = {rep: sum(r.decode_s for r in v) / sum(r.new_tokens - 1 for r in v) for rep, v in base.items()}
-    base_s_per_token = statistics.median(base_step.values())
+    base_by_rep = {rep: _pass_tok_s(v) for rep, v in sorted(base.items())}
+    base_tok_s = list(base_by_rep.values())
+    base_s_per_token = statistics.median(1 / t for t in base_tok_s)
     baseline_outputs = {(r.prompt_index): r.output_ids for v in base.values() for r in v}
     spec_rows, draft_fwd, overheads, run_verify = [], [], [], {}
     for st in settings:
@@ -276,15 +276,16 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         allr = [r for v in sp.values() for r in v]
         acc = [a for r in allr for a in (r.accept_lengths or [])]
         verifies = sum(r.verify_count or 0 for r in allr)
-        tok_s = [_pass_tok_s(v) for _, v in sorted(sp.items())]
-        paired = [_pass_tok_s(v) / _pass_tok_s(base[rep]) for rep, v in sorted(sp.items()) if rep in base]
+        by_rep = {rep: _pass_tok_s(v) for rep, v in sorted(sp.items())}
+        tok_s = list(by_rep.values())
+        paired = [t / base_by_rep[rep] for rep, t in by_rep.items() if rep in base_by_rep]
         cycles = {  # per repetition: decode time / verifies, the mean cycle
             rep: sum(r.decode_s for r in v) / sum(r.verify_count or 0 for r in v)
             for rep, v in sorted(sp.items())
             if any(r.verify_count for r in v)
         }
         per_pass = list(cycles.values())
-        cycle_steps = [c / base_step[rep] for rep, c in cycles.items() if rep in base_step]
+        cycle_steps = [c * base_by_rep[rep] for rep, c in cycles.items() if rep in base_by_rep]  # cycle / plain step
         verify_s = [t for r in allr for t in (r.verify_s or [])]
         draft_s = [t for r in allr for t in (r.draft_forward_s or [])]
         cycle_s = [t for r in allr for t in (r.cycle_s or [])]

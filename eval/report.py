@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 
 from eagle3ft.eval.calibration import join, load_calibration, predict
-from eagle3ft.eval.economics import analyse, offline_tau_intervals, offline_tau_with_basis
+from eagle3ft.eval.economics import analyse, read_offline_tau
 from eagle3ft.eval.report_md import headline_text, markdown
 from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
 
@@ -125,8 +125,7 @@ def build(run_dir: Path, cfg=None) -> dict:
     if acc and acc.get("checkpoint"):
         acc = {**acc, "card": _read_json(Path(acc["checkpoint"]) / "card.json")}
     summary = _read_json(run_dir / "bench" / "summary.json")
-    offline, basis = offline_tau_with_basis(out / "accept_len.json")
-    intervals = offline_tau_intervals(out / "accept_len.json") if basis == "cycle walk" else {}
+    offline, basis, intervals = read_offline_tau(out / "accept_len.json")
     cal = load_calibration(resolve_path(cfg.bench.calibration)) if cfg is not None and cfg.bench.calibration else None
     prediction = _read_json(run_dir / "bench" / "prediction.json")
     econ = analyse(summary, offline, cal, tau_basis=basis, intervals=intervals).to_dict() if summary else None

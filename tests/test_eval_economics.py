@@ -13,7 +13,7 @@ from eagle3ft.eval.calibration import (
     predict,
 )
 from eagle3ft.eval.costs import CostModel, Setting, max_tau, reach, reach_text
-from eagle3ft.eval.economics import analyse, format_table, main, offline_tau_intervals
+from eagle3ft.eval.economics import analyse, format_table, main, read_offline_tau
 
 S324 = Setting(steps=2, topk=1, num_draft_tokens=3)
 
@@ -213,7 +213,7 @@ def test_the_prediction_prices_the_offline_taus_interval_and_says_whether_the_me
     # economics.py reads the intervals from RUN/eval/accept_len.json, beside the walk
     acc = tmp_path / "accept_len.json"
     acc.write_text(json.dumps({"settings": {"3/1/4": {"tau": 3.4, "tau_walk": 3.0, "tau_walk_interval": [2.7, 3.3]}}}))
-    assert offline_tau_intervals(acc) == {"3/1/4": [2.7, 3.3]}
+    assert read_offline_tau(acc)[2] == {"3/1/4": [2.7, 3.3]}
 
 
 def test_the_economics_picks_the_best_predicted_speed_up_among_the_settings_the_calibration_ran():
