@@ -103,12 +103,16 @@ sglang_phase() {  # the calibration on SGL_CAL_SRC (SGL_LIMIT HumanEval prompts)
   $PY eval/economics.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --set "bench.calibration=$cal/bench/calibration.json" \
     --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -8
   xargs -r kill < "$L/sgl.pids"
-  for s in "${SGL_LIST[@]}"; do  # offline tau on each speculative server's own answers: the tokens its live tau counted
-    say "offline tau on the $s answers"
+  say "offline tau on each speculative server's own answers (the tokens its live tau counted), side by side"
+  local own=()
+  for s in "${SGL_LIST[@]}"; do
     $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sgl-own-${s//\//-}" "${SGL[@]}" --set "bench.prompts=$test_src" \
       --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$s")" \
-      --answers-from "$test" --answers-of "$s" 2>&1 | tail -1
+      --answers-from "$test" --answers-of "$s" > "$S/sgl-own-${s//\//-}.txt" 2>&1 &
+    own+=($!)
   done
+  wait "${own[@]}"
+  for s in "${SGL_LIST[@]}"; do echo "$s: $(tail -1 "$S/sgl-own-${s//\//-}.txt")"; done
   mkdir -p "$L/sgl"
   for run in "$cal" "$test" "$S"/sgl-own-*; do
     [[ -d $run ]] || continue

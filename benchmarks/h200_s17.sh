@@ -22,7 +22,8 @@
 #      from the calibration's cycles and offline tau on the measurement's plain answers; then offline tau on each
 #      speculative server's own answers
 # SGL_BENCH=0 leaves out 2, EMB_BENCH=0 leaves out 1. More prompts narrow the offline tau's interval (RESULTS §20c):
-# SGL_PER_CAT=5 benches 40 MT-Bench questions, calibrated on 40 others (then SGL_RUN_TIMEOUT=900, each run's limit).
+# SGL_PER_CAT=5 benches 40 MT-Bench questions, calibrated on 40 others (then SGL_RUN_TIMEOUT=900, each run's limit);
+# SGL_CAL_PER_CAT=2 calibrates on 16 of those others (the cycle costs, unlike tau, moved 1-3% between runs in §20b).
 # Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s17.sh start`
 # starts the plan. Keep a `wait` call in flight all the time: a machine with no call for 30 s is given back with the
 # job on it (RESULTS §12, §13, §16b).
@@ -30,7 +31,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${SGL_SETTINGS:=7/1/8,7/4/16,8/4/32}" "${SGL_NEW:=512}" "${SGL_PER_CAT:=2}"
 source benchmarks/h200_s15.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over h200_scale.sh's
-SGL_CAL_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT, skip: $SGL_PER_CAT}"
+SGL_CAL_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: ${SGL_CAL_PER_CAT:-$SGL_PER_CAT}, skip: $SGL_PER_CAT}"
 SGL_TEST_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT}"
 : "${EMB_PROMPTS:=4}" "${EMB_NEW:=384}"
 EMB_CAL_SOURCE=${EMB_CAL_SOURCE:-"kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: $EMB_PROMPTS, skip: $EMB_PROMPTS"}
