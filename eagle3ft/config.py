@@ -210,6 +210,9 @@ class EvalConfig:
     num_draft_tokens: int = 4  # SGLang's --speculative-num-draft-tokens
     max_samples: int | None = None
     temperature: float = 0.0  # 0 = greedy acceptance; >0 = sampled (min(1, p/q))
+    # a tree's draft context (eval/acceptance.py's tree_accept): "slots" as SGLang drafts (each of the topk frontier
+    # slots attends to its own earlier nodes), "ancestors" the exact tree (each node attends to its ancestors)
+    tree_context: str = "slots"
 
 
 @dataclass

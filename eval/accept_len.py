@@ -129,8 +129,10 @@ def evaluate(
     num_draft_tokens: int | None = None,
     temperature: float = 0.0,
     device="cpu",
+    tree_context: str = "slots",
 ) -> AcceptReport:
-    """Offline tau over an iterable of store items (dicts as FeatureStore.dataset yields)."""
+    """Offline tau over an iterable of store items (dicts as FeatureStore.dataset yields); tree_context as
+    eval/acceptance.py's tree_accept."""
     t0 = time.perf_counter()
     num_draft_tokens = num_draft_tokens or steps + 1
     samp_t = temperature if temperature > 0 else 1.0
@@ -148,10 +150,10 @@ def evaluate(
         for d, per_sample in walk.items():
             per_sample.append(_totals(cycle_walk(*chain_accept_lengths(res, d))))
         if topk > 1:
-            acc, valid = tree_accept(drafter, s, steps, topk, num_draft_tokens)
-            tree_sum += int(acc[valid].sum())
-            tree_n += int(valid.sum())
-            tree_walk.append(_totals(cycle_walk(acc, valid)))
+            acc, is_root, complete = tree_accept(drafter, s, steps, topk, num_draft_tokens, tree_context)
+            tree_sum += int(acc[complete].sum())
+            tree_n += int(complete.sum())
+            tree_walk.append(_totals(cycle_walk(acc, is_root)))
         n_samples += 1
         n_roots += int(res.greedy_valid[:, 0].sum())
     rep = AcceptReport(steps, topk, num_draft_tokens, samp_t, n_samples, n_roots)
@@ -164,7 +166,13 @@ def evaluate(
             rep.settings[f"{d}/1/{d + 1}"].update(_walk_fields(walk[d]))
     if topk > 1:
         tau_tree = 1.0 * tree_sum / tree_n if tree_n else 0.0
-        rep.tree = {"tau": tau_tree, "roots": tree_n, "acceptance": "greedy", "tau_walk": _walk_tau(tree_walk)}
+        rep.tree = {
+            "tau": tau_tree,
+            "roots": tree_n,
+            "acceptance": "greedy",
+            "context": tree_context,
+            "tau_walk": _walk_tau(tree_walk),
+        }
         rep.settings[f"{steps}/{topk}/{num_draft_tokens}"] = {
             "tau": tau_tree,
             "kind": "tree (greedy)",
@@ -234,7 +242,7 @@ def format_report(rep: AcceptReport) -> str:
     if rep.tree:
         lines.append(
             f"tau tree {rep.steps}/{rep.topk}/{rep.num_draft_tokens} (greedy) {rep.tree['tau']:.3f} over "
-            f"{rep.tree['roots']} roots"
+            f"{rep.tree['roots']} roots ({rep.tree['context']}: what a frontier node attends to, eval.tree_context)"
         )
     return "\n".join(lines)
 
@@ -255,7 +263,8 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
     ds = store.dataset("heldout")
     n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
-    rep = evaluate(drafter, (ds[i] for i in range(n)), ec.steps, ec.topk, ec.num_draft_tokens, ec.temperature, device)
+    items = (ds[i] for i in range(n))
+    rep = evaluate(drafter, items, ec.steps, ec.topk, ec.num_draft_tokens, ec.temperature, device, ec.tree_context)
     out = run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
     held_out = [

@@ -26,7 +26,8 @@ Tree (topk > 1, greedy): SGLang's tree is built by running the drafter on its ow
 of the topk best frontier nodes and keeps the topk best by cumulative draft probability as the next
 frontier; finally the best num_draft_tokens-1 of all expanded nodes form the tree. Accepted = the
 longest root path whose tokens all equal the target's greedy tokens (known offline where the stored
-tokens are the greedy ones), plus the bonus. tau = mean over roots with every depth available.
+tokens are the greedy ones), plus the bonus. tau = mean over roots with every depth available; the cycle walk steps
+over every root, a depth outside the data ending the path as in the chain.
 
 Cycle walk (cycle_walk). The figures above average over every answer token as a root. A live greedy decoder starts
 a cycle only where the last one ended: at root r it emits the accepted drafts plus the bonus, n tokens, and the next
@@ -182,16 +183,38 @@ def sampled_alpha(draft_logits, topk_ids, topk_logprobs, t2d_idx, temperature: f
     return torch.minimum(p, q_at).sum(-1)
 
 
+TREE_CONTEXTS = ("slots", "ancestors")
+
+
 @torch.no_grad()
 def tree_accept(
-    drafter: Eagle3Drafter, s: SampleInputs, steps: int, topk: int, num_draft_tokens: int, chunk: int = 256
+    drafter: Eagle3Drafter,
+    s: SampleInputs,
+    steps: int,
+    topk: int,
+    num_draft_tokens: int,
+    context: str = "slots",
+    chunk: int = 256,
 ):
-    """Greedy accept length (bonus included) per root of SGLang's tree; (T-1,) long and (T-1,) bool valid."""
+    """Greedy accept length (bonus included) per root of SGLang's tree: (T-1,) long; (T-1,) bool whether r is a root;
+    (T-1,) bool whether every depth of it is in the data. As the chain's (chain_accept_lengths), a depth that is not
+    in the data (past the answer's end, or fed a stored token that is not the target's argmax) ends the accepted path
+    there: the cycle walk then steps over every root, where skipping the roots with a missing depth would skip the
+    ones next to the target's near-ties and the answer's last tokens (RESULTS §21c).
+
+    context: what a frontier node attends to besides the prefix. "slots" is SGLang's draft decode: the frontier is
+    topk slots in score order, and the node in slot j attends to the nodes that held slot j at the earlier depths
+    (generate_draft_decode_kv_indices), whichever slot its parent held; its input hidden state is still its parent's
+    output. "ancestors" is the exact tree (EAGLE's tree mask): the node attends to its own ancestors.
+    """
+    if context not in TREE_CONTEXTS:
+        raise ValueError(f"tree context {context!r}: one of {TREE_CONTEXTS}")
     T = s.input_ids.shape[0]
     dev = s.input_ids.device
     cache, h0, lg0 = _prefill(drafter, s.input_ids, s.aux_hidden)
     n_prefix = T - 1
     accept = torch.ones(n_prefix, dtype=torch.long, device=dev)
+    in_data = _depth_valid(s, steps, greedy=True)  # (T-1, steps)
     budget = num_draft_tokens - 1
     for a in range(0, n_prefix, chunk):
         roots = torch.arange(a, min(a + chunk, n_prefix), device=dev)
@@ -233,13 +256,16 @@ def tree_accept(
             h = h.reshape(n, topk, -1)
             ent = ent.reshape(n, topk)
             front_h = h.gather(1, parent_slot[..., None].expand(-1, -1, h.shape[-1]))
-            front_anc = torch.cat(
-                [
-                    front_anc.gather(1, parent_slot[..., None].expand(-1, -1, front_anc.shape[-1])),
-                    ent.gather(1, parent_slot)[..., None],
-                ],
-                dim=2,
-            )
+            if context == "ancestors":
+                front_anc = torch.cat(
+                    [
+                        front_anc.gather(1, parent_slot[..., None].expand(-1, -1, front_anc.shape[-1])),
+                        ent.gather(1, parent_slot)[..., None],
+                    ],
+                    dim=2,
+                )
+            else:  # slot j keeps slot j's history
+                front_anc = torch.cat([front_anc, ent[..., None]], dim=2)
             n_nodes += topk * topk
         cache.crop(n_prefix)
         scores, tok, par, dep = (torch.cat(x, dim=1) for x in (all_sc, all_tok, all_par, all_dep))
@@ -251,9 +277,8 @@ def tree_accept(
         for depth in range(1, steps + 1):
             want = s.topk_ids[(roots + depth).clamp(max=T - 1), 0]  # the target's greedy token r + depth
             match = keep & (dep == depth) & (par == cur[:, None]) & (tok == want[:, None])
-            found = match.any(1) & alive
+            found = match.any(1) & alive & in_data[roots, depth - 1]
             cur = torch.where(found, match.long().argmax(1), cur)
             accept[roots] += found.long()
             alive = found
-    valid = _depth_valid(s, steps, greedy=True)[:, -1]
-    return accept, valid
+    return accept, in_data[:, 0], in_data[:, -1]

@@ -61,9 +61,10 @@ def offline_tau(
     prompts: list[list[int]],
     answers: list[list[int]],
     settings: list[Setting],
+    tree_context: str = "slots",
 ) -> dict | None:
     """Greedy offline tau on these prompts and answers: every chain d/1/d+1 up to the deepest benchmarked chain, and
-    each benchmarked tree (topk > 1) as SGLang builds it (eval/acceptance.py's tree_accept)."""
+    each benchmarked tree (topk > 1) as SGLang builds it (eval/acceptance.py's tree_accept, with tree_context)."""
     depth = max((s.steps for s in settings if s.topk == 1), default=0)
     trees = [s for s in settings if s.topk > 1]
     if depth == 0 and not trees:
@@ -73,9 +74,8 @@ def offline_tau(
     rep = evaluate(drafter, iter(items), max(depth, 1), 1, max(depth, 1) + 1, 0.0, device)  # also counts the roots
     found = dict(rep.settings) if depth else {}
     for st in trees:  # one evaluation per tree: its own key only (its chain rows repeat the chain's)
-        found[st.key] = evaluate(drafter, iter(items), st.steps, st.topk, st.num_draft_tokens, 0.0, device).settings[
-            st.key
-        ]
+        rep_tree = evaluate(drafter, iter(items), st.steps, st.topk, st.num_draft_tokens, 0.0, device, tree_context)
+        found[st.key] = rep_tree.settings[st.key]
     return {
         "source": "the plain pass's greedy answers to the bench prompts",
         "samples": rep.samples,
@@ -83,6 +83,7 @@ def offline_tau(
         "settings": {k: v["tau"] for k, v in found.items()},
         "settings_walk": {k: v["tau_walk"] for k, v in found.items()},
         "settings_walk_interval": {k: v.get("tau_walk_interval") for k, v in found.items()},
+        **({"tree_context": tree_context} if trees else {}),
     }
 
 
@@ -99,7 +100,7 @@ def checkpoint_offline_tau(
     spec = check_drafter_for_run(folder, run_dir, "eval.checkpoint")
     model, _ = load_target(cfg.target)
     drafter, aux_ids = drafter_on_target(model, folder, spec)
-    return offline_tau(model, drafter, aux_ids, prompts, answers, settings)
+    return offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context)
 
 
 def bench_answers(run: Path, label: str, count: int, setting: str | None = None) -> list[list[int]]:

@@ -5,7 +5,7 @@ import torch
 from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 
 from eagle3ft.eval.accept_len import ChainCounts, evaluate, walk_interval
-from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance, cycle_walk, tree_accept
+from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
 from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.train.model import DraftCache
 
@@ -70,9 +70,13 @@ def test_tree_topk1_is_the_chain(setup):
     for item in heldout:
         s = SampleInputs.of(item)
         res = chain_acceptance(drafter, s, STEPS)
-        acc, valid = tree_accept(drafter, s, STEPS, topk=1, num_draft_tokens=STEPS + 1)
+        acc, is_root, complete = tree_accept(drafter, s, STEPS, topk=1, num_draft_tokens=STEPS + 1)
         chain = 1 + torch.cumprod(res.greedy_alpha, 1).sum(1).long()
-        assert torch.equal(acc[valid], chain[valid])
+        assert torch.equal(acc[complete], chain[complete])
+        # every root, a depth outside the data ending the path: the chain's accept lengths, so the same cycle walk
+        chain_acc, chain_root = chain_accept_lengths(res, STEPS)
+        assert torch.equal(is_root, chain_root) and torch.equal(acc[is_root], chain_acc[is_root])
+        assert (~complete & is_root).any()  # the answer's last roots: their deeper depths are past its end
 
 
 def test_evaluate_report(setup):
@@ -159,6 +163,75 @@ def _naive_tree_accept(drafter, s, r: int, steps: int, topk: int, num_draft_toke
     return 1 + max((d for d in range(1, steps + 1) if greedy[:d] in kept), default=0)
 
 
+def _naive_slot_tree_accept(drafter, s, r: int, steps: int, topk: int, num_draft_tokens: int) -> int:
+    """SGLang's draft decode for root r, one slot at a time: slot j's cache holds the prefix and the nodes that held
+    slot j at the earlier depths; a node enters slot j with its parent's output hidden state and its own token."""
+    t = r - 1
+    prefix = DraftCache()
+    h0, lg0 = drafter.step(
+        s.input_ids[1 : t + 2][None], drafter.fuse(s.aux_hidden[: t + 1][None]), torch.arange(t + 1)[None], prefix
+    )
+    lp, ids = torch.log_softmax(lg0[0, -1].float(), -1).topk(topk)
+    # frontier slot j: (cumulative log prob, path of target ids, draft id, the parent's output hidden)
+    front = [(float(a), (int(drafter.draft_to_target(b)),), b, h0[:, -1:]) for a, b in zip(lp, ids)]
+    nodes = [(sc, path) for sc, path, _, _ in front]
+    slots = [DraftCache(prefix.k, prefix.v) for _ in range(topk)]
+    for depth in range(1, steps):
+        cands = []
+        for j, (sc, path, _, h_in) in enumerate(front):
+            h, lgs = drafter.step(torch.tensor([[path[-1]]]), h_in, torch.tensor([[t + depth]]), slots[j])
+            lp, ids = torch.log_softmax(lgs[0, -1].float(), -1).topk(topk)
+            cands += [(sc + float(a), path + (int(drafter.draft_to_target(b)),), b, h) for a, b in zip(lp, ids)]
+        nodes += [(sc, path) for sc, path, _, _ in cands]
+        front = sorted(cands, key=lambda x: -x[0])[:topk]
+    kept = {path for _, path in sorted(nodes, key=lambda x: -x[0])[: num_draft_tokens - 1]}
+    greedy = tuple(int(s.topk_ids[r + d - 1, 0]) for d in range(1, steps + 1))
+    return 1 + max((d for d in range(1, steps + 1) if greedy[:d] in kept), default=0)
+
+
+def test_slot_tree_equals_sglang_slots_one_at_a_time(setup):
+    """The default context ("slots") is SGLang's draft decode, node for node."""
+    _, drafter, heldout = setup
+    n = 0
+    with torch.no_grad():
+        for item in (heldout[0], heldout[3]):
+            s = SampleInputs.of(item)
+            acc, _, valid = tree_accept(drafter, s, STEPS, topk=3, num_draft_tokens=8)
+            for row in torch.nonzero(valid).flatten().tolist():
+                assert int(acc[row]) == _naive_slot_tree_accept(drafter, s, row + 1, STEPS, 3, 8)
+                n += 1
+    assert n > 40
+    with pytest.raises(ValueError, match="tree context 'nope'"):
+        tree_accept(drafter, SampleInputs.of(heldout[0]), STEPS, 3, 8, context="nope")
+
+
+@pytest.mark.parametrize("context", ["slots", "ancestors"])
+def test_tree_context_is_what_each_frontier_node_attends_to(setup, monkeypatch, context):
+    """Each drafter forward of a frontier: "slots" attends to the entries its slot held at the earlier depths,
+    "ancestors" to its parent's; the two differ where a frontier slot's node hangs from another slot's node."""
+    from eagle3ft.eval import acceptance
+
+    _, drafter, heldout = setup
+    calls = []
+
+    def recording(*args):
+        out = step(*args)
+        calls.append((args[6].clone(), out[2].clone()))  # (anc (N, depth-1), entries (N,))
+        return out
+
+    step = acceptance._node_step
+    monkeypatch.setattr(acceptance, "_node_step", recording)
+    tree_accept(drafter, SampleInputs.of(heldout[0]), 4, 3, 10, context=context)
+    slots_kept = moved = 0
+    for (anc, ent), (anc_next, _) in zip(calls, calls[1:]):  # consecutive depths of one chunk of roots
+        if anc_next.shape[1] != anc.shape[1] + 1:
+            continue  # the next chunk starts
+        own = torch.equal(anc_next, torch.cat([anc, ent[:, None]], dim=1))
+        slots_kept += own
+        moved += not own
+    assert (slots_kept > 0 and moved == 0) if context == "slots" else moved > 0
+
+
 def test_tree_equals_node_by_node_construction(setup):
     _, drafter, heldout = setup
     n = 0
@@ -166,7 +239,7 @@ def test_tree_equals_node_by_node_construction(setup):
     with torch.no_grad():
         for item in (heldout[0], heldout[3]):
             s = SampleInputs.of(item)
-            acc, valid = tree_accept(drafter, s, STEPS, topk=3, num_draft_tokens=8)
+            acc, _, valid = tree_accept(drafter, s, STEPS, topk=3, num_draft_tokens=8, context="ancestors")
             chain = chain_acceptance(drafter, s, STEPS)
             for row in torch.nonzero(valid).flatten().tolist():
                 assert int(acc[row]) == _naive_tree_accept(drafter, s, row + 1, STEPS, 3, 8)
