@@ -9,6 +9,8 @@ prediction next to the measured figure with the error in percent (also predicted
 which separates an error of the costs from an error of tau). The speed-up is predicted from the cycle in plain steps
 (each repetition's cycle over its own plain pass's step, median over repetitions: a host that runs slower for a while
 slows both) and held against the measured speed-up of each repetition over its own plain pass (`speedup_paired`).
+Priced at this run's plain tok/s (`predicted_tok_s_at_plain`), the same speed-up gives tok/s without the host's drift
+between the two runs: no speculative figure of this run goes in, only its plain pass.
 """
 
 from __future__ import annotations
@@ -161,6 +163,9 @@ def join(prediction: dict, summary: dict | None, target: str | None = None) -> d
             predicted_tok_s_live_tau=m["tau"] / cycle if m.get("tau") else None,
             error_pct_live_tau=_err(m["tau"] / cycle if m.get("tau") else None, m.get("tok_s_median")),
         )  # fmt: skip
+        if plain:  # the predicted speed-up at this run's plain tok/s: the cycle in plain steps, the host of now
+            r["predicted_tok_s_at_plain"] = r["predicted_speedup"] * plain
+            r["error_pct_at_plain"] = _err(r["predicted_tok_s_at_plain"], m.get("tok_s_median"))
         iv = r.get("predicted_tok_s_interval")
         if iv and m.get("tok_s_median") is not None:
             r["measured_in_interval"] = iv[0] <= m["tok_s_median"] <= iv[1]
@@ -190,7 +195,9 @@ def format_prediction(p: dict) -> str:
             line += (
                 f"; measured {r['measured_tok_s']:.1f} (x{fmt(r['measured_speedup'])}), error "
                 f"{r['error_pct']:+.1f}% (speed-up {fmt(r['speedup_error_pct'], '{:+.1f}')}%, from live tau "
-                f"{fmt(r['error_pct_live_tau'], '{:+.1f}')}%)"
+                f"{fmt(r['error_pct_live_tau'], '{:+.1f}')}%"
+                + (f", at this run's plain speed {r['error_pct_at_plain']:+.1f}%" if "error_pct_at_plain" in r else "")
+                + ")"
             )
             if "measured_in_interval" in r:
                 line += ", inside the range" if r["measured_in_interval"] else ", outside the range"
@@ -204,7 +211,8 @@ def format_prediction(p: dict) -> str:
         b = p["baseline"]
         lines.append(
             f"  plain decoding: {b['calibration_tok_s']:.1f} tok/s in the calibration, {b['measured_tok_s']:.1f} here "
-            f"({b['error_pct']:+.1f}%: the host's drift between the two runs, the same for every setting's tok/s)"
+            f"({b['error_pct']:+.1f}%: the host's drift between the two runs, the same for every setting's tok/s; "
+            f"\"at this run's plain speed\" prices the calibrated cycle in plain steps at this run's plain tok/s)"
         )
     if p.get("pick"):
         k = p["pick"]

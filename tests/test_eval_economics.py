@@ -167,6 +167,10 @@ def test_calibration_predicts_a_later_run_from_offline_tau_alone(tmp_path):
         100 * (127.5 - 125) / 125
     )
     assert r["speedup_error_pct"] == pytest.approx(100 * (1.3 - 125 * 0.0105) / (125 * 0.0105))
+    # the predicted x1.3 at B's own plain 95.2 tok/s: 123.8 against 125, with no speculative figure of B in it
+    assert r["predicted_tok_s_at_plain"] == pytest.approx(1.3 / 0.0105)
+    assert r["error_pct_at_plain"] == pytest.approx(100 * (1.3 / 0.0105 - 125) / 125)
+    assert "at this run's plain speed -1.0%" in format_prediction(join(pred, b, target="smol"))
     assert "measured_tok_s" not in {x["setting"]: x for x in j["rows"]}["1/1/2"]
     assert j["warnings"] == ["device differs: calibration 'cpu: X', this run 'cpu: Y'"]
     # plain decoding ran 100 tok/s in A and 95.2 in B: 5% of every setting's tok/s error is the host's, not the drafter's
