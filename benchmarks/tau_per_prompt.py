@@ -5,7 +5,8 @@ two part (bf16 numerics at near-ties), the answers after that token differ in le
 a 135M target's loops are what a drafter drafts best. Per prompt of a finished greedy bench run, this prints the
 walk on the plain answer, the setting's live tau and the walk on its own answer, both answers' lengths, where they
 part, and the share of each answer's 8-grams that repeat an earlier one (a loop's mark). With --leave-out 6,12 the
-totals are also given without those prompts.
+totals are also given without those prompts. Last, over all prompts: cycles, tokens and the share of the cycles that
+emit 1, 2, .. steps+1 tokens, of the two walks and the live pass.
 
     python benchmarks/tau_per_prompt.py --config configs/smollm2-135m.yaml --run RUN --setting 8/4/32 \
         --set eval.checkpoint=DRAFTER --set "bench.prompts={...}" [--set target.path=HF_DIR ...]
@@ -20,8 +21,10 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from eagle3ft.config import load_config, resolve_path
-from eagle3ft.eval.accept_len import evaluate
+from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
 from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target, load_prompts, prompt_sets
 from eagle3ft.eval.same_prompts import bench_answers, features
@@ -38,10 +41,22 @@ def repeated_share(ids: list[int], n: int = 8) -> float:
     return repeats / len(grams) if grams else 0.0
 
 
-def walk(drafter, item: dict, st: Setting, device) -> tuple[int, int]:
-    """(tokens, cycles) of the cycle walk of one answer at setting `st`."""
-    s = evaluate(drafter, iter([item]), st.steps, st.topk, st.num_draft_tokens, 0.0, device).settings[st.key]
-    return round(s["tau_walk"] * s["cycles_walk"]), s["cycles_walk"]
+@torch.no_grad()
+def walk(drafter, item: dict, st: Setting, device, tree_context: str, roots: str = "every") -> list[int]:
+    """The tokens each cycle of the cycle walk of one answer emits at setting `st` (eval/accept_len.py's walk).
+    roots "complete": a tree's walk over the roots with every depth in the data only (the rule up to 62dbbde)."""
+    s = SampleInputs.of(item, device)
+    if st.topk > 1:
+        acc, is_root, complete = tree_accept(drafter, s, st.steps, st.topk, st.num_draft_tokens, tree_context)
+        is_root = complete if roots == "complete" else is_root
+    else:
+        acc, is_root = chain_accept_lengths(chain_acceptance(drafter, s, st.steps), st.steps)
+    return cycle_walk(acc, is_root)
+
+
+def shares(cycles: list[int], most: int) -> list[float]:
+    """The share of the cycles that emit 1, 2, .., most tokens."""
+    return [round(cycles.count(n) / len(cycles), 3) for n in range(1, most + 1)] if cycles else []
 
 
 def main() -> None:
@@ -51,6 +66,13 @@ def main() -> None:
     ap.add_argument("--setting", required=True, help="steps/topk/num_draft_tokens, e.g. 8/4/32")
     ap.add_argument("--set", action="append", default=[], dest="overrides")
     ap.add_argument("--leave-out", default="", help="prompt indices, comma-separated: totals without them too")
+    ap.add_argument(
+        "--roots",
+        choices=("every", "complete"),
+        default="every",
+        help="a tree's walk: over every root (eval/accept_len.py), or only the roots with every depth in the data "
+        "(its rule up to 62dbbde, RESULTS §21b)",
+    )
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
     st = Setting(*map(int, args.setting.split("/")))
@@ -71,14 +93,19 @@ def main() -> None:
     left_out = {int(i) for i in args.leave_out.split(",") if i}
     totals = {"plain": [0, 0], "live": [0, 0], "own": [0, 0]}
     kept = {"plain": [0, 0], "live": [0, 0], "own": [0, 0]}
+    every = {"plain": [], "live": [], "own": []}  # every cycle's tokens
     for i, (p, a, b) in enumerate(zip(prompts, plain, own)):
-        wp = walk(drafter, features(model, aux_ids, p, a), st, device)
-        wo = walk(drafter, features(model, aux_ids, p, b), st, device)
-        lv = (sum(live[i]["accept_lengths"]), live[i]["verify_count"])  # as the bench's live tau counts
-        for k, v in (("plain", wp), ("live", lv), ("own", wo)):
+        cyc = {
+            "plain": walk(drafter, features(model, aux_ids, p, a), st, device, cfg.eval.tree_context, args.roots),
+            "live": live[i]["accept_lengths"],  # as the bench's live tau counts
+            "own": walk(drafter, features(model, aux_ids, p, b), st, device, cfg.eval.tree_context, args.roots),
+        }
+        wp, lv, wo = ((sum(c), len(c)) for c in cyc.values())
+        for k, c in cyc.items():
+            every[k] += c
             for acc in (totals, kept) if i not in left_out else (totals,):
-                acc[k][0] += v[0]
-                acc[k][1] += v[1]
+                acc[k][0] += sum(c)
+                acc[k][1] += len(c)
         part = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         print(json.dumps({
             "prompt": i, "plain_tokens": len(a), "own_tokens": len(b), "part_at": part,
@@ -87,6 +114,8 @@ def main() -> None:
             "repeated_plain": round(repeated_share(a), 2), "repeated_own": round(repeated_share(b), 2),
         }))  # fmt: skip
     print(json.dumps({"setting": st.key, **{f"tau_{k}": t / c for k, (t, c) in totals.items()}}))
+    print(json.dumps({"cycles": {k: len(c) for k, c in every.items()}, "tokens": {k: sum(c) for k, c in every.items()},
+                      "share_by_tokens_emitted": {k: shares(c, st.steps + 1) for k, c in every.items()}}))  # fmt: skip
     if left_out:
         print(json.dumps({"without": sorted(left_out), **{f"tau_{k}": t / c for k, (t, c) in kept.items()}}))
 
