@@ -54,6 +54,10 @@ def walk(drafter, item: dict, st: Setting, device, tree_context: str, roots: str
     return cycle_walk(acc, is_root)
 
 
+def tau(tokens: int, cycles: int) -> float | None:
+    return round(tokens / cycles, 3) if cycles else None  # an answer too short for one complete root
+
+
 def shares(cycles: list[int], most: int) -> list[float]:
     """The share of the cycles that emit 1, 2, .., most tokens."""
     return [round(cycles.count(n) / len(cycles), 3) for n in range(1, most + 1)] if cycles else []
@@ -109,7 +113,7 @@ def main() -> None:
         part = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         print(json.dumps({
             "prompt": i, "plain_tokens": len(a), "own_tokens": len(b), "part_at": part,
-            "walk_plain": round(wp[0] / wp[1], 3), "live": round(lv[0] / lv[1], 3), "walk_own": round(wo[0] / wo[1], 3),
+            "walk_plain": tau(*wp), "live": tau(*lv), "walk_own": tau(*wo),
             "cycles": {"plain": wp, "live": lv, "own": wo},  # (tokens, cycles) of each
             "repeated_plain": round(repeated_share(a), 2), "repeated_own": round(repeated_share(b), 2),
         }))  # fmt: skip
