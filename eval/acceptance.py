@@ -200,7 +200,7 @@ def tree_accept(
     (T-1,) bool whether every depth of it is in the data. As the chain's (chain_accept_lengths), a depth that is not
     in the data (past the answer's end, or fed a stored token that is not the target's argmax) ends the accepted path
     there: the cycle walk then steps over every root, where skipping the roots with a missing depth would skip the
-    ones next to the target's near-ties and the answer's last tokens (RESULTS §21c).
+    ones next to the target's near-ties and the answer's last tokens (RESULTS §21b).
 
     context: what a frontier node attends to besides the prefix. "slots" is SGLang's draft decode: the frontier is
     topk slots in score order, and the node in slot j attends to the nodes that held slot j at the earlier depths
