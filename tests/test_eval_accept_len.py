@@ -190,7 +190,8 @@ def _naive_slot_tree_accept(drafter, s, r: int, steps: int, topk: int, num_draft
 
 
 def test_slot_tree_equals_sglang_slots_one_at_a_time(setup):
-    """The default context ("slots") is SGLang's draft decode, node for node."""
+    """The default context ("slots") is SGLang's draft decode, node for node. This fitted tiny drafter accepts the
+    same with either context, so this alone does not tell them apart: the next test does, on the attention itself."""
     _, drafter, heldout = setup
     n = 0
     with torch.no_grad():
