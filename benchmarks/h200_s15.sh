@@ -96,7 +96,11 @@ sglang_phase() {  # the calibration on SGL_CAL_SRC (SGL_LIMIT HumanEval prompts)
   say "3a. SGLang calibration: $cal_src, $SGL_NEW new tokens, plain and $SGL_SETTINGS"
   sgl_run "$cal" "$cal_src"
   say "3b. SGLang measurement: $test_src, predicted from 3a's cycles and offline tau on the plain answers"
-  sgl_run "$test" "$test_src" --set "bench.calibration=$cal/bench/calibration.json"
+  sgl_run "$test" "$test_src" --set "bench.calibration=$cal/bench/calibration.json" --set "bench.warmup=${SGL_TEST_WARMUP:-all}"
+  if [[ ${SGL_RECAL:-0} == 1 ]]; then  # the calibration's prompts again: how far the host moved over the lease
+    say "3c. SGLang calibration again, after the measurement: $cal_src"
+    sgl_run "$S/sgl-cal2" "$cal_src" --set "bench.calibration=$cal/bench/calibration.json" --set bench.warmup=first
+  fi
   $PY eval/same_prompts.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --answers-from "$test" \
     --set "bench.prompts=$test_src" \
     --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -1
@@ -114,7 +118,7 @@ sglang_phase() {  # the calibration on SGL_CAL_SRC (SGL_LIMIT HumanEval prompts)
   wait "${own[@]}"
   for s in "${SGL_LIST[@]}"; do echo "$s: $(tail -1 "$S/sgl-own-${s//\//-}.txt")"; done
   mkdir -p "$L/sgl"
-  for run in "$cal" "$test" "$S"/sgl-own-*; do
+  for run in "$cal" "$test" "$S/sgl-cal2" "$S"/sgl-own-*; do
     [[ -d $run ]] || continue
     cp "$run.txt" "$L/sgl/" 2>/dev/null
     for f in summary economics prediction calibration; do cp "$run/bench/$f.json" "$L/sgl/$(basename "$run")-$f.json" 2>/dev/null; done

@@ -24,6 +24,9 @@
 # SGL_BENCH=0 leaves out 2, EMB_BENCH=0 leaves out 1. More prompts narrow the offline tau's interval (RESULTS §20c):
 # SGL_PER_CAT=5 benches 40 MT-Bench questions, calibrated on 40 others (then SGL_RUN_TIMEOUT=900, each run's limit);
 # SGL_CAL_PER_CAT=2 calibrates on 16 of those others (the cycle costs, unlike tau, moved 1-3% between runs in §20b).
+# SGL_RECAL=1 runs the calibration's prompts again after the measurement (3c: the host's own drift over the lease,
+# on the same prompts); SGL_TEST_WARMUP=first warms the measurement's servers with one prompt, not all (the
+# calibration has warmed them).
 # Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s17.sh start`
 # starts the plan. Keep a `wait` call in flight all the time: a machine with no call for 30 s is given back with the
 # job on it (RESULTS §12, §13, §16b).
