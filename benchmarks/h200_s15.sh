@@ -106,6 +106,15 @@ sglang_phase() {  # the calibration on SGL_CAL_SRC (SGL_LIMIT HumanEval prompts)
     --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -1
   $PY eval/economics.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --set "bench.calibration=$cal/bench/calibration.json" \
     --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -8
+  if [[ -n ${SGL_CAL_POOL:-} ]]; then  # the same prediction with the cycles pooled over earlier runs' calibrations
+    say "3d. the prediction again, its cycles in plain steps pooled with $SGL_CAL_POOL"
+    mkdir -p "$S/sgl-test-pool/bench" "$S/sgl-test-pool/eval"
+    cp "$test/bench/summary.json" "$test/bench/runs.jsonl" "$S/sgl-test-pool/bench/"
+    cp "$test/eval/accept_len.json" "$S/sgl-test-pool/eval/"
+    $PY eval/economics.py --config $CONFIG --run-dir "$S/sgl-test-pool" "${SGL[@]}" \
+      --set "bench.calibration=$cal/bench/calibration.json" --set "bench.calibration_pool=[${SGL_CAL_POOL}]" \
+      --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -8
+  fi
   xargs -r kill < "$L/sgl.pids"
   say "offline tau on each speculative server's own answers (the tokens its live tau counted), side by side"
   local own=()
@@ -118,7 +127,7 @@ sglang_phase() {  # the calibration on SGL_CAL_SRC (SGL_LIMIT HumanEval prompts)
   wait "${own[@]}"
   for s in "${SGL_LIST[@]}"; do echo "$s: $(tail -1 "$S/sgl-own-${s//\//-}.txt")"; done
   mkdir -p "$L/sgl"
-  for run in "$cal" "$test" "$S/sgl-cal2" "$S"/sgl-own-*; do
+  for run in "$cal" "$test" "$S/sgl-cal2" "$S/sgl-test-pool" "$S"/sgl-own-*; do
     [[ -d $run ]] || continue
     cp "$run.txt" "$L/sgl/" 2>/dev/null
     for f in summary economics prediction calibration; do cp "$run/bench/$f.json" "$L/sgl/$(basename "$run")-$f.json" 2>/dev/null; done

@@ -26,7 +26,9 @@
 # SGL_CAL_PER_CAT=2 calibrates on 16 of those others (the cycle costs, unlike tau, moved 1-3% between runs in §20b).
 # SGL_RECAL=1 runs the calibration's prompts again after the measurement (3c: the host's own drift over the lease,
 # on the same prompts); SGL_TEST_WARMUP=first warms the measurement's servers with one prompt, not all (the
-# calibration has warmed them).
+# calibration has warmed them). SGL_TEST_SKIP=7 measures on each category's 8th question on (answers no earlier lease
+# decoded: the servers' answers repeat from lease to lease, RESULTS §22); SGL_CAL_POOL (calibration.json files, comma-
+# separated) predicts once more with the cycles pooled over them and 3a (3d, bench.calibration_pool).
 # Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s17.sh start`
 # starts the plan. Keep a `wait` call in flight all the time: a machine with no call for 30 s is given back with the
 # job on it (RESULTS §12, §13, §16b).
@@ -35,7 +37,7 @@ cd "$(dirname "$0")/.."
 : "${SGL_SETTINGS:=7/1/8,7/4/16,8/4/32}" "${SGL_NEW:=512}" "${SGL_PER_CAT:=2}"
 source benchmarks/h200_s15.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over h200_scale.sh's
 SGL_CAL_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: ${SGL_CAL_PER_CAT:-$SGL_PER_CAT}, skip: $SGL_PER_CAT}"
-SGL_TEST_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT}"
+SGL_TEST_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT, skip: ${SGL_TEST_SKIP:-0}}"
 : "${EMB_PROMPTS:=4}" "${EMB_NEW:=384}"
 EMB_CAL_SOURCE=${EMB_CAL_SOURCE:-"kind: mtbench, path: $DATA/mtbench-questions.jsonl, limit: $EMB_PROMPTS, skip: $EMB_PROMPTS"}
 EMB_CAL_NEW=${EMB_CAL_NEW:-$EMB_NEW} EMB_EXTRA="--set target.dtype=${EMB_DTYPE:-float32} ${EMB_EXTRA:-}"
