@@ -263,6 +263,9 @@ class BenchConfig:
     calibration: str | None = (
         None  # another run's bench/calibration.json: predict this run's tok/s from its offline tau
     )
+    # earlier runs' calibration.json files: each setting's cycle in plain steps pooled with bench.calibration's,
+    # priced at bench.calibration's plain step (eval/calibration.py)
+    calibration_pool: list[str] = field(default_factory=list)
     # embedded: more drafters in the same interleaved run, label -> folder (repo-relative); summary.json's prompt_sets
     drafters: dict[str, str] = field(default_factory=dict)
     # more prompt sets in the same interleaved run (bench.prompts stays the summary's top level); labelled by kind

@@ -60,7 +60,8 @@ SERVER_ARGS_KEPT = (
     "mem_fraction_static", "max_running_requests", "chunked_prefill_size", "attention_backend", "sampling_backend",
     "disable_cuda_graph", "cuda_graph_max_bs", "disable_radix_cache", "enable_return_hidden_states",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
-    "speculative_num_draft_tokens", "trust_remote_code", "chat_template",
+    "speculative_num_draft_tokens", "trust_remote_code", "chat_template", "cuda_graph_backend_prefill", "sleep_on_idle",
+    "disable_overlap_schedule",
 )  # fmt: skip
 
 

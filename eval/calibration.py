@@ -11,6 +11,12 @@ which separates an error of the costs from an error of tau). The speed-up is pre
 slows both) and held against the measured speed-up of each repetition over its own plain pass (`speedup_paired`).
 Priced at this run's plain tok/s (`predicted_tok_s_at_plain`), the same speed-up gives tok/s without the host's drift
 between the two runs: no speculative figure of this run goes in, only its plain pass.
+
+A calibration of 16 prompts pins a setting's cycle to about 5% (RESULTS §22: 2.49-2.82 plain steps for 7/1/8 over
+five runs of one plan). `bench.calibration_pool` lists earlier runs' calibration.json files of the same backend,
+target and answer length: each setting's cycle in plain steps is then their mean with bench.calibration's, weighted by
+prompts, and priced at bench.calibration's plain step (the host of the latest run; `pool`). A pooled SGLang run
+whose servers ran other args than bench.calibration's is named in the prediction's warnings.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ def calibration_from_summary(summary: dict, source_run: str, target: str | None 
         "target": target,
         "device": env.get("device"),
         "environment": {k: env[k] for k in ("torch", "transformers", "torch_threads", "code_version") if k in env},
+        "servers": env.get("servers"),  # SGLang: each server's version and main args, for a pool to compare
         "prompts": {
             "source": summary.get("prompts", {}).get("source"),
             "count": summary.get("prompts", {}).get("count"),
@@ -84,6 +91,75 @@ def load_calibration(path: str | Path) -> dict:
     return {**cal, "path": str(path)}
 
 
+POOL_MUST_MATCH = ("backend", "target", "max_new_tokens")
+SERVER_ARGS_PER_RUN = {"model_path", "speculative_draft_model_path", "mem_fraction_static", "max_running_requests"}
+
+
+def _server_differences(cal: dict, latest: dict) -> list[str]:
+    """What `cal`'s SGLang servers ran with that `latest`'s did not, per role both have (older files record none)."""
+    mine, theirs = cal.get("servers") or {}, latest.get("servers") or {}
+    out = []
+    for role in sorted(set(mine) & set(theirs)):
+        keys = sorted(
+            k
+            for k in set(mine[role]) | set(theirs[role])
+            if k not in SERVER_ARGS_PER_RUN and mine[role].get(k) != theirs[role].get(k)
+        )
+        if keys:
+            out.append(f"{cal['path']}: its {role} server differs from bench.calibration's in {', '.join(keys)}")
+    return out
+
+
+def pool(latest: dict, earlier: list[dict]) -> dict:
+    """`latest` with the cycle of each setting it ran in plain steps averaged over it and `earlier` (weighted by their
+    prompts), priced at latest's plain step: a cycle in plain steps carries from run to run, the host's speed does not.
+    """
+    if not earlier:
+        return latest
+    for cal in earlier:
+        for k in POOL_MUST_MATCH:
+            if cal.get(k) != latest.get(k):
+                raise CalibrationError(
+                    f"{cal['path']}: {k} {cal.get(k)!r}, where bench.calibration {latest['path']} has "
+                    f"{latest.get(k)!r}: only runs of one backend, target and answer length pool"
+                )
+    runs = [latest, *earlier]
+    settings = {}
+    for key, row in latest["settings"].items():
+        got = [
+            (c["settings"][key]["cycle_plain_steps"], (c.get("prompts") or {}).get("count") or 1, c["path"])
+            for c in runs
+            if (c["settings"].get(key) or {}).get("cycle_plain_steps")
+        ]
+        if not got or not row.get("cycle_plain_steps"):
+            settings[key] = row
+            continue
+        steps = sum(s * w for s, w, _ in got) / sum(w for _, w, _ in got)
+        settings[key] = {
+            **row,
+            "cycle_s": steps * latest["baseline_s_per_token"],
+            "cycle_plain_steps": steps,
+            "cycle_basis": f"plain steps pooled over {len(got)} run" + "s" * (len(got) != 1),
+            "pooled_from": [{"path": path, "prompts": w, "cycle_plain_steps": s} for s, w, path in got],
+        }
+    warnings = [w for c in earlier for w in _server_differences(c, latest)]
+    return {**latest, "settings": settings, "pool": [c["path"] for c in earlier], "pool_warnings": warnings}
+
+
+def from_config(cfg) -> dict | None:
+    """bench.calibration, pooled with bench.calibration_pool's files; None without bench.calibration."""
+    from eagle3ft.config import resolve_path
+
+    if cfg is None:
+        return None
+    if cfg.bench.calibration_pool and not cfg.bench.calibration:
+        raise CalibrationError("bench.calibration_pool needs bench.calibration: the run whose plain step prices it")
+    if not cfg.bench.calibration:
+        return None
+    latest = load_calibration(resolve_path(cfg.bench.calibration))
+    return pool(latest, [load_calibration(resolve_path(p)) for p in cfg.bench.calibration_pool])
+
+
 def predict(
     cal: dict, offline_tau: dict[str, float], tau_basis: str = "cycle walk", intervals: dict | None = None
 ) -> dict:
@@ -99,6 +175,8 @@ def predict(
         if key in cal["settings"]:
             cycle, basis = cal["settings"][key]["cycle_s"], "measured"
             steps = cal["settings"][key].get("cycle_plain_steps")
+            if "pooled_from" in cal["settings"][key]:
+                basis = f"measured, {cal['settings'][key]['cycle_basis']}"
         else:
             cycle, basis = cm.cycle_s(st), "cost model"
         steps = steps or cycle / cal["baseline_s_per_token"]  # a cycle in plain steps: what the speed-up divides by
@@ -109,14 +187,17 @@ def predict(
             "predicted_speedup": tau / steps, "tau_offline_interval": iv,
             "predicted_tok_s_interval": [iv[0] / cycle, iv[1] / cycle] if iv else None,
         })  # fmt: skip
-    keep = ("path", "source_run", "backend", "target", "device", "max_new_tokens", "baseline_tok_s")
-    return {"calibration": {k: cal.get(k) for k in keep}, "tau_basis": tau_basis, "rows": rows, "pick": pick(rows)}
+    keep = ("path", "source_run", "backend", "target", "device", "max_new_tokens", "baseline_tok_s", "pool")
+    return {
+        "calibration": {k: cal.get(k) for k in keep}, "tau_basis": tau_basis, "rows": rows, "pick": pick(rows),
+        "warnings": list(cal.get("pool_warnings", [])),
+    }  # fmt: skip
 
 
 def pick(rows: list[dict]) -> dict | None:
     """The setting the economics picks: the highest predicted speed-up among the settings the calibration ran (the
     cost model's other settings are interpolations no run has checked), with the tau it needs to break even."""
-    ran = [r for r in rows if r["cycle_basis"] == "measured"] or rows
+    ran = [r for r in rows if r["cycle_basis"].startswith("measured")] or rows
     if not ran:
         return None
     best = max(ran, key=lambda r: r["predicted_speedup"])
@@ -129,7 +210,11 @@ def _err(pred: float | None, meas: float | None) -> float | None:
 
 def join(prediction: dict, summary: dict | None, target: str | None = None) -> dict:
     """The prediction next to what this run measured: error in percent of tok/s, of speed-up, and from the live tau."""
-    out = {**prediction, "rows": [dict(r) for r in prediction["rows"]], "warnings": []}
+    out = {
+        **prediction,
+        "rows": [dict(r) for r in prediction["rows"]],
+        "warnings": list(prediction.get("warnings", [])),
+    }
     cal = prediction["calibration"]
     if summary is None:
         return out
@@ -179,7 +264,9 @@ def format_prediction(p: dict) -> str:
     c = p["calibration"]
     lines = [
         f"predicted from offline tau ({p.get('tau_basis', 'every root')}) with the costs of {c['source_run']} "
-        f"({c['backend']}, {c['device']}; {c['path']}):"
+        f"({c['backend']}, {c['device']}; {c['path']}"
+        + (f"; cycles in plain steps pooled with {', '.join(c['pool'])}" if c.get("pool") else "")
+        + "):"
     ]
     lines += [f"  warning: {w}" for w in p.get("warnings", [])]
     for r in p["rows"]:

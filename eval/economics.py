@@ -17,8 +17,8 @@ from pathlib import Path
 from eagle3ft.eval.calibration import (
     CalibrationError,
     format_prediction,
+    from_config,
     join,
-    load_calibration,
     predict,
     write_calibration,
     write_prediction,
@@ -75,7 +75,7 @@ def analyse(
 
     `offline_tau` maps a setting key ("steps/topk/draft_tokens") to the offline accept length (`tau_basis`: "cycle
     walk", what a live decoder sees, or "every root");
-    `calibration` is another run's calibration.json (load_calibration); `tok_s` a throughput to price;
+    `calibration` is another run's calibration.json (load_calibration, or from_config with its pool); `tok_s` a throughput to price;
     `target` this run's target name, checked against the calibration's; `intervals` the offline tau's 90% interval
     per setting (read_offline_tau), priced with the calibration.
     """
@@ -190,11 +190,9 @@ def read_offline_tau(accept_len_json: Path) -> tuple[dict[str, float], str, dict
 
 def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
     """economics.json (+ calibration.json) from this run's summary, and the prediction when bench.calibration is set."""
-    from eagle3ft.config import resolve_path
-
     run_dir = Path(run_dir)
     offline, basis, intervals = read_offline_tau(run_dir / "eval" / "accept_len.json")
-    cal = load_calibration(resolve_path(cfg.bench.calibration)) if cfg is not None and cfg.bench.calibration else None
+    cal = from_config(cfg)
     target = cfg.target.name if cfg is not None else None
     pred = write_prediction(run_dir, cal, offline, basis, intervals) if cal else None
     summary_path = run_dir / "bench" / "summary.json"
@@ -202,7 +200,11 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
         return None, pred
     summary = json.loads(summary_path.read_text())
     ec = analyse(summary, offline, cal, tok_s, target, basis, intervals)
-    if ec.calibrated and Path(cal["source_run"]).resolve() == run_dir.resolve():
+    mine = run_dir.resolve() / "bench" / "calibration.json"
+    if ec.calibrated and (
+        Path(cal["source_run"]).resolve() == run_dir.resolve()
+        or any(Path(p).resolve() == mine for p in cal.get("pool", []))
+    ):
         ec.calibrated["warnings"].append(
             "the calibration comes from this very run: its prediction restates the measurement"
         )

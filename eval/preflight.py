@@ -6,7 +6,7 @@ is loaded. What each stage needs:
 
     eval       the drafter (eval.checkpoint, default RUN/export) and RUN/features
     bench      the drafter, unless SGLang servers already running serve it (bench.backend sglang
-               without bench.launch); the bench.calibration file when set
+               without bench.launch); the bench.calibration (and calibration_pool) files when set
     economics  RUN/bench/summary.json, or with bench.calibration (a file) RUN/eval/accept_len.json
     report     something to report: train/metrics.jsonl, eval/accept_len.json or bench/summary.json
 
@@ -75,12 +75,14 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
         if not features.is_file():
             return f"no {features}: harvest first: {stage_command('data/harvest.py', config, run_dir)}"
         return drafter()
-    calibration = resolve_path(cfg.bench.calibration) if cfg.bench.calibration else None
-    if stage in ("bench", "economics") and calibration and not calibration.is_file():
-        return (
-            f"no calibration file {calibration} (bench.calibration): every eval/bench.py run writes "
-            "RUN/bench/calibration.json"
-        )
+    calibrations = [("bench.calibration", cfg.bench.calibration)] if cfg.bench.calibration else []
+    calibrations += [("bench.calibration_pool", p) for p in cfg.bench.calibration_pool]
+    for key, path in calibrations:
+        if stage in ("bench", "economics") and not resolve_path(path).is_file():
+            return (
+                f"no calibration file {resolve_path(path)} ({key}): every eval/bench.py run writes "
+                "RUN/bench/calibration.json"
+            )
     if stage == "bench":  # running SGLang servers given by URL hold their drafter: nothing to check here
         return None if cfg.bench.backend == "sglang" and not cfg.bench.launch else drafter()
     if stage == "economics":

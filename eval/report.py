@@ -24,7 +24,7 @@ import json
 import statistics
 from pathlib import Path
 
-from eagle3ft.eval.calibration import join, load_calibration, predict
+from eagle3ft.eval.calibration import from_config, join, predict
 from eagle3ft.eval.economics import analyse, read_offline_tau
 from eagle3ft.eval.report_md import headline_text, markdown
 from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
@@ -110,8 +110,6 @@ def step_time(metrics: list[dict]) -> dict | None:
 
 def build(run_dir: Path, cfg=None) -> dict:
     """report.json, report.md and the plots of `run_dir`; `cfg` supplies bench.calibration when set."""
-    from eagle3ft.config import resolve_path
-
     out = run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
     metrics, heldout = read_metrics(run_dir / "train" / "metrics.jsonl")
@@ -126,7 +124,7 @@ def build(run_dir: Path, cfg=None) -> dict:
         acc = {**acc, "card": _read_json(Path(acc["checkpoint"]) / "card.json")}
     summary = _read_json(run_dir / "bench" / "summary.json")
     offline, basis, intervals = read_offline_tau(out / "accept_len.json")
-    cal = load_calibration(resolve_path(cfg.bench.calibration)) if cfg is not None and cfg.bench.calibration else None
+    cal = from_config(cfg)
     prediction = _read_json(run_dir / "bench" / "prediction.json")
     econ = analyse(summary, offline, cal, tau_basis=basis, intervals=intervals).to_dict() if summary else None
     if econ and not econ["calibrated"] and prediction:
@@ -189,7 +187,7 @@ def build(run_dir: Path, cfg=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import parse_cli
+    from eagle3ft.cli import cli_errors, parse_cli
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(
@@ -198,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     check_or_exit("report.py", "report", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "report", "report.py"):
+    with holding(run_dir, "report", "report.py"), cli_errors("report.py"):
         rep = build(run_dir, cfg)
     print(f"report: {run_dir / 'eval' / 'report.md'}")
     print(headline_text(rep["headline"]))

@@ -4,10 +4,12 @@ import json
 
 import pytest
 
+from eagle3ft.config import load_config
 from eagle3ft.eval.calibration import (
     CalibrationError,
     calibration_from_summary,
     format_prediction,
+    from_config,
     join,
     load_calibration,
     predict,
@@ -290,3 +292,126 @@ def test_economics_entry_point_predicts_before_the_bench_and_compares_after(tmp_
         ]
     )
     assert "warning: the calibration comes from this very run" in capsys.readouterr().out
+
+
+def _cal_file(path, summary, steps: dict[str, float], prompts: int, target="smol"):
+    for r in summary["speculative"]:
+        r["cycle_plain_steps"] = steps[r["key"]]
+    summary["prompts"]["count"] = prompts
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(calibration_from_summary(summary, str(path.parent.parent), target=target)))
+    return path
+
+
+def test_a_pool_averages_each_settings_cycle_in_plain_steps_by_prompts_and_prices_it_at_the_latest_plain_step(
+    tmp_path, capsys
+):
+    # two earlier runs on a faster host (8 ms a plain step) and the latest on a slower one (10 ms): 3/1/4 cost
+    # 2.4 plain steps over 40 prompts, 2.6 over 16, and 2.8 in the latest's 16
+    early1 = _cal_file(
+        tmp_path / "e1/bench/calibration.json", _summary(0.008, [("3/1/4", 1.6, 80, 0.0192)]), {"3/1/4": 2.4}, 40
+    )
+    early2 = _cal_file(
+        tmp_path / "e2/bench/calibration.json", _summary(0.008, [("3/1/4", 1.6, 80, 0.0208)]), {"3/1/4": 2.6}, 16
+    )
+    a = _summary(0.010, [("3/1/4", 1.6, 80, 0.028), ("5/1/6", 2.0, 70, 0.030)])
+    latest = _cal_file(tmp_path / "a/bench/calibration.json", a, {"3/1/4": 2.8, "5/1/6": 3.0}, 16)
+    cfg = load_config(
+        "configs/tiny.yaml", [f"bench.calibration={latest}", f"bench.calibration_pool=[{early1}, {early2}]"]
+    )
+    cal = from_config(cfg)
+    steps = (2.4 * 40 + 2.6 * 16 + 2.8 * 16) / 72
+    row = cal["settings"]["3/1/4"]
+    assert row["cycle_plain_steps"] == pytest.approx(steps) and row["cycle_s"] == pytest.approx(steps * 0.010)
+    assert [p["prompts"] for p in row["pooled_from"]] == [16, 40, 16]
+    assert cal["settings"]["5/1/6"]["cycle_plain_steps"] == 3.0  # only the latest ran it
+    assert cal["settings"]["5/1/6"]["cycle_basis"] == "plain steps pooled over 1 run"
+    r = {x["setting"]: x for x in predict(cal, {"3/1/4": 3.0, "5/1/6": 3.3})["rows"]}["3/1/4"]
+    assert r["predicted_speedup"] == pytest.approx(3.0 / steps) and r["predicted_tok_s"] == pytest.approx(
+        3.0 / (steps * 0.010)
+    )
+    assert r["cycle_basis"] == "measured, plain steps pooled over 3 runs"
+    assert predict(cal, {"3/1/4": 3.0, "5/1/6": 3.3})["pick"]["setting"] in ("3/1/4", "5/1/6")  # both measured
+    text = format_prediction(predict(cal, {"3/1/4": 3.0}))
+    assert f"cycles in plain steps pooled with {early1}, {early2}" in text
+    # with no pool, bench.calibration alone, as before
+    alone = from_config(load_config("configs/tiny.yaml", [f"bench.calibration={latest}"]))
+    assert alone["settings"]["3/1/4"]["cycle_s"] == 0.028 and "pool" not in alone
+
+    # through economics.py: the prediction says which runs it pooled
+    run_b = tmp_path / "b"
+    (run_b / "eval").mkdir(parents=True)
+    (run_b / "eval" / "accept_len.json").write_text(json.dumps({"settings": {"3/1/4": {"tau": 3.0}}}))
+    pool = ["--set", f"bench.calibration={latest}", "--set", f"bench.calibration_pool=[{early1}, {early2}]"]
+    main(["--config", "configs/tiny.yaml", "--run-dir", str(run_b), *pool])
+    assert f"-> {3.0 / (steps * 0.010):.1f} tok/s" in capsys.readouterr().out
+    assert json.loads((run_b / "bench" / "prediction.json").read_text())["calibration"]["pool"] == [
+        str(early1),
+        str(early2),
+    ]
+
+
+def test_a_pool_of_another_backend_target_or_answer_length_is_refused_by_name(tmp_path, capsys):
+    latest = _cal_file(
+        tmp_path / "a/bench/calibration.json", _summary(0.010, [("3/1/4", 1.6, 80, 0.028)]), {"3/1/4": 2.8}, 16
+    )
+    sgl = _cal_file(
+        tmp_path / "s/bench/calibration.json",
+        _summary(0.010, [("3/1/4", 1.6, 80, 0.028)], backend="sglang"),
+        {"3/1/4": 2.8},
+        16,
+    )
+    other = _cal_file(
+        tmp_path / "o/bench/calibration.json", _summary(0.010, [("3/1/4", 1.6, 80, 0.028)]), {"3/1/4": 2.8}, 16, "k2"
+    )
+    for bad, what in ((sgl, "backend 'sglang'"), (other, "target 'k2'")):
+        cfg = load_config("configs/tiny.yaml", [f"bench.calibration={latest}", f"bench.calibration_pool=[{bad}]"])
+        with pytest.raises(CalibrationError, match=f"{bad}: {what}, where bench.calibration {latest} has"):
+            from_config(cfg)
+    with pytest.raises(CalibrationError, match="bench.calibration_pool needs bench.calibration"):
+        from_config(load_config("configs/tiny.yaml", [f"bench.calibration_pool=[{latest}]"]))
+    run_b = tmp_path / "b"
+    (run_b / "eval").mkdir(parents=True)
+    (run_b / "eval" / "accept_len.json").write_text(json.dumps({"settings": {"3/1/4": {"tau": 3.0}}}))
+    args = ["--config", "configs/tiny.yaml", "--run-dir", str(run_b), "--set", f"bench.calibration={latest}"]
+    with pytest.raises(SystemExit):
+        main([*args, "--set", f"bench.calibration_pool=[{tmp_path / 'nope.json'}]"])
+    assert f"no calibration file {tmp_path / 'nope.json'} (bench.calibration_pool)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--set", f"bench.calibration_pool=[{sgl}]"])
+    assert "backend 'sglang'" in capsys.readouterr().err
+
+
+def test_a_pooled_run_whose_servers_ran_other_args_is_named_in_the_predictions_warnings(tmp_path):
+    def sgl(prefill: str | None, drafter: str) -> dict:
+        s = _summary(0.010, [("3/1/4", 1.6, 80, 0.028)], backend="sglang")
+        args = {"version": "0.5.17", "attention_backend": "triton", "mem_fraction_static": 0.1}
+        s["environment"]["servers"] = {
+            "baseline": {**args, "cuda_graph_backend_prefill": prefill},
+            "3/1/4": {**args, "speculative_draft_model_path": drafter, "mem_fraction_static": 0.111},
+        }
+        return s
+
+    latest = _cal_file(tmp_path / "a/bench/calibration.json", sgl("disabled", "/tmp/x/drafter"), {"3/1/4": 2.8}, 16)
+    same = _cal_file(tmp_path / "s/bench/calibration.json", sgl("disabled", "/tmp/y/drafter"), {"3/1/4": 2.6}, 16)
+    other = _cal_file(tmp_path / "o/bench/calibration.json", sgl(None, "/tmp/y/drafter"), {"3/1/4": 2.4}, 16)
+    old = _cal_file(
+        tmp_path / "n/bench/calibration.json",
+        _summary(0.010, [("3/1/4", 1.6, 80, 0.028)], backend="sglang"),
+        {"3/1/4": 2.6},
+        16,
+    )
+    cfg = load_config(
+        "configs/tiny.yaml", [f"bench.calibration={latest}", f"bench.calibration_pool=[{same}, {other}, {old}]"]
+    )
+    cal = from_config(cfg)
+    # the drafter's path and each server's memory share are per run; the prefill graphs are a cost
+    assert cal["pool_warnings"] == [
+        f"{other}: its baseline server differs from bench.calibration's in cuda_graph_backend_prefill"
+    ]
+    pred = predict(cal, {"3/1/4": 3.0})
+    assert pred["warnings"] == cal["pool_warnings"]
+    b = _summary(0.010, [("3/1/4", 2.9, 140.0, 0.021)], backend="sglang")
+    j = join(pred, b, target="smol")
+    assert j["warnings"][0] == cal["pool_warnings"][0]
+    assert f"warning: {other}: its baseline server differs" in format_prediction(j)
