@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import sys
@@ -25,6 +26,10 @@ from eagle3ft.train.model import Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("tau_per_prompt", REPO_ROOT / "benchmarks/tau_per_prompt.py")
+tau_per_prompt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tau_per_prompt)
 
 BENCH = [
     "bench.backend=sglang",
@@ -64,7 +69,11 @@ def doubles(tiny):
 
 
 @pytest.mark.slow
-def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
+def runs_of(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "bench/runs.jsonl").read_text().splitlines()]
+
+
+def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, capsys):
     cfg0, model, tok, drafter = tiny
     base, spec = doubles
     export_drafter(drafter, tmp_path / "export")  # the double's drafter: what bench.sglang_same_prompts evaluates
@@ -111,6 +120,22 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
     assert "3/1/4 greedy answers" in json.loads((own / "eval/accept_len.json").read_text())["source"]
     assert offline_tau_by_setting(own / "eval/accept_len.json") == pytest.approx(want["settings_walk"])
 
+    # benchmarks/tau_per_prompt.py, prompt by prompt: the same walks, and the live cycles of repetition 0
+    argv = ["tau_per_prompt.py", "--config", str(REPO_ROOT / "configs/tiny.yaml"), "--run", str(tmp_path)]
+    argv += ["--setting", "3/1/4", "--leave-out", "1"] + [a for o in overrides for a in ("--set", o)]
+    monkeypatch.setattr(sys, "argv", argv)
+    capsys.readouterr()
+    tau_per_prompt.main()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    per_prompt, totals, cycles, without = lines[:-3], lines[-3], lines[-2], lines[-1]
+    assert [p["prompt"] for p in per_prompt] == [0, 1] and all(p["part_at"] == p["plain_tokens"] for p in per_prompt)
+    assert totals["tau_plain"] == pytest.approx(want["settings_walk"]["3/1/4"]) == totals["tau_own"]
+    live_rep0 = [r for r in runs_of(tmp_path) if r["mode"] == "speculative" and r["repetition"] == 0]
+    assert cycles["cycles"]["live"] == sum(r["verify_count"] for r in live_rep0)
+    assert cycles["tokens"]["live"] == sum(sum(r["accept_lengths"]) for r in live_rep0)
+    assert all(sum(v) == pytest.approx(1.0, abs=0.01) for v in cycles["share_by_tokens_emitted"].values())
+    assert without["without"] == [1] and without["tau_live"] == per_prompt[0]["live"]
+
     # tau: the same greedy decodes by the embedded speculative decoder, counted the same way
     dec = SpeculativeDecoder(model, drafter, drafter.config.aux_layer_ids, 3, 0.0, backend.eos_ids)
     gens = [dec.generate(p, cfg.bench.max_new_tokens) for p in prompts]
@@ -120,7 +145,7 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path):
     assert row["outputs_match_baseline"] == 1.0  # greedy speculation returns the plain greedy tokens
     assert row["tok_s_median"] > 0 and summary["baseline"]["tok_s_median"] > 0
 
-    runs = [json.loads(line) for line in (tmp_path / "bench/runs.jsonl").read_text().splitlines()]
+    runs = runs_of(tmp_path)
     for r in runs:
         assert (
             r["tok_s"] == pytest.approx((r["new_tokens"] - 1) / r["decode_s"])
