@@ -351,19 +351,15 @@ def test_a_pool_averages_each_settings_cycle_in_plain_steps_by_prompts_and_price
     ]
 
 
+def _cal314(tmp_path, name: str, steps: float, backend="embedded", target="smol", summary=None):
+    """A 16-prompt calibration of 3/1/4 alone at `steps` plain steps, in tmp_path/name."""
+    s = summary or _summary(0.010, [("3/1/4", 1.6, 80, 0.028)], backend=backend)
+    return _cal_file(tmp_path / name / "bench/calibration.json", s, {"3/1/4": steps}, 16, target)
+
+
 def test_a_pool_of_another_backend_target_or_answer_length_is_refused_by_name(tmp_path, capsys):
-    latest = _cal_file(
-        tmp_path / "a/bench/calibration.json", _summary(0.010, [("3/1/4", 1.6, 80, 0.028)]), {"3/1/4": 2.8}, 16
-    )
-    sgl = _cal_file(
-        tmp_path / "s/bench/calibration.json",
-        _summary(0.010, [("3/1/4", 1.6, 80, 0.028)], backend="sglang"),
-        {"3/1/4": 2.8},
-        16,
-    )
-    other = _cal_file(
-        tmp_path / "o/bench/calibration.json", _summary(0.010, [("3/1/4", 1.6, 80, 0.028)]), {"3/1/4": 2.8}, 16, "k2"
-    )
+    latest, sgl = _cal314(tmp_path, "a", 2.8), _cal314(tmp_path, "s", 2.8, backend="sglang")
+    other = _cal314(tmp_path, "o", 2.8, target="k2")
     for bad, what in ((sgl, "backend 'sglang'"), (other, "target 'k2'")):
         cfg = load_config("configs/tiny.yaml", [f"bench.calibration={latest}", f"bench.calibration_pool=[{bad}]"])
         with pytest.raises(CalibrationError, match=f"{bad}: {what}, where bench.calibration {latest} has"):
@@ -392,15 +388,10 @@ def test_a_pooled_run_whose_servers_ran_other_args_is_named_in_the_predictions_w
         }
         return s
 
-    latest = _cal_file(tmp_path / "a/bench/calibration.json", sgl("disabled", "/tmp/x/drafter"), {"3/1/4": 2.8}, 16)
-    same = _cal_file(tmp_path / "s/bench/calibration.json", sgl("disabled", "/tmp/y/drafter"), {"3/1/4": 2.6}, 16)
-    other = _cal_file(tmp_path / "o/bench/calibration.json", sgl(None, "/tmp/y/drafter"), {"3/1/4": 2.4}, 16)
-    old = _cal_file(
-        tmp_path / "n/bench/calibration.json",
-        _summary(0.010, [("3/1/4", 1.6, 80, 0.028)], backend="sglang"),
-        {"3/1/4": 2.6},
-        16,
-    )
+    latest = _cal314(tmp_path, "a", 2.8, summary=sgl("disabled", "/tmp/x/drafter"))
+    same = _cal314(tmp_path, "s", 2.6, summary=sgl("disabled", "/tmp/y/drafter"))
+    other = _cal314(tmp_path, "o", 2.4, summary=sgl(None, "/tmp/y/drafter"))
+    old = _cal314(tmp_path, "n", 2.6, backend="sglang")  # a file from before `servers`: nothing to compare
     cfg = load_config(
         "configs/tiny.yaml", [f"bench.calibration={latest}", f"bench.calibration_pool=[{same}, {other}, {old}]"]
     )
