@@ -75,9 +75,9 @@ def analyse(
 
     `offline_tau` maps a setting key ("steps/topk/draft_tokens") to the offline accept length (`tau_basis`: "cycle
     walk", what a live decoder sees, or "every root");
-    `calibration` is another run's calibration.json (load_calibration, or from_config with its pool); `tok_s` a throughput to price;
-    `target` this run's target name, checked against the calibration's; `intervals` the offline tau's 90% interval
-    per setting (read_offline_tau), priced with the calibration.
+    `calibration` is another run's calibration.json (load_calibration, or from_config with its pool); `tok_s` a
+    throughput to price; `target` this run's target name, checked against the calibration's; `intervals` the offline
+    tau's 90% interval per setting (read_offline_tau), priced with the calibration.
     """
     cm = cost_model_from_summary(summary)
     offline_tau = offline_tau or {}
