@@ -5,6 +5,7 @@ import json
 import pytest
 
 from eagle3ft.config import load_config
+from eagle3ft.eval import report
 from eagle3ft.eval.calibration import (
     CalibrationError,
     calibration_from_summary,
@@ -376,6 +377,9 @@ def test_a_pool_of_another_backend_target_or_answer_length_is_refused_by_name(tm
     with pytest.raises(SystemExit):
         main([*args, "--set", f"bench.calibration_pool=[{sgl}]"])
     assert "backend 'sglang'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # the report reads the same pool, and says so in one line
+        report.main([*args, "--set", f"bench.calibration_pool=[{sgl}]"])
+    assert stop.value.code == 1 and "report.py: error: " in capsys.readouterr().err
 
 
 def test_a_pooled_run_whose_servers_ran_other_args_is_named_in_the_predictions_warnings(tmp_path):
