@@ -93,11 +93,7 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
     prompts = harness.load_prompts(cfg)
 
     # offline tau on the plain server's own answers: what eval/same_prompts.py gives for those tokens in-process
-    answers = [
-        r["output_ids"]
-        for r in map(json.loads, (tmp_path / "bench/runs.jsonl").read_text().splitlines())
-        if r["mode"] == "baseline" and r["repetition"] == 0
-    ]
+    answers = [r["output_ids"] for r in runs_of(tmp_path) if r["mode"] == "baseline" and r["repetition"] == 0]
     want = offline_tau(model, drafter, drafter.config.aux_layer_ids, prompts, answers, [Setting(3, 1, 4)])
     got = summary["offline_same_prompts"]
     assert got["roots"] == want["roots"] > 0 and got["settings"] == pytest.approx(want["settings"])
