@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eagle3ft.config import resolve_path
 from eagle3ft.eval.costs import Setting, cost_model_from_summary, fmt, max_tau
 
 CALIBRATION_SCHEMA = 1
@@ -148,8 +149,6 @@ def pool(latest: dict, earlier: list[dict]) -> dict:
 
 def from_config(cfg) -> dict | None:
     """bench.calibration, pooled with bench.calibration_pool's files; None without bench.calibration."""
-    from eagle3ft.config import resolve_path
-
     if cfg is None:
         return None
     if cfg.bench.calibration_pool and not cfg.bench.calibration:
