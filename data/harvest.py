@@ -32,7 +32,7 @@ from eagle3ft.cli import cli_errors, parse_cli
 from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import Conversation, check_source, collect
-from eagle3ft.data.store import SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
+from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.runlock import holding
@@ -241,6 +241,8 @@ def check_harvest_config(h: HarvestConfig) -> None:
             raise ValueError(f"harvest.{name} must be positive, got {getattr(h, name)}")
     if not 0.0 <= h.heldout_fraction < 1.0:
         raise ValueError(f"harvest.heldout_fraction must be in [0, 1), got {h.heldout_fraction}")
+    if h.aux_dtype not in AUX_DTYPES:
+        raise ValueError(f"harvest.aux_dtype {h.aux_dtype!r} is not one of {', '.join(AUX_DTYPES)}")
     if h.argmax_tie_eps < 0 or not 0.0 <= h.argmax_max_mismatch <= 1.0:
         raise ValueError(
             f"harvest.argmax_tie_eps must be >= 0 and harvest.argmax_max_mismatch in [0, 1], got {h.argmax_tie_eps} "

@@ -229,9 +229,13 @@ def check_source(src: SourceConfig) -> Path:
             raise FileNotFoundError(
                 f"token store not found: {path} (no manifest.json; data/regen.py writes RUN/tokens)"
             )
+        if src.split not in ("auto", "train", "heldout"):
+            raise ValueError(f"source split {src.split!r}: expected auto, train or heldout")
         return path
     if not path.is_file():
         raise FileNotFoundError(f"prompt source {src.kind} not found: {path}")
+    if src.split not in ("auto", "train", "heldout"):
+        raise ValueError(f"source split {src.split!r}: expected auto, train or heldout")
     if src.kind == "humaneval" and path.name.endswith(".jsonl.gz"):
         return path
     if path.suffix not in (".json", ".jsonl", ".parquet"):

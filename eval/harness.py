@@ -372,6 +372,10 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
             backend.use_drafter(drafter)
         return backend.run_speculative(prompts, s, max_new_tokens, first_index=first)
 
+    if bc.warmup not in ("all", "first"):
+        raise ValueError(f"bench.warmup {bc.warmup!r}: expected all (every prompt once per arm) or first")
+    if bc.interleave not in ("prompt", "pass"):
+        raise ValueError(f"bench.interleave {bc.interleave!r}: expected prompt (every arm per prompt) or pass")
     arms = [(None, None)] + [(d, s) for d in labels for s in settings]  # (drafter, setting); the baseline first
     # warm-up, untimed, requests as long as the timed ones: every prompt of every set per arm, or the first one
     warm = [p for _, _, prompts in sets for p in prompts] if bc.warmup == "all" else sets[0][2][:1]

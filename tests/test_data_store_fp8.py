@@ -5,7 +5,8 @@ import torch
 from safetensors import safe_open
 from test_data_store import TARGET, H, K, make_sample
 
-from eagle3ft.config import load_config
+from eagle3ft.config import HarvestConfig, load_config
+from eagle3ft.data.harvest import check_harvest_config
 from eagle3ft.data.store import FeatureStore, FeatureWriter, StoreError, dequantize_aux, quantize_aux
 
 
@@ -59,3 +60,5 @@ def test_aux_dtype_is_checked_and_never_mixed(tmp_path):
         FeatureWriter(tmp_path / "x", TARGET, K, True, "fp", aux_dtype="int4")
     with pytest.raises(ValueError, match="harvest.aux_dtype: 'fp16' is not one of bf16, fp8"):
         load_config(None, ["harvest.aux_dtype=fp16"])
+    with pytest.raises(ValueError, match="harvest.aux_dtype 'fp16'"):  # a config built in code
+        check_harvest_config(HarvestConfig(aux_dtype="fp16"))

@@ -278,6 +278,8 @@ class TrainData:
 
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         tcfg = cfg.train
+        if tcfg.features not in ("offline", "online"):
+            raise ValueError(f"train.features '{tcfg.features}' is not one of offline, online")
         if tcfg.pack_tokens is not None and tcfg.pack_tokens <= 0:
             raise ValueError(f"train.pack_tokens must be positive or null, got {tcfg.pack_tokens}")
         if tcfg.more_tokens and tcfg.features != "online":

@@ -49,6 +49,8 @@ def deepspeed_config(tcfg: TrainConfig, cuda: bool) -> dict:
         raise FileNotFoundError(f"train.deepspeed: no DeepSpeed config at {path}")
     ds = json.loads(path.read_text())
     precision = tcfg.precision if tcfg.precision != "auto" else ("bf16" if cuda else "fp32")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"train.precision '{tcfg.precision}' is not one of auto, bf16, fp32")
     bf16 = ds.setdefault("bf16", {"enabled": "auto"})
     if bf16.get("enabled") == "auto":
         bf16["enabled"] = precision == "bf16"

@@ -137,6 +137,10 @@ class SGLangTarget:
         ids = spec.check_target(hidden, vocab, layers)
         if not client_cfg.urls:
             raise SGLangError("harvest.sglang.urls is empty")
+        if client_cfg.capture not in ("auto", "one_request", "two_pass"):
+            raise SGLangError(
+                f"harvest.sglang.capture must be auto, one_request or two_pass, not {client_cfg.capture!r}"
+            )
         self.info = TargetInfo(target_cfg.name, hidden, vocab, layers, tuple(ids))
         self.urls = [u.rstrip("/") for u in client_cfg.urls]
         self.concurrency = max(1, int(client_cfg.concurrency))
