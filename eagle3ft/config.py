@@ -257,6 +257,10 @@ class BenchConfig:
     # sglang: offline tau on the plain server's own answers, their features from a copy of the target loaded in the
     # bench process (transformers, target.device) after the timed passes: only for a target that fits there
     sglang_same_prompts: bool = False
+    # sglang, per prompt and arm in this order: "whole" (non-streamed, timed by wall with the prefill, as a user's
+    # client sees it: the e2e headline) and "stream" (streamed: the decode alone, and the spans for the loop split)
+    sglang_requests: list[Literal["whole", "stream"]] = field(default_factory=lambda: ["whole", "stream"])
+    flush_cache: Literal["pass", "never"] = "pass"  # sglang: /flush_cache before each pass of an arm, or never
     baseline_url: str | None = None  # sglang: an already-running plain server
     speculative_url: str | None = None  # sglang: an already-running EAGLE3 server
     speculative_urls: list[str] = field(default_factory=list)  # sglang: more of them; a setting runs where it is served

@@ -162,6 +162,8 @@ class EmbeddedBackend:
             verify_s=t.verify_s if spec else None,
             draft_forward_s=t.draft_forward_s if spec else None,
             cycle_s=t.cycle_s if spec else None,
+            wall_s=t.prefill_s + t.decode_s,  # no transport in this process: the prefill and the decode
+            finished=bool(g.tokens) and g.tokens[-1] in self.eos_ids,
         )
 
     def run_baseline(self, prompts, max_new_tokens, first_index=0):

@@ -35,6 +35,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -88,13 +89,25 @@ def _lines(resp: requests.Response):
         yield pending
 
 
-def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tuple[dict, list[int], float, float]:
-    """One streamed /generate: (final meta_info, output ids, seconds to the first token, seconds first -> last
-    token)."""
+@dataclass
+class Streamed:
+    """One streamed /generate as the client saw it."""
+
+    meta: dict  # the last event's meta_info
+    output_ids: list[int]
+    prefill_s: float  # the request sent -> the first event with a token
+    decode_s: float  # the first event with a token -> the last
+    wall_s: float  # the request sent -> [DONE]
+    events: list[list[float]]  # [seconds after the first token, tokens so far] per event with tokens
+
+
+def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> Streamed:
+    """One streamed /generate, every event's arrival time kept."""
     t0 = time.perf_counter()
     first = last = None
     meta: dict = {}
     out: list[int] = []
+    events: list[list[float]] = []
     try:
         resp = requests.post(
             url + "/generate",
@@ -128,11 +141,36 @@ def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tup
             if n > 0:
                 first = now if first is None else first
                 last = now
+                if not events or n > events[-1][1]:
+                    events.append([now - first, n])
         if not done:
             raise SGLangError(f"{url}/generate: the stream ended without [DONE]")
+    wall = time.perf_counter() - t0
     if first is None:
-        return meta, out, time.perf_counter() - t0, 0.0
-    return meta, out, first - t0, last - first
+        return Streamed(meta, out, wall, 0.0, wall, events)
+    return Streamed(meta, out, first - t0, last - first, wall, events)
+
+
+def whole_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tuple[dict, list[int], float]:
+    """One non-streamed /generate, as a user's client sends it: (meta_info, output ids, seconds from sending the
+    request to holding the whole answer)."""
+    t0 = time.perf_counter()
+    try:
+        resp = requests.post(
+            url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=(10.0, timeout_s)
+        )
+        body = resp.json() if resp.status_code == 200 else None
+    except (requests.RequestException, ValueError) as e:
+        raise SGLangError(f"{url}/generate: {e}") from None
+    wall = time.perf_counter() - t0
+    if body is None:
+        raise SGLangError(f"{url}/generate: HTTP {resp.status_code}: {resp.text[:300]}")
+    return body["meta_info"], list(body.get("output_ids") or []), wall
+
+
+def finished(meta: dict) -> bool:
+    """SGLang's finish_reason: stopped on a stop id or token ("stop"), not at max_new_tokens ("length")."""
+    return (meta.get("finish_reason") or {}).get("type") == "stop"
 
 
 def _exit_on_sigterm(signum, frame):
@@ -280,42 +318,70 @@ class SGLangBackend:
     # ------------------------------------------------------------------ passes
 
     def _one(self, url: str, i: int, ids: list[int], max_new: int, key: str) -> RequestResult:
-        meta, out, prefill_s, decode_s = stream_generate(url, ids, self._sp(max_new), self.timeout_s)
-        n = int(meta.get("completion_tokens", len(out)))
-        acc = accept_lengths_from(meta, n)
-        spec = {k: v for k, v in meta.items() if k.startswith("spec_")}
-        with self._lock:
-            self._log.write(
-                json.dumps(
-                    {
-                        "setting": key,
-                        "prompt_index": i,
-                        "completion_tokens": n,
-                        "prefill_s": prefill_s,
-                        "decode_s": decode_s,
-                        "e2e_latency": meta.get("e2e_latency"),
-                        **spec,
-                    }
-                )
-                + "\n"
+        """bench.sglang_requests in order for one prompt: a non-streamed request ("whole", timed by wall as a user's
+        client sees it) and/or a streamed one ("stream": its events give the prefill, the decode alone and the
+        answer's spans)."""
+        kinds, sp, whole = self.cfg.bench.sglang_requests, self._sp(max_new), None
+        for kind in kinds:
+            if kind == "whole":
+                meta, out, wall = whole_generate(url, ids, sp, self.timeout_s)
+                whole = {
+                    "new_tokens": int(meta.get("completion_tokens", len(out))),
+                    "wall_s": wall,
+                    "output_ids": out,
+                    "verify_count": meta.get("spec_verify_ct"),
+                    "finished": finished(meta),
+                    "e2e_latency": meta.get("e2e_latency"),
+                }
+                self._record(key, i, "whole", meta, wall=wall)
+        if "stream" not in kinds:  # the whole request is the only one: its wall time stands for the decode too
+            acc = accept_lengths_from(meta, whole["new_tokens"])
+            return RequestResult(
+                prompt_index=i,
+                prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
+                new_tokens=whole["new_tokens"],
+                prefill_s=0.0,
+                decode_s=wall,
+                output_ids=out,
+                verify_count=int(meta["spec_verify_ct"]) if acc is not None else None,
+                accept_lengths=acc,
+                wall_s=wall,
+                finished=whole["finished"],
+                whole=whole,
             )
-            if "spec_accept_length" in spec:
-                self.request_tau.setdefault(key, []).append(float(spec["spec_accept_length"]))
+        st = stream_generate(url, ids, sp, self.timeout_s)
+        n = int(st.meta.get("completion_tokens", len(st.output_ids)))
+        acc = accept_lengths_from(st.meta, n)
+        self._record(key, i, "stream", st.meta, prefill_s=st.prefill_s, decode_s=st.decode_s, wall=st.wall_s)
         return RequestResult(
             prompt_index=i,
-            prompt_tokens=int(meta.get("prompt_tokens", len(ids))),
+            prompt_tokens=int(st.meta.get("prompt_tokens", len(ids))),
             new_tokens=n,
-            prefill_s=prefill_s,
-            decode_s=decode_s,
-            output_ids=out,
-            verify_count=int(meta["spec_verify_ct"]) if acc is not None else None,
+            prefill_s=st.prefill_s,
+            decode_s=st.decode_s,
+            output_ids=st.output_ids,
+            verify_count=int(st.meta["spec_verify_ct"]) if acc is not None else None,
             accept_lengths=acc,
+            wall_s=st.wall_s,
+            finished=finished(st.meta),
+            events=st.events,
+            whole=whole,
         )
+
+    def _record(self, key: str, i: int, kind: str, meta: dict, **times) -> None:
+        """One request's meta_info spec fields and timings into RUN/bench/sglang_requests.jsonl."""
+        spec = {k: v for k, v in meta.items() if k.startswith("spec_")}
+        row = {"setting": key, "prompt_index": i, "request": kind, "completion_tokens": meta.get("completion_tokens")}
+        with self._lock:
+            self._log.write(json.dumps({**row, **times, "e2e_latency": meta.get("e2e_latency"), **spec}) + "\n")
+            if "spec_accept_length" in spec and kind == self.cfg.bench.sglang_requests[-1]:
+                self.request_tau.setdefault(key, []).append(float(spec["spec_accept_length"]))
 
     def _pass(self, setting: Setting | None, prompts: list[list[int]], max_new: int, first: int) -> list[RequestResult]:
         url = self.url(setting)
         key = "baseline" if setting is None else setting.key
-        self.flush_cache(url)
+        if self.cfg.bench.flush_cache == "pass":
+            self.flush_cache(url)
         results = [self._one(url, i, p, max_new, key) for i, p in enumerate(prompts, first)]
         self._log.flush()
         if setting is not None:

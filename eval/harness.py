@@ -63,6 +63,7 @@ import torch
 from eagle3ft.eval import economics
 from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.economics import format_table
+from eagle3ft.eval.live_splits import arm_figures
 
 
 @dataclass
@@ -78,6 +79,10 @@ class RequestResult:
     verify_s: list[float] | None = None
     draft_forward_s: list[float] | None = None
     cycle_s: list[float] | None = None
+    wall_s: float | None = None  # the request sent -> its answer complete: prefill and transport included
+    finished: bool | None = None  # stopped on a stop id before max_new_tokens
+    events: list[list[float]] | None = None  # streamed: [seconds after the first token, tokens so far] per event
+    whole: dict | None = None  # sglang: the same prompt's non-streamed request: new_tokens, wall_s, output_ids, ...
 
     @property
     def tok_s(self) -> float:
@@ -264,6 +269,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         return by
 
     base = passes("baseline", None)
+    base_rows = [r for r in runs if r["mode"] == "baseline" and r["setting"] is None]
     base_by_rep = {rep: _pass_tok_s(v) for rep, v in sorted(base.items())}
     base_tok_s = list(base_by_rep.values())
     base_s_per_token = statistics.median(1 / t for t in base_tok_s)
@@ -309,6 +315,9 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
             ),  # decode time / verifies: the mean cycle, what tok/s = tau / cycle holds for
             # that mean cycle over the same repetition's plain seconds per token, median over repetitions
             "cycle_plain_steps": _median(cycle_steps),
+            "figures": arm_figures(
+                [r for r in runs if r["mode"] == "speculative" and r["setting"] == st.key], base_rows
+            ),
             "outputs_match_baseline": sum(r.output_ids == baseline_outputs.get(r.prompt_index) for r in allr)
             / len(allr)
             if all(r.output_ids is not None for r in allr)
@@ -338,6 +347,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
             "tok_s": spread(base_tok_s),
             "tok_s_median": statistics.median(base_tok_s),
             "ms_per_token": 1e3 * base_s_per_token,
+            "figures": arm_figures(base_rows, None),
         },
         "speculative": spec_rows,
         "costs": {
@@ -462,6 +472,32 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
     return summary
 
 
+def _format_figures(f: dict | None, indent: str) -> list[str]:
+    """The e2e line and the loop/finished split of one arm (eval/live_splits.py)."""
+    if not f:
+        return []
+    e, lf, fin = f["e2e"], f["loop_free"], f["finished"]
+    line = f"{indent}  e2e {e['tok_s']['median']:8.1f} tok/s ({e['tok_s']['min']:.1f}-{e['tok_s']['max']:.1f})"
+    if e.get("speedup_median"):
+        line += f"  x{e['speedup_median']:.2f}" + (
+            f" (paired x{e['speedup_paired']['median']:.2f})" if e.get("speedup_paired") else ""
+        )
+    out = [line + f"  [{e['timing']}]"]
+    share = f"{lf['loop_share']:.0%}" if lf["loop_share"] is not None else "n/a"
+    tau_lf = f"{lf['tau']:.2f}" if lf["tau"] else "n/a"
+    tau_fin = f"{fin['tau']:.2f}" if fin["tau"] else "n/a"
+    out.append(
+        f"{indent}  loops: {share} of tokens, {lf['answers_looping']} answers loop"
+        + (f"; tau loop-free {tau_lf}" if lf["tau"] or f["all"]["verifies"] else "")
+        + (f" (decode x{lf['speedup_decode']:.2f})" if lf.get("speedup_decode") else "")
+        + f"; finished {fin['answers']}/{fin['of']}"
+        + (f", tau {tau_fin}" if f["all"]["verifies"] else "")
+        + (f", e2e x{fin['speedup_e2e']:.2f}" if fin.get("speedup_e2e") else "")
+        + (f"; {lf['unresolved']} answers without spans" if lf["unresolved"] else "")
+    )
+    return out
+
+
 def _format_rows(rows: list[dict], indent: str = "") -> list[str]:
     lines = []
     for r in rows:
@@ -473,6 +509,7 @@ def _format_rows(rows: list[dict], indent: str = "") -> list[str]:
             + f"  tau {r['tau']:.2f}"
             + (f"  verify {r['verify_ms']:.2f} ms  draft fwd {r['draft_forward_ms']:.2f} ms" if r["verify_ms"] else "")
         )
+        lines += _format_figures(r.get("figures"), indent)
     return lines
 
 
@@ -491,5 +528,9 @@ def format_summary(s: dict) -> str:
         return "\n".join(lines)
     b = s["baseline"]["tok_s"]
     return "\n".join(
-        [f"baseline     {b['median']:8.1f} tok/s ({b['min']:.1f}-{b['max']:.1f})", *_format_rows(s["speculative"])]
+        [
+            f"baseline     {b['median']:8.1f} tok/s ({b['min']:.1f}-{b['max']:.1f})",
+            *_format_figures(s["baseline"].get("figures"), ""),
+            *_format_rows(s["speculative"]),
+        ]
     )

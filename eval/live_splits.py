@@ -1,0 +1,167 @@
+"""What a live bench's passes give beyond the decode-only tok/s: the end-to-end figure a user's client sees, and every
+figure again on the loop-free tokens and on the answers that finished before the cap (eval/loops.py).
+
+- **e2e**: answer tokens over the wall time of the requests (the prompt's prefill and the transport included):
+  SGLang's non-streamed requests (`bench.sglang_requests` "whole"), else its streamed ones' wall time, else the
+  embedded decoder's prefill + decode. Per repetition, pooled over the prompts; the speed-up against the same
+  repetition's plain pass (`speedup_paired`) and of the medians.
+- **loop_free**: tau and decode tok/s on the tokens outside loops. An answer is cut into the spans it was emitted in,
+  each with its verifies and seconds: a verify's accepted tokens (embedded, in order), or a streamed event (SGLang:
+  exact when the stream has one event per verify, else the request's verifies shared out over its events by their
+  seconds, cycles costing about the same); a plain answer's tokens each cost one step. A non-streamed SGLang answer
+  has no spans: it counts in `all` and `finished` only (`unresolved`).
+- **finished**: tau over the answers that stopped on a stop id, and the e2e speed-up over the (prompt, repetition)
+  pairs where both the plain and the speculative answer finished.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from eagle3ft.eval.loops import Split, loop_mask, split_spans
+
+
+def e2e_of(r: dict) -> tuple[int, float]:
+    """(answer tokens, seconds) of one request as a user's client times it."""
+    if r.get("whole"):
+        return int(r["whole"]["new_tokens"]), float(r["whole"]["wall_s"])
+    if r.get("wall_s") is not None:
+        return int(r["new_tokens"]), float(r["wall_s"])
+    return int(r["new_tokens"]), float(r["prefill_s"]) + float(r["decode_s"])
+
+
+def spans_of(r: dict) -> list[tuple[int, float, float]] | None:
+    """(tokens, verifies, seconds) per span of one decoded answer, in order; the first span is the prefill's token.
+    None when the answer's spans are unknown (a non-streamed SGLang answer)."""
+    n, verifies = int(r["new_tokens"]), r.get("verify_count")
+    if r.get("events"):
+        t = [e[0] for e in r["events"]]
+        counts = [int(e[1]) for e in r["events"]]
+        sizes = [counts[0]] + [b - a for a, b in zip(counts, counts[1:])]
+        secs = [0.0] + [b - a for a, b in zip(t, t[1:])]
+        if not verifies:
+            return list(zip(sizes, [0.0] * len(sizes), secs))
+        if len(sizes) == verifies + 1:
+            return list(zip(sizes, [0.0] + [1.0] * verifies, secs))
+        total = sum(secs) or 1.0
+        return list(zip(sizes, [verifies * s / total for s in secs], secs))
+    if r.get("accept_lengths") and r.get("cycle_s") is not None:  # embedded: each verify's tokens, in order
+        acc = r["accept_lengths"]
+        return [(n - sum(acc), 0.0, 0.0)] + [(a, 1.0, c) for a, c in zip(acc, r["cycle_s"])]
+    if not verifies and r.get("whole") is None and n > 1:  # plain, embedded: each token one step
+        step = float(r["decode_s"]) / (n - 1)
+        return [(1, 0.0, 0.0)] + [(1, 0.0, step)] * (n - 1)
+    return None
+
+
+def _row_splits(r: dict) -> tuple[Split, Split, bool] | None:
+    """(loop-free, loop, whether the answer loops) of one request, or None without spans."""
+    ids = r.get("output_ids")
+    spans = spans_of(r)
+    if ids is None or spans is None:
+        return None
+    loop = loop_mask(list(ids))
+    free, looped = split_spans(loop, spans)
+    return free, looped, any(loop)
+
+
+def _tau(tokens: float, verifies: float) -> float | None:
+    return tokens / verifies if verifies else None
+
+
+def arm_figures(rows: list[dict], plain: list[dict] | None) -> dict:
+    """The e2e, loop-free and finished figures of one arm's rows (all repetitions); `plain` the baseline's rows for
+    the speed-ups (None for the baseline itself)."""
+    by_rep: dict[int, list[dict]] = {}
+    for r in rows:
+        by_rep.setdefault(r["repetition"], []).append(r)
+    e2e = {rep: _pooled_tok_s([e2e_of(r) for r in rs]) for rep, rs in sorted(by_rep.items())}
+    out: dict = {"e2e": {"tok_s": _spread(list(e2e.values())), "timing": _timing(rows)}}
+    streamed = {  # beside a non-streamed e2e: the streamed requests' own wall time
+        rep: _pooled_tok_s([(int(r["new_tokens"]), float(r["wall_s"])) for r in rs])
+        for rep, rs in sorted(by_rep.items())
+        if all(r.get("whole") and r.get("events") and r.get("wall_s") for r in rs)
+    }
+    if streamed:
+        out["stream_wall"] = {"tok_s": _spread(list(streamed.values()))}
+    free, looped, unresolved, looping = Split(), Split(), 0, 0
+    for r in rows:
+        got = _row_splits(r)
+        if got is None:
+            unresolved += 1
+            continue
+        free, looped, looping = free + got[0], looped + got[1], looping + got[2]
+    tokens = sum(int(r["new_tokens"]) for r in rows)
+    verifies = sum(int(r.get("verify_count") or 0) for r in rows)
+    out["all"] = {"tokens": tokens, "verifies": verifies, "tau": _tau(tokens - _prefill_tokens(rows), verifies)}
+    out["loop_free"] = {
+        "tokens": free.tokens,
+        "loop_tokens": looped.tokens,
+        "loop_share": looped.tokens / (free.tokens + looped.tokens) if free.tokens + looped.tokens else None,
+        "tau": free.tau,
+        "tau_loops": looped.tau,
+        "decode_tok_s": free.tok_s,
+        "answers_looping": looping,
+        "unresolved": unresolved,
+    }
+    done = [r for r in rows if r.get("finished")]
+    out["finished"] = {
+        "answers": len(done),
+        "of": len(rows),
+        "tau": _tau(
+            sum(int(r["new_tokens"]) - 1 for r in done if r.get("verify_count")),
+            sum(int(r.get("verify_count") or 0) for r in done),
+        ),
+    }
+    if plain is not None:
+        base = {rep: _pooled_tok_s([e2e_of(r) for r in rs]) for rep, rs in _by_rep(plain).items()}
+        paired = [t / base[rep] for rep, t in e2e.items() if rep in base]
+        out["e2e"]["speedup_median"] = statistics.median(e2e.values()) / statistics.median(base.values())
+        out["e2e"]["speedup_paired"] = _spread(paired) if paired else None
+        pw = arm_figures(plain, None).get("stream_wall")
+        if streamed and pw:
+            out["stream_wall"]["speedup_median"] = out["stream_wall"]["tok_s"]["median"] / pw["tok_s"]["median"]
+        pf = arm_figures(plain, None)["loop_free"]
+        if pf["decode_tok_s"] and free.tok_s:
+            out["loop_free"]["speedup_decode"] = free.tok_s / pf["decode_tok_s"]
+        out["finished"]["speedup_e2e"] = _finished_speedup(rows, plain)
+    return out
+
+
+def _by_rep(rows: list[dict]) -> dict[int, list[dict]]:
+    by: dict[int, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["repetition"], []).append(r)
+    return dict(sorted(by.items()))
+
+
+def _prefill_tokens(rows: list[dict]) -> int:
+    """The prefill's first token of each speculative answer: no verify emitted it."""
+    return sum(1 for r in rows if r.get("verify_count"))
+
+
+def _finished_speedup(rows: list[dict], plain: list[dict]) -> float | None:
+    """e2e tok/s over the (prompt, repetition) pairs where both answers finished, over plain's on the same pairs."""
+    both = {(r["prompt_index"], r["repetition"]): r for r in plain if r.get("finished")}
+    keys = [(r, (r["prompt_index"], r["repetition"])) for r in rows if r.get("finished")]
+    pairs = [(r, both[k]) for r, k in keys if k in both]
+    if not pairs:
+        return None
+    return _pooled_tok_s([e2e_of(s) for s, _ in pairs]) / _pooled_tok_s([e2e_of(b) for _, b in pairs])
+
+
+def _pooled_tok_s(pairs: list[tuple[int, float]]) -> float:
+    secs = sum(s for _, s in pairs)
+    return sum(n for n, _ in pairs) / secs if secs > 0 else 0.0
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "per_repetition": xs}
+
+
+def _timing(rows: list[dict]) -> str:
+    if all(r.get("whole") for r in rows):
+        return "non-streamed requests: wall time, prefill and transport included"
+    if all(r.get("wall_s") is not None and r.get("events") for r in rows):
+        return "streamed requests: wall time, prefill and transport included"
+    return "prefill + decode"

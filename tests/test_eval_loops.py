@@ -1,0 +1,93 @@
+"""The repetition-loop definition (eval/loops.py) and the live split built on it (eval/live_splits.py), on hand-made
+answers whose loops are known."""
+
+from eagle3ft.eval.live_splits import arm_figures, spans_of
+from eagle3ft.eval.loops import MIN_RUN, NGRAM, loop_mask, repeated, split_spans
+
+
+def _answer() -> tuple[list[int], int, int]:
+    """20 distinct tokens, then a 6-token phrase said 6 times: (ids, first loop token, its length). The 8-gram ending
+    at token t repeats the one ending at t - 6 once both lie inside the phrases: t >= 20 + 6 + 8 - 1."""
+    head = list(range(100, 120))
+    phrase = [1, 2, 3, 4, 5, 6]
+    ids = head + phrase * 6
+    first = len(head) + len(phrase) + NGRAM - 1
+    return ids, first, len(ids) - first
+
+
+def test_a_known_loop_gives_known_counts():
+    ids, first, n = _answer()
+    mask = loop_mask(ids)
+    assert mask == [False] * first + [True] * n
+    assert sum(mask) == 23 and n >= MIN_RUN
+
+
+def test_a_phrase_said_twice_is_no_loop():
+    ids = list(range(50)) + list(range(10)) + list(range(200, 240))  # 10 tokens copied once: 3 repeated 8-grams
+    assert sum(repeated(ids)) == 3
+    assert not any(loop_mask(ids))
+
+
+def test_spans_share_verifies_and_seconds_by_their_tokens():
+    loop = [False, False, True, True]
+    free, looped = split_spans(loop, [(1, 0.0, 0.0), (2, 1.0, 2.0), (1, 1.0, 1.0)])
+    assert (free.tokens, free.verifies, free.seconds) == (2, 0.5, 1.0)
+    assert (looped.tokens, looped.verifies, looped.seconds) == (2, 1.5, 2.0)
+
+
+def _row(ids, rep, mode, verify=None, acc=None, cycle=None, finished=False, events=None, whole=None):
+    return {
+        "repetition": rep,
+        "mode": mode,
+        "prompt_index": 0,
+        "new_tokens": len(ids),
+        "output_ids": ids,
+        "prefill_s": 0.01,
+        "decode_s": 0.1 * (len(ids) - 1),
+        "wall_s": 0.01 + 0.1 * (len(ids) - 1),
+        "verify_count": verify,
+        "accept_lengths": acc,
+        "cycle_s": cycle,
+        "finished": finished,
+        "events": events,
+        "whole": whole,
+    }
+
+
+def test_live_split_on_a_looping_speculative_answer():
+    """An embedded answer: the prefill's token, verifies of 1 token before the loop, then verifies of 4 inside it.
+    Loop-free tau counts the verifies over free tokens only; the loop's tau is the rest."""
+    ids, first, n = _answer()
+    acc = [1] * (first - 1) + [4] * (n // 4) + ([n % 4] if n % 4 else [])
+    assert 1 + sum(acc) == len(ids)
+    spec = _row(ids, 0, "speculative", verify=len(acc), acc=acc, cycle=[0.15] * len(acc))
+    plain = _row(ids, 0, "baseline")
+    f = arm_figures([spec], [plain])
+    lf = f["loop_free"]
+    assert lf["tokens"] == first and lf["loop_tokens"] == n
+    assert lf["tau"] == 1.0  # the prefill's token is no verify's: 32 free tokens in 32 verifies
+    assert abs(lf["tau_loops"] - 4.0) < 0.2
+    assert lf["answers_looping"] == 1 and lf["unresolved"] == 0
+    assert abs(lf["speedup_decode"] - (1 / 0.15) / (1 / 0.1)) < 1e-9  # free tokens: one per 0.15 s against 0.1 s
+    assert f["all"]["tau"] == sum(acc) / len(acc)
+
+
+def test_streamed_events_resolve_verifies_when_one_per_event():
+    ids = list(range(10))
+    r = _row(ids, 0, "speculative", verify=3, events=[[0.0, 1], [0.25, 4], [0.5, 7], [0.75, 10]])
+    assert spans_of(r) == [(1, 0.0, 0.0), (3, 1.0, 0.25), (3, 1.0, 0.25), (3, 1.0, 0.25)]
+    merged = _row(ids, 0, "speculative", verify=3, events=[[0.0, 1], [0.25, 4], [0.75, 10]])
+    s = spans_of(merged)
+    assert [round(v, 6) for _, v, _ in s] == [0.0, 1.0, 2.0]  # 3 verifies shared out by the events' seconds
+
+
+def test_finished_and_e2e_figures_pair_prompts_and_repetitions():
+    whole_s = {"new_tokens": 10, "wall_s": 0.5, "output_ids": list(range(10)), "finished": True}
+    whole_p = {"new_tokens": 10, "wall_s": 1.0, "output_ids": list(range(10)), "finished": True}
+    spec = [_row(list(range(10)), k, "speculative", verify=3, finished=True, whole=whole_s) for k in range(3)]
+    plain = [_row(list(range(10)), k, "baseline", finished=True, whole=whole_p) for k in range(3)]
+    f = arm_figures(spec, plain)
+    assert f["e2e"]["speedup_median"] == 2.0 and f["e2e"]["speedup_paired"]["median"] == 2.0
+    assert f["finished"]["answers"] == 3 and f["finished"]["speedup_e2e"] == 2.0
+    assert f["loop_free"]["unresolved"] == 3  # a non-streamed answer has no spans
+    assert "non-streamed" in f["e2e"]["timing"]
