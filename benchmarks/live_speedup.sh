@@ -47,6 +47,9 @@ serve() {  # serve PORT SLOT ROLE...: a server with a tenth of the GPU (SGLang t
 }
 servers() {
   local t=$SECONDS p
+  if curl -sf http://127.0.0.1:30100/health > /dev/null && curl -sf http://127.0.0.1:30102/health > /dev/null; then
+    echo "servers already up"; return 0
+  fi
   serve 30100 0 --role baseline
   serve 30101 1 --role speculative --drafter "$SHIPPED" --setting 3/1/4
   serve 30102 2 --role speculative --drafter "$SHIPPED" --setting 8/4/32
@@ -68,7 +71,8 @@ bench() {  # bench NAME SRC SETTINGS [sets...]: eval/bench_sglang.py, plain agai
   timeout 900 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$out" "${SGL[@]}" --set bench.backend=sglang \
     --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[$urls]" --set "bench.prompts=$2" \
     --set bench.max_new_tokens=512 --set "bench.repetitions=${REPS:-3}" --set "bench.settings=[$yaml]" \
-    --set 'bench.concurrency=[1]' --set bench.warmup=first --set bench.sglang_same_prompts=false "${@:4}" > "$L/$1.txt" 2>&1
+    --set 'bench.concurrency=[1]' --set bench.warmup=first --set bench.sglang_same_prompts=false --set 'bench.drafters={}' \
+    "${@:4}" > "$L/$1.txt" 2>&1
   echo "exit $?"; tail -20 "$L/$1.txt"
   mkdir -p "$L/$1"; cp "$out"/bench/{summary.json,runs.jsonl,sglang_requests.jsonl} "$L/$1/" 2> /dev/null
 }
@@ -81,17 +85,18 @@ outside() {
     --out "$L/outside" > "$L/outside.txt" 2>&1
   echo "exit $?"; grep '^{"arm"' "$L/outside.txt" | tail -6
   rm -f "$L"/outside/bs-*.jsonl
-  $PY benchmarks/outside_client.py compare "$S/factors/bench/summary.json" "$L/outside/outside.json" | tee "$L/compare.json"
 }
 plan() {
   servers || return 1
   local p
-  for p in ${PLAN:-factors outside everyday nocache short}; do
+  for p in ${PLAN:-factors outside compare everyday nocache short}; do
     case $p in
       factors) bench factors "$MTB" 3/1/4,8/4/32 ;;
       outside) outside ;;
+      compare) $PY benchmarks/outside_client.py compare "$S/factors/bench/summary.json" "$L/outside/outside.json" | tee "$L/compare.json" ;;
       everyday) bench everyday "$EVERYDAY" 3/1/4,8/4/32 --set 'bench.sglang_requests=[whole]' ;;
       nocache) bench nocache "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never ;;
+      pass) bench pass "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never --set bench.interleave=pass ;;
       short) bench short "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.max_new_tokens=256 ;;
     esac
   done
@@ -123,7 +128,7 @@ case ${1:-} in
     tree=/tmp/tree-$$ && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$tree"
     (cd "$tree" && PYTHONPATH=$PYTHONPATH setsid nohup bash benchmarks/live_speedup.sh run >> "$L/log" 2>&1 < /dev/null &)
     echo "started from $tree" ;;
-  run) say "plan: ${PLAN:-factors outside everyday nocache short}"; plan; say done; touch "$L/.done" ;;
+  run) say "plan: ${PLAN:-factors outside compare everyday nocache short}"; plan; say done; touch "$L/.done" ;;
   wait)
     end=$((SECONDS + ${2:-60}))
     until [[ -f $L/.done ]] || (( SECONDS >= end )); do sleep 5; done

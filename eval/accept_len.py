@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
+from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk_rows, tree_accept
+from eagle3ft.eval.loops import loop_mask
 from eagle3ft.train.model import Eagle3Drafter
 
 # --------------------------------------------------------------------------- counts -> tau
@@ -147,13 +148,14 @@ def evaluate(
         res = chain_acceptance(drafter, s, steps, samp_t)
         g = g + ChainCounts.from_alpha(res.greedy_alpha, res.greedy_valid)
         sm = sm + ChainCounts.from_alpha(res.sampled_alpha, res.sampled_valid)
+        loops = answer_loops(s)
         for d, per_sample in walk.items():
-            per_sample.append(_totals(cycle_walk(*chain_accept_lengths(res, d))))
+            per_sample.append(_totals(cycle_walk_rows(*chain_accept_lengths(res, d)), loops))
         if topk > 1:
             acc, is_root, complete = tree_accept(drafter, s, steps, topk, num_draft_tokens, tree_context)
             tree_sum += int(acc[complete].sum())
             tree_n += int(complete.sum())
-            tree_walk.append(_totals(cycle_walk(acc, is_root)))
+            tree_walk.append(_totals(cycle_walk_rows(acc, is_root), loops))
         n_samples += 1
         n_roots += int(res.greedy_valid[:, 0].sum())
     rep = AcceptReport(steps, topk, num_draft_tokens, samp_t, n_samples, n_roots)
@@ -186,21 +188,48 @@ def evaluate(
     return rep
 
 
-def _totals(cycles: list[int]) -> tuple[int, int]:
-    """One sample's cycle walk -> (tokens, cycles)."""
-    return sum(cycles), len(cycles)
+def answer_loops(s: SampleInputs) -> list[bool]:
+    """Per position: whether the token sits in a repetition loop of its own answer turn (eval/loops.py)."""
+    mask = s.loss_mask.tolist()
+    ids = s.input_ids.tolist()
+    out, t = [False] * len(ids), 0
+    while t < len(ids):
+        if not mask[t]:
+            t += 1
+            continue
+        end = t
+        while end < len(ids) and mask[end]:
+            end += 1
+        out[t:end] = loop_mask(ids[t:end])
+        t = end
+    return out
 
 
-def _walk_tau(per_sample: list[tuple[int, int]]) -> float | None:
-    cycles = sum(c for _, c in per_sample)
-    return sum(t for t, _ in per_sample) / cycles if cycles else None
+def _totals(cycles: list[tuple[int, int]], loops: list[bool]) -> tuple[int, int, float, float]:
+    """One sample's cycle walk -> (tokens, cycles, loop-free tokens, loop-free cycles): a cycle's share of loop-free
+    tokens counts that share of the cycle."""
+    free_tokens = free_cycles = 0.0
+    for row, n in cycles:
+        free = n - sum(loops[row + 2 : row + 2 + n])
+        free_tokens += free
+        free_cycles += free / n
+    return sum(n for _, n in cycles), len(cycles), free_tokens, free_cycles
 
 
-def _walk_fields(per_sample: list[tuple[int, int]]) -> dict:
+def _walk_tau(per_sample: list[tuple]) -> float | None:
+    cycles = sum(x[1] for x in per_sample)
+    return sum(x[0] for x in per_sample) / cycles if cycles else None
+
+
+def _walk_fields(per_sample: list[tuple]) -> dict:
+    free_cycles = sum(x[3] for x in per_sample)
+    tokens = sum(x[0] for x in per_sample)
     return {
         "tau_walk": _walk_tau(per_sample),
-        "cycles_walk": sum(c for _, c in per_sample),
-        "tau_walk_interval": walk_interval(per_sample),
+        "cycles_walk": sum(x[1] for x in per_sample),
+        "tau_walk_interval": walk_interval([x[:2] for x in per_sample]),
+        "tau_walk_loop_free": sum(x[2] for x in per_sample) / free_cycles if free_cycles else None,
+        "loop_share_walk": 1 - sum(x[2] for x in per_sample) / tokens if tokens else None,
     }
 
 

@@ -166,10 +166,16 @@ def cycle_walk(accept: torch.Tensor, is_root: torch.Tensor) -> list[int]:
     root; a cycle at row i emits accept[i] and the next starts at row i + accept[i], or at the first root after it
     (a new answer turn starts a new walk).
     """
+    return [n for _, n in cycle_walk_rows(accept, is_root)]
+
+
+def cycle_walk_rows(accept: torch.Tensor, is_root: torch.Tensor) -> list[tuple[int, int]]:
+    """cycle_walk's cycles as (row, tokens emitted): the cycle at row i (root token i + 1) emits the tokens at
+    positions i + 2 .. i + 1 + tokens."""
     cycles, nxt = [], 0
     for i, (n, ok) in enumerate(zip(accept.tolist(), is_root.tolist())):
         if ok and i >= nxt:
-            cycles.append(n)
+            cycles.append((i, n))
             nxt = i + n
     return cycles
 

@@ -12,6 +12,10 @@ figure again on the loop-free tokens and on the answers that finished before the
   has no spans: it counts in `all` and `finished` only (`unresolved`).
 - **finished**: tau over the answers that stopped on a stop id, and the e2e speed-up over the (prompt, repetition)
   pairs where both the plain and the speculative answer finished.
+- **loop_free_answers**: the same over the answers with no loop at all; exact without spans, so it is what a
+  non-streamed run gives in place of `loop_free`.
+
+`python -m eagle3ft.eval.live_splits RUN/bench/runs.jsonl` prints these figures for every arm of a bench's raw runs.
 """
 
 from __future__ import annotations
@@ -104,6 +108,15 @@ def arm_figures(rows: list[dict], plain: list[dict] | None) -> dict:
         "answers_looping": looping,
         "unresolved": unresolved,
     }
+    free_answers = [r for r in rows if r.get("output_ids") is not None and not any(loop_mask(list(_answer(r))))]
+    out["loop_free_answers"] = {
+        "answers": len(free_answers),
+        "of": len(rows),
+        "tau": _tau(
+            sum(int(r["new_tokens"]) - 1 for r in free_answers if r.get("verify_count")),
+            sum(int(r.get("verify_count") or 0) for r in free_answers),
+        ),
+    }
     done = [r for r in rows if r.get("finished")]
     out["finished"] = {
         "answers": len(done),
@@ -124,7 +137,8 @@ def arm_figures(rows: list[dict], plain: list[dict] | None) -> dict:
         pf = arm_figures(plain, None)["loop_free"]
         if pf["decode_tok_s"] and free.tok_s:
             out["loop_free"]["speedup_decode"] = free.tok_s / pf["decode_tok_s"]
-        out["finished"]["speedup_e2e"] = _finished_speedup(rows, plain)
+        out["finished"]["speedup_e2e"] = _paired_speedup(rows, plain, lambda r: bool(r.get("finished")))
+        out["loop_free_answers"]["speedup_e2e"] = _paired_speedup(rows, plain, lambda r: not any(loop_mask(_answer(r))))
     return out
 
 
@@ -140,10 +154,16 @@ def _prefill_tokens(rows: list[dict]) -> int:
     return sum(1 for r in rows if r.get("verify_count"))
 
 
-def _finished_speedup(rows: list[dict], plain: list[dict]) -> float | None:
-    """e2e tok/s over the (prompt, repetition) pairs where both answers finished, over plain's on the same pairs."""
-    both = {(r["prompt_index"], r["repetition"]): r for r in plain if r.get("finished")}
-    keys = [(r, (r["prompt_index"], r["repetition"])) for r in rows if r.get("finished")]
+def _answer(r: dict) -> list[int]:
+    """The answer a request's e2e time belongs to: the non-streamed one when there is one."""
+    return list((r.get("whole") or r)["output_ids"] or [])
+
+
+def _paired_speedup(rows: list[dict], plain: list[dict], keep) -> float | None:
+    """e2e tok/s over the (prompt, repetition) pairs where both this arm's and the plain answer pass `keep`, over
+    plain's on the same pairs."""
+    both = {(r["prompt_index"], r["repetition"]): r for r in plain if keep(r)}
+    keys = [(r, (r["prompt_index"], r["repetition"])) for r in rows if keep(r)]
     pairs = [(r, both[k]) for r, k in keys if k in both]
     if not pairs:
         return None
@@ -165,3 +185,22 @@ def _timing(rows: list[dict]) -> str:
     if all(r.get("wall_s") is not None and r.get("events") for r in rows):
         return "streamed requests: wall time, prefill and transport included"
     return "prefill + decode"
+
+
+def figures_of_runs(runs: list[dict]) -> dict:
+    """Every arm's figures from a bench's raw runs (runs.jsonl rows of the first prompt set)."""
+    pset = runs[0]["prompts"]
+    runs = [r for r in runs if r["prompts"] == pset]
+    plain = [r for r in runs if r["mode"] == "baseline"]
+    out = {"baseline": arm_figures(plain, None)}
+    for key in dict.fromkeys(r["setting"] for r in runs if r["mode"] == "speculative"):
+        out[key] = arm_figures([r for r in runs if r["mode"] == "speculative" and r["setting"] == key], plain)
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    rows = [json.loads(line) for line in open(sys.argv[1])]
+    print(json.dumps(figures_of_runs(rows), indent=1))

@@ -83,6 +83,8 @@ def offline_tau(
         "settings": {k: v["tau"] for k, v in found.items()},
         "settings_walk": {k: v["tau_walk"] for k, v in found.items()},
         "settings_walk_interval": {k: v.get("tau_walk_interval") for k, v in found.items()},
+        "settings_walk_loop_free": {k: v.get("tau_walk_loop_free") for k, v in found.items()},
+        "loop_share": {k: v.get("loop_share_walk") for k, v in found.items()},
         **({"tree_context": tree_context} if trees else {}),
     }
 

@@ -91,3 +91,16 @@ def test_finished_and_e2e_figures_pair_prompts_and_repetitions():
     assert f["finished"]["answers"] == 3 and f["finished"]["speedup_e2e"] == 2.0
     assert f["loop_free"]["unresolved"] == 3  # a non-streamed answer has no spans
     assert "non-streamed" in f["e2e"]["timing"]
+
+
+def test_offline_walk_counts_a_cycle_by_its_share_of_loop_free_tokens():
+    """accept_len's walk: the cycle at row i emits positions i+2 .. i+1+n; the loop-free figures count each cycle by
+    the share of its tokens outside loops."""
+    from eagle3ft.eval.accept_len import _totals, _walk_fields
+
+    loops = [False] * 6 + [True] * 6  # positions 6..11 loop
+    cycles = [(0, 2), (2, 2), (4, 4), (8, 2)]  # positions 2-3, 4-5, 6-9, 10-11
+    tokens, n, free_tokens, free_cycles = _totals(cycles, loops)
+    assert (tokens, n, free_tokens, free_cycles) == (10, 4, 4.0, 2.0)
+    f = _walk_fields([(tokens, n, free_tokens, free_cycles)])
+    assert f["tau_walk"] == 2.5 and f["tau_walk_loop_free"] == 2.0 and f["loop_share_walk"] == 0.6
