@@ -14,7 +14,7 @@ from eagle3ft.train.checkpoint import export_drafter
 from eagle3ft.train.model import Eagle3Drafter
 
 REPO = Path(__file__).resolve().parent.parent
-TARGETS = {"llama": REPO / "configs" / "tiny.yaml"}
+TARGETS = {"llama": REPO / "configs" / "tiny.yaml", "deepseek-v3": REPO / "configs" / "tiny-deepseek.yaml"}
 
 
 def vllm_layer_ids(config_json: Path) -> tuple[int, ...] | None:
