@@ -97,3 +97,32 @@ def test_its_harvest_sends_token_ids_only_to_a_server_without_a_tokenizer(no_tok
                     atol=0.02,
                     rtol=0.02,
                 )
+
+
+def test_the_layer_check_finds_the_servers_layers_and_a_shift(no_tokenizer_server, tmp_path):
+    """benchmarks/aux_layers_match.py, the GPU rehearsal's check of SGLang's capture against the embedded one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("aux_layers_match", REPO_ROOT / "benchmarks/aux_layers_match.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    double, _ = no_tokenizer_server
+    fixed = [  # the rehearsal's harvest of the dataset's conversations as they are, on the tiny DeepSeek-V3
+        "target.kind=tiny",
+        "target.path=",
+        "target.tiny.config=configs/targets/tiny-deepseek-v3/config.json",
+        "drafter.config=configs/drafters/tiny.json",
+        "harvest.sources=[{kind: sharegpt, limit: 3}]",
+        "harvest.regenerate=false",
+        f"harvest.sglang.urls=[{double.url}]",
+    ]
+    run_harvest(load_config(REHEARSAL, fixed), tmp_path / "sglang")
+    run_harvest(load_config(REHEARSAL, fixed + ["harvest.backend=hf"]), tmp_path / "hf")
+    ok = check.verdict(tmp_path / "sglang" / "features", tmp_path / "hf" / "features")
+    assert ok["same_layers"] and max(ok["relative_l1"][i][i] for i in range(3)) < 0.01
+    shifted = tmp_path / "shifted.json"  # layers 1, 2, 0 where the server holds 0, 1, 2
+    raw = json.loads((REPO_ROOT / "configs/drafters/tiny.json").read_text())
+    shifted.write_text(json.dumps({**raw, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 0]}}))
+    run_harvest(load_config(REHEARSAL, fixed + ["harvest.backend=hf", f"drafter.config={shifted}"]), tmp_path / "off")
+    off = check.verdict(tmp_path / "sglang" / "features", tmp_path / "off" / "features")
+    assert not off["same_layers"] and off["nearest"] == [2, 0, 1]
