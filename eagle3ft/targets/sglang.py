@@ -106,10 +106,10 @@ def target_identity(target_cfg, client_cfg) -> tuple[int, int, int]:
     if all(v is not None for v in given):
         return given  # type: ignore[return-value]
     if target_cfg.kind == "tiny":
-        from eagle3ft.targets.hf import load_tokenizer
+        from eagle3ft.targets.hf import load_tokenizer, tiny_config
 
-        t = target_cfg.tiny
-        return t.hidden_size, len(load_tokenizer(target_cfg)), t.num_hidden_layers
+        c = tiny_config(target_cfg, len(load_tokenizer(target_cfg)))
+        return c.hidden_size, c.vocab_size, c.num_hidden_layers
     from eagle3ft.config import resolve_path
 
     path = resolve_path(target_cfg.path) if target_cfg.path else None
