@@ -151,11 +151,38 @@ def rms(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def gptj_rope(x, pos, dr, theta):
+def sglang_rope(cfg: DrafterConfig, pos):
+    """(cos, sin (T, 1, dr/2), softmax scale) of SGLang's MLA rope: plain, or deepseek_yarn for any rope_scaling
+    (deepseek_v2.py 1781-1898; DeepseekScalingRotaryEmbedding, rope_variant.py 340-410; yarn.py 26-62;
+    compute_mla_mscale_scaling, configs/model_config.py 1961-1985), in float32 as there."""
+    dr, dn, base, rs = cfg.extra["qk_rope_head_dim"], cfg.extra["qk_nope_head_dim"], cfg.rope_theta, cfg.rope_scaling
+    pos_freqs = base ** (torch.arange(0, dr, 2, dtype=torch.float) / dr)
+    inv, mscale, scale = 1.0 / pos_freqs, 1.0, (dn + dr) ** -0.5
+    if rs:
+        f, old = rs["factor"], rs["original_max_position_embeddings"]
+
+        def dim(rot):
+            return (dr * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = (
+            max(math.floor(dim(rs.get("beta_fast", 32))), 0),
+            min(math.ceil(dim(rs.get("beta_slow", 1))), dr - 1),
+        )
+        high = high + 0.001 if low == high else high
+        mask = 1 - torch.clamp((torch.arange(dr // 2, dtype=torch.float) - low) / (high - low), 0, 1)
+        inv = 1.0 / (f * pos_freqs) * (1 - mask) + 1.0 / pos_freqs * mask
+
+        def get_mscale(s, m):
+            return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+
+        mscale = get_mscale(f, rs.get("mscale", 1)) / get_mscale(f, rs.get("mscale_all_dim", 0))
+        scale = scale * get_mscale(f, rs.get("mscale_all_dim", False)) ** 2
+    freqs = pos[:, None].float() * inv  # (T, dr/2)
+    return (freqs.cos() * mscale)[:, None], (freqs.sin() * mscale)[:, None], scale
+
+
+def gptj_rope(x, cos, sin):
     """SGLang's apply_rotary_emb with is_neox_style False (layers/rotary_embedding/utils.py 36-63): pairs (2i, 2i+1)."""
-    inv = 1.0 / (theta ** (torch.arange(0, dr, 2, dtype=torch.float64) / dr)).float()
-    f = pos[:, None].float() * inv  # (T, dr/2)
-    cos, sin = f.cos()[:, None], f.sin()[:, None]  # (T, 1, dr/2)
     x1, x2 = x[..., ::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
@@ -188,8 +215,9 @@ def sglang_forward(cfg: DrafterConfig, p: dict, emb, h, pos):
         p[a + "kv_b_proj.weight"].unflatten(0, (nh, dn + dv)).split([dn, dv], dim=1)
     )  # (nh, dn, r), (nh, dv, r)
     q_abs = torch.einsum("thd,hdr->thr", q_nope, w_kc)  # (T, nh, r)
-    q_pe, k_pe = gptj_rope(q_pe, pos, dr, cfg.rope_theta), gptj_rope(k_pe[:, None], pos, dr, cfg.rope_theta)[:, 0]
-    s = (torch.einsum("thr,sr->hts", q_abs, latent) + torch.einsum("thd,sd->hts", q_pe, k_pe)) / math.sqrt(dn + dr)
+    cos, sin, scale = sglang_rope(cfg, pos)
+    q_pe, k_pe = gptj_rope(q_pe, cos, sin), gptj_rope(k_pe[:, None], cos, sin)[:, 0]
+    s = (torch.einsum("thr,sr->hts", q_abs, latent) + torch.einsum("thd,sd->hts", q_pe, k_pe)) * scale
     T = x.shape[0]
     s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)  # (nh, T, T)
     o = torch.einsum("hvr,htr->thv", w_vc, torch.einsum("hts,sr->htr", s, latent))  # (T, nh, dv)
@@ -202,8 +230,20 @@ def sglang_forward(cfg: DrafterConfig, p: dict, emb, h, pos):
     return out, rms(out, p["model.norm.weight"], eps) @ p["lm_head.weight"].t()
 
 
-def test_step_matches_sglangs_absorbed_mla_on_the_loaded_weights():
-    cfg = tiny_cfg()
+K2_YARN = {  # Kimi-K2's own rope_scaling, with an original length this short test reaches past
+    "type": "yarn",
+    "factor": 32.0,
+    "original_max_position_embeddings": 4,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+@pytest.mark.parametrize("rope_scaling", [None, K2_YARN, {**K2_YARN, "mscale_all_dim": 0.5, "beta_fast": 32}])
+def test_step_matches_sglangs_absorbed_mla_on_the_loaded_weights(rope_scaling):
+    cfg = tiny_cfg(rope_scaling=rope_scaling)
     m = random_drafter(cfg).double()
     weights = {k: v.double() if v.is_floating_point() else v for k, v in drafter_tensors(m.state_dict()).items()}
     p, _, _ = sglang_load(cfg, weights)
@@ -255,13 +295,9 @@ def test_export_then_load_round_trips_and_the_loaded_drafter_computes_the_same(t
     )
 
 
-def test_configs_that_sglang_or_we_cannot_serve_are_refused():
+def test_a_config_without_q_lora_rank_is_refused_as_sglang_refuses_it():
     with pytest.raises(ValueError, match="needs q_lora_rank"):
         new_drafter(tiny_cfg(q_lora_rank=None))
-    with pytest.raises(ValueError, match="rope_scaling"):
-        new_drafter(
-            tiny_cfg(rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096})
-        )
 
 
 def test_ttt_loss_falls_on_the_tiny_mla_drafter():

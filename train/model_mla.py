@@ -15,6 +15,7 @@ SGLang's); values are zero-padded to dn + dr so that the TTT attention (train/at
 head width, and the padding is cut before o_proj. SGLang itself absorbs kv_b_proj into w_kc/w_vc and caches the
 latent. Parameter names are the checkpoint keys SGLang's `load_weights` reads: it fuses `q_a_proj` and
 `kv_a_proj_with_mqa` into `fused_qkv_a_proj_with_mqa` and gate/up into `gate_up_proj`; it requires q_lora_rank.
+A rope_scaling is DeepSeek's YaRN there, whatever its type (`mla_rope`).
 
 Config keys (config.json, kept in DrafterConfig.extra): kv_lora_rank r, q_lora_rank, qk_nope_head_dim dn,
 qk_rope_head_dim dr, v_head_dim dv, rope_interleave (default true). head_dim and num_key_value_heads are taken as
@@ -24,6 +25,7 @@ dn + dr and num_attention_heads (SGLang reads neither for this layout).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,12 +65,40 @@ class MLADims:
 def mla_config(cfg: DrafterConfig) -> DrafterConfig:
     """cfg with head_dim = dn + dr (the uncompressed cache's head width) and one key/value head per query head."""
     dims = MLADims.of(cfg)
-    if cfg.rope_scaling:
-        raise ValueError(
-            f"{cfg.path}: rope_scaling {cfg.rope_scaling} is not supported for the MLA drafter "
-            "(SGLang turns it into deepseek_yarn with an mscale on the attention scale); only plain rope"
-        )
     return dataclasses.replace(cfg, head_dim=dims.qk_head_dim, num_key_value_heads=cfg.num_attention_heads)
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def mla_rope(cfg: DrafterConfig) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq (dr/2,), scale on cos/sin, factor on the attention scores) as SGLang's DeepseekV2AttentionMLA.
+
+    Any rope_scaling is `deepseek_yarn` there (deepseek_v2.py: rope_type overwritten): YaRN frequencies over dr
+    (DeepseekScalingRotaryEmbedding), cos/sin times mscale(f, mscale) / mscale(f, mscale_all_dim) · attn_factor, and
+    the softmax scale times mscale(f, mscale_all_dim)² (configs/model_config.py's compute_mla_mscale_scaling).
+    """
+    dr, base = MLADims.of(cfg).qk_rope_head_dim, cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dr, 2, dtype=torch.float64) / dr)  # (dr/2,)
+    rs = cfg.rope_scaling
+    if not rs:
+        return (1.0 / pos_freqs).float(), 1.0, 1.0
+    f = float(rs.get("factor", 1.0))
+    old_len = rs.get("original_max_position_embeddings") or cfg.max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dr * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(math.floor(correction_dim(rs.get("beta_fast", 32))), 0)
+    hi = min(math.ceil(correction_dim(rs.get("beta_slow", 1))), dr - 1)
+    ramp = ((torch.arange(dr // 2, dtype=torch.float64) - lo) / ((hi if hi != lo else hi + 0.001) - lo)).clamp(0, 1)
+    keep = (1 - ramp) * rs.get("extrapolation_factor", 1)  # 1: the original (extrapolated) frequency
+    inv_freq = (1.0 / (f * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    m_all = float(rs.get("mscale_all_dim", 0) or 0)
+    cos_sin = yarn_mscale(f, float(rs.get("mscale", 1))) / yarn_mscale(f, m_all) * rs.get("attn_factor", 1)
+    scaled = rs.get("apply_yarn_scaling", True) and rs.get("apply_scale", True)
+    return inv_freq.float(), float(cos_sin), yarn_mscale(f, m_all) ** 2 if scaled else 1.0
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +112,7 @@ class MLAAttention(nn.Module):
     def __init__(self, cfg: DrafterConfig, dims: MLADims) -> None:
         super().__init__()
         self.nh, self.d = cfg.num_attention_heads, dims
+        self.score_factor = mla_rope(cfg)[2]  # on q: SDPA's (dn + dr)^-0.5 times YaRN's mscale², as SGLang's
         r, dr, eps = dims.kv_lora_rank, dims.qk_rope_head_dim, cfg.rms_norm_eps
         self.q_a_proj = Linear(2 * cfg.hidden_size, dims.q_lora_rank)
         self.q_a_layernorm = RMSNorm(dims.q_lora_rank, eps)
@@ -112,6 +143,8 @@ class MLAAttention(nn.Module):
         if d.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q = torch.cat([q_nope, apply_rope(q_pe, cos, sin)], dim=-1)  # (B, nh, T, dn + dr)
+        if self.score_factor != 1.0:
+            q = q * self.score_factor
         k = torch.cat([k_nope, apply_rope(k_pe, cos, sin).expand(B, self.nh, T, -1)], dim=-1)  # (B, nh, T, dn + dr)
         return q, k, F.pad(v, (0, d.qk_head_dim - d.v_head_dim))  # v (B, nh, T, dn + dr)
 
@@ -148,8 +181,7 @@ class Eagle3MLADrafter(Eagle3Drafter):
 
     @staticmethod
     def rope_frequencies(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
-        dr = MLADims.of(cfg).qk_rope_head_dim
-        return 1.0 / (cfg.rope_theta ** (torch.arange(0, dr, 2, dtype=torch.float64) / dr)).float(), 1.0  # (dr/2,)
+        return mla_rope(cfg)[:2]  # (dr/2,), the cos/sin scale
 
     def compile_blocks(self) -> None:
         super().compile_blocks()
