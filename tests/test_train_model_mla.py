@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from train_fixtures import REPO, launch, write_store
 
 from eagle3ft.drafter_config import MLA_EAGLE3, DrafterConfig
+from eagle3ft.train.attention import shift
 from eagle3ft.train.checkpoint import check_keys, drafter_tensors, export_drafter, load_drafter
 from eagle3ft.train.model import DraftCache
 from eagle3ft.train.model_mla import Eagle3MLADrafter, mla_export_keys, new_drafter
@@ -300,19 +301,67 @@ def test_a_config_without_q_lora_rank_is_refused_as_sglang_refuses_it():
         new_drafter(tiny_cfg(q_lora_rank=None))
 
 
-def test_ttt_loss_falls_on_the_tiny_mla_drafter():
-    m = random_drafter(tiny_cfg(draft_vocab_size=64, vocab_size=49152))
-    g = torch.Generator().manual_seed(0)
-    B, T, K = 2, 20, 4
-    hot = m.draft_to_target(torch.arange(64))
-    ids = hot[torch.randint(0, 64, (B, T), generator=g)]
-    batch = {
+def ttt_batch(m, B=2, T=20, K=4, seed=0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    hot = m.draft_to_target(torch.arange(m.config.draft_vocab_size))
+    ids = hot[torch.randint(0, m.config.draft_vocab_size, (B, T), generator=g)]
+    return {
         "input_ids": ids,
-        "loss_mask": torch.ones(B, T, dtype=torch.long),
-        "aux_hidden": torch.randn(B, T, 3 * 64, generator=g),
+        "loss_mask": (torch.rand(B, T, generator=g) > 0.2).long(),
+        "aux_hidden": torch.randn(B, T, 3 * m.config.target_hidden_size, generator=g),
         "topk_ids": torch.cat([ids[:, 1:], ids[:, :1]], 1)[..., None].expand(B, T, K).contiguous(),
         "topk_logprobs": torch.log(torch.tensor([0.7, 0.1, 0.1, 0.1])).expand(B, T, K).contiguous(),
     }
+
+
+def reference_ttt(m, b: dict, steps: int, decay: float) -> torch.Tensor:
+    """The unroll written plainly over the MLA drafter's unpadded values: concatenated keys, an explicit
+    (T, (k+1)T) mask, full logits; the target puts its top-1 id's probability 0.7 on the next token."""
+    ids, (B, T) = b["input_ids"], b["input_ids"].shape
+    dv = m.midlayer.self_attn.d.v_head_dim
+    hidden, pos = m.fuse(b["aux_hidden"]), torch.arange(T).expand(B, T)
+    t2d = torch.full((m.config.vocab_size,), -1, dtype=torch.long)
+    t2d[m.draft_to_target(torch.arange(m.config.draft_vocab_size))] = torch.arange(m.config.draft_vocab_size)
+    keys, values, loss = [], [], 0.0
+    for k in range(steps):
+        q, kk, vv = m.qkv(shift(ids, 1 + k), hidden, pos + k)
+        keys.append(kk)
+        values.append(vv[..., :dv])
+        kall, vall = torch.cat(keys, 2), torch.cat(values, 2)  # (B, nh, (k+1)T, dn + dr), (B, nh, (k+1)T, dv)
+        mask = torch.cat([torch.ones(T, T).tril().bool()] + [torch.eye(T, dtype=torch.bool)] * k, dim=1)
+        att = torch.softmax(
+            ((q @ kall.transpose(-1, -2)) / math.sqrt(q.shape[-1])).masked_fill(~mask, float("-inf")), -1
+        )
+        o = F.pad(att @ vall, (0, q.shape[-1] - dv))
+        out = m.midlayer.finish(o, hidden)
+        logq = torch.log_softmax(m.logits(out), -1)  # (B, T, Vd)
+        nxt = t2d[shift(b["topk_ids"][..., 0], 1 + k)]  # the token the target's row t+1+k puts 0.7 on
+        ce = -(logq.gather(-1, nxt.clamp(min=0)[..., None])[..., 0])  # p is one-hot after renormalising
+        valid = shift(b["loss_mask"].bool(), 2 + k) & (nxt >= 0)
+        loss = loss + decay**k * (ce * valid).sum() / valid.sum()
+        hidden = out
+    return loss
+
+
+def test_ttt_unroll_matches_an_explicit_mask_reference_with_gradients():
+    m = random_drafter(tiny_cfg(draft_vocab_size=64)).double()
+    b = {k: v.double() if v.is_floating_point() else v for k, v in ttt_batch(m).items()}
+    b["topk_logprobs"] = torch.log(torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)).expand_as(
+        b["topk_logprobs"]
+    )
+    params = [p for p in m.parameters() if p.requires_grad]
+    out = ttt_forward(m, b, steps=4, decay=0.8)
+    grads = torch.autograd.grad(out.loss, params)
+    ref = reference_ttt(m, b, steps=4, decay=0.8)
+    ref_grads = torch.autograd.grad(ref, params)
+    torch.testing.assert_close(out.loss.double(), ref, rtol=1e-6, atol=1e-7)  # the head's loss runs in fp32
+    for (n, _), g, r in zip([x for x in m.named_parameters() if x[1].requires_grad], grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_ttt_loss_falls_on_the_tiny_mla_drafter():
+    m = random_drafter(tiny_cfg(draft_vocab_size=64))
+    batch = ttt_batch(m)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for _ in range(8):
