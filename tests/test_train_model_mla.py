@@ -411,3 +411,45 @@ def test_k2_width_mla_config_builds_on_meta_and_estimates():
     attn = 2 * H * (ql + r + dr) + ql * nh * (dn + dr) + r * nh * (dn + dv) + nh * dv * H + ql + r
     assert e.trainable_params == 3 * H * H + attn + 3 * H * I + 4 * H + H * Vd  # ~0.90B, MLA's projections 0.13B
     assert e.frozen_params == raw["vocab_size"] * H
+
+
+def test_heldout_tau_of_the_ttt_unroll_equals_the_offline_chain_through_step():
+    """The TTT unroll (training, held-out τ) and eval/accept_len.py's chain through `step` (inference) count the same
+    accepts on the tiny target's greedy answers, with an MLA drafter fitted briefly so that chains get accepted."""
+    from _eval_tiny import AUX, DRAFT_VOCAB, VOCAB, greedy_items, prompts, tiny_target
+
+    from eagle3ft.data.store import collate
+    from eagle3ft.eval.accept_len import evaluate
+    from eagle3ft.train.ttt import TTTObjective
+    from eagle3ft.train.validate import heldout_tau
+
+    target = tiny_target()
+    items = greedy_items(target, prompts(3, seed=1), 30)
+    items = [{**it, "sample_id": torch.tensor(i)} for i, it in enumerate(items)]
+    torch.manual_seed(0)
+    m = new_drafter(tiny_cfg(vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, rms_norm_eps=1e-6)).double()
+    counts = torch.bincount(torch.cat([it["input_ids"] for it in items]), minlength=VOCAB).double()
+    keep = (counts + torch.rand(VOCAB, generator=torch.Generator().manual_seed(0)) * 1e-3).topk(DRAFT_VOCAB).indices
+    keep = keep.sort().values
+    with torch.no_grad():
+        m.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        m.d2t.copy_(keep - torch.arange(DRAFT_VOCAB))
+        m.t2d[keep] = True
+    objective = TTTObjective(m, steps=3, decay=0.8)
+    batch = {k: v.double() if v.is_floating_point() else v for k, v in collate(items).items()}
+    opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(40):
+        opt.zero_grad()
+        objective(batch).loss.backward()
+        opt.step()
+    m.eval()
+    assert m.config.aux_layer_ids == AUX
+    rep = evaluate(m, items, 4)
+    res = heldout_tau(
+        TTTObjective(m, steps=7, decay=0.8), [collate(items[:2]), collate(items[2:])], 4, step=1, device="cpu"
+    )
+    table = rep.greedy["per_depth"]
+    assert res.chain_valid == pytest.approx([r["attempts"] for r in table], abs=1e-9)
+    assert res.chain_correct == pytest.approx([r["accepts"] for r in table], abs=1e-9)
+    assert res.heldout_tau == pytest.approx(rep.greedy["tau"], abs=1e-12)
+    assert rep.greedy["tau"] > 1.3, rep.greedy["tau"]
