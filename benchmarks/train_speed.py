@@ -113,6 +113,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma list of SpecForge variants, options joined by '+': flex_attention|sdpa, compact; 'none' for "
         f"none (default: {DEFAULT_THEIRS['cuda']} on cuda, {DEFAULT_THEIRS['cpu']} on cpu)",
     )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="our sides build this drafter config.json (either layout, e.g. configs/drafters/kimi-k2-mla.json); its "
+        "dims replace --hidden/--heads/... (FLOPs and MFU still count the Llama layout's attention); needs "
+        "--theirs none",
+    )
     p.add_argument("--sides", default=None, help="full override: comma list of ours[:opts] / theirs[:opts]")
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda unless --tiny)")
     p.add_argument("--dtype", default=None, help="bf16 | fp32 (default: bf16 on cuda, fp32 on cpu)")
@@ -149,6 +156,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for k, v in base.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.drafter:
+        apply_drafter_dims(a)
     a.device = a.device or ("cpu" if a.tiny else "cuda")
     a.dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
     if a.sides is None:
@@ -161,6 +170,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.budget_s = 480.0 if a.device.startswith("cuda") else float("inf")
     a.matmul_n = a.matmul_n or (8192 if a.device == "cuda" else 512)
     return a
+
+
+def apply_drafter_dims(a: argparse.Namespace) -> None:
+    """--drafter: the config's dims become the run's (the batch, the teacher and the printed dims follow them)."""
+    from eagle3ft.config import resolve_path
+    from eagle3ft.drafter_config import DrafterConfig
+
+    if a.theirs != "none" and not (a.sides and "theirs" not in a.sides):
+        raise SystemExit("--drafter builds our sides only: add --theirs none")
+    c = DrafterConfig.from_json(resolve_path(a.drafter))
+    a.hidden, a.target_hidden, a.heads, a.kv_heads = (
+        c.hidden_size,
+        c.target_hidden_size,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+    )
+    a.head_dim, a.ffn, a.vocab, a.draft_vocab = c.head_dim, c.intermediate_size, c.vocab_size, c.draft_vocab_size
 
 
 # --------------------------------------------------------------------------- FLOPs (GUIDE section 5)
@@ -366,8 +392,9 @@ class BF16AdamW:
 
 
 def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
+    from eagle3ft.config import resolve_path
     from eagle3ft.drafter_config import DrafterConfig
-    from eagle3ft.train.model import Eagle3Drafter
+    from eagle3ft.train.model_mla import new_drafter
 
     known = {"topk", "hidden", "compile", "tf32", "baseline"}
     kv = dict(o.split("=", 1) for o in opts if "=" in o)
@@ -401,8 +428,10 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         rope_theta=1e6,
         max_position_embeddings=max(4096, a.seq + a.ttt),
     )
+    if a.drafter:  # its layout (Eagle3DeepseekV2ForCausalLM: MLA) and dims; parse_args set a's dims from it
+        cfg = DrafterConfig.from_json(resolve_path(a.drafter), draft_vocab_size=a.draft_vocab)
     with torch.device(device):
-        model = Eagle3Drafter(cfg)
+        model = new_drafter(cfg)
     # train/loop.py builds the drafter on the CPU and the engine moves parameters and buffers only, so plain
     # tensor attributes (rope's inv_freq) stay on the CPU there: place them the same way here
     for name, val in list(vars(model).items()):

@@ -25,6 +25,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # models/deepseek_v2.py DeepseekV2Model.forward). The same layer is j = i + 1, and so are the two defaults:
 # SGLang's [1, L//2 - 1, L - 4], vLLM's (2, L//2, L - 3) (models/interfaces.py, models/deepseek_v2.py).
 VLLM_AUX_ID_OFFSET = 1
+LLAMA_EAGLE3 = "LlamaForCausalLMEagle3"  # SGLang's models/llama_eagle3.py: train/model.py
+MLA_EAGLE3 = "Eagle3DeepseekV2ForCausalLM"  # SGLang's models/kimi_k25_eagle3.py (DeepSeek-V2 MLA): train/model_mla.py
 
 
 class DrafterMismatch(ValueError):
@@ -58,6 +60,7 @@ class DrafterConfig:
     norm_output: bool = False  # EAGLE-3.1: the next draft step is fed the hidden state after the final norm
     num_hidden_layers: int = 1  # SGLang's one midlayer; anything else is refused by check_supported()
     tie_word_embeddings: bool = False  # an EAGLE-3 drafter has its own lm_head; True is refused
+    architecture: str = LLAMA_EAGLE3  # architectures[0]: the layout (MLA_EAGLE3 keeps its MLA keys in `extra`)
     extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, kept on export
     path: str = field(default="drafter config", repr=False, compare=False)  # where it was read from (in errors)
 
@@ -117,6 +120,7 @@ class DrafterConfig:
                 norm_output=bool(d.get("norm_output")),
                 num_hidden_layers=d.get("num_hidden_layers", 1),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings")),
+                architecture=(d.get("architectures") or [LLAMA_EAGLE3])[0],
                 extra={k: v for k, v in d.items() if k not in cls._KNOWN},
                 path=path,
             )
@@ -126,10 +130,10 @@ class DrafterConfig:
             raise ValueError(f"{path}: drafter config has a value of the wrong type ({e})") from None
 
     def to_hf_dict(self) -> dict:
-        """SGLang's config.json for LlamaForCausalLMEagle3."""
+        """SGLang's config.json for the drafter's architecture."""
         d = {
             **self.extra,
-            "architectures": ["LlamaForCausalLMEagle3"],
+            "architectures": [self.architecture],
             "model_type": self.extra.get("model_type", "llama"),
             "hidden_size": self.hidden_size,
             "target_hidden_size": self.target_hidden_size,

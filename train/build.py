@@ -18,6 +18,7 @@ from eagle3ft.drafter_config import DrafterConfig, check_drafter, check_drafter_
 from eagle3ft.train.checkpoint import load_drafter
 from eagle3ft.train.data import TrainData
 from eagle3ft.train.model import Eagle3Drafter
+from eagle3ft.train.model_mla import new_drafter
 from eagle3ft.vocab import load_vocab, save_vocab
 
 
@@ -59,7 +60,7 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
         )
     d2t, t2d = load_vocab(vocab_file)
     check_drafter(dcfg, target, str(vocab_file), features, d2t, t2d)
-    model = Eagle3Drafter(dcfg)
+    model = new_drafter(dcfg)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(load_input_embedding(cfg.target))
         model.d2t.copy_(d2t)

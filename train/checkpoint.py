@@ -1,8 +1,8 @@
 """Drafter checkpoints in SGLang's form, and resumable training checkpoints.
 
 SGLang form (what `--speculative-draft-model-path` loads): `config.json` + `model.safetensors` with
-exactly the keys of `model.export_keys()`; SGLang's loader skips unknown keys silently, so every
-write checks the key set.
+exactly the keys of `model.export_keys()` (`model_mla.mla_export_keys()` for the MLA layout); SGLang's
+loader skips unknown keys silently, so every write checks the key set.
 
 A training checkpoint `ckpt/step-N/` is that plus the state to resume, in files that hold data only
 (safetensors and JSON: loading one runs no code) and that do not depend on the number of processes:
@@ -29,8 +29,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter_config import LLAMA_EAGLE3, MLA_EAGLE3, DrafterConfig
 from eagle3ft.train.model import Eagle3Drafter, export_keys
+from eagle3ft.train.model_mla import mla_export_keys, new_drafter
 
 CONFIG, WEIGHTS, TRAINER_STATE, STATE_TENSORS, STATE_JSON = (
     "config.json",
@@ -82,24 +83,64 @@ def sglang_target(key: str) -> tuple[str, str] | None:
     return None
 
 
-def check_keys(keys, where: str, fc_norm: bool | None = None) -> None:
+# SGLang's Eagle3DeepseekV2ForCausalLM parameters (models/kimi_k25_eagle3.py) and the shards its load_weights fills:
+# a key's leading "layers.0." becomes "midlayer." and every key but lm_head.* gets "model." in front (no fallback);
+# gate/up are stacked into gate_up_proj; q_a_proj and kv_a_proj_with_mqa are held until both came, then concatenated
+# (q first) into fused_qkv_a_proj_with_mqa; anything else not a parameter is skipped with a warning.
+_MLA_ATTN = ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj")
+SGLANG_MLA_PARAMS = {
+    **{k: v for k, v in SGLANG_PARAMS.items() if ".self_attn." not in k},
+    "model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight": {"q_a", "kv_a"},
+    **{f"model.midlayer.self_attn.{p}.weight": {""} for p in _MLA_ATTN},
+}
+
+
+def sglang_mla_target(key: str) -> tuple[str, str] | None:
+    """(SGLang parameter, shard) that Eagle3DeepseekV2ForCausalLM.load_weights writes `key` into; None if skipped."""
+    name = re.sub(r"^layers\.0\.", "midlayer.", key)
+    name = name if name.startswith("lm_head.") else f"model.{name}"
+    params = {**SGLANG_MLA_PARAMS, **SGLANG_FC_NORM_PARAMS}
+    for ours, theirs, sid in SGLANG_STACKED[3:]:  # gate/up only
+        if ours in name and name.replace(ours, theirs) in params:
+            return name.replace(ours, theirs), sid
+    for part, sid in (("q_a_proj", "q_a"), ("kv_a_proj_with_mqa", "kv_a")):
+        if part in name:
+            return name.replace(part, "fused_qkv_a_proj_with_mqa"), sid
+    return (name, "") if name in params else None
+
+
+# architecture -> (its parameters, the loader's rule, the keys we export)
+LAYOUTS = {
+    LLAMA_EAGLE3: (SGLANG_PARAMS, sglang_target, export_keys),
+    MLA_EAGLE3: (SGLANG_MLA_PARAMS, sglang_mla_target, mla_export_keys),
+}
+
+
+def check_keys(keys, where: str, fc_norm: bool | None = None, architecture: str | None = None) -> None:
     """Raise ValueError unless SGLang's loader reads every key, fills every parameter shard, and gets d2t/t2d.
 
     fc_norm: whether the drafter's config sets fc_norm (SGLang then has model.fc_norm.{i}); None infers it from the
-    keys.
+    keys. architecture: the config's architectures[0]; None infers MLA from an MLA projection's key.
     """
     keys = set(keys)
     if fc_norm is None:
         fc_norm = any(k.startswith("fc_norm.") for k in keys)
-    params = {**SGLANG_PARAMS, **(SGLANG_FC_NORM_PARAMS if fc_norm else {})}
-    filled = {sglang_target(k) for k in keys} - {None}
-    unread = sorted(k for k in keys - {"d2t", "t2d"} if sglang_target(k) is None or sglang_target(k)[0] not in params)
+    if architecture is None:
+        mla = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+        architecture = MLA_EAGLE3 if any(p in k for k in keys for p in mla) else LLAMA_EAGLE3
+    if architecture not in LAYOUTS:
+        raise ValueError(f"{where}: drafter architecture {architecture} is not one of {', '.join(LAYOUTS)}")
+    layout_params, target, expected_keys = LAYOUTS[architecture]
+    params = {**layout_params, **(SGLANG_FC_NORM_PARAMS if fc_norm else {})}
+    filled = {target(k) for k in keys} - {None}
+    unread = sorted(k for k in keys - {"d2t", "t2d"} if target(k) is None or target(k)[0] not in params)
     unfilled = sorted(f"{p}[{s}]" if s else p for p, shards in params.items() for s in shards if (p, s) not in filled)
     missing = sorted({"d2t", "t2d"} - keys)
-    if unread or unfilled or missing or keys != set(export_keys(fc_norm)):
+    expected = expected_keys(fc_norm)
+    if unread or unfilled or missing or keys != set(expected):
         raise ValueError(
-            f"{where}: drafter keys do not load into SGLang's LlamaForCausalLMEagle3 (skipped silently: {unread}; "
-            f"left unfilled: {unfilled}; missing: {missing}; expected exactly {sorted(export_keys(fc_norm))})"
+            f"{where}: drafter keys do not load into SGLang's {architecture} (skipped silently: {unread}; "
+            f"left unfilled: {unfilled}; missing: {missing}; expected exactly {sorted(expected)})"
         )
 
 
@@ -132,7 +173,7 @@ def atomic_dir(final: Path):
 
 
 def write_drafter(folder: Path, cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> None:
-    check_keys(tensors, str(folder), cfg.fc_norm)
+    check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture)
     (folder / CONFIG).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
 
@@ -159,14 +200,17 @@ def read_drafter_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
-    """A drafter from SGLang's form; `embedding` (V, H) is the target's input embedding."""
+    """A drafter from SGLang's form (either layout: train/model_mla.py's new_drafter); `embedding` (V, H) is the
+    target's input embedding."""
     folder = Path(folder)
     if not (folder / CONFIG).is_file():
         raise FileNotFoundError(f"{folder}: no {CONFIG} (expected a drafter in SGLang's form)")
     cfg = DrafterConfig.from_json(folder / CONFIG)
     tensors = read_drafter_tensors(folder)
-    check_keys(tensors, str(folder), cfg.fc_norm)
-    model = Eagle3Drafter(cfg)
+    if cfg.architecture == MLA_EAGLE3:  # SGLang's MLA loader reads checkpoints that name the midlayer layers.0
+        tensors = {re.sub(r"^layers\.0\.", "midlayer.", k): v for k, v in tensors.items()}
+    check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture)
+    model = new_drafter(cfg)
     dtype = next(iter(v for k, v in tensors.items() if k.endswith(".weight"))).dtype
     model.to(dtype)
     if embedding is not None:

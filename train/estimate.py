@@ -27,7 +27,7 @@ import torch
 from eagle3ft.config import resolve_path
 from eagle3ft.drafter_config import DrafterConfig
 from eagle3ft.train.losses import HEAD_CHUNK_BYTES
-from eagle3ft.train.model import Eagle3Drafter
+from eagle3ft.train.model_mla import new_drafter
 
 GIB = 2**30
 
@@ -96,7 +96,7 @@ def estimate(
     compiled: bool = True,
 ) -> Estimate:
     with torch.device("meta"):
-        model = Eagle3Drafter(cfg)
+        model = new_drafter(cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     largest = max(p.numel() for p in model.parameters())

@@ -249,15 +249,25 @@ class Eagle3Drafter(nn.Module):
             else None
         )
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.midlayer = MidLayer(cfg)
+        self.midlayer = self.make_midlayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(cfg.hidden_size, cfg.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target = draft + d2t[draft]
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target id is in the draft vocab
         # (hd/2,) float32, kept off the buffers so that casting the module to bf16 cannot round it
-        self.inv_freq, self.rope_scale = rope_inv_freq(cfg)
+        self.inv_freq, self.rope_scale = self.rope_frequencies(cfg)
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copied once per device
         self.blocks_compiled = False  # compile_blocks() ran (train.compile)
+
+    # -- what a layout with another attention replaces (train/model_mla.py)
+
+    @staticmethod
+    def make_midlayer(cfg: DrafterConfig) -> nn.Module:
+        return MidLayer(cfg)
+
+    @staticmethod
+    def rope_frequencies(cfg: DrafterConfig) -> tuple[torch.Tensor, float]:
+        return rope_inv_freq(cfg)
 
     # -- pieces shared by training and inference
 
