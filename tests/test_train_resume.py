@@ -168,13 +168,21 @@ def test_resume_on_the_same_world_size_is_bit_identical_and_loads_no_pickle(stra
         ), a["step"]
     x, y = load_file(run / "export" / "model.safetensors"), load_file(ref / "export" / "model.safetensors")
     assert all(torch.equal(x[k], y[k]) for k in y)
-    s_a, s_b = (
-        load_file(run / "ckpt" / "step-6" / "state.safetensors"),
-        load_file(ref / "ckpt" / "step-6" / "state.safetensors"),
-    )
-    assert set(s_a) == set(s_b) and all(
-        torch.equal(s_a[k], s_b[k]) for k in s_b if not k.startswith("rank")
-    )  # masters and moments
+    assert_same_state(run / "ckpt" / "step-6", ref / "ckpt" / "step-6")  # masters, moments and every rank's RNGs
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    """Two checkpoints hold the same masters, Adam moments and RNG states (torch, Python, NumPy) of every rank."""
+    s_a, s_b = load_file(a / "state.safetensors"), load_file(b / "state.safetensors")
+    assert set(s_a) == set(s_b) and {k for k in s_b if k.startswith("rank")} >= {"rank0.torch_cpu", "rank1.numpy_keys"}
+    assert [k for k in s_b if not torch.equal(s_a[k], s_b[k])] == []
+    assert read_json(a / "state.json")["rng"] == read_json(b / "state.json")["rng"]
+
+
+@pytest.mark.slow
+def test_one_seed_gives_one_run(straight):
+    ref, stopped = straight  # two fresh runs of one config: the same state at step 4, RNGs included
+    assert_same_state(stopped / "ckpt" / "step-4", ref / "ckpt" / "step-4")
 
 
 @pytest.mark.slow
