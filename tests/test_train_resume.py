@@ -122,6 +122,35 @@ def test_a_truncated_state_file_names_the_file(tmp_path):
         StateTensors(tmp_path / "state.safetensors")["fp32.w"]
 
 
+def test_a_started_run_folder_is_refused_without_resume_or_overwrite_before_anything_loads(
+    tmp_path, monkeypatch, capsys
+):
+    import eagle3ft.train.finetune as finetune
+
+    def boom(*a, **k):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(finetune, "main", boom)
+    write_store(tmp_path, n_train=2, n_heldout=1)
+    (tmp_path / "ckpt" / "step-40").mkdir(parents=True)
+    (tmp_path / "export").mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    argv = ["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path)]
+    for extra, message in (
+        (
+            [],
+            f"{tmp_path} already holds a training run (ckpt, export); continue it with --resume auto, or start over "
+            "in a new --run-dir or with --overwrite (removes ckpt/, export/, export-best/, train/ first)",
+        ),
+        (["--overwrite", "--resume", "auto"], "--overwrite starts over, --resume (train.resume) continues"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            finetune.cli(argv + extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"finetune.py: error: {message}"), err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, no lock left
+
+
 # --------------------------------------------------------------------------- real launches
 
 
@@ -258,6 +287,23 @@ def test_a_planted_state_file_stops_the_resume_naming_it(straight, tmp_path):
     )
 
 
+@pytest.mark.slow
+def test_a_finished_run_is_never_restarted_silently_and_overwrite_starts_it_over(straight, tmp_path):
+    ref, _ = straight
+    run = copy_run(ref, tmp_path / "run")
+    before = {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    r = launch(run, *COMMON, "train.max_steps=2")
+    assert r.returncode != 0 and r.stderr.count("finetune.py: error: ") == 1, r.stderr[-3000:]  # from rank 0 alone
+    assert f"finetune.py: error: {run} already holds a training run (ckpt, export, export-best, train)" in r.stderr
+    assert {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    r = launch(run, *COMMON, "train.max_steps=2", extra=("--overwrite",))
+    ok(r)
+    assert "--overwrite: removed ckpt, export, export-best, train" in r.stderr
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step-2"]  # none of the old run's checkpoints
+    assert [x["step"] for x in metrics(run)] == [1, 2] and metrics(run)[0]["loss"] == metrics(ref)[0]["loss"]
+    assert all(json.loads((run / d / "card.json").read_text())["step"] <= 2 for d in ("export", "export-best"))
+
+
 # --------------------------------------------------------------------------- run lock and launcher death
 
 
@@ -311,7 +357,7 @@ def test_killing_the_launchers_process_group_leaves_no_rank_and_the_lock_is_take
         log.close()
     assert (tmp_path / LOCK_NAME).exists()  # the killed rank 0 could not remove it: stale
     r = subprocess.run(
-        launch_cmd(tmp_path, "train.max_steps=1", "train.ttt_steps=3", procs=1),
+        launch_cmd(tmp_path, "train.max_steps=1", "train.ttt_steps=3", procs=1) + ["--overwrite"],
         cwd=REPO,
         capture_output=True,
         text=True,
