@@ -22,7 +22,14 @@ from safetensors.torch import load_file
 from train_fixtures import REPO, launch, launch_cmd, write_store
 
 from eagle3ft.runlock import LOCK_NAME
-from eagle3ft.train.checkpoint import FORMAT, CheckpointError, StateTensors, read_json, read_trainer_state
+from eagle3ft.train.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    StateTensors,
+    choose_resume,
+    read_json,
+    read_trainer_state,
+)
 
 COMMON = (
     "train.warmup_steps=2",
@@ -149,6 +156,39 @@ def test_a_started_run_folder_is_refused_without_resume_or_overwrite_before_anyt
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"finetune.py: error: {message}"), err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, no lock left
+
+
+def fake_checkpoint(folder: Path) -> None:
+    """The three files a resume reads, whole (their contents are not a real run's)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({"fp32.w": torch.zeros(100)}, str(folder / "state.safetensors"))
+    (folder / "state.json").write_text("{}")
+    (folder / "trainer_state.json").write_text(json.dumps({"format": FORMAT, "step": int(folder.name[5:])}))
+
+
+def test_resume_auto_passes_over_damaged_checkpoints_to_the_newest_that_verifies(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for n in (2, 4, 6, 8):
+        fake_checkpoint(ckpt / f"step-{n}")
+    state = ckpt / "step-6" / "state.safetensors"
+    state.write_bytes(state.read_bytes()[:-40])  # cut short
+    (ckpt / "step-8" / "trainer_state.json").unlink()
+    assert choose_resume(tmp_path, "auto") == (
+        ckpt / "step-4",
+        [
+            f"{ckpt / 'step-8' / 'trainer_state.json'}: missing",
+            f"{state}: not a readable safetensors file (Error while deserializing header: incomplete metadata, file "
+            "not fully covered)",
+        ],
+    )
+    assert choose_resume(tmp_path, str(ckpt / "step-6")) == (ckpt / "step-6", [])  # named: taken as it is
+    assert choose_resume(tmp_path / "fresh", "auto") == (None, [])
+    for n in (2, 4):
+        (ckpt / f"step-{n}" / "state.json").write_text("")
+    with pytest.raises(CheckpointError, match=rf"^--resume auto: no checkpoint in {ckpt} verifies \(.*step-8.*step-2"):
+        choose_resume(tmp_path, "auto")
 
 
 # --------------------------------------------------------------------------- real launches
@@ -279,7 +319,7 @@ def test_a_planted_state_file_stops_the_resume_naming_it(straight, tmp_path):
     run = copy_run(stopped, tmp_path / "run")
     marker = tmp_path / "payload-ran"
     plant(run / "ckpt" / "step-4" / "state.safetensors", marker)
-    r = launch(run, *COMMON, procs=1, extra=("--resume", "auto"))
+    r = launch(run, *COMMON, procs=1, extra=("--resume", str(run / "ckpt" / "step-4")))  # named: no fall-back
     assert r.returncode == 1 and not marker.exists()
     err = [line for line in r.stderr.splitlines() if line.startswith("finetune: error:")]
     assert err and f"{run / 'ckpt' / 'step-4' / 'state.safetensors'}: not a readable safetensors file" in err[0], (
@@ -302,6 +342,24 @@ def test_a_finished_run_is_never_restarted_silently_and_overwrite_starts_it_over
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step-2"]  # none of the old run's checkpoints
     assert [x["step"] for x in metrics(run)] == [1, 2] and metrics(run)[0]["loss"] == metrics(ref)[0]["loss"]
     assert all(json.loads((run / d / "card.json").read_text())["step"] <= 2 for d in ("export", "export-best"))
+
+
+@pytest.mark.slow
+def test_resume_auto_falls_back_from_a_truncated_newest_checkpoint_and_continues_the_straight_run(straight, tmp_path):
+    ref, stopped = straight
+    run = copy_run(stopped, tmp_path / "run")
+    state = run / "ckpt" / "step-4" / "state.safetensors"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    r = launch(run, *COMMON, extra=("--resume", "auto"))
+    ok(r)
+    out = r.stdout + r.stderr
+    assert f"--resume auto: passed over a damaged checkpoint: {state}: not a readable safetensors file" in out
+    assert f"resumed from {run / 'ckpt' / 'step-2'} at step 2" in out
+    resumed, straight_rows = metrics(run), metrics(ref)
+    assert [x["step"] for x in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [(x["samples"], x["loss"]) for x in resumed] == [(x["samples"], x["loss"]) for x in straight_rows]
+    assert_same_state(run / "ckpt" / "step-6", ref / "ckpt" / "step-6")
+    assert_same_state(run / "ckpt" / "step-4", ref / "ckpt" / "step-4")  # the damaged one written anew
 
 
 # --------------------------------------------------------------------------- run lock and launcher death

@@ -28,9 +28,9 @@ from eagle3ft.data.store import _write_atomic
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
 from eagle3ft.train.checkpoint import (
     atomic_dir,
+    choose_resume,
     drafter_tensors,
     load_checkpoint,
-    resume_path,
     resume_position,
     save_checkpoint,
     truncate_metrics,
@@ -215,7 +215,11 @@ def setup(cfg: Config, run_dir: Path) -> Run:
 
 def resume(run: Run) -> bool:
     """Load train.resume's checkpoint (if any) into the prepared engine and move `run` to its step and data position."""
-    ckpt = resume_path(run.run_dir, run.cfg.train.resume)
+    ckpt, refused = choose_resume(run.run_dir, run.cfg.train.resume)
+    for why in refused:
+        run.dist.print(f"--resume auto: passed over a damaged checkpoint: {why}")
+    if ckpt is None and run.cfg.train.resume == "auto":
+        run.dist.print(f"--resume auto: no checkpoint in {run.run_dir / 'ckpt'}; starting at step 0")
     if ckpt is not None:
         st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed)
         run.step = st["step"]
