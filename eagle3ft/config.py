@@ -9,28 +9,31 @@ same three options through eagle3ft/cli.py:
     --set section.key=value  a dotted override, repeatable; the value is parsed as YAML
     --run-dir DIR            the run folder; the resolved config is written there
 
-Unknown keys, in the file or in an override, are an error that names the key.
+Unknown keys, in the file or in an override, are an error that names the key; so is a value outside its field's
+bounds (each section checks its own in `__post_init__`, eagle3ft/config_build.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
+from eagle3ft.config_build import (  # noqa: F401  (apply_override, ConfigError: part of this module's interface)
+    ConfigError,
+    apply_override,
+    at_most,
+    coerce,
+    non_negative,
+    parse_yaml,
+    positive,
+)
 
 _CHECKOUT = Path(__file__).resolve().parent.parent
 # Config paths are relative to the checkout; an installed (non-editable) copy resolves them from the cwd.
 REPO_ROOT = _CHECKOUT if (_CHECKOUT / "configs").is_dir() else Path.cwd()
-
-
-class ConfigError(ValueError):
-    """A config file or override that cannot be used as written."""
 
 
 # --------------------------------------------------------------------------- sections
@@ -49,6 +52,12 @@ class TinyTargetConfig:
     intermediate_size: int = 128
     max_position_embeddings: int = 2048
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive(
+            self, "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"
+        )
+        positive(self, "max_position_embeddings")
 
 
 @dataclass
@@ -77,6 +86,9 @@ class DrafterSection:
     fc_norm: bool | None = None  # EAGLE-3.1 per-aux-layer RMSNorm before fc; overrides the json's (scratch only)
     norm_output: bool | None = None  # EAGLE-3.1 post-norm hidden to the next draft step; overrides the json's
 
+    def __post_init__(self) -> None:
+        positive(self, "draft_vocab_size")
+
 
 @dataclass
 class SourceConfig:
@@ -99,6 +111,10 @@ class SourceConfig:
     # and fourth question of each category)
     skip: int = 0
 
+    def __post_init__(self) -> None:
+        positive(self, "limit", "per_category")
+        non_negative(self, "skip")
+
 
 @dataclass
 class SGLangClientConfig:
@@ -118,6 +134,10 @@ class SGLangClientConfig:
     hidden_size: int | None = None  # the served target's identity, when target.path has no config.json here
     vocab_size: int | None = None
     num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        positive(self, "concurrency", "prompts_per_request", "timeout_s", "hidden_size", "vocab_size", "num_layers")
+        non_negative(self, "retries", "backoff_s")
 
 
 @dataclass
@@ -147,6 +167,12 @@ class HarvestConfig:
         0.05  # T=0 check: refuse the harvest when more than this fraction of generated tokens are not the argmax
     )
     sglang: SGLangClientConfig = field(default_factory=SGLangClientConfig)
+
+    def __post_init__(self) -> None:
+        positive(self, "max_turns", "max_prompt_tokens", "max_total_tokens", "max_new_tokens", "batch_size", "topk")
+        positive(self, "shard_samples", "top_p")
+        non_negative(self, "temperature", "heldout_fraction", "argmax_tie_eps", "argmax_max_mismatch")
+        at_most(self, 1, "top_p", "heldout_fraction", "argmax_max_mismatch")
 
 
 @dataclass
@@ -200,6 +226,15 @@ class TrainConfig:
     # so smaller subsets lie inside larger ones) until their answer (loss-masked) tokens reach this; None: all of it
     max_answer_tokens: int | None = None
 
+    def __post_init__(self) -> None:
+        positive(self, "ttt_steps", "step_decay", "lr", "micro_batch_size", "grad_accum", "max_len", "epochs")
+        positive(self, "max_steps", "save_every", "log_every", "stop_after", "lk_eta", "eval_samples")
+        positive(self, "pack_tokens", "max_answer_tokens")
+        # 0: no warm-up, no decay, no clipping, every checkpoint kept, no loader workers, held-out τ at the end only
+        non_negative(self, "warmup_steps", "weight_decay", "max_grad_norm", "keep_checkpoints", "num_workers")
+        non_negative(self, "eval_every", "min_lr_ratio")
+        at_most(self, 1, "min_lr_ratio")
+
 
 @dataclass
 class EvalConfig:
@@ -215,6 +250,10 @@ class EvalConfig:
     # slots attends to its own earlier nodes), "ancestors" the exact tree (each node attends to its ancestors)
     tree_context: Literal["slots", "ancestors"] = "slots"
 
+    def __post_init__(self) -> None:
+        positive(self, "steps", "topk", "num_draft_tokens", "max_samples")
+        non_negative(self, "temperature")
+
 
 @dataclass
 class BenchSetting:
@@ -223,6 +262,9 @@ class BenchSetting:
     steps: int = 3
     topk: int = 1
     num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        positive(self, "steps", "topk", "num_draft_tokens")
 
 
 @dataclass
@@ -276,6 +318,10 @@ class BenchConfig:
     # more prompt sets in the same interleaved run (bench.prompts stays the summary's top level); labelled by kind
     more_prompts: list[SourceConfig] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        positive(self, "max_new_tokens", "repetitions", "concurrency", "threads")
+        non_negative(self, "temperature")
+
 
 @dataclass
 class ServeConfig:
@@ -311,6 +357,12 @@ class ServeConfig:
     stop_grace_s: float = 30.0  # SIGTERM, then SIGKILL after this long
     max_servers: int = 0  # bench.launch: servers up at once (0 = all; 1 when one server fills the node)
 
+    def __post_init__(self) -> None:
+        positive(self, "tp", "port", "mem_fraction_static", "startup_timeout_s")
+        non_negative(self, "stop_grace_s", "max_servers")
+        at_most(self, 1, "mem_fraction_static")
+        at_most(self, 65535, "port")
+
 
 @dataclass
 class Config:
@@ -330,105 +382,9 @@ class Config:
 # --------------------------------------------------------------------------- building
 
 
-def _strip_optional(tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _coerce(tp: Any, value: Any, where: str) -> Any:
-    """Build `tp` from plain YAML data, rejecting unknown keys and wrong types."""
-    if value is None:
-        if dataclasses.is_dataclass(tp):
-            value = {}  # a section header with nothing under it: the defaults
-        elif tp is Any or _strip_optional(tp) is not tp:
-            return None
-        else:
-            raise ConfigError(f"{where}: a value is required (got nothing/null; only optional keys may be empty)")
-    tp = _strip_optional(tp)
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        hints = typing.get_type_hints(tp)
-        names = {f.name for f in dataclasses.fields(tp)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ConfigError(
-                f"unknown config key '{where + '.' if where else ''}{unknown[0]}' (known: {', '.join(sorted(names))})"
-            )
-        kwargs = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in value.items()}
-        return tp(**kwargs)
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(choices)}")
-        return value
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return {str(k): str(v) for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
-        return value
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads "2e-3" as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if tp is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-        return str(value)
-    if tp is Any:
-        return value
-    raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
-
-
 def to_dict(cfg: Any) -> Any:
     """A dataclass tree as plain data (for YAML/JSON)."""
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
-
-
-def apply_override(data: dict, assignment: str) -> None:
-    """Apply one `a.b.c=value` override to plain config data in place."""
-    if "=" not in assignment:
-        raise ConfigError(f"override '{assignment}' is not of the form section.key=value")
-    key, raw = assignment.split("=", 1)
-    parts = key.strip().split(".")
-    node = data
-    for p in parts[:-1]:
-        if not isinstance(node.get(p, {}), dict):
-            raise ConfigError(f"override '{key}': '{p}' is not a section")
-        node = node.setdefault(p, {})
-    node[parts[-1]] = _parse_yaml(raw, f"--set {assignment!r}") if raw.strip() else None
-
-
-def _parse_yaml(text: str, where: str) -> Any:
-    """yaml.safe_load, with a syntax error as a one-line ConfigError naming `where` and the line."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark, start = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
-        at = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        context = getattr(e, "context", None)
-        if context and start is not None:
-            context = f"{context} (line {start.line + 1}, column {start.column + 1})"
-        what = " ".join(str(x) for x in (context, getattr(e, "problem", None)) if x) or str(e).splitlines()[0]
-        raise ConfigError(f"{where}:{at}: YAML syntax error: {what}") from None
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
@@ -442,13 +398,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
             text = p.read_text()
         except UnicodeDecodeError as e:
             raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        data = _parse_yaml(text, str(p)) or {}
+        data = parse_yaml(text, str(p)) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping")
-    merged = to_dict(_coerce(Config, data, ""))
+    merged = to_dict(coerce(Config, data, ""))
     for o in overrides or []:
         apply_override(merged, o)
-    return _coerce(Config, merged, "")
+    return coerce(Config, merged, "")
 
 
 def resolve_path(p: str | None, base: Path = REPO_ROOT) -> Path | None:

@@ -4,7 +4,9 @@ Every stage that writes `runs/<name>/` (harvest, regen, train, offline eval, ben
 `<run>/.lock` while it runs. The file is created with O_EXCL and holds the owner's host, pid, stage
 and start time as JSON. A second writer stops with one line naming the owner. A lock whose pid is
 dead on this host is stale (its owner was killed): it is taken over with a message. A lock from
-another host is never taken over: only its owner, or a person who deletes the file, can clear it.
+another host is never taken over: only its owner, or a person who deletes the file, can clear it. A lock
+file without an owner record (empty, or cut short) that stays so for UNREADABLE_GRACE_S has no writer (its
+owner writes the record right after creating the file): it is taken over too, with a message saying what it was.
 Re-entrant within one process (a stage that calls another stage keeps the one lock).
 """
 
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 LOCK_NAME = ".lock"
+UNREADABLE_GRACE_S = 5.0  # an owner writes its record at once: a lock unreadable for this long has no writer
 _held: dict[Path, list] = {}  # lock path -> [nesting depth, owner record], for this process
 
 
@@ -32,7 +35,7 @@ def lock_path(run_dir: str | Path) -> Path:
 
 
 def read_owner(path: Path) -> dict | None:
-    """The lock's owner record; None when the file is gone; {} when it is unreadable (being written)."""
+    """The lock's owner record; None when the file is gone; {} when it holds none (being written, empty, cut short)."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -41,7 +44,8 @@ def read_owner(path: Path) -> dict | None:
         owner = json.loads(text)
     except json.JSONDecodeError:
         return {}
-    return owner if isinstance(owner, dict) else {}
+    is_record = isinstance(owner, dict) and isinstance(owner.get("host"), str) and isinstance(owner.get("pid"), int)
+    return owner if is_record else {}
 
 
 def pid_alive(pid: int) -> bool:
@@ -106,7 +110,7 @@ class RunLock:
                     self._remove_if(owner)
                     continue
                 if not owner:
-                    time.sleep(0.05)  # its owner is still writing it
+                    self._take_over_unreadable()  # after its owner has had the time to write it
                     continue
                 raise RunLocked(
                     f"{self.path.parent} is in use by {describe(owner)}; wait for it to finish (or, if it is gone, "
@@ -119,6 +123,33 @@ class RunLock:
         raise RunLocked(
             f"{self.path}: could not take the lock (it kept changing hands); delete it if no stage is running"
         )
+
+    def _take_over_unreadable(self) -> None:
+        """Wait until the lock holds an owner record; if none comes within UNREADABLE_GRACE_S of the file's last
+        write, no process is writing it (one killed between creating and writing it, a full disk, a partial copy):
+        remove it, saying so."""
+        while True:
+            try:
+                age, data = time.time() - self.path.stat().st_mtime, self.path.read_bytes()
+            except FileNotFoundError:
+                return
+            if read_owner(self.path) or age >= UNREADABLE_GRACE_S:
+                break
+            time.sleep(0.05)
+        if read_owner(self.path):
+            return  # written meanwhile: the caller reads its owner
+        what = "empty" if not data.strip() else f"{len(data)} bytes that are no owner record: cut short or damaged"
+        print(
+            f"{self.stage}: taking over the unreadable lock {self.path} ({what}; unchanged for {age:.0f} s, so no "
+            "stage is writing it)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            if self.path.read_bytes() == data:
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
 
     def _remove_if(self, owner: dict) -> None:
         if read_owner(self.path) == owner:

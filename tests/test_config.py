@@ -68,6 +68,80 @@ def test_enumerated_values_are_checked_at_load(tmp_path):
     assert (cfg.eval.tree_context, cfg.train.loss, cfg.serve.harvest_capture) == ("ancestors", "lk_hybrid", "aux_flag")
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_steps=-5", "train.max_steps must be positive or null, got -5"),
+        ("train.max_steps=0", "train.max_steps must be positive or null, got 0"),
+        ("train.epochs=0", "train.epochs must be positive, got 0"),
+        ("train.micro_batch_size=0", "train.micro_batch_size must be positive, got 0"),
+        ("train.grad_accum=-1", "train.grad_accum must be positive, got -1"),
+        ("train.ttt_steps=0", "train.ttt_steps must be positive, got 0"),
+        ("train.save_every=0", "train.save_every must be positive, got 0"),
+        ("train.eval_every=-1", "train.eval_every must be >= 0, got -1"),
+        ("train.eval_samples=0", "train.eval_samples must be positive, got 0"),
+        ("train.keep_checkpoints=-1", "train.keep_checkpoints must be >= 0, got -1"),
+        ("train.warmup_steps=-2", "train.warmup_steps must be >= 0, got -2"),
+        ("train.lr=0", "train.lr must be positive, got 0.0"),
+        ("train.min_lr_ratio=1.5", "train.min_lr_ratio must be <= 1, got 1.5"),
+        ("bench.repetitions=0", "bench.repetitions must be positive, got 0"),
+        ("bench.max_new_tokens=0", "bench.max_new_tokens must be positive, got 0"),
+        ("bench.concurrency=[1, 0]", r"bench.concurrency must be positive, got \[1, 0\]"),
+        ("bench.settings=[{steps: 0}]", r"bench.settings\[0\].steps must be positive, got 0"),
+        ("harvest.batch_size=0", "harvest.batch_size must be positive, got 0"),
+        ("harvest.max_new_tokens=0", "harvest.max_new_tokens must be positive, got 0"),
+        ("harvest.topk=0", "harvest.topk must be positive, got 0"),
+        ("harvest.top_p=0", "harvest.top_p must be positive, got 0.0"),
+        ("harvest.heldout_fraction=1.5", "harvest.heldout_fraction must be <= 1, got 1.5"),
+        ("harvest.sglang.concurrency=0", "harvest.sglang.concurrency must be positive, got 0"),
+        ("harvest.sources=[{kind: mtbench, limit: 0}]", r"harvest.sources\[0\].limit must be positive or null, got 0"),
+        ("eval.steps=0", "eval.steps must be positive, got 0"),
+        ("eval.temperature=-1", "eval.temperature must be >= 0, got -1.0"),
+        ("serve.port=70000", "serve.port must be <= 65535, got 70000"),
+        ("target.tiny.hidden_size=0", "target.tiny.hidden_size must be positive, got 0"),
+    ],
+)
+def test_counts_and_rates_outside_their_bounds_are_refused_at_load_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=rf"^{message}$"):
+        load_config(REPO_ROOT / "configs/tiny.yaml", [override])
+
+
+def test_bounds_hold_for_a_config_built_in_code_and_after_replace():
+    import dataclasses
+
+    from eagle3ft.config import BenchConfig, TrainConfig
+
+    cfg = Config()
+    with pytest.raises(ConfigError, match=r"^TrainConfig\.max_steps must be positive or null, got -5$"):
+        dataclasses.replace(cfg.train, max_steps=-5)
+    with pytest.raises(ConfigError, match=r"^TrainConfig\.micro_batch_size must be positive, got 0$"):
+        TrainConfig(micro_batch_size=0)
+    with pytest.raises(ConfigError, match=r"^BenchConfig\.repetitions must be positive, got 0$"):
+        BenchConfig(repetitions=0)
+    ok = load_config(None, ["train.max_steps=null", "train.eval_every=0", "train.keep_checkpoints=0"])
+    assert (ok.train.max_steps, ok.train.eval_every, ok.train.keep_checkpoints) == (None, 0, 0)
+
+
+def test_finetune_refuses_a_negative_max_steps_in_one_line_before_anything_runs(tmp_path, capsys):
+    from eagle3ft.train.finetune import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(
+            [
+                "--config",
+                str(REPO_ROOT / "configs/tiny.yaml"),
+                "--run-dir",
+                str(tmp_path),
+                "--set",
+                "train.max_steps=-5",
+            ]
+        )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1
+    assert err[0].endswith(".py: error: train.max_steps must be positive or null, got -5"), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_file_is_clear(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yaml")

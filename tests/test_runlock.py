@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -132,3 +133,43 @@ def test_every_stage_stops_on_a_folder_in_use_and_writes_nothing(tmp_path, live_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"error: {tmp_path} is in use by train (pid {live_pid} on {owner['host']}" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
+
+
+@pytest.mark.parametrize(
+    "text, what",
+    [
+        ("", "empty"),
+        ('{"host": "node-1", "pid": 12', "28 bytes that are no owner record: cut short or damaged"),
+        ("[]", "2 bytes that are no owner record"),
+    ],
+)
+def test_an_empty_or_truncated_lock_left_long_ago_is_taken_over_saying_what_it_was(tmp_path, capsys, text, what):
+    (tmp_path / LOCK_NAME).write_text(text)
+    old = os.stat(tmp_path / LOCK_NAME).st_mtime - 3600
+    os.utime(tmp_path / LOCK_NAME, (old, old))
+    with run_lock(tmp_path, "train"):
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    err = capsys.readouterr().err
+    assert f"train: taking over the unreadable lock {tmp_path / LOCK_NAME} ({what}" in err
+    assert "unchanged for 3600 s, so no stage is writing it" in err
+
+
+def test_a_lock_being_written_is_waited_for_and_one_never_written_is_taken_over_after_the_grace(
+    tmp_path, live_pid, monkeypatch, capsys
+):
+    import threading
+
+    import eagle3ft.runlock as runlock
+
+    monkeypatch.setattr(runlock, "UNREADABLE_GRACE_S", 2.0)
+    (tmp_path / LOCK_NAME).write_text("")  # just created by its owner, which writes its record 0.3 s later
+    writer = threading.Timer(0.3, plant, (tmp_path,), {"pid": live_pid})
+    writer.start()
+    with pytest.raises(RunLocked, match=rf"in use by harvest \(pid {live_pid}"):
+        run_lock(tmp_path, "train").acquire()
+    writer.join()
+    (tmp_path / LOCK_NAME).write_text("")  # an owner killed before it wrote its record
+    t0 = time.monotonic()
+    with run_lock(tmp_path, "train"):
+        assert 1.9 < time.monotonic() - t0 < 10
+    assert "taking over the unreadable lock" in capsys.readouterr().err

@@ -22,7 +22,14 @@ from safetensors.torch import load_file
 from train_fixtures import REPO, launch, launch_cmd, write_store
 
 from eagle3ft.runlock import LOCK_NAME
-from eagle3ft.train.checkpoint import FORMAT, CheckpointError, StateTensors, read_json, read_trainer_state
+from eagle3ft.train.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    StateTensors,
+    choose_resume,
+    read_json,
+    read_trainer_state,
+)
 
 COMMON = (
     "train.warmup_steps=2",
@@ -122,6 +129,68 @@ def test_a_truncated_state_file_names_the_file(tmp_path):
         StateTensors(tmp_path / "state.safetensors")["fp32.w"]
 
 
+def test_a_started_run_folder_is_refused_without_resume_or_overwrite_before_anything_loads(
+    tmp_path, monkeypatch, capsys
+):
+    import eagle3ft.train.finetune as finetune
+
+    def boom(*a, **k):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(finetune, "main", boom)
+    write_store(tmp_path, n_train=2, n_heldout=1)
+    (tmp_path / "ckpt" / "step-40").mkdir(parents=True)
+    (tmp_path / "export").mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    argv = ["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path)]
+    for extra, message in (
+        (
+            [],
+            f"{tmp_path} already holds a training run (ckpt, export); continue it with --resume auto, or start over "
+            "in a new --run-dir or with --overwrite (removes ckpt/, export/, export-best/, train/ first)",
+        ),
+        (["--overwrite", "--resume", "auto"], "--overwrite starts over, --resume (train.resume) continues"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            finetune.cli(argv + extra)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"finetune.py: error: {message}"), err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, no lock left
+
+
+def fake_checkpoint(folder: Path) -> None:
+    """The three files a resume reads, whole (their contents are not a real run's)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    save_file({"fp32.w": torch.zeros(100)}, str(folder / "state.safetensors"))
+    (folder / "state.json").write_text("{}")
+    (folder / "trainer_state.json").write_text(json.dumps({"format": FORMAT, "step": int(folder.name[5:])}))
+
+
+def test_resume_auto_passes_over_damaged_checkpoints_to_the_newest_that_verifies(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for n in (2, 4, 6, 8):
+        fake_checkpoint(ckpt / f"step-{n}")
+    state = ckpt / "step-6" / "state.safetensors"
+    state.write_bytes(state.read_bytes()[:-40])  # cut short
+    (ckpt / "step-8" / "trainer_state.json").unlink()
+    assert choose_resume(tmp_path, "auto") == (
+        ckpt / "step-4",
+        [
+            f"{ckpt / 'step-8' / 'trainer_state.json'}: missing",
+            f"{state}: not a readable safetensors file (Error while deserializing header: incomplete metadata, file "
+            "not fully covered)",
+        ],
+    )
+    assert choose_resume(tmp_path, str(ckpt / "step-6")) == (ckpt / "step-6", [])  # named: taken as it is
+    assert choose_resume(tmp_path / "fresh", "auto") == (None, [])
+    for n in (2, 4):
+        (ckpt / f"step-{n}" / "state.json").write_text("")
+    with pytest.raises(CheckpointError, match=rf"^--resume auto: no checkpoint in {ckpt} verifies \(.*step-8.*step-2"):
+        choose_resume(tmp_path, "auto")
+
+
 # --------------------------------------------------------------------------- real launches
 
 
@@ -168,13 +237,21 @@ def test_resume_on_the_same_world_size_is_bit_identical_and_loads_no_pickle(stra
         ), a["step"]
     x, y = load_file(run / "export" / "model.safetensors"), load_file(ref / "export" / "model.safetensors")
     assert all(torch.equal(x[k], y[k]) for k in y)
-    s_a, s_b = (
-        load_file(run / "ckpt" / "step-6" / "state.safetensors"),
-        load_file(ref / "ckpt" / "step-6" / "state.safetensors"),
-    )
-    assert set(s_a) == set(s_b) and all(
-        torch.equal(s_a[k], s_b[k]) for k in s_b if not k.startswith("rank")
-    )  # masters and moments
+    assert_same_state(run / "ckpt" / "step-6", ref / "ckpt" / "step-6")  # masters, moments and every rank's RNGs
+
+
+def assert_same_state(a: Path, b: Path) -> None:
+    """Two checkpoints hold the same masters, Adam moments and RNG states (torch, Python, NumPy) of every rank."""
+    s_a, s_b = load_file(a / "state.safetensors"), load_file(b / "state.safetensors")
+    assert set(s_a) == set(s_b) and {k for k in s_b if k.startswith("rank")} >= {"rank0.torch_cpu", "rank1.numpy_keys"}
+    assert [k for k in s_b if not torch.equal(s_a[k], s_b[k])] == []
+    assert read_json(a / "state.json")["rng"] == read_json(b / "state.json")["rng"]
+
+
+@pytest.mark.slow
+def test_one_seed_gives_one_run(straight):
+    ref, stopped = straight  # two fresh runs of one config: the same state at step 4, RNGs included
+    assert_same_state(stopped / "ckpt" / "step-4", ref / "ckpt" / "step-4")
 
 
 @pytest.mark.slow
@@ -242,12 +319,47 @@ def test_a_planted_state_file_stops_the_resume_naming_it(straight, tmp_path):
     run = copy_run(stopped, tmp_path / "run")
     marker = tmp_path / "payload-ran"
     plant(run / "ckpt" / "step-4" / "state.safetensors", marker)
-    r = launch(run, *COMMON, procs=1, extra=("--resume", "auto"))
+    r = launch(run, *COMMON, procs=1, extra=("--resume", str(run / "ckpt" / "step-4")))  # named: no fall-back
     assert r.returncode == 1 and not marker.exists()
     err = [line for line in r.stderr.splitlines() if line.startswith("finetune: error:")]
     assert err and f"{run / 'ckpt' / 'step-4' / 'state.safetensors'}: not a readable safetensors file" in err[0], (
         r.stderr[-3000:]
     )
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_never_restarted_silently_and_overwrite_starts_it_over(straight, tmp_path):
+    ref, _ = straight
+    run = copy_run(ref, tmp_path / "run")
+    before = {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    r = launch(run, *COMMON, "train.max_steps=2")
+    assert r.returncode != 0 and r.stderr.count("finetune.py: error: ") == 1, r.stderr[-3000:]  # from rank 0 alone
+    assert f"finetune.py: error: {run} already holds a training run (ckpt, export, export-best, train)" in r.stderr
+    assert {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
+    r = launch(run, *COMMON, "train.max_steps=2", extra=("--overwrite",))
+    ok(r)
+    assert "--overwrite: removed ckpt, export, export-best, train" in r.stderr
+    assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step-2"]  # none of the old run's checkpoints
+    assert [x["step"] for x in metrics(run)] == [1, 2] and metrics(run)[0]["loss"] == metrics(ref)[0]["loss"]
+    assert all(json.loads((run / d / "card.json").read_text())["step"] <= 2 for d in ("export", "export-best"))
+
+
+@pytest.mark.slow
+def test_resume_auto_falls_back_from_a_truncated_newest_checkpoint_and_continues_the_straight_run(straight, tmp_path):
+    ref, stopped = straight
+    run = copy_run(stopped, tmp_path / "run")
+    state = run / "ckpt" / "step-4" / "state.safetensors"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    r = launch(run, *COMMON, extra=("--resume", "auto"))
+    ok(r)
+    out = r.stdout + r.stderr
+    assert f"--resume auto: passed over a damaged checkpoint: {state}: not a readable safetensors file" in out
+    assert f"resumed from {run / 'ckpt' / 'step-2'} at step 2" in out
+    resumed, straight_rows = metrics(run), metrics(ref)
+    assert [x["step"] for x in resumed] == [1, 2, 3, 4, 5, 6]
+    assert [(x["samples"], x["loss"]) for x in resumed] == [(x["samples"], x["loss"]) for x in straight_rows]
+    assert_same_state(run / "ckpt" / "step-6", ref / "ckpt" / "step-6")
+    assert_same_state(run / "ckpt" / "step-4", ref / "ckpt" / "step-4")  # the damaged one written anew
 
 
 # --------------------------------------------------------------------------- run lock and launcher death
@@ -303,7 +415,7 @@ def test_killing_the_launchers_process_group_leaves_no_rank_and_the_lock_is_take
         log.close()
     assert (tmp_path / LOCK_NAME).exists()  # the killed rank 0 could not remove it: stale
     r = subprocess.run(
-        launch_cmd(tmp_path, "train.max_steps=1", "train.ttt_steps=3", procs=1),
+        launch_cmd(tmp_path, "train.max_steps=1", "train.ttt_steps=3", procs=1) + ["--overwrite"],
         cwd=REPO,
         capture_output=True,
         text=True,

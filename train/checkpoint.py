@@ -227,14 +227,15 @@ def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> E
 # --------------------------------------------------------------------------- training checkpoints
 
 
-def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete ckpt/step-N folders, oldest first."""
-    found = [
-        p
-        for p in (Path(run_dir) / "ckpt").glob("step-*")
-        if re.fullmatch(r"step-\d+", p.name) and (p / TRAINER_STATE).is_file()
-    ]
+def step_dirs(run_dir: Path) -> list[Path]:
+    """Every ckpt/step-N folder, oldest first."""
+    found = [p for p in (Path(run_dir) / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete ckpt/step-N folders (trainer_state.json is written last), oldest first."""
+    return [p for p in step_dirs(run_dir) if (p / TRAINER_STATE).is_file()]
 
 
 def resume_path(run_dir: Path, resume: str | None) -> Path | None:
@@ -252,6 +253,35 @@ def resume_path(run_dir: Path, resume: str | None) -> Path | None:
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, damaged or of another kind; the message names the file."""
+
+
+def verify_checkpoint(path: Path) -> None:
+    """CheckpointError naming the file unless the files a resume reads are whole: trainer_state.json (of this
+    format), state.json, and state.safetensors (its header read, and the file as long as the header says)."""
+    read_trainer_state(path)
+    read_json(Path(path) / STATE_JSON)
+    StateTensors(Path(path) / STATE_TENSORS)
+
+
+def choose_resume(run_dir: Path, resume: str | None) -> tuple[Path | None, list[str]]:
+    """(the checkpoint to resume from, why each newer one was passed over). A named folder is taken as it is (its
+    damage is an error when it loads); 'auto' takes the newest that verifies and passes over the damaged ones, and is
+    a CheckpointError when there are checkpoints but none verifies (None when there is none: a fresh start)."""
+    if resume != "auto":
+        return resume_path(run_dir, resume), []
+    refused = []
+    for ckpt in reversed(step_dirs(run_dir)):
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt, refused
+        except CheckpointError as e:
+            refused.append(str(e))
+    if refused:
+        raise CheckpointError(
+            f"--resume auto: no checkpoint in {Path(run_dir) / 'ckpt'} verifies ({'; '.join(refused)}); start over "
+            "with --overwrite"
+        )
+    return None, []
 
 
 def read_json(path: Path) -> dict:

@@ -355,7 +355,10 @@ class TrainData:
         workers = tcfg.num_workers if tcfg.num_workers is not None else (2 if cuda else 0)
         if workers < 0:
             raise ValueError(f"train.num_workers must be >= 0 or null, got {tcfg.num_workers}")
-        common = dict(num_workers=workers, pin_memory=cuda)
+        # its own generator: an iterator draws its workers' base seed from it, not from the global RNG (which the
+        # checkpoints save and restore, so a resumed run must draw from it exactly as a straight one)
+        generator = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch + 104_729)
+        common = dict(num_workers=workers, pin_memory=cuda, generator=generator)
         if self.lengths is not None:
             return torch.utils.data.DataLoader(
                 self.dataset,

@@ -1,9 +1,10 @@
 """Fine-tune an EAGLE-3 drafter on a run's feature store.
 
     accelerate launch --config_file configs/accelerate/cpu-2proc.yaml train/finetune.py \
-        --config configs/smollm2-135m.yaml --run-dir runs/smol [--resume auto] [--set train.max_steps=100]
+        --config configs/smollm2-135m.yaml --run-dir runs/smol [--resume auto | --overwrite] [--set train.max_steps=100]
 
 Reads DIR/features and DIR/vocab.safetensors; writes DIR/ckpt/step-N, DIR/export, DIR/train/metrics.jsonl.
+A folder whose training has started is continued (--resume auto) or started over (--overwrite), never both at once.
 """
 
 from __future__ import annotations
@@ -16,17 +17,24 @@ from eagle3ft.cli import build_parser, cli_errors, parse_cli, save_resolved
 from eagle3ft.data.store import StoreError
 from eagle3ft.runlock import RunLocked, run_lock
 from eagle3ft.train.loop import NonFiniteLoss, OutOfMemoryHint, main
+from eagle3ft.train.outputs import refusal, remove_training_outputs, stale_derived, training_outputs
 
 DESCRIPTION = "Fine-tune an EAGLE-3 drafter on a run's feature store."
 
 
 def cli(argv: list[str] | None = None) -> int:
     parser = build_parser(DESCRIPTION)
+    parser.prog = "finetune.py"  # also when called in-process
     parser.add_argument(
         "--resume",
         default=None,
         metavar="auto|CKPT",
         help="continue from the newest checkpoint (auto) or a ckpt/step-N folder; sets train.resume",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over: remove the folder's training outputs (ckpt/, export/, export-best/, train/) first",
     )
     cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
     if args.resume is not None:
@@ -34,10 +42,36 @@ def cli(argv: list[str] | None = None) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0  # rank 0 holds the run folder's lock and records run_dir/config.yaml
     with cli_errors("finetune", StoreError, NonFiniteLoss, OutOfMemoryHint, RunLocked):  # exits 1 with one line
         with run_lock(run_dir, "train") if rank0 else nullcontext():
+            check_start(parser, run_dir, cfg.train.resume, args.overwrite, rank0)  # a folder in use is named first
             if rank0:
+                if args.overwrite:
+                    overwrite(run_dir)
                 save_resolved(cfg, run_dir, "train")
             main(cfg, run_dir)
     return 0
+
+
+def check_start(parser, run_dir, resume: str | None, overwrite: bool, rank0: bool) -> None:
+    """Exit 2 (one line, from rank 0) before anything loads: a started run folder needs --resume or --overwrite."""
+    message = None
+    if overwrite and resume is not None:
+        message = "--overwrite starts over, --resume (train.resume) continues: give one of them"
+    elif not overwrite and resume is None and (found := training_outputs(run_dir)):
+        message = refusal(run_dir, found)
+    if message is not None:
+        parser.exit(2, f"{parser.prog}: error: {message}\n" if rank0 else None)
+
+
+def overwrite(run_dir) -> None:
+    """--overwrite, under the run lock: the old run's training outputs go before anything is written."""
+    if removed := remove_training_outputs(run_dir):
+        print(f"--overwrite: removed {', '.join(removed)} of {run_dir}", file=sys.stderr, flush=True)
+    if stale := stale_derived(run_dir):
+        print(
+            f"note: {', '.join(f'{run_dir}/{n}' for n in stale)} describe the old run's drafter; rerun those stages",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _exit(code: int) -> None:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -26,9 +28,9 @@ from eagle3ft.data.store import _write_atomic
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
 from eagle3ft.train.checkpoint import (
     atomic_dir,
+    choose_resume,
     drafter_tensors,
     load_checkpoint,
-    resume_path,
     resume_position,
     save_checkpoint,
     truncate_metrics,
@@ -81,6 +83,13 @@ def lr_lambda(tcfg: TrainConfig, total: int):
         return tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
 
     return f
+
+
+def seed_all(seed: int) -> None:
+    """Seed every RNG the run uses (torch CPU and CUDA, Python's, NumPy's): one seed gives one run."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 # --------------------------------------------------------------------------- the run
@@ -160,7 +169,7 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     # 1. data and drafter (checked against the features' identity)
     data = TrainData(cfg, run_dir)
     took.mark("data")
-    torch.manual_seed(cfg.seed)
+    seed_all(cfg.seed)
     model = build_drafter(cfg, run_dir, data.target)
     if torch.cuda.is_available() if tcfg.compile is None else tcfg.compile:  # null: on with CUDA
         model.compile_blocks()
@@ -206,7 +215,11 @@ def setup(cfg: Config, run_dir: Path) -> Run:
 
 def resume(run: Run) -> bool:
     """Load train.resume's checkpoint (if any) into the prepared engine and move `run` to its step and data position."""
-    ckpt = resume_path(run.run_dir, run.cfg.train.resume)
+    ckpt, refused = choose_resume(run.run_dir, run.cfg.train.resume)
+    for why in refused:
+        run.dist.print(f"--resume auto: passed over a damaged checkpoint: {why}")
+    if ckpt is None and run.cfg.train.resume == "auto":
+        run.dist.print(f"--resume auto: no checkpoint in {run.run_dir / 'ckpt'}; starting at step 0")
     if ckpt is not None:
         st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed)
         run.step = st["step"]
