@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, to_dict
+from eagle3ft.files import write_atomic
 
 
 def code_version() -> str:
@@ -52,9 +53,9 @@ def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str) -> Path:
     doc = yaml.safe_load(out.read_text()) if out.exists() else {}
     doc = doc if isinstance(doc, dict) else {}
     doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg)}
-    tmp = out.with_suffix(f".yaml.{os.getpid()}.tmp")  # ranks of one launch may write at once
-    tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
-    os.replace(tmp, out)
+    write_atomic(
+        out, yaml.safe_dump(doc, sort_keys=False), f".config.yaml.{os.getpid()}.tmp"
+    )  # ranks may write at once
     return out
 
 

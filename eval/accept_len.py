@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
+from eagle3ft.files import write_atomic
 from eagle3ft.train.model import Eagle3Drafter
 
 # --------------------------------------------------------------------------- counts -> tau
@@ -277,7 +278,9 @@ def run(cfg, run_dir: Path) -> AcceptReport:
         "sources": held_out,
         "heldout_fraction": cfg.harvest.heldout_fraction,
     }
-    (out / "accept_len.json").write_text(json.dumps({**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2))
+    write_atomic(
+        out / "accept_len.json", json.dumps({**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2)
+    )
     return rep
 
 

@@ -51,6 +51,7 @@ from eagle3ft.eval.harness import (
     run,
     spread,
 )
+from eagle3ft.files import write_atomic
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
 
@@ -417,7 +418,7 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
             for key, rs in rows.items()
         }
     path = Path(run_dir) / "bench" / "concurrency.json"
-    path.write_text(json.dumps(out, indent=2))
+    write_atomic(path, json.dumps(out, indent=2))
     return out
 
 

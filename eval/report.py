@@ -28,6 +28,7 @@ from eagle3ft.eval.calibration import from_config, join, predict
 from eagle3ft.eval.economics import analyse, read_offline_tau
 from eagle3ft.eval.report_md import headline_text, markdown
 from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
+from eagle3ft.files import write_atomic
 
 
 def _read_json(p: Path) -> dict | None:
@@ -181,8 +182,8 @@ def build(run_dir: Path, cfg=None) -> dict:
         "prediction": prediction if not summary else None,
         "plots": plots,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(markdown(report))
+    write_atomic(out / "report.json", json.dumps(report, indent=2))
+    write_atomic(out / "report.md", markdown(report))
     return report
 
 

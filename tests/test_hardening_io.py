@@ -1,9 +1,58 @@
-"""Issue 41, round three: `make help`."""
+"""Issue 41, round three: links at temporary names, refused stages that change nothing, `make help`."""
 
 import re
 import subprocess
 
+import pytest
+from train_fixtures import write_store
+
 from eagle3ft.config import REPO_ROOT
+from eagle3ft.data.harvest import main as harvest_main
+from eagle3ft.data.store import FeatureStore
+
+TINY = REPO_ROOT / "configs" / "tiny.yaml"
+
+
+def test_a_link_planted_at_a_shards_temporary_name_is_not_written_through(tmp_path):
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"keep me")
+    run = tmp_path / "run"
+    (run / "features").mkdir(parents=True)
+    for name in (".train-00000.safetensors.tmp", ".manifest.json.tmp"):
+        (run / "features" / name).symlink_to(outside)
+    write_store(run, n_train=2, n_heldout=1)
+    assert outside.read_bytes() == b"keep me"
+    store = FeatureStore(run / "features")
+    assert len(store.dataset("train")) == 2
+    assert not any(p.is_symlink() for p in (run / "features").iterdir())
+
+
+def test_a_link_at_the_final_name_is_replaced_not_followed(tmp_path):
+    from eagle3ft.files import write_atomic
+
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").symlink_to(outside)
+    write_atomic(tmp_path / "run" / "summary.json", '{"a": 1}')
+    assert outside.read_text() == "{}"
+    assert not (tmp_path / "run" / "summary.json").is_symlink()
+    assert (tmp_path / "run" / "summary.json").read_text() == '{"a": 1}'
+
+
+def test_a_harvest_refused_for_another_store_leaves_config_yaml_as_it_was(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_store(run, n_train=2, n_heldout=1)  # a store of another harvest (topk 4, fingerprint synthetic-0)
+    (run / "config.yaml").write_text("stages:\n  harvest: {code_version: before}\n")
+    before = {p.name: p.read_bytes() for p in (run / "features").iterdir()}
+    with pytest.raises(SystemExit) as e:
+        harvest_main(
+            ["--config", str(TINY), "--run-dir", str(run), "--set", "harvest.sources=[{kind: mtbench, limit: 2}]"]
+        )
+    assert e.value.code == 1
+    assert "holds a harvest with another" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == "stages:\n  harvest: {code_version: before}\n"
+    assert {p.name: p.read_bytes() for p in (run / "features").iterdir()} == before
 
 
 def test_make_help_is_the_default_and_lists_every_target_with_a_line():

@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from eagle3ft.data.store import collate
+from eagle3ft.files import write_atomic
 
 
 @dataclass
@@ -128,7 +129,7 @@ def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, d
                 "heldout_tokens": result.heldout_tokens,
             }
         )
-    (Path(folder) / CARD).write_text(json.dumps(card, indent=2) + "\n")
+    write_atomic(Path(folder) / CARD, json.dumps(card, indent=2) + "\n")
 
 
 class HeldoutTracker:
@@ -224,8 +225,9 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     )
     out = Path(run_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "heldout_tau.json").write_text(
-        json.dumps({**asdict(result), "depth": depth, "checkpoint": str(ckpt)}, indent=2) + "\n"
+    write_atomic(
+        out / "heldout_tau.json",
+        json.dumps({**asdict(result), "depth": depth, "checkpoint": str(ckpt)}, indent=2) + "\n",
     )
     return result
 
