@@ -1,13 +1,19 @@
-"""Issue 41, round three: links at temporary names, refused stages that change nothing, `make help`."""
+"""Issue 41, round three: prompt files read within a byte cap, links at temporary names, refused stages that change
+nothing, `make help`."""
 
+import json
 import re
 import subprocess
+import tracemalloc
+from collections import Counter
 
 import pytest
 from train_fixtures import write_store
 
-from eagle3ft.config import REPO_ROOT
+from eagle3ft.config import REPO_ROOT, SourceConfig
 from eagle3ft.data.harvest import main as harvest_main
+from eagle3ft.data.prompts import collect, iter_chitchat
+from eagle3ft.data.readers import MAX_RECORD_BYTES
 from eagle3ft.data.store import FeatureStore
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
@@ -63,3 +69,65 @@ def test_make_help_is_the_default_and_lists_every_target_with_a_line():
         listed = {line.split()[0]: line.split(None, 1)[1] for line in out.splitlines() if line.strip()}
         assert sorted(listed) == sorted(phony)
         assert all(len(text) > 5 for text in listed.values())
+
+
+def _conv(i: int) -> bytes:
+    return json.dumps(
+        {"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+    ).encode()
+
+
+def _giant(f, mb: int) -> None:
+    """One ShareGPT record of `mb` MB whose text holds quotes, brackets and backslashes, written 1 MB at a time."""
+    f.write(b'{"conversations": [{"from": "human", "value": "')
+    piece = b'x \\" ] } [ { \\\\ ' * ((1 << 20) // 16)
+    for _ in range(mb):
+        f.write(piece)
+    f.write(b'"}, {"from": "gpt", "value": "a"}]}')
+
+
+def _collect_peak(path) -> tuple[list, Counter, int]:
+    skips: Counter = Counter()
+    src = SourceConfig(kind="file", path=str(path))
+    tracemalloc.start()
+    try:
+        convs = collect([src], max_turns=1, regenerate=False, heldout_fraction=0.0, dedupe=True, skips=skips)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return convs, skips, peak
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_line_or_record_far_over_the_cap_is_skipped_in_bounded_memory(tmp_path, suffix):
+    path = tmp_path / f"prompts{suffix}"
+    with open(path, "wb") as f:
+        sep = b"\n" if suffix == ".jsonl" else b",\n"
+        f.write(b"" if suffix == ".jsonl" else b"[")
+        f.write(_conv(0) + sep)
+        _giant(f, 40)  # 40 MB, 20x MAX_RECORD_BYTES
+        f.write(sep + _conv(1) + (b"\n" if suffix == ".jsonl" else b"]"))
+    convs, skips, peak = _collect_peak(path)
+    assert [c.messages[0]["content"] for c in convs] == ["q0", "q1"]
+    assert skips == {"too_large": 1}
+    assert peak < 5 * MAX_RECORD_BYTES, f"peak {peak / 1e6:.1f} MB"
+
+
+def test_a_package_sources_object_is_streamed_value_by_value(tmp_path):
+    path = tmp_path / "chats.json"
+    big = b"[" + b", ".join([b'{"sender": "a", "text": "' + b"y" * (MAX_RECORD_BYTES + 10) + b'"}']) + b"]"
+    chat = {"messages": [[{"sender": "a", "text": "hi"}], [{"sender": "b", "text": "hello"}]]}
+    path.write_bytes(
+        b'{"c1": '
+        + json.dumps(chat).encode()
+        + b', "c2": {"messages": ['
+        + big
+        + b"]}, "
+        + b'"c3": '
+        + json.dumps(chat).encode()
+        + b"}"
+    )
+    skips: Counter = Counter()
+    records = list(iter_chitchat(path, skips))
+    assert records == [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 2
+    assert skips == {"too_large": 1}
