@@ -1,11 +1,14 @@
-"""Issue 41, round three: prompt files read within a byte cap, links at temporary names, refused stages that change
-nothing, `make help`."""
+"""Issue 41, round three: prompt files read within a byte cap, one error line whatever the launcher, loopback sockets,
+links at temporary names, refused stages that change nothing, `make help`."""
 
 import json
+import os
 import re
 import subprocess
+import sys
 import tracemalloc
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from train_fixtures import write_store
@@ -15,6 +18,7 @@ from eagle3ft.data.harvest import main as harvest_main
 from eagle3ft.data.prompts import collect, iter_chitchat
 from eagle3ft.data.readers import MAX_RECORD_BYTES
 from eagle3ft.data.store import FeatureStore
+from eagle3ft.train.launcher import loopback_only
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 
@@ -131,3 +135,49 @@ def test_a_package_sources_object_is_streamed_value_by_value(tmp_path):
     records = list(iter_chitchat(path, skips))
     assert records == [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 2
     assert skips == {"too_large": 1}
+
+
+def _listening(pid: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp* shows them) of the TCP sockets that `pid` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    rows = [line.split() for f in ("/proc/net/tcp", "/proc/net/tcp6") for line in open(f).readlines()[1:]]
+    return [r[1] for r in rows if r[3] == "0A" and r[9] in inodes]
+
+
+LOOPBACK = ("0100007F:", "00000000000000000000000001000000:", "0000000000000000FFFF00000100007F:")
+
+
+def test_a_process_without_launcher_listens_on_loopback_only(tmp_path):
+    code = (
+        "import sys, time; from eagle3ft.config import load_config; from eagle3ft.train.dist import Dist; "
+        "d = Dist(load_config(sys.argv[1]).train); print('ready', flush=True); time.sleep(60)"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code, str(TINY)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert "ready" in iter(lambda: p.stdout.readline().strip() or "EOF", "EOF")  # after DeepSpeed's banner
+        bound = _listening(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+    assert all(addr.startswith(LOOPBACK) for addr in bound), bound
+
+
+def test_ranks_of_one_machine_bind_loopback_and_several_machines_keep_their_interface(monkeypatch):
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    loopback_only()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ and "NCCL_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's own setting wins
+    loopback_only()
+    assert os.environ["GLOO_SOCKET_IFNAME"].startswith("lo") and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
