@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3ft.cli import cli_errors, parse_cli, save_resolved
+from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
 from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import Conversation, check_source, collect
@@ -422,7 +422,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg, run_dir, _ = parse_cli(
         "Harvest target features for EAGLE-3 training.", stage="harvest", argv=argv, record=False
     )
-    with holding(run_dir, "harvest"), cli_errors("harvest", StoreError, SGLangError, HarvestRefused):
+    with (
+        holding(run_dir, "harvest"),
+        cli_errors("harvest", StoreError, SGLangError, HarvestRefused, log=error_log(run_dir, "harvest")),
+    ):
         summary = run_harvest(cfg, run_dir, record=True)
     print(json.dumps(summary, indent=1))
 

@@ -56,7 +56,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle3ft.cli import cli_errors, parse_cli, save_resolved
+from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
 from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.harvest import check_harvest_config, request_seed, sample_id
@@ -411,7 +411,10 @@ def cli(argv: list[str] | None = None) -> None:
     cfg, run_dir, _ = parse_cli(
         "Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv, record=False
     )
-    with holding(run_dir, "regen"), cli_errors("regen", RegenError, SGLangError, StoreError):
+    with (
+        holding(run_dir, "regen"),
+        cli_errors("regen", RegenError, SGLangError, StoreError, log=error_log(run_dir, "regen")),
+    ):
         summary = main(cfg, run_dir, record=True)
     print(json.dumps(summary, indent=1))
 

@@ -285,7 +285,7 @@ def run(cfg, run_dir: Path) -> AcceptReport:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, parse_cli
+    from eagle3ft.cli import cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
     from eagle3ft.eval.preflight import check_or_exit
 
@@ -295,7 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     check_or_exit("accept_len.py", "eval", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "eval", "accept_len.py"), cli_errors("accept_len.py", StoreError):
+    with (
+        holding(run_dir, "eval", "accept_len.py"),
+        cli_errors("accept_len.py", StoreError, log=error_log(run_dir, "eval")),
+    ):
         print(format_report(run(cfg, run_dir)))
 
 

@@ -423,7 +423,7 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, parse_cli
+    from eagle3ft.cli import cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
     from eagle3ft.eval.preflight import check_or_exit
 
@@ -437,7 +437,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "bench", "bench_sglang.py"), cli_errors("bench_sglang.py", StoreError, SGLangError):
+    with (
+        holding(run_dir, "bench", "bench_sglang.py"),
+        cli_errors("bench_sglang.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
+    ):
         backend = SGLangBackend(cfg, run_dir)
         try:
             print(format_summary(run(cfg, run_dir, backend)))

@@ -332,7 +332,7 @@ def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, parse_cli
+    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
 
     ap = build_parser("The demo's before/after: offline tau per held-out set, then the headline.")
@@ -347,7 +347,10 @@ def main(argv: list[str] | None = None) -> None:
         check_or_exit("demo_summary.py", "bench", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "demo", "demo_summary.py"), cli_errors("demo_summary.py", StoreError):
+    with (
+        holding(run_dir, "demo", "demo_summary.py"),
+        cli_errors("demo_summary.py", StoreError, log=error_log(run_dir, "demo")),
+    ):
         if args.command == "offline":
             run_offline(cfg, run_dir, args.only or None)
         elif args.command == "measure":

@@ -188,7 +188,7 @@ def build(run_dir: Path, cfg=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, parse_cli
+    from eagle3ft.cli import cli_errors, error_log, parse_cli
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     check_or_exit("report.py", "report", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "report", "report.py"), cli_errors("report.py"):
+    with holding(run_dir, "report", "report.py"), cli_errors("report.py", log=error_log(run_dir, "report")):
         rep = build(run_dir, cfg)
     print(f"report: {run_dir / 'eval' / 'report.md'}")
     print(headline_text(rep["headline"]))

@@ -4,14 +4,16 @@ links at temporary names, refused stages that change nothing, `make help`."""
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 import tracemalloc
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from train_fixtures import write_store
+from train_fixtures import launch, write_store
 
 from eagle3ft.config import REPO_ROOT, SourceConfig
 from eagle3ft.data.harvest import main as harvest_main
@@ -181,3 +183,43 @@ def test_ranks_of_one_machine_bind_loopback_and_several_machines_keep_their_inte
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the user's own setting wins
     loopback_only()
     assert os.environ["GLOO_SOCKET_IFNAME"].startswith("lo") and os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+
+
+def _left_running(run: Path) -> list[int]:
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(run).encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
+def _error_lines(r: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (r.stdout + r.stderr).splitlines() if re.search("error|traceback", line, re.I)]
+
+
+@pytest.mark.slow
+def test_an_input_error_of_a_two_process_launch_is_one_line_and_its_traceback_is_in_the_log(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = launch(empty, timeout=300)
+    assert r.returncode != 0
+    assert _error_lines(r) == [f"finetune: error: no feature store at {empty}/features (missing manifest.json)"]
+    log = (empty / "logs" / "train-error.log").read_text()
+    assert log.startswith("Traceback") and "StoreError" in log
+    busy = tmp_path / "busy"
+    write_store(busy)
+    owner = subprocess.Popen(["sleep", "120"])
+    try:
+        lock = {"host": socket.gethostname(), "pid": owner.pid, "stage": "harvest", "started": "now"}
+        (busy / ".lock").write_text(json.dumps(lock))
+        r = launch(busy, timeout=300)  # rank 0 alone meets this error; rank 1 goes on until rank 0 ends it
+    finally:
+        owner.kill()
+        owner.wait()
+    assert r.returncode != 0
+    assert [line.split(" (pid")[0] for line in _error_lines(r)] == [f"finetune: error: {busy} is in use by harvest"]
+    time.sleep(0.5)
+    assert _left_running(busy) == []

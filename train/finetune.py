@@ -4,6 +4,8 @@
         --config configs/smollm2-135m.yaml --run-dir runs/smol [--resume auto] [--set train.max_steps=100]
 
 Reads DIR/features and DIR/vocab.safetensors; writes DIR/ckpt/step-N, DIR/export, DIR/train/metrics.jsonl.
+An input error is one line from rank 0, whatever the number of processes; its traceback is in
+DIR/logs/train-error.log.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import os
 import sys
 from contextlib import nullcontext
 
-from eagle3ft.cli import build_parser, cli_errors, parse_cli, save_resolved
+from eagle3ft.cli import build_parser, cli_errors, error_log, is_rank0, parse_cli, rank0_voice, save_resolved
 from eagle3ft.data.store import StoreError
 from eagle3ft.runlock import RunLocked, run_lock
+from eagle3ft.train.launcher import end_launch
 from eagle3ft.train.loop import NonFiniteLoss, OutOfMemoryHint, main
 
 DESCRIPTION = "Fine-tune an EAGLE-3 drafter on a run's feature store."
@@ -28,11 +31,13 @@ def cli(argv: list[str] | None = None) -> int:
         metavar="auto|CKPT",
         help="continue from the newest checkpoint (auto) or a ckpt/step-N folder; sets train.resume",
     )
-    cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
+    with rank0_voice(end_launch):
+        cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
     if args.resume is not None:
         cfg.train.resume = args.resume
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # rank 0 holds the run folder's lock and records run_dir/config.yaml
-    with cli_errors("finetune", StoreError, NonFiniteLoss, OutOfMemoryHint, RunLocked):  # exits 1 with one line
+    rank0 = is_rank0()  # rank 0 holds the run folder's lock and records run_dir/config.yaml
+    errors = (StoreError, NonFiniteLoss, OutOfMemoryHint, RunLocked)
+    with cli_errors("finetune", *errors, log=error_log(run_dir, "train"), end_launch=end_launch):  # one line
         with run_lock(run_dir, "train") if rank0 else nullcontext():
             if rank0:
                 save_resolved(cfg, run_dir, "train")

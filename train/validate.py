@@ -233,13 +233,13 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, parse_cli
+    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
 
     ap = build_parser("Held-out greedy chain tau of an exported drafter through the TTT unroll (as training logs it).")
     ap.add_argument("--checkpoint", help="drafter folder, relative to the run folder (default eval.checkpoint)")
     cfg, run_dir, args = parse_cli("", stage="heldout_tau", argv=argv, parser=ap)
-    with cli_errors("validate", StoreError):
+    with cli_errors("validate", StoreError, log=error_log(run_dir, "heldout_tau")):
         r = run(cfg, run_dir, args.checkpoint)
     print(
         f"held-out tau {r.heldout_tau:.4f} at depth {cfg.eval.steps} over {r.heldout_tokens} answer tokens; "
