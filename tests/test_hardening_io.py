@@ -156,6 +156,7 @@ def _listening(pid: int) -> list[str]:
 LOOPBACK = ("0100007F:", "00000000000000000000000001000000:", "0000000000000000FFFF00000100007F:")
 
 
+@pytest.mark.slow  # 5 s alone, up to 60 s when DeepSpeed rebuilds its CPU op on a loaded machine
 def test_a_process_without_launcher_listens_on_loopback_only(tmp_path):
     code = (
         "import sys, time; from eagle3ft.config import load_config; from eagle3ft.train.dist import Dist; "
