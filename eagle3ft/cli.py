@@ -7,16 +7,19 @@ into the run folder with the code version, and errors in the input as one line i
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import subprocess
 import sys
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext, redirect_stderr
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, to_dict
+from eagle3ft.files import write_atomic
 
 
 def code_version() -> str:
@@ -52,9 +55,9 @@ def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str) -> Path:
     doc = yaml.safe_load(out.read_text()) if out.exists() else {}
     doc = doc if isinstance(doc, dict) else {}
     doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg)}
-    tmp = out.with_suffix(f".yaml.{os.getpid()}.tmp")  # ranks of one launch may write at once
-    tmp.write_text(yaml.safe_dump(doc, sort_keys=False))
-    os.replace(tmp, out)
+    write_atomic(
+        out, yaml.safe_dump(doc, sort_keys=False), f".config.yaml.{os.getpid()}.tmp"
+    )  # ranks may write at once
     return out
 
 
@@ -78,18 +81,68 @@ DEBUG_ENV = "EAGLE3FT_DEBUG"
 USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
+def is_rank0() -> bool:
+    """True unless a launcher of several processes made this process a rank other than 0."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def error_log(run_dir: str | os.PathLike, stage: str) -> Path:
+    return Path(run_dir) / "logs" / f"{stage}-error.log"
+
+
+def _write_log(log: Path, error: BaseException) -> None:
+    """The traceback into `log`, when its run folder exists (an error does not create one) and is not in use by
+    another stage (RunLocked)."""
+    from eagle3ft.runlock import RunLocked
+
+    if isinstance(error, RunLocked) or not log.parent.parent.is_dir():
+        return
+    try:
+        log.parent.mkdir(exist_ok=True)
+        write_atomic(log, "".join(traceback.format_exception(error)))
+    except OSError:
+        pass
+
+
 @contextmanager
-def cli_errors(prog: str, *more: type[BaseException]):
+def cli_errors(
+    prog: str,
+    *more: type[BaseException],
+    log: Path | None = None,
+    end_launch: Callable[[bool], bool] | None = None,
+):
     """An entry point's body: an error in the input (USER_ERRORS, plus `more`) exits 1 with one line
-    `<prog>: error: <message>`; the traceback follows only with --debug or EAGLE3FT_DEBUG=1."""
+    `<prog>: error: <message>`; the traceback goes to `log` (error_log(run_dir, stage)), and to the console only with
+    --debug or EAGLE3FT_DEBUG=1. Under a launcher of several processes rank 0 alone prints the line:
+    `end_launch(is_rank0)` (train/launcher.py) ends the launch before the launcher reports the failed ranks, and
+    returns False on a rank whose launcher is still there (its error then was its own, so it prints it)."""
     try:
         yield
     except USER_ERRORS + more as e:
+        if log is not None and is_rank0():
+            _write_log(log, e)
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             traceback.print_exc()
         msg = " ".join(str(e).split("\n")) or type(e).__name__
-        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        if is_rank0():
+            print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        if (end_launch is not None and not end_launch(is_rank0())) or (end_launch is None and not is_rank0()):
+            print(f"{prog}: error (rank {os.environ['RANK']}): {msg}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+@contextmanager
+def rank0_voice(end_launch: Callable[[bool], bool] | None = None):
+    """Argument and config parsing under a launcher of several processes: only rank 0's error message is printed,
+    and a failed parse ends the launch (end_launch, as in cli_errors)."""
+    heard = io.StringIO()
+    try:
+        with redirect_stderr(heard) if not is_rank0() else nullcontext():
+            yield
+    except SystemExit as e:
+        if e.code and end_launch is not None and not end_launch(is_rank0()):
+            sys.stderr.write(heard.getvalue())
+        raise
 
 
 def parse_cli(

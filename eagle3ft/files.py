@@ -1,8 +1,10 @@
-"""Reading the files stages hand each other, with an error that names the file when one is damaged."""
+"""Reading the files stages hand each other, with an error that names the file when one is damaged, and writing
+them atomically without following a link."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -29,3 +31,30 @@ def safetensors_keys(path: str | Path, what: str) -> list[str]:
         raise DamagedFile(
             f"{path}: {what} is not a readable safetensors file ({e}); the file is truncated or damaged"
         ) from None
+
+
+def write_atomic(path: str | Path, data: bytes | str, tmp_name: str | None = None) -> None:
+    """Write `data` to `path` whole or not at all: a temporary file beside it (`.NAME.tmp`, or `tmp_name`), fsync,
+    os.replace, fsync of the folder.
+
+    The temporary name is created fresh (O_EXCL | O_NOFOLLOW) after removing whatever is there, a killed writer's
+    leftover or a planted link, so no write goes through a link; os.replace then replaces a link at `path` itself
+    rather than the file it points to.
+    """
+    path = Path(path)
+    tmp = path.with_name(tmp_name or f".{path.name}.tmp")
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
-from eagle3ft.files import safetensors_keys
+from eagle3ft.files import safetensors_keys, write_atomic
 
 
 def build_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,8 +35,10 @@ def build_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return d2t, t2d
 
 
-def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    save_file({"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous()}, str(path))
+def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, tmp_name: str | None = None) -> None:
+    """Atomically (eagle3ft/files.py: write_atomic; `tmp_name` when several ranks write it at once)."""
+    tensors = {"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous()}
+    write_atomic(path, save(tensors), tmp_name)
 
 
 def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ import torch
 
 from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk_rows, tree_accept
 from eagle3ft.eval.loops import loop_mask
+from eagle3ft.files import write_atomic
 from eagle3ft.train.model import Eagle3Drafter
 
 # --------------------------------------------------------------------------- counts -> tau
@@ -306,12 +307,14 @@ def run(cfg, run_dir: Path) -> AcceptReport:
         "sources": held_out,
         "heldout_fraction": cfg.harvest.heldout_fraction,
     }
-    (out / "accept_len.json").write_text(json.dumps({**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2))
+    write_atomic(
+        out / "accept_len.json", json.dumps({**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2)
+    )
     return rep
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, parse_cli
+    from eagle3ft.cli import cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
     from eagle3ft.eval.preflight import check_or_exit
 
@@ -321,7 +324,10 @@ def main(argv: list[str] | None = None) -> None:
     check_or_exit("accept_len.py", "eval", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "eval", "accept_len.py"), cli_errors("accept_len.py", StoreError):
+    with (
+        holding(run_dir, "eval", "accept_len.py"),
+        cli_errors("accept_len.py", StoreError, log=error_log(run_dir, "eval")),
+    ):
         print(format_report(run(cfg, run_dir)))
 
 

@@ -40,7 +40,7 @@ def run(cfg, run_dir: Path, log=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, parse_cli
+    from eagle3ft.cli import cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
     from eagle3ft.eval.preflight import check_or_exit
     from eagle3ft.targets.sglang_http import SGLangError
@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     check_or_exit("bench.py", "bench", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "bench", "bench.py"), cli_errors("bench.py", StoreError, SGLangError):
+    with (
+        holding(run_dir, "bench", "bench.py"),
+        cli_errors("bench.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
+    ):
         print(harness.format_summary(run(cfg, run_dir)))
 
 

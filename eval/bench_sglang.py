@@ -52,6 +52,7 @@ from eagle3ft.eval.harness import (
     run,
     spread,
 )
+from eagle3ft.files import write_atomic
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
 
@@ -483,12 +484,12 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
             for key, rs in rows.items()
         }
     path = Path(run_dir) / "bench" / "concurrency.json"
-    path.write_text(json.dumps(out, indent=2))
+    write_atomic(path, json.dumps(out, indent=2))
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, parse_cli
+    from eagle3ft.cli import cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
     from eagle3ft.eval.preflight import check_or_exit
 
@@ -502,7 +503,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "bench", "bench_sglang.py"), cli_errors("bench_sglang.py", StoreError, SGLangError):
+    with (
+        holding(run_dir, "bench", "bench_sglang.py"),
+        cli_errors("bench_sglang.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
+    ):
         backend = SGLangBackend(cfg, run_dir)
         try:
             print(format_summary(run(cfg, run_dir, backend)))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from eagle3ft.config import resolve_path
 from eagle3ft.eval.costs import Setting, cost_model_from_summary, fmt, max_tau
+from eagle3ft.files import write_atomic
 
 CALIBRATION_SCHEMA = 1
 
@@ -314,7 +315,7 @@ def format_prediction(p: dict) -> str:
 
 def write_calibration(run_dir: Path, summary: dict, target: str | None = None) -> Path:
     out = Path(run_dir) / "bench" / "calibration.json"
-    out.write_text(json.dumps(calibration_from_summary(summary, str(run_dir), target), indent=2))
+    write_atomic(out, json.dumps(calibration_from_summary(summary, str(run_dir), target), indent=2))
     return out
 
 
@@ -333,5 +334,5 @@ def write_prediction(
         old = json.loads(out.read_text())
         before = before or (old.get("made_before_bench", False) and old.get("rows") == pred["rows"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"made_before_bench": before, **pred}, indent=2))
+    write_atomic(out, json.dumps({"made_before_bench": before, **pred}, indent=2))
     return {"made_before_bench": before, **pred}

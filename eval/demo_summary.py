@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.files import write_atomic
+
 DEMO_DIR = "demo"
 
 
@@ -119,7 +121,7 @@ def offline_all(cfg, run_dir: Path, drafters: dict, folders: dict[str, Path], ds
         with torch.no_grad():
             sets = offline_by_source(drafter, ds, groups, cfg.eval.steps, device)
         res = {"label": label, "checkpoint": str(folders[label]), "depth": cfg.eval.steps, "sets": sets}
-        (out_dir / f"offline-{label}.json").write_text(json.dumps(res, indent=2) + "\n")
+        write_atomic(out_dir / f"offline-{label}.json", json.dumps(res, indent=2) + "\n")
         results[label] = res
         for kind, s in sets.items():
             taus = ", ".join(f"{k} {v:.3f}" for k, v in s["settings"].items())
@@ -324,13 +326,13 @@ def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | Non
     text = format_headline(h)
     out = run_dir / DEMO_DIR
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({**h, "headline": text}, indent=2) + "\n")
-    (out / "summary.md").write_text("# Demo: before and after the fine-tune\n\n```\n" + text + "\n```\n")
+    write_atomic(out / "summary.json", json.dumps({**h, "headline": text}, indent=2) + "\n")
+    write_atomic(out / "summary.md", "# Demo: before and after the fine-tune\n\n```\n" + text + "\n```\n")
     return {**h, "headline": text}
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, parse_cli
+    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
 
     ap = build_parser("The demo's before/after: offline tau per held-out set, then the headline.")
@@ -345,7 +347,10 @@ def main(argv: list[str] | None = None) -> None:
         check_or_exit("demo_summary.py", "bench", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "demo", "demo_summary.py"), cli_errors("demo_summary.py", StoreError):
+    with (
+        holding(run_dir, "demo", "demo_summary.py"),
+        cli_errors("demo_summary.py", StoreError, log=error_log(run_dir, "demo")),
+    ):
         if args.command == "offline":
             run_offline(cfg, run_dir, args.only or None)
         elif args.command == "measure":

@@ -24,6 +24,7 @@ from eagle3ft.eval.calibration import (
     write_prediction,
 )
 from eagle3ft.eval.costs import GOAL_SPEEDUPS, Setting, cost_model_from_summary, fmt, reach, reach_text
+from eagle3ft.files import write_atomic
 
 
 @dataclass
@@ -208,7 +209,7 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
         ec.calibrated["warnings"].append(
             "the calibration comes from this very run: its prediction restates the measurement"
         )
-    (run_dir / "bench" / "economics.json").write_text(json.dumps(ec.to_dict(), indent=2))
+    write_atomic(run_dir / "bench" / "economics.json", json.dumps(ec.to_dict(), indent=2))
     write_calibration(run_dir, summary, target)
     return ec, pred
 

@@ -64,6 +64,7 @@ from eagle3ft.eval import economics
 from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.economics import format_table
 from eagle3ft.eval.live_splits import arm_figures
+from eagle3ft.files import write_atomic
 
 
 @dataclass
@@ -394,7 +395,8 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
         for s in settings:
             speculative(warm, s, d, bc.max_new_tokens)
     runs: list[dict] = []
-    with open(out / "runs.jsonl.tmp", "w") as f:
+    (out / "runs.jsonl.tmp").unlink(missing_ok=True)
+    with open(out / "runs.jsonl.tmp", "x") as f:  # created fresh (O_EXCL): never written through a link
 
         def record(rep: int, mode: str, key: str | None, pset: str, drafter: str | None, results) -> None:
             for r in results:
@@ -466,7 +468,7 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
         "offline_same_prompts": top["drafters"][primary_drafter]["offline_same_prompts"],
         "prompt_sets": by_set,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out / "summary.json", json.dumps(summary, indent=2))
     ec, _ = economics.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
     log(format_table(ec))
     return summary

@@ -28,6 +28,7 @@ from eagle3ft.eval.calibration import from_config, join, predict
 from eagle3ft.eval.economics import analyse, read_offline_tau
 from eagle3ft.eval.report_md import headline_text, markdown
 from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
+from eagle3ft.files import write_atomic
 
 
 def _read_json(p: Path) -> dict | None:
@@ -181,13 +182,13 @@ def build(run_dir: Path, cfg=None) -> dict:
         "prediction": prediction if not summary else None,
         "plots": plots,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(markdown(report))
+    write_atomic(out / "report.json", json.dumps(report, indent=2))
+    write_atomic(out / "report.md", markdown(report))
     return report
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, parse_cli
+    from eagle3ft.cli import cli_errors, error_log, parse_cli
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     check_or_exit("report.py", "report", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "report", "report.py"), cli_errors("report.py"):
+    with holding(run_dir, "report", "report.py"), cli_errors("report.py", log=error_log(run_dir, "report")):
         rep = build(run_dir, cfg)
     print(f"report: {run_dir / 'eval' / 'report.md'}")
     print(headline_text(rep["headline"]))

@@ -125,7 +125,7 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, parse_cli
+    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
     from eagle3ft.config import resolve_path
     from eagle3ft.data.store import _write_atomic
     from eagle3ft.eval.harness import load_prompts, prompt_sets
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         "the very tokens the live tau was counted on (on a GPU the two passes' bf16 answers part at near-ties)",
     )
     cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser)
-    with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py"):
+    with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py", log=error_log(run_dir, "eval")):
         if not cfg.eval.checkpoint:
             raise ValueError("eval.checkpoint: name the drafter folder to evaluate")
         label, src = prompt_sets(cfg)[0]

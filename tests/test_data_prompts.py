@@ -7,7 +7,8 @@ from collections import Counter
 import pytest
 
 from eagle3ft.config import SourceConfig
-from eagle3ft.data.prompts import Skip, collect, content_key, iter_json_array, normalize, sharegpt_path, split_of
+from eagle3ft.data.prompts import Skip, collect, content_key, normalize, sharegpt_path, split_of
+from eagle3ft.data.readers import iter_json_items
 
 
 def sharegpt_record(i, turns=1):
@@ -40,17 +41,17 @@ def test_truncated_array_is_streamed_item_by_item():
     text = json.dumps(items, indent=2)
     cut = text[: text.rindex("}") - 3]  # the third record loses its end
     skips = Counter()
-    got = list(iter_json_array(io.BytesIO(cut.encode()), skips, chunk_bytes=7))
+    got = list(iter_json_items(io.BytesIO(cut.encode()), skips, chunk_bytes=7))
     assert got == items[:2] and skips == {"truncated_tail": 1}
-    assert list(iter_json_array(io.BytesIO(text.encode()), Counter(), chunk_bytes=5)) == items
-    assert list(iter_json_array(io.BytesIO(b"[]"), Counter())) == []
+    assert list(iter_json_items(io.BytesIO(text.encode()), Counter(), chunk_bytes=5)) == items
+    assert list(iter_json_items(io.BytesIO(b"[]"), Counter())) == []
 
 
 def test_sharegpt_small_limit_reads_only_the_head():
     path = sharegpt_path()
     assert path.stat().st_size > 100e6
     with open(path, "rb") as f:
-        it = iter_json_array(f, Counter())
+        it = iter_json_items(f, Counter())
         first = [next(it) for _ in range(5)]
         assert f.tell() <= 2 << 20
     assert all("conversations" in r for r in first)
@@ -127,7 +128,7 @@ def test_split_is_a_fixed_function_of_content_and_sources_can_force_it(tmp_path)
     assert len(sg) == 6 and [c.split for c in sg] == [split_of(c.key, 0.5) for c in sg]
 
 
-def test_json_and_parquet_through_datasets(tmp_path):
+def test_json_and_parquet_files(tmp_path):
     import datasets
 
     records = [sharegpt_record(i) for i in range(4)]

@@ -7,7 +7,6 @@ rows of the draft vocab when the training targets come from last_hidden. train/l
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -87,9 +86,7 @@ def adopt_drafter_vocab(run_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, fol
             why = f"differed from it in {n_d2t} of {d2t.numel()} d2t and {n_t2d} of {t2d.numel()} t2d entries"
         else:
             why = f"had {old[0].numel()} draft tokens, the drafter {d2t.numel()}"
-    tmp = vocab_file.with_name(f".{vocab_file.name}.tmp")
-    save_vocab(tmp, d2t, t2d)
-    os.replace(tmp, vocab_file)
+    save_vocab(vocab_file, d2t, t2d)
     return (
         f"{vocab_file} {why}; rewrote it with the warm-start drafter's d2t/t2d ({folder}), "
         "which its lm_head rows follow"

@@ -263,9 +263,7 @@ def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
         old_d2t, old_t2d = load_vocab(path)
         if old_d2t.shape == d2t.shape and torch.equal(old_d2t, d2t) and torch.equal(old_t2d, t2d):
             return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # every rank writes the same bytes; replace is atomic
-    save_vocab(tmp, d2t, t2d)
-    os.replace(tmp, path)
+    save_vocab(path, d2t, t2d, f".{path.name}.{os.getpid()}.tmp")  # every rank writes the same bytes
     if os.environ.get("RANK", "0") == "0":
         print(
             f"wrote {path}: the {spec.draft_vocab_size} most frequent loss-masked tokens of {where} (online training)",

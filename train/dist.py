@@ -13,21 +13,16 @@ fp32 master weight and the Adam moments of every trainable parameter (DeepSpeed'
 the LR scheduler's state and every rank's RNG states. `train/checkpoint.py` stores them as
 safetensors + JSON, so a resume loads no pickle and may use another number of processes.
 
-A launched rank exits when its launcher dies (`watch_launcher`): torchrun starts the ranks in their
-own session, so a `kill -9` of the launcher's process group would otherwise leave them running.
+A launched rank exits when its launcher dies, and on one machine its sockets listen on loopback only
+(train/launcher.py). Without a launcher the world of one process needs no socket: its store is in memory.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import random
-import signal
 import socket
-import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +33,7 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from eagle3ft.config import TrainConfig, resolve_path
 from eagle3ft.runlock import RunLocked, check_owner, run_lock
-
-PR_SET_PDEATHSIG = 1
+from eagle3ft.train.launcher import loopback_only, watch_launcher
 
 
 def deepspeed_config(tcfg: TrainConfig, cuda: bool) -> dict:
@@ -65,29 +59,6 @@ def deepspeed_config(tcfg: TrainConfig, cuda: bool) -> dict:
     if ds.get("train_batch_size") == "auto":
         del ds["train_batch_size"]  # DeepSpeed derives it: micro batch x accumulation x world size
     return ds
-
-
-def watch_launcher(poll_s: float = 0.5) -> None:
-    """Exit this process when its parent (the launcher) dies.
-
-    On Linux the kernel sends SIGKILL at the parent's death (prctl PR_SET_PDEATHSIG); a daemon thread
-    also polls the parent pid, which covers other platforms and a parent that died before the prctl.
-    """
-    parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-    def poll() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        print(
-            f"rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher (pid {parent}) is gone; exiting",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)
-
-    threading.Thread(target=poll, name="launcher-watch", daemon=True).start()
 
 
 def rng_state() -> dict:
@@ -130,7 +101,7 @@ class Dist:
         cuda = torch.cuda.is_available()
         if "LOCAL_RANK" in os.environ:
             watch_launcher()
-        else:  # started without a launcher: a world of one process
+        else:  # started without a launcher: a world of one process, whose store is in memory (no socket)
             os.environ.update(
                 RANK="0",
                 WORLD_SIZE="1",
@@ -140,6 +111,10 @@ class Dist:
                 MASTER_PORT=str(_free_port()),
                 ACCELERATE_USE_DEEPSPEED="true",
             )
+        loopback_only()
+        if os.environ["WORLD_SIZE"] == "1" and not torch.distributed.is_initialized():
+            backend = "nccl" if cuda else "gloo"
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
         self.ds_config = deepspeed_config(tcfg, cuda)
         self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
         plugin = DeepSpeedPlugin(

@@ -5,6 +5,8 @@
 
 Reads DIR/features and DIR/vocab.safetensors; writes DIR/ckpt/step-N, DIR/export, DIR/train/metrics.jsonl.
 A folder whose training has started is continued (--resume auto) or started over (--overwrite), never both at once.
+An input error is one line from rank 0, whatever the number of processes; its traceback is in
+DIR/logs/train-error.log.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import os
 import sys
 from contextlib import nullcontext
 
-from eagle3ft.cli import build_parser, cli_errors, parse_cli, save_resolved
+from eagle3ft.cli import build_parser, cli_errors, error_log, is_rank0, parse_cli, rank0_voice, save_resolved
 from eagle3ft.data.store import StoreError
 from eagle3ft.runlock import RunLocked, run_lock
+from eagle3ft.train.launcher import end_launch
 from eagle3ft.train.loop import NonFiniteLoss, OutOfMemoryHint, main
 from eagle3ft.train.outputs import refusal, remove_training_outputs, stale_derived, training_outputs
 
@@ -36,11 +39,13 @@ def cli(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start over: remove the folder's training outputs (ckpt/, export/, export-best/, train/) first",
     )
-    cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
+    with rank0_voice(end_launch):
+        cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
     if args.resume is not None:
         cfg.train.resume = args.resume
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # rank 0 holds the run folder's lock and records run_dir/config.yaml
-    with cli_errors("finetune", StoreError, NonFiniteLoss, OutOfMemoryHint, RunLocked):  # exits 1 with one line
+    rank0 = is_rank0()  # rank 0 holds the run folder's lock and records run_dir/config.yaml
+    errors = (StoreError, NonFiniteLoss, OutOfMemoryHint, RunLocked)
+    with cli_errors("finetune", *errors, log=error_log(run_dir, "train"), end_launch=end_launch):  # one line
         with run_lock(run_dir, "train") if rank0 else nullcontext():
             check_start(parser, run_dir, cfg.train.resume, args.overwrite, rank0)  # a folder in use is named first
             if rank0:

@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from eagle3ft.data.store import collate
+from eagle3ft.files import write_atomic
 
 
 @dataclass
@@ -128,7 +129,7 @@ def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, d
                 "heldout_tokens": result.heldout_tokens,
             }
         )
-    (Path(folder) / CARD).write_text(json.dumps(card, indent=2) + "\n")
+    write_atomic(Path(folder) / CARD, json.dumps(card, indent=2) + "\n")
 
 
 class HeldoutTracker:
@@ -224,20 +225,21 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     )
     out = Path(run_dir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "heldout_tau.json").write_text(
-        json.dumps({**asdict(result), "depth": depth, "checkpoint": str(ckpt)}, indent=2) + "\n"
+    write_atomic(
+        out / "heldout_tau.json",
+        json.dumps({**asdict(result), "depth": depth, "checkpoint": str(ckpt)}, indent=2) + "\n",
     )
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, parse_cli
+    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
 
     ap = build_parser("Held-out greedy chain tau of an exported drafter through the TTT unroll (as training logs it).")
     ap.add_argument("--checkpoint", help="drafter folder, relative to the run folder (default eval.checkpoint)")
     cfg, run_dir, args = parse_cli("", stage="heldout_tau", argv=argv, parser=ap)
-    with cli_errors("validate", StoreError):
+    with cli_errors("validate", StoreError, log=error_log(run_dir, "heldout_tau")):
         r = run(cfg, run_dir, args.checkpoint)
     print(
         f"held-out tau {r.heldout_tau:.4f} at depth {cfg.eval.steps} over {r.heldout_tokens} answer tokens; "
