@@ -37,6 +37,10 @@ class SettingEconomics:
     tau_offline: float | None = None
     predicted_tok_s_live_tau: float | None = None
     predicted_tok_s_offline_tau: float | None = None
+    # on the tokens outside repetition loops (eval/loops.py): the live split where the bench has one (streamed or
+    # embedded spans; else over the answers with no loop), else the offline walk's; what the pick is made on
+    tau_loop_free: float | None = None
+    predicted_tok_s_loop_free_tau: float | None = None
     measured_tok_s: float | None = None
     measured_cycle_ms: float | None = None
 
@@ -50,7 +54,7 @@ class Economics:
     overhead_ms: float
     settings: list[SettingEconomics] = field(default_factory=list)
     best_setting: str | None = None
-    best_basis: str | None = None  # which tau chose the best setting: live or offline
+    best_basis: str | None = None  # which tau chose the best setting: loop_free, then live, then offline
     tau_basis: str = "cycle walk"  # what the offline tau is: "cycle walk" (as a live decoder) or "every root"
     # every setting with an offline tau (benchmarked or not), priced with the measured costs
     offline_predictions: list[dict] = field(default_factory=list)
@@ -71,6 +75,7 @@ def analyse(
     target: str | None = None,
     tau_basis: str = "cycle walk",
     intervals: dict | None = None,
+    offline_loop_free: dict[str, float] | None = None,
 ) -> Economics:
     """Predicted against measured for every benchmarked setting, and the best of them.
 
@@ -78,7 +83,9 @@ def analyse(
     walk", what a live decoder sees, or "every root");
     `calibration` is another run's calibration.json (load_calibration, or from_config with its pool); `tok_s` a
     throughput to price; `target` this run's target name, checked against the calibration's; `intervals` the offline
-    tau's 90% interval per setting (read_offline_tau), priced with the calibration.
+    tau's 90% interval per setting (read_offline_tau), priced with the calibration; `offline_loop_free` the offline
+    walk's tau on loop-free tokens, for settings whose live bench has no loop split. The best setting is picked on
+    the loop-free tau where there is one: a user's traffic does not loop the way a small target does at T=0.
     """
     cm = cost_model_from_summary(summary)
     offline_tau = offline_tau or {}
@@ -87,6 +94,7 @@ def analyse(
         st = Setting.of(s["setting"])
         tau_live = s.get("tau")
         tau_off = offline_tau.get(st.key)
+        tau_lf = loop_free_tau(s) or (offline_loop_free or {}).get(st.key)
         rows.append(
             SettingEconomics(
                 setting=st.key,
@@ -97,12 +105,14 @@ def analyse(
                 tau_offline=tau_off,
                 predicted_tok_s_live_tau=cm.tok_per_s(tau_live, st) if tau_live else None,
                 predicted_tok_s_offline_tau=cm.tok_per_s(tau_off, st) if tau_off else None,
+                tau_loop_free=tau_lf,
+                predicted_tok_s_loop_free_tau=cm.tok_per_s(tau_lf, st) if tau_lf else None,
                 measured_tok_s=s.get("tok_s_median"),
                 measured_cycle_ms=1e3 * s["cycle_s"] if s.get("cycle_s") else None,
             )
         )
     best, basis = None, None
-    for b in ("live", "offline"):
+    for b in ("loop_free", "live", "offline"):
         scored = [
             (getattr(r, f"predicted_tok_s_{b}_tau"), r.setting) for r in rows if getattr(r, f"predicted_tok_s_{b}_tau")
         ]
@@ -140,6 +150,12 @@ def analyse(
     )
 
 
+def loop_free_tau(row: dict) -> float | None:
+    """A summary row's live tau outside loops: on loop-free tokens, else over the answers with no loop."""
+    f = row.get("figures") or {}
+    return (f.get("loop_free") or {}).get("tau") or (f.get("loop_free_answers") or {}).get("tau")
+
+
 def format_table(ec: Economics) -> str:
     lines = [
         f"baseline {ec.baseline_tok_s:.1f} tok/s ({ec.baseline_ms_per_token:.2f} ms/token); "
@@ -147,17 +163,20 @@ def format_table(ec: Economics) -> str:
         "verify ms by tokens: " + ", ".join(f"{k}: {v:.2f}" for k, v in ec.verify_ms.items()),
         *([f"tau off: offline, {ec.tau_basis}"] if any(r.tau_offline for r in ec.settings) else []),
         f"{'setting':>9} {'cycle ms':>9} {'meas. cyc':>9} {'break-even':>10} {'tau live':>8} {'tau off':>8} "
-        f"{'pred(live)':>10} {'pred(off)':>10} {'measured':>9}",
+        f"{'tau lf':>7} {'pred(live)':>10} {'pred(off)':>10} {'pred(lf)':>9} {'measured':>9}",
     ]
     for r in ec.settings:
         lines.append(
             f"{r.setting:>9} {r.cycle_ms:>9.2f} {fmt(r.measured_cycle_ms):>9} {r.break_even_tau:>10.2f} "
             f"{fmt(r.tau_live):>8} "
-            f"{fmt(r.tau_offline):>8} {fmt(r.predicted_tok_s_live_tau, '{:.1f}'):>10} "
-            f"{fmt(r.predicted_tok_s_offline_tau, '{:.1f}'):>10} {fmt(r.measured_tok_s, '{:.1f}'):>9}"
+            f"{fmt(r.tau_offline):>8} {fmt(r.tau_loop_free):>7} {fmt(r.predicted_tok_s_live_tau, '{:.1f}'):>10} "
+            f"{fmt(r.predicted_tok_s_offline_tau, '{:.1f}'):>10} {fmt(r.predicted_tok_s_loop_free_tau, '{:.1f}'):>9} "
+            f"{fmt(r.measured_tok_s, '{:.1f}'):>9}"
         )
     if ec.best_setting:
-        lines.append(f"best measured setting by predicted tok/s ({ec.best_basis} tau): {ec.best_setting}")
+        lines.append(
+            f"best measured setting by predicted tok/s ({ec.best_basis.replace('_', '-')} tau): {ec.best_setting}"
+        )
     if ec.offline_predictions:
         best = max(ec.offline_predictions, key=lambda r: r["predicted_tok_s"])
         lines.append(
@@ -189,6 +208,13 @@ def read_offline_tau(accept_len_json: Path) -> tuple[dict[str, float], str, dict
     return {k: v["tau"] for k, v in settings.items()}, "every root", {}
 
 
+def offline_loop_free(run_dir: Path) -> dict[str, float]:
+    """The offline walk's tau on loop-free tokens per setting (accept_len.json), where it has one."""
+    path = Path(run_dir) / "eval" / "accept_len.json"
+    settings = json.loads(path.read_text()).get("settings", {}) if path.exists() else {}
+    return {k: v["tau_walk_loop_free"] for k, v in settings.items() if v.get("tau_walk_loop_free")}
+
+
 def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
     """economics.json (+ calibration.json) from this run's summary, and the prediction when bench.calibration is set."""
     run_dir = Path(run_dir)
@@ -200,7 +226,7 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
     if not summary_path.exists():
         return None, pred
     summary = json.loads(summary_path.read_text())
-    ec = analyse(summary, offline, cal, tok_s, target, basis, intervals)
+    ec = analyse(summary, offline, cal, tok_s, target, basis, intervals, offline_loop_free(run_dir))
     mine = run_dir.resolve() / "bench" / "calibration.json"
     if ec.calibrated and (
         Path(cal["source_run"]).resolve() == run_dir.resolve()

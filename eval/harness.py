@@ -50,19 +50,17 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
-import subprocess
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-import torch
-
 from eagle3ft.eval import economics
+from eagle3ft.eval.bench_format import format_summary  # noqa: F401 (the entry points print it)
 from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.economics import format_table
+from eagle3ft.eval.environment import base_environment, cpu_model, gpu_clocks  # noqa: F401 (the backends')
 from eagle3ft.eval.live_splits import arm_figures
 from eagle3ft.files import write_atomic
 
@@ -103,59 +101,6 @@ class BenchBackend(Protocol):
     ) -> list[RequestResult]: ...
 
     def environment(self) -> dict: ...
-
-
-# --------------------------------------------------------------------------- environment
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def gpu_clocks() -> list[dict] | None:
-    """nvidia-smi's view of each GPU (clocks, power), or None without nvidia-smi."""
-    fields = (
-        "name,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.draw,power.limit,temperature.gpu,driver_version"
-    )
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    keys = fields.split(",")
-    return [dict(zip(keys, (v.strip() for v in line.split(",")))) for line in out.stdout.strip().splitlines()]
-
-
-def base_environment(device: torch.device | str | None = None) -> dict:
-    import transformers
-
-    from eagle3ft.cli import code_version
-
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    env = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu: {cpu_model()}",
-        "cpu_model": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "code_version": code_version(),
-        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-    }
-    if dev.type == "cuda":
-        env["cuda"] = torch.version.cuda
-        env["nvidia_smi"] = gpu_clocks()
-    return env
 
 
 # --------------------------------------------------------------------------- the drafter both backends load
@@ -472,67 +417,3 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
     ec, _ = economics.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
     log(format_table(ec))
     return summary
-
-
-def _format_figures(f: dict | None, indent: str) -> list[str]:
-    """The e2e line and the loop/finished split of one arm (eval/live_splits.py)."""
-    if not f:
-        return []
-    e, lf, fin = f["e2e"], f["loop_free"], f["finished"]
-    line = f"{indent}  e2e {e['tok_s']['median']:8.1f} tok/s ({e['tok_s']['min']:.1f}-{e['tok_s']['max']:.1f})"
-    if e.get("speedup_median"):
-        line += f"  x{e['speedup_median']:.2f}" + (
-            f" (paired x{e['speedup_paired']['median']:.2f})" if e.get("speedup_paired") else ""
-        )
-    out = [line + f"  [{e['timing']}]"]
-    share = f"{lf['loop_share']:.0%}" if lf["loop_share"] is not None else "n/a"
-    tau_lf = f"{lf['tau']:.2f}" if lf["tau"] else "n/a"
-    tau_fin = f"{fin['tau']:.2f}" if fin["tau"] else "n/a"
-    out.append(
-        f"{indent}  loops: {share} of tokens, {lf['answers_looping']} answers loop"
-        + (f"; tau loop-free {tau_lf}" if lf["tau"] or f["all"]["verifies"] else "")
-        + (f" (decode x{lf['speedup_decode']:.2f})" if lf.get("speedup_decode") else "")
-        + f"; finished {fin['answers']}/{fin['of']}"
-        + (f", tau {tau_fin}" if f["all"]["verifies"] else "")
-        + (f", e2e x{fin['speedup_e2e']:.2f}" if fin.get("speedup_e2e") else "")
-        + (f"; {lf['unresolved']} answers without spans" if lf["unresolved"] else "")
-    )
-    return out
-
-
-def _format_rows(rows: list[dict], indent: str = "") -> list[str]:
-    lines = []
-    for r in rows:
-        t = r["tok_s"]
-        lines.append(
-            f"{indent}spec {r['key']:<7} {t['median']:8.1f} tok/s ({t['min']:.1f}-{t['max']:.1f})  "
-            f"x{r['speedup_median']:.2f}"
-            + (f" (paired x{r['speedup_paired']['median']:.2f})" if r.get("speedup_paired") else "")
-            + f"  tau {r['tau']:.2f}"
-            + (f"  verify {r['verify_ms']:.2f} ms  draft fwd {r['draft_forward_ms']:.2f} ms" if r["verify_ms"] else "")
-        )
-        lines += _format_figures(r.get("figures"), indent)
-    return lines
-
-
-def format_summary(s: dict) -> str:
-    sets = s.get("prompt_sets") or {}
-    if len(sets) > 1 or any(len(p["drafters"]) > 1 for p in sets.values()):
-        lines = []
-        for label, p in sets.items():
-            b = p["baseline"]["tok_s"]
-            lines.append(
-                f"{label} ({p['count']} prompts): baseline {b['median']:8.1f} tok/s ({b['min']:.1f}-{b['max']:.1f})"
-            )
-            for d, v in p["drafters"].items():
-                lines.append(f"  drafter {d}")
-                lines += _format_rows(v["speculative"], "    ")
-        return "\n".join(lines)
-    b = s["baseline"]["tok_s"]
-    return "\n".join(
-        [
-            f"baseline     {b['median']:8.1f} tok/s ({b['min']:.1f}-{b['max']:.1f})",
-            *_format_figures(s["baseline"].get("figures"), ""),
-            *_format_rows(s["speculative"]),
-        ]
-    )

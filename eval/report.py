@@ -71,6 +71,18 @@ def verdict(h: dict) -> str | None:
         "decoding "
         f"({h['speculative_tok_s']:.1f} against {h['baseline_tok_s']:.1f} tok/s)."
     )
+    if h.get("speedup_e2e") is not None:
+        sp_e2e = h["speedup_e2e"]
+        out += (
+            f" End to end, the prefill included, it is {abs(1 - sp_e2e) * 100:.0f}% "
+            f"{'slower' if sp_e2e < 1 else 'faster'} ({h['e2e_tok_s']:.1f} against {h['baseline_e2e_tok_s']:.1f} tok/s)."
+        )
+    if h.get("tau_loop_free") is not None:
+        lf = h["tau_loop_free"]
+        out += (
+            f" Outside repetition loops τ is {lf:.2f}, {'below' if lf < be else 'above'} the break-even: on traffic "
+            f"that does not loop speculation {'would not pay' if lf < be else 'still pays'} at {h['setting']}."
+        )
     if h.get("max_tau") is not None and be > h["max_tau"]:
         out += f" No drafter can pay at {h['setting']}: its τ is at most {h['max_tau']}."
     return out
@@ -154,9 +166,15 @@ def build(run_dir: Path, cfg=None) -> dict:
         best = rows.get(econ["best_setting"]) or summary["speculative"][0]
         head = rows.get(cfg_key) if cfg_key in rows else best
         ec_row = next(r for r in econ["settings"] if r["setting"] == head["key"])
+        e2e = (head.get("figures") or {}).get("e2e") or {}
+        base_e2e = (summary["baseline"].get("figures") or {}).get("e2e") or {}
         headline.update(
             setting=head["key"],
             tau_live=head["tau"],
+            tau_loop_free=ec_row.get("tau_loop_free"),
+            speedup_e2e=e2e.get("speedup_median"),
+            e2e_tok_s=(e2e.get("tok_s") or {}).get("median"),
+            baseline_e2e_tok_s=(base_e2e.get("tok_s") or {}).get("median"),
             tau_offline_same_setting=(acc or {}).get("settings", {}).get(head["key"], {}).get("tau"),
             baseline_tok_s=summary["baseline"]["tok_s_median"],
             speculative_tok_s=head["tok_s_median"],

@@ -410,3 +410,26 @@ def test_a_pooled_run_whose_servers_ran_other_args_is_named_in_the_predictions_w
     j = join(pred, b, target="smol")
     assert j["warnings"][0] == cal["pool_warnings"][0]
     assert f"warning: {other}: its baseline server differs" in format_prediction(j)
+
+
+def test_the_pick_is_made_on_the_loop_free_tau():
+    """A deep tree that wins on loops (live tau 4.1 against 2.6) but loses outside them is not picked: the loop-free
+    tau ranks the settings, and the live one only when there is no split."""
+    summary = {
+        "baseline": {"tok_s_median": 100.0, "ms_per_token": 10.0},
+        "costs": {"baseline_s_per_token": 0.01, "verify_s": {"4": 0.02, "32": 0.03}, "draft_forward_s": 0.0,
+                  "overhead_s": 0.0},
+        "speculative": [
+            {"setting": {"steps": 3, "topk": 1, "num_draft_tokens": 4}, "tau": 2.6, "tok_s_median": 130.0,
+             "cycle_s": 0.02, "figures": {"loop_free": {"tau": 2.4}}},
+            {"setting": {"steps": 8, "topk": 4, "num_draft_tokens": 32}, "tau": 4.1, "tok_s_median": 136.0,
+             "cycle_s": 0.03, "figures": {"loop_free": {"tau": 2.5}}},
+        ],
+    }  # fmt: skip
+    ec = analyse(summary)
+    assert ec.best_basis == "loop_free" and ec.best_setting == "3/1/4"  # 2.4/0.02 = 120 against 2.5/0.03 = 83
+    assert analyse(summary, offline_loop_free={}).settings[1].predicted_tok_s_loop_free_tau == pytest.approx(2.5 / 0.03)
+    for row in summary["speculative"]:
+        row.pop("figures")
+    assert analyse(summary).best_basis == "live" and analyse(summary).best_setting == "8/4/32"
+    assert analyse(summary, offline_loop_free={"8/4/32": 3.5}).best_setting == "8/4/32"

@@ -16,10 +16,10 @@ from eagle3ft.data.prompts import (
     collect,
     humaneval_path,
     iter_chitchat,
-    iter_json_array,
     mtbench_path,
     sharegpt_path,
 )
+from eagle3ft.data.readers import iter_json_items
 
 SET = "data/sets/everyday-v1.jsonl"
 CATEGORIES = {"general", "writing", "code", "math", "advice", "multi-turn"}
@@ -124,7 +124,7 @@ def test_the_set_shares_no_8gram_with_mtbench_humaneval_or_chitchat():
     assert len(mt) >= 160 and len(he) >= 164 * 4
     assert collisions(grams, mt) == set()
     assert collisions(grams, he) == set()
-    chit = [m["content"] for conv in iter_chitchat(chitchat_path()) for m in conv.get("messages", [])]
+    chit = [m["content"] for conv in iter_chitchat(chitchat_path(), Counter()) for m in conv.get("messages", [])]
     assert len(chit) > 10_000
     assert collisions(grams, chit) == set()
     # the check finds what it should: a sentence of MT-Bench planted in a set's turn
@@ -135,7 +135,7 @@ def test_the_set_shares_no_8gram_with_mtbench_humaneval_or_chitchat():
 
 def sharegpt_texts(skips: Counter):
     with open(sharegpt_path(), "rb") as f:
-        for rec in iter_json_array(f, skips):
+        for rec in iter_json_items(f, skips):
             for m in rec.get("conversations") or [] if isinstance(rec, dict) else []:
                 if isinstance(m, dict):
                     yield m.get("value")
