@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                     "tau": v,
                     "tau_walk": rep["settings_walk"][k],
                     "tau_walk_interval": rep["settings_walk_interval"][k],
+                    "tau_walk_loop_free": rep["settings_walk_loop_free"][k],
+                    "loop_share_walk": rep["loop_share"][k],
                 }
                 for k, v in rep["settings"].items()
             },
