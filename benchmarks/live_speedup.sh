@@ -12,8 +12,9 @@
 #   bash benchmarks/live_speedup.sh stash DIR       there: copy a carried piece to $C (carried files vanish next call)
 #   bash benchmarks/live_speedup.sh start           there: unpack, install, convert the target, run the plan (setsid)
 #   bash benchmarks/live_speedup.sh wait SECS       there: until done or SECS; the log's tail; $L packed into $OUT
-# Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PLAN (factors outside everyday
-# nocache short), REPS (3).
+#   paired   (PLAN=paired) the two clients alternated repetition by repetition, compared per repetition
+# Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PLAN (factors outside compare
+# everyday nocache short; also pass, paired), REPS (3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 C=${C:-/tmp/c} L=${L:-/tmp/L} S=${S:-/tmp/S} MODEL=${MODEL:-/tmp/smol-hf} SGL_DIR=${SGL_DIR:-/tmp/sgl} PY=${PY:-python3}
@@ -86,6 +87,21 @@ outside() {
   echo "exit $?"; grep '^{"arm"' "$L/outside.txt" | tail -6
   rm -f "$L"/outside/bs-*.jsonl
 }
+paired() {  # the two clients alternated per repetition on the same servers (ours, then bench_serving, then ours, ...),
+            # compared repetition by repetition: the host drifts over minutes (RESULTS §24c)
+  local r
+  for ((r = 0; r < ${REPS:-3}; r++)); do
+    REPS=1 bench "paired-ours-$r" "$MTB" 3/1/4,8/4/32 --set bench.warmup=first
+    mkdir -p "$L/paired-outside-$r"
+    PYTHONPATH=$SGL_DIR:/tmp/dsw SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout 600 $PY benchmarks/outside_client.py run \
+      --arm baseline=http://127.0.0.1:30100 --arm 8/4/32=http://127.0.0.1:30102 --arm 3/1/4=http://127.0.0.1:30101 \
+      --dataset "$S/bs-prompts.jsonl" --tokenizer "$MODEL" --num-prompts 24 --output-len 512 --reps 1 \
+      --out "$L/paired-outside-$r" > "$L/paired-outside-$r.txt" 2>&1
+    rm -f "$L/paired-outside-$r"/bs-*.jsonl
+    $PY benchmarks/outside_client.py compare "$S/paired-ours-$r/bench/summary.json" "$L/paired-outside-$r/outside.json" \
+      | tee "$L/paired-compare-$r.json"
+  done
+}
 plan() {
   servers || return 1
   local p
@@ -93,6 +109,9 @@ plan() {
     case $p in
       factors) bench factors "$MTB" 3/1/4,8/4/32 ;;
       outside) outside ;;
+      paired) [[ -f $S/bs-prompts.jsonl ]] || $PY benchmarks/outside_client.py dataset --config $CONFIG "${SGL[@]}" \
+                 --set "bench.prompts=$MTB" --out "$S/bs-prompts.jsonl"
+              paired ;;
       compare) $PY benchmarks/outside_client.py compare "$S/factors/bench/summary.json" "$L/outside/outside.json" | tee "$L/compare.json" ;;
       everyday) bench everyday "$EVERYDAY" 3/1/4,8/4/32 --set 'bench.sglang_requests=[whole]' ;;
       nocache) bench nocache "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never ;;
