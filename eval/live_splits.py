@@ -109,23 +109,8 @@ def arm_figures(rows: list[dict], plain: list[dict] | None) -> dict:
         "unresolved": unresolved,
     }
     free_answers = [r for r in rows if r.get("output_ids") is not None and not any(loop_mask(list(_answer(r))))]
-    out["loop_free_answers"] = {
-        "answers": len(free_answers),
-        "of": len(rows),
-        "tau": _tau(
-            sum(int(r["new_tokens"]) - 1 for r in free_answers if r.get("verify_count")),
-            sum(int(r.get("verify_count") or 0) for r in free_answers),
-        ),
-    }
-    done = [r for r in rows if r.get("finished")]
-    out["finished"] = {
-        "answers": len(done),
-        "of": len(rows),
-        "tau": _tau(
-            sum(int(r["new_tokens"]) - 1 for r in done if r.get("verify_count")),
-            sum(int(r.get("verify_count") or 0) for r in done),
-        ),
-    }
+    out["loop_free_answers"] = _answers_tau(free_answers, len(rows))
+    out["finished"] = _answers_tau([r for r in rows if r.get("finished")], len(rows))
     if plain is not None:
         base = {rep: _pooled_tok_s([e2e_of(r) for r in rs]) for rep, rs in _by_rep(plain).items()}
         paired = [t / base[rep] for rep, t in e2e.items() if rep in base]
@@ -140,6 +125,12 @@ def arm_figures(rows: list[dict], plain: list[dict] | None) -> dict:
         out["finished"]["speedup_e2e"] = _paired_speedup(rows, plain, lambda r: bool(r.get("finished")))
         out["loop_free_answers"]["speedup_e2e"] = _paired_speedup(rows, plain, lambda r: not any(loop_mask(_answer(r))))
     return out
+
+
+def _answers_tau(kept: list[dict], of: int) -> dict:
+    """How many answers were kept, and their tau: tokens after the prefill's over their verifies."""
+    tokens = sum(int(r["new_tokens"]) - 1 for r in kept if r.get("verify_count"))
+    return {"answers": len(kept), "of": of, "tau": _tau(tokens, sum(int(r.get("verify_count") or 0) for r in kept))}
 
 
 def _by_rep(rows: list[dict]) -> dict[int, list[dict]]:
