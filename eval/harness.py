@@ -210,7 +210,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
         for r in runs:
             if r["mode"] == mode and r["setting"] == key:
                 by.setdefault(r["repetition"], []).append(
-                    RequestResult(**{k: r[k] for k in RequestResult.__dataclass_fields__})
+                    RequestResult(**{k: r[k] for k in RequestResult.__dataclass_fields__ if k in r})
                 )
         return by
 

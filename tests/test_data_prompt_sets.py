@@ -58,7 +58,7 @@ def test_mtbench_per_category_keeps_the_first_questions_of_each_of_its_eight():
     assert [c.key for c in convs] == first_two and len(convs) == 16
     math = collect([SourceConfig(kind="mtbench", categories=["math"], per_category=3)], skips=Counter(), **KW)
     assert [c.key for c in math] == [c.key for c in everything[30:33]]  # after the category filter
-    with pytest.raises(ValueError, match="per_category 0: expected at least 1"):
+    with pytest.raises(ValueError, match="per_category must be positive or null, got 0"):
         collect([SourceConfig(kind="mtbench", per_category=0)], skips=Counter(), **KW)
 
 
@@ -68,7 +68,7 @@ def test_skip_gives_prompts_disjoint_from_the_first():
     assert [c.key for c in after] == [c.key for i, c in enumerate(everything) if 2 <= i % 10 < 4]
     writing = collect([SourceConfig(kind="mtbench", limit=4, skip=4)], skips=Counter(), **KW)
     assert [c.key for c in writing] == [c.key for c in everything[4:8]]  # skip before limit
-    with pytest.raises(ValueError, match="skip -1: expected 0 or more"):
+    with pytest.raises(ValueError, match="skip must be >= 0, got -1"):
         collect([SourceConfig(kind="mtbench", skip=-1)], skips=Counter(), **KW)
 
 
