@@ -8,15 +8,19 @@ read from its ``/server_info`` once, and each setting runs on the one that serve
 ``serve.max_servers`` at once, the least recently used stopped first; all stopped by ``close()``
 or at exit).
 
-Per request (batch 1, as the harness runs them): ``POST /generate`` with ``"stream": true``.
-The first event with a token ends the prefill; decode_s runs from it to the last event, so
-tok/s = (new_tokens - 1) / decode_s as for the embedded backend. The last event's
+Per prompt and arm (batch 1, as the harness runs them), ``bench.sglang_requests`` in order: ``whole``, a
+non-streamed ``POST /generate`` timed from sending it to holding the answer (the e2e figure a user's client sees,
+prefill and transport included), and ``stream``, the same with ``"stream": true``: the first event with a token ends
+the prefill; decode_s runs from it to the last event, so tok/s = (new_tokens - 1) / decode_s as for the embedded
+backend, and each event's arrival is kept (SGLang 0.5.17 sends one per verify at batch 1: the spans
+eval/live_splits.py splits loops off by). With ``whole`` alone, its wall time stands for the decode too. The last event's
 ``spec_verify_ct`` and ``spec_accept_histogram`` (verify steps by drafts accepted) give the
 verify count and the tokens per verify (bonus included); without a histogram the tokens after
 the first are spread over the verifies. Every request's ``meta_info`` spec fields go to
 RUN/bench/sglang_requests.jsonl, and after each speculative pass the server's own
 ``internal_states[0].avg_spec_accept_length`` is recorded: both taus land in the environment.
-The cache is flushed before each pass.
+The cache is flushed before each pass (``bench.flush_cache: pass``; with ``bench.interleave: prompt`` a pass is one
+prompt), or never.
 
 Throughput at concurrency (``bench.concurrency`` levels above 1): ``run_concurrency`` sends
 the prompts with that many requests in flight, baseline and each setting interleaved per
@@ -35,7 +39,6 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -52,6 +55,7 @@ from eagle3ft.eval.harness import (
     run,
     spread,
 )
+from eagle3ft.eval.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
 from eagle3ft.files import write_atomic
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
@@ -65,113 +69,6 @@ SERVER_ARGS_KEPT = (
     "speculative_num_draft_tokens", "trust_remote_code", "chat_template", "cuda_graph_backend_prefill", "sleep_on_idle",
     "disable_overlap_schedule",
 )  # fmt: skip
-
-
-def accept_lengths_from(meta: dict, new_tokens: int) -> list[int] | None:
-    """Tokens emitted per verify (bonus included) from a finished request's spec fields."""
-    verifies = int(meta.get("spec_verify_ct") or 0)
-    if verifies <= 0:
-        return None
-    hist = meta.get("spec_accept_histogram") or meta.get("spec_correct_drafts_histogram")
-    if hist and sum(hist) == verifies:
-        return [k + 1 for k, n in enumerate(hist) for _ in range(int(n))]
-    per, extra = divmod(max(new_tokens - 1, verifies), verifies)
-    return [per + (i < extra) for i in range(verifies)]
-
-
-def _lines(resp: requests.Response):
-    """Lines as their bytes arrive (chunk_size None: one read per HTTP chunk, as SGLang sends one per event)."""
-    pending = b""
-    for data in resp.iter_content(chunk_size=None):
-        pending += data
-        *lines, pending = pending.split(b"\n")
-        yield from lines
-    if pending:
-        yield pending
-
-
-@dataclass
-class Streamed:
-    """One streamed /generate as the client saw it."""
-
-    meta: dict  # the last event's meta_info
-    output_ids: list[int]
-    prefill_s: float  # the request sent -> the first event with a token
-    decode_s: float  # the first event with a token -> the last
-    wall_s: float  # the request sent -> [DONE]
-    events: list[list[float]]  # [seconds after the first token, tokens so far] per event with tokens
-
-
-def stream_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> Streamed:
-    """One streamed /generate, every event's arrival time kept."""
-    t0 = time.perf_counter()
-    first = last = None
-    meta: dict = {}
-    out: list[int] = []
-    events: list[list[float]] = []
-    try:
-        resp = requests.post(
-            url + "/generate",
-            json={"input_ids": ids, "sampling_params": sp, "stream": True},
-            stream=True,
-            timeout=(10.0, timeout_s),
-        )
-    except requests.RequestException as e:
-        raise SGLangError(f"{url}/generate: {e}") from None
-    with resp:
-        if resp.status_code != 200:
-            raise SGLangError(f"{url}/generate: HTTP {resp.status_code}: {resp.text[:300]}")
-        done = False
-        for line in _lines(resp):
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            ev = json.loads(data)
-            if "error" in ev:
-                raise SGLangError(f"{url}/generate: {ev['error']}")
-            now = time.perf_counter()
-            meta = ev["meta_info"]
-            got = ev.get("output_ids") or []
-            n = int(meta.get("completion_tokens", len(got)))
-            out = (
-                list(got) if len(got) == n else out + list(got)
-            )  # cumulative (default) or incremental (--stream-output)
-            if n > 0:
-                first = now if first is None else first
-                last = now
-                if not events or n > events[-1][1]:
-                    events.append([now - first, n])
-        if not done:
-            raise SGLangError(f"{url}/generate: the stream ended without [DONE]")
-    wall = time.perf_counter() - t0
-    if first is None:
-        return Streamed(meta, out, wall, 0.0, wall, events)
-    return Streamed(meta, out, first - t0, last - first, wall, events)
-
-
-def whole_generate(url: str, ids: list[int], sp: dict, timeout_s: float) -> tuple[dict, list[int], float]:
-    """One non-streamed /generate, as a user's client sends it: (meta_info, output ids, seconds from sending the
-    request to holding the whole answer)."""
-    t0 = time.perf_counter()
-    try:
-        resp = requests.post(
-            url + "/generate", json={"input_ids": ids, "sampling_params": sp}, timeout=(10.0, timeout_s)
-        )
-        body = resp.json() if resp.status_code == 200 else None
-    except (requests.RequestException, ValueError) as e:
-        raise SGLangError(f"{url}/generate: {e}") from None
-    wall = time.perf_counter() - t0
-    if body is None:
-        raise SGLangError(f"{url}/generate: HTTP {resp.status_code}: {resp.text[:300]}")
-    return body["meta_info"], list(body.get("output_ids") or []), wall
-
-
-def finished(meta: dict) -> bool:
-    """SGLang's finish_reason: stopped on a stop id or token ("stop"), not at max_new_tokens ("length")."""
-    return (meta.get("finish_reason") or {}).get("type") == "stop"
 
 
 def _exit_on_sigterm(signum, frame):
@@ -196,6 +93,8 @@ class SGLangBackend:
             cfg.bench.launch
         ):  # the EAGLE3 servers will load eval.checkpoint: it must fit the features, before any server starts
             check_drafter_for_run(resolve_path(cfg.eval.checkpoint, base=self.run_dir), self.run_dir, "eval.checkpoint")
+        if not cfg.bench.sglang_requests:
+            raise ValueError("bench.sglang_requests is empty: name whole, stream or both")
         self.eos_ids = list(ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template).stop_ids)
         self.timeout_s = float(cfg.harvest.sglang.timeout_s)
         self.launched: dict[str, SGLangServer] = {}  # key -> server, least recently used first
