@@ -4,6 +4,7 @@ prompts regenerated into a token store; data/contamination.py drops a planted he
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -15,6 +16,9 @@ from eagle3ft.data.prompts import mtbench_path
 from eagle3ft.data.regen import main as regen_main
 from eagle3ft.data.tokens import TokenStore
 from eagle3ft.targets import hf
+
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 SETS = ["harvest.magpie.count=6", "harvest.magpie.chunk=4", "harvest.magpie.max_tokens=24", "harvest.batch_size=4"]
@@ -81,6 +85,23 @@ def test_magpie_prompts_resume_and_regen(ending_model, monkeypatch, tmp_path):
     summary = regen_main(rcfg, tmp_path / "a")
     assert summary["counts"]["train"]["samples"] == 6
     assert len(TokenStore(tmp_path / "a" / "tokens").dataset("train")) == 6
+
+
+@pytest.mark.slow
+def test_magpie_through_sglang_servers(ending_model, tmp_path):
+    """Two SGLang servers (the protocol double over the same model), batched /generate calls with input_ids."""
+    model, tok = ending_model
+    ds = [SGLangDouble(DoubleEngine(model, tok), version="0.5.17").start() for _ in range(2)]
+    try:
+        urls = ", ".join(d.url for d in ds)
+        sets = ["harvest.backend=sglang", f"harvest.sglang.urls=[{urls}]", "harvest.sglang.prompts_per_request=2"]
+        summary = magpie.main(load_config(TINY, SETS + sets), tmp_path)
+    finally:
+        for d in ds:
+            d.stop()
+    texts = [r["messages"][0]["content"] for r in lines(tmp_path)]
+    assert summary["kept"] == len(texts) == 6 and len(set(texts)) == 6
+    assert summary["generation"]["backend"] == "sglang"
 
 
 def test_contamination_drops_planted_heldout(ending_model, tmp_path, capsys):
