@@ -110,6 +110,7 @@ class SourceConfig:
     # prompts disjoint from another source's, e.g. a calibration run's (MT-Bench per_category 2, skip 2: the third
     # and fourth question of each category)
     skip: int = 0
+    name: str | None = None  # what the token store records as this source (None: the kind; kind=file: file:PATH)
 
     def __post_init__(self) -> None:
         positive(self, "limit", "per_category")
@@ -248,6 +249,9 @@ class TrainConfig:
     # online: more token stores (tokens/ folders of data/regen.py runs of the same target and chat template, e.g. a
     # sampled second pass over the same prompts) whose train splits are trained on after RUN/tokens'
     more_tokens: list[str] = field(default_factory=list)
+    drop_sources: list[str] = field(
+        default_factory=list
+    )  # online: leave out these sources' samples (SourceConfig.name)
     pack_tokens: int | None = (
         None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
     )

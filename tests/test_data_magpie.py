@@ -1,10 +1,12 @@
 """data/magpie.py on the tiny random Llama: N filtered prompts, a resume after a kill without duplicates, the
-prompts regenerated into a token store; data/contamination.py drops a planted held-out prompt."""
+prompts regenerated into a token store that names each sample's source, and online training leaving one out;
+data/contamination.py drops a planted held-out prompt."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 
 import pytest
 
@@ -16,6 +18,7 @@ from eagle3ft.data.prompts import mtbench_path
 from eagle3ft.data.regen import main as regen_main
 from eagle3ft.data.tokens import TokenStore
 from eagle3ft.targets import hf
+from eagle3ft.train.data import TrainData
 
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
@@ -78,13 +81,24 @@ def test_magpie_prompts_resume_and_regen(ending_model, monkeypatch, tmp_path):
     resumed = magpie.main(cfg, tmp_path / "b")
     assert lines(tmp_path / "b") == kept and resumed["filtered"] == straight["filtered"]
 
-    rcfg = load_config(
-        TINY,
-        [f"harvest.sources=[{{kind: file, path: {tmp_path / 'a' / 'magpie' / 'prompts.jsonl'}}}]"],
-    )
+    path = tmp_path / "a" / "magpie" / "prompts.jsonl"
+    sources = f"harvest.sources=[{{kind: sharegpt, limit: 3}}, {{kind: file, path: {path}, name: magpie}}]"
+    rcfg = load_config(TINY, [sources])
     summary = regen_main(rcfg, tmp_path / "a")
-    assert summary["counts"]["train"]["samples"] == 6
-    assert len(TokenStore(tmp_path / "a" / "tokens").dataset("train")) == 6
+    assert summary["counts"]["train"]["samples"] == 9
+    store = TokenStore(tmp_path / "a" / "tokens")
+    assert Counter(store.sources("train")) == {"sharegpt": 3, "magpie": 6}
+    assert store.manifest["source_counts"]["train"]["magpie"]["samples"] == 6
+
+    ids = {x["sample_id"]: x["input_ids"].tolist() for x in store.dataset("train")}
+    names = dict(zip([x["sample_id"] for x in store.dataset("train")], store.sources("train")))
+    kept = TrainData(
+        load_config(TINY, [sources, "train.features=online", "train.drop_sources=[magpie]"]), tmp_path / "a"
+    )
+    assert len(kept.dataset) == 3
+    assert all(
+        names[x["sample_id"]] == "sharegpt" and x["input_ids"].tolist() == ids[x["sample_id"]] for x in kept.dataset
+    )
 
 
 @pytest.mark.slow
