@@ -139,3 +139,22 @@ def test_contamination_drops_planted_heldout(ending_model, tmp_path, capsys):
         cli([str(train), "--heldout", "mtbench"])
     assert e.value.code == 1
     assert json.loads(capsys.readouterr().out)["contaminated_user_turns"] == {str(train): 1}
+
+
+def test_sampled_answers_beside_greedy(ending_model, monkeypatch, tmp_path):
+    """harvest.temperature > 0: answers are drawn with a seed per conversation and turn (a rerun draws the same),
+    differ from the T=0 pass, and the sampled store trains beside the greedy one (train.more_tokens). One sample per
+    prompt: there is no setting for several."""
+    monkeypatch.setattr(hf, "load_target", lambda cfg: ending_model)
+    base = ["harvest.sources=[{kind: sharegpt, limit: 8}]", "harvest.max_turns=1"]
+
+    def answers(run, *sets):
+        regen_main(load_config(TINY, base + list(sets)), tmp_path / run)
+        return {x["sample_id"]: x["input_ids"].tolist() for x in TokenStore(tmp_path / run / "tokens").dataset("train")}
+
+    greedy, sampled = answers("t0"), answers("t1", "harvest.temperature=1.0")
+    assert sampled == answers("t1b", "harvest.temperature=1.0")
+    assert sampled.keys() == greedy.keys() and sampled != greedy
+    more = f"train.more_tokens=[{tmp_path / 't1' / 'tokens'}]"
+    both = TrainData(load_config(TINY, base + ["train.features=online", more]), tmp_path / "t0")
+    assert len(both.dataset) == 16
