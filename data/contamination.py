@@ -68,11 +68,12 @@ class HeldoutGrams:
         return {self.grams[g] for g in ngrams(text) if g in self.grams}
 
 
-def contaminated(grams: HeldoutGrams, sources: Iterable[SourceConfig]) -> dict[str, int]:
-    """Per training source, how many of its user turns share an 8-gram with a held-out set."""
+def contaminated(grams: HeldoutGrams, sources: Iterable[SourceConfig]) -> dict[str, dict[str, int]]:
+    """Per training source, per held-out set: how many of its user turns share an 8-gram with that set."""
     out = {}
     for src in sources:
-        out[src.kind if src.kind != "file" else str(src.path)] = sum(bool(grams.hits(t)) for t in user_turns(src))
+        hits = Counter(h for t in user_turns(src) for h in grams.hits(t))
+        out[src.kind if src.kind != "file" else str(src.path)] = dict(sorted(hits.items()))
     return out
 
 

@@ -138,7 +138,7 @@ def test_contamination_drops_planted_heldout(ending_model, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli([str(train), "--heldout", "mtbench"])
     assert e.value.code == 1
-    assert json.loads(capsys.readouterr().out)["contaminated_user_turns"] == {str(train): 1}
+    assert json.loads(capsys.readouterr().out)["contaminated_user_turns"] == {str(train): {"mtbench": 1}}
 
 
 def test_sampled_answers_beside_greedy(ending_model, monkeypatch, tmp_path):
