@@ -14,7 +14,8 @@ an exact or a near duplicate (equal once lowercased and stripped of punctuation)
 8-gram with a held-out set (``magpie.heldout``, data/contamination.py). Draws are made in chunks of
 ``magpie.chunk``; each chunk's kept lines are appended and flushed, then ``state.json`` (draws done, the file's
 length, the counts) is replaced atomically: a killed run resumes from the last state, cutting the file back to its
-recorded length, so no prompt is lost or written twice.
+recorded length, so no prompt is lost or written twice. A rerun with a larger ``count`` (or ``max_draws``) draws on
+from where the last one stopped; other changed settings are refused.
 """
 
 from __future__ import annotations
