@@ -31,7 +31,7 @@ from tqdm import tqdm
 from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
 from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.prompts import Conversation, check_source, collect
+from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.drafter_config import DrafterConfig
@@ -206,8 +206,9 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
         "harvest": {
             k: v
             for k, v in to_dict(h).items()
-            if k not in ("sglang", "batch_size", "argmax_tie_eps", "argmax_max_mismatch")
+            if k not in ("sglang", "batch_size", "argmax_tie_eps", "argmax_max_mismatch", "magpie", "sources")
         },
+        "sources": source_identity(h.sources),
         "chat_template": cfg.target.chat_template,
         "seed": cfg.seed,
     }

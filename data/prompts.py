@@ -24,6 +24,7 @@ counted by reason in a Counter.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import itertools
@@ -334,6 +335,11 @@ def content_key(messages: list[dict], regenerate: bool) -> str:
     ).hexdigest()
 
 
+def source_identity(sources: Iterable[SourceConfig]) -> list[dict]:
+    """The sources as a resume fingerprint sees them: what they read, not the names they are recorded under."""
+    return [{k: v for k, v in dataclasses.asdict(s).items() if k != "name"} for s in sources]
+
+
 def split_of(key: str, heldout_fraction: float) -> str:
     """Deterministic: the same content always lands in the same split."""
     return "heldout" if int(key[:16], 16) / 16**16 < heldout_fraction else "train"
@@ -364,7 +370,7 @@ def collect(
                 seen.add(c.key)
                 out.append(c)
             continue
-        name = src.kind if src.kind != "file" else f"file:{src.path}"
+        name = src.name or (src.kind if src.kind != "file" else f"file:{src.path}")
         kept = 0
         for record in iter_records(src, skips):
             if src.limit is not None and kept >= src.limit:

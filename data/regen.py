@@ -60,7 +60,7 @@ from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
 from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.harvest import check_harvest_config, request_seed, sample_id
-from eagle3ft.data.prompts import Conversation, check_source, collect
+from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
 from eagle3ft.data.regen_backends import Answer, Gen, RegenError, open_backend
 from eagle3ft.data.store import SPLITS, StoreError
 from eagle3ft.data.tokens import TokenSample, TokenWriter, tokenizer_digest
@@ -260,7 +260,9 @@ class Regenerator:
             self.ready[s.server].put(s, g)
             return
         if s.turn:
-            s.sample = TokenSample(sample_id(s.conv.key), s.ids, s.mask, turns=s.turn, unfinished=s.unfinished)
+            s.sample = TokenSample(
+                sample_id(s.conv.key), s.ids, s.mask, turns=s.turn, unfinished=s.unfinished, source=s.conv.source
+            )
         self.left[s.chunk] -= 1
         self.bar.update(1)
 
@@ -300,7 +302,7 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
     )
     what = {
         "keys": [(c.key, c.split) for c in convs],
-        "harvest": {k: h[k] for k in gen_keys},
+        "harvest": {k: h[k] if k != "sources" else source_identity(cfg.harvest.sources) for k in gen_keys},
         "chat_template": cfg.target.chat_template,
         "seed": cfg.seed,
     }

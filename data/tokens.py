@@ -8,8 +8,11 @@ Each shard concatenates its samples along the token axis:
     loss_mask   uint8  [N_tok]   1 on the tokens the target generated (end-of-turn included)
     offsets     int64  [N+1]     sample i = tokens offsets[i]:offsets[i+1]
     sample_ids  int64  [N]
+    source_ids  int32  [N]       index into the shard's manifest entry ``sources`` (the names of
+                                 harvest.sources, SourceConfig.name); a store written without it has no names
 
-A shard is 5 bytes per token. Writes reuse the feature store's atomic commit
+The manifest also counts samples, tokens and loss tokens per split and source (``source_counts``), so that
+training can leave one source out (``train.drop_sources``). A shard is 5 bytes per token. Writes reuse the feature store's atomic commit
 (data/store.py: tmp file, fsync, os.replace, then the manifest), and a chunk is
 recorded as done only with its shard, so a killed regeneration resumes at the
 first chunk not done, with nothing lost or duplicated.
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from eagle3ft.data.store import (
     MANIFEST,
@@ -50,16 +54,20 @@ class TokenSample:
     loss_mask: list[int]
     turns: int = 1  # assistant turns the target wrote
     unfinished: int = 0  # of them, answers cut by max_new_tokens / max_total_tokens
+    source: str = ""  # the prompt source it came from (SourceConfig.name)
 
 
-def pack(samples: list[TokenSample]) -> dict[str, torch.Tensor]:
+def pack(samples: list[TokenSample]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(the shard's tensors, the source names its source_ids index)."""
     lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
+    names = sorted({s.source for s in samples})
     return {
         "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
         "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.int64),
-    }
+        "source_ids": torch.tensor([names.index(s.source) for s in samples], dtype=torch.int32),
+    }, names
 
 
 def tokenizer_digest(tokenizer) -> str:
@@ -95,6 +103,7 @@ class TokenWriter:
             "shards": [],
             "chunks_done": {s: [] for s in SPLITS},
             "counts": {s: {k: 0 for k in COUNT_KEYS} for s in SPLITS},
+            "source_counts": {s: {} for s in SPLITS},
             "chunk_skips": {},
             "skips": {},
             "complete": False,
@@ -112,13 +121,24 @@ class TokenWriter:
         if chunk in m["chunks_done"][split]:
             raise StoreError(f"chunk {split}/{chunk} is already committed")
         if samples:
-            c = write_shard(self.dir, m, split, chunk, pack(samples), len(samples), SCHEMA_VERSION)
+            tensors, names = pack(samples)
+            c = write_shard(self.dir, m, split, chunk, tensors, len(samples), SCHEMA_VERSION)
+            m["shards"][-1]["sources"] = names
+            self._count_sources(split, samples)
             c["turns"] += sum(s.turns for s in samples)
             c["unfinished_answers"] += sum(s.unfinished for s in samples)
         for reason, n in (skips or {}).items():
             m["chunk_skips"][reason] = m["chunk_skips"].get(reason, 0) + n
         m["chunks_done"][split].append(chunk)
         self._save()
+
+    def _count_sources(self, split: str, samples: list[TokenSample]) -> None:
+        per = self.manifest.setdefault("source_counts", {s: {} for s in SPLITS})[split]
+        for s in samples:
+            c = per.setdefault(s.source, {"samples": 0, "tokens": 0, "loss_tokens": 0})
+            c["samples"] += 1
+            c["tokens"] += len(s.input_ids)
+            c["loss_tokens"] += sum(s.loss_mask)
 
     def finish(self, extra: dict | None = None) -> None:
         self.manifest["complete"] = True
@@ -165,6 +185,19 @@ class TokenStore:
 
     def shards(self, split: str) -> list[Path]:
         return [self.dir / s["file"] for s in self.manifest["shards"] if s["split"] == split]
+
+    def sources(self, split: str) -> list[str | None]:
+        """The source name of each sample of `split`, in dataset order (None where the store recorded none)."""
+        out: list[str | None] = []
+        for s in self.manifest["shards"]:
+            if s["split"] != split:
+                continue
+            if "sources" not in s:
+                out += [None] * s["samples"]
+                continue
+            with safe_open(self.dir / s["file"], framework="pt") as f:
+                out += [s["sources"][i] for i in f.get_tensor("source_ids").tolist()]
+        return out
 
     def dataset(self, split: str = "train") -> "TokenDataset":
         if split not in SPLITS:

@@ -110,6 +110,7 @@ class SourceConfig:
     # prompts disjoint from another source's, e.g. a calibration run's (MT-Bench per_category 2, skip 2: the third
     # and fourth question of each category)
     skip: int = 0
+    name: str | None = None  # what the token store records as this source (None: the kind; kind=file: file:PATH)
 
     def __post_init__(self) -> None:
         positive(self, "limit", "per_category")
@@ -141,6 +142,34 @@ class SGLangClientConfig:
 
 
 @dataclass
+class MagpieConfig:
+    """data/magpie.py: user turns written by the target from the template's user header (Magpie), then filtered."""
+
+    count: int = 1000  # prompts to keep (after every filter)
+    temperature: float = 1.0  # sampling of the user turn
+    top_p: float = 1.0
+    max_tokens: int = 128  # a user turn longer than this is cut, and dropped as unfinished
+    min_chars: int = 8
+    max_chars: int = 2000
+    chunk: int = 64  # draws per committed chunk (resume point)
+    max_draws: int | None = None  # give up after this many draws (None: 20 x count)
+    seed: int = 0
+    # the held-out sets no kept prompt may share an 8-gram with (data/contamination.py)
+    heldout: list[SourceConfig] = field(
+        default_factory=lambda: [
+            SourceConfig(kind="mtbench"),
+            SourceConfig(kind="humaneval"),
+            SourceConfig(kind="file", path="data/sets/everyday-v1.jsonl"),
+        ]
+    )
+
+    def __post_init__(self) -> None:
+        positive(self, "count", "top_p", "max_tokens", "max_chars", "chunk", "max_draws")
+        non_negative(self, "temperature", "min_chars", "seed")
+        at_most(self, 1, "top_p")
+
+
+@dataclass
 class HarvestConfig:
     """data/harvest.py: prompts -> target regeneration -> feature store."""
 
@@ -167,6 +196,7 @@ class HarvestConfig:
         0.05  # T=0 check: refuse the harvest when more than this fraction of generated tokens are not the argmax
     )
     sglang: SGLangClientConfig = field(default_factory=SGLangClientConfig)
+    magpie: MagpieConfig = field(default_factory=MagpieConfig)
 
     def __post_init__(self) -> None:
         positive(self, "max_turns", "max_prompt_tokens", "max_total_tokens", "max_new_tokens", "batch_size", "topk")
@@ -219,6 +249,9 @@ class TrainConfig:
     # online: more token stores (tokens/ folders of data/regen.py runs of the same target and chat template, e.g. a
     # sampled second pass over the same prompts) whose train splits are trained on after RUN/tokens'
     more_tokens: list[str] = field(default_factory=list)
+    drop_sources: list[str] = field(
+        default_factory=list
+    )  # online: leave out these sources' samples (SourceConfig.name)
     pack_tokens: int | None = (
         None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
     )

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 from eagle3ft.config import REPO_ROOT, SourceConfig
+from eagle3ft.data.contamination import N, ngrams, words
 from eagle3ft.data.prompts import (
     chitchat_path,
     collect,
@@ -23,25 +24,11 @@ from eagle3ft.data.readers import iter_json_items
 
 SET = "data/sets/everyday-v1.jsonl"
 CATEGORIES = {"general", "writing", "code", "math", "advice", "multi-turn"}
-N = 8
-_PUNCT = "\"'`.,:;!?()[]{}<>*_~-–—…“”‘’"
 
 
 def records() -> list[dict]:
     with open(REPO_ROOT / SET, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
-
-
-def words(text: str) -> list[str]:
-    """Lowercased whitespace tokens, each stripped of punctuation at its ends (kept whole if nothing is left): two
-    texts equal in whitespace tokens are equal here too, so this check is at least as strict."""
-    return [t.strip(_PUNCT) or t for t in text.lower().split()]
-
-
-def ngrams(text: str) -> set[tuple[str, ...]]:
-    """The text's 8-grams; a text shorter than 8 words is one gram, itself, matched only by a whole equal text."""
-    w = words(text)
-    return set(zip(*(w[k:] for k in range(N)))) if len(w) >= N else {tuple(w)}
 
 
 def everyday_grams() -> dict[tuple[str, ...], str]:

@@ -204,10 +204,17 @@ class MicroBatch:
     tokens: int  # real tokens (padding excluded)
 
 
-def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train", more: tuple[str, ...] = ()):
+def token_dataset(
+    run_dir: Path,
+    store: FeatureStore | None,
+    split: str = "train",
+    more: tuple[str, ...] = (),
+    drop: tuple[str, ...] = (),
+):
     """(RUN/tokens' split, else the token ids of the feature store's; where it is) for online training. The train
     split also takes the samples of the token stores `more` (train.more_tokens), which must have RUN/tokens'
-    identity (target, tokenizer, chat template)."""
+    identity (target, tokenizer, chat template), and leaves out the samples of the sources `drop`
+    (train.drop_sources)."""
     from eagle3ft.data.tokens import TokenDataset, TokenStore
 
     tokens = run_dir / "tokens"
@@ -221,7 +228,13 @@ def token_dataset(run_dir: Path, store: FeatureStore | None, split: str = "train
                     f"than {tokens} ({other.identity} != {first.identity})"
                 )
         shards = first.shards(split) + [f for other in others for f in other.shards(split)]
-        return TokenDataset(shards), " + ".join(str(s.dir) for s in [first, *others])
+        dataset = TokenDataset(shards)
+        if drop and split == "train":
+            names = [n for st in [first, *others] for n in st.sources(split)]
+            dataset = dataset.subset([i for i, n in enumerate(names) if n not in drop])
+        return dataset, " + ".join(str(s.dir) for s in [first, *others])
+    if drop:
+        raise StoreError(f"train.drop_sources needs a token store at {tokens} (it records each sample's source)")
     if more:
         raise StoreError(f"train.more_tokens needs a token store at {tokens} to train beside")
     if store is not None:
@@ -280,6 +293,8 @@ class TrainData:
             raise ValueError(f"train.features '{tcfg.features}' is not one of offline, online")
         if tcfg.pack_tokens is not None and tcfg.pack_tokens <= 0:
             raise ValueError(f"train.pack_tokens must be positive or null, got {tcfg.pack_tokens}")
+        if tcfg.drop_sources and tcfg.features != "online":
+            raise ValueError("train.drop_sources is read by online training only (train.features: online)")
         if tcfg.more_tokens and tcfg.features != "online":
             raise ValueError("train.more_tokens is read by online training only (train.features: online)")
         self.cfg, self.online, self._bins = cfg, None, {}
@@ -291,7 +306,9 @@ class TrainData:
             self.dataset, self.where = self.store.dataset("train"), str(self.store.dir)
             self.target, self.has_last_hidden = self.store.target, self.store.manifest.get("has_last_hidden", False)
         else:
-            self.dataset, self.where = token_dataset(run_dir, self.store, more=tuple(tcfg.more_tokens))
+            self.dataset, self.where = token_dataset(
+                run_dir, self.store, more=tuple(tcfg.more_tokens), drop=tuple(tcfg.drop_sources)
+            )
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
         per_sample = self.dataset.loss_tokens()

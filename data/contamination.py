@@ -1,0 +1,93 @@
+"""Held-out contamination: no training prompt may share an 8-gram of words with a held-out set.
+
+Words are the text lowercased, split on whitespace, each stripped of punctuation at its ends (kept whole if
+nothing is left). A text under 8 words is one gram, itself, matched only by an equal text.
+
+    python -m eagle3ft.data.contamination TRAIN.jsonl... [--heldout mtbench humaneval data/sets/everyday-v1.jsonl]
+
+prints, per training file, the records whose user turns share an 8-gram with a held-out set, and exits 1 when
+any does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from collections.abc import Iterable
+
+from eagle3ft.config import SourceConfig
+from eagle3ft.data.prompts import Skip, iter_records, raw_messages
+
+N = 8
+_PUNCT = "\"'`.,:;!?()[]{}<>*_~-–—…“”‘’"
+HELDOUT_SETS = ("mtbench", "humaneval", "data/sets/everyday-v1.jsonl")
+
+
+def words(text: str) -> list[str]:
+    return [t.strip(_PUNCT) or t for t in text.lower().split()]
+
+
+def ngrams(text: str) -> set[tuple[str, ...]]:
+    """The text's 8-grams; a text under 8 words is one gram, itself."""
+    w = words(text)
+    return set(zip(*(w[k:] for k in range(N)))) if len(w) >= N else {tuple(w)}
+
+
+def user_turns(src: SourceConfig) -> Iterable[str]:
+    """Every user turn of a source's records."""
+    for record in iter_records(src, Counter()):
+        try:
+            pairs = raw_messages(record)
+        except Skip:
+            continue
+        yield from (c for r, c in pairs if isinstance(c, str) and str(r).lower() in ("user", "human"))
+
+
+def source_of(name: str) -> SourceConfig:
+    """A held-out set by name (mtbench, humaneval) or a json/jsonl/parquet file."""
+    return (
+        SourceConfig(kind=name)
+        if name in ("mtbench", "humaneval", "sharegpt", "chitchat")
+        else SourceConfig(kind="file", path=name)
+    )
+
+
+class HeldoutGrams:
+    """The 8-grams of held-out sets' user turns; `hits(text)` names the sets a text shares one with."""
+
+    def __init__(self, sources: Iterable[SourceConfig]):
+        self.grams: dict[tuple[str, ...], str] = {}
+        for src in sources:
+            name = src.kind if src.kind != "file" else str(src.path)
+            for text in user_turns(src):
+                self.grams.update(dict.fromkeys(ngrams(text), name))
+
+    def hits(self, text: str) -> set[str]:
+        return {self.grams[g] for g in ngrams(text) if g in self.grams}
+
+
+def contaminated(grams: HeldoutGrams, sources: Iterable[SourceConfig]) -> dict[str, dict[str, int]]:
+    """Per training source, per held-out set: how many of its user turns share an 8-gram with that set."""
+    out = {}
+    for src in sources:
+        hits = Counter(h for t in user_turns(src) for h in grams.hits(t))
+        out[src.kind if src.kind != "file" else str(src.path)] = dict(sorted(hits.items()))
+    return out
+
+
+def cli(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Refuse training prompts that share an 8-gram with a held-out set.")
+    ap.add_argument("train", nargs="+", help="training sources: sharegpt, chitchat or a json/jsonl/parquet file")
+    ap.add_argument("--heldout", nargs="+", default=list(HELDOUT_SETS))
+    args = ap.parse_args(argv)
+    grams = HeldoutGrams(source_of(h) for h in args.heldout)
+    counts = contaminated(grams, [source_of(t) for t in args.train])
+    print(json.dumps({"heldout": args.heldout, "contaminated_user_turns": counts}, indent=1))
+    if any(counts.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli()
