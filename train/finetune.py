@@ -93,6 +93,28 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def launch(argv: list[str] | None = None) -> None:
+    """`eagle3ft-train`: `accelerate launch --config_file ACCEL -m eagle3ft.train.finetune ARGS`, the same command
+    line from an installed package (`--accelerate-config`, default 1gpu.yaml with CUDA, else cpu-2proc.yaml)."""
+    import argparse
+
+    from eagle3ft.config import resolve_path
+
+    ap = argparse.ArgumentParser(prog="eagle3ft-train", description=DESCRIPTION, add_help=False)
+    ap.add_argument("--accelerate-config", default=None)
+    known, rest = ap.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        print("eagle3ft-train [--accelerate-config configs/accelerate/NAME.yaml] FINETUNE-ARGS: accelerate launch of")
+        cli(["--help"])
+    accel = known.accelerate_config
+    if accel is None:
+        import torch
+
+        accel = "configs/accelerate/" + ("1gpu.yaml" if torch.cuda.is_available() else "cpu-2proc.yaml")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(resolve_path(accel))]
+    os.execv(sys.executable, cmd + ["-m", "eagle3ft.train.finetune", *rest])
+
+
 if __name__ == "__main__":
     code = cli()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:

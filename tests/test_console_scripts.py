@@ -1,0 +1,34 @@
+"""The console commands `pip install -e .` puts beside the interpreter ([project.scripts]): each answers --help, and
+eagle3ft-train is the README's `accelerate launch ... train/finetune.py` with no path into the tree."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+COMMANDS = ["regen", "harvest", "magpie", "train", "eval", "bench", "report", "economics"]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_each_command_is_installed_and_answers_help(name):
+    exe = BIN / f"eagle3ft-{name}"
+    assert exe.is_file(), f"{exe}: not installed (pip install -e .)"
+    r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--config" in r.stdout and "--run-dir" in r.stdout
+
+
+def test_eagle3ft_train_launches_two_ranks_and_stops_on_an_empty_run_folder_in_one_line(tmp_path):
+    run = tmp_path / "empty"
+    run.mkdir()
+    cmd = [str(BIN / "eagle3ft-train"), "--accelerate-config", "configs/accelerate/cpu-2proc.yaml"]
+    cmd += ["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(run), "--set", "train.wandb_mode=disabled"]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )  # not from the checkout: the accelerate config is found in it
+    errors = [line for line in r.stderr.splitlines() if ": error:" in line]
+    assert r.returncode != 0 and len(errors) == 1, r.stderr[-3000:]
+    assert "finetune" in errors[0] and "features" in errors[0], errors
