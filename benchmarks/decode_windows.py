@@ -5,10 +5,10 @@ window of `--window` seconds this takes each server's mean rate and sums them ov
 rate, which the servers' medians alone do not give when several share a GPU. It also prints the running requests and
 tokens of context per request, so that a fall in rate can be told apart from a fall in work (the multi-turn tail).
 
-    python benchmarks/decode_windows.py results/h200_session11/server*.decode-lines.txt --plot decode.png
+    python benchmarks/decode_windows.py results/ttt3-10m-shipped/server*.decode-lines.txt --plot decode.png
 
 Files: SGLang server logs, or the `Decode batch` lines of them. It first prints each server's median and p90 rate
-(what benchmarks/h200_scale.sh's `gen_throughput` reports after a regeneration), and, from its `Prefill batch` lines
+(what benchmarks/gpu_lease.sh's `gen_throughput` reports after a regeneration), and, from its `Prefill batch` lines
 where the log has them, the prompt tokens it prefilled and those its prefix cache held.
 """
 

@@ -191,7 +191,7 @@ PYEOF
     $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . > /dev/null
     export PYTHONPATH=/tmp/eagle3ft-site:/tmp/dsw
     echo "$GGUF_SHA256  /tmp/lspack/$GGUF" | sha256sum -c - || exit 1
-    $PY benchmarks/sglang_h200.py export-hf --config $CONFIG --set "target.path=/tmp/lspack/$GGUF" --out "$MODEL" || exit 1
+    $PY benchmarks/sglang_target.py export-hf --config $CONFIG --set "target.path=/tmp/lspack/$GGUF" --out "$MODEL" || exit 1
     tree=/tmp/tree-$$ && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$tree"
     (cd "$tree" && PYTHONPATH=$PYTHONPATH setsid nohup bash benchmarks/live_speedup.sh run >> "$L/log" 2>&1 < /dev/null &)
     echo "started from $tree" ;;

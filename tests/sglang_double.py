@@ -29,7 +29,7 @@ sources (http_server.py, tokenizer_manager.py, scheduler output processing):
   (num_draft_tokens - 1)), spec_accept_histogram`` (verify steps by drafts accepted, as long as
   the most drafts accepted + 1) and their 0.5.17 twins ``spec_accepted_drafts,
   spec_proposed_drafts, spec_correct_drafts_histogram`` (equal values in the real server's
-  answers, benchmarks/results/h200_session2/sglres/bench/bench/sglang_requests.jsonl).
+  answers, benchmarks/results/sglang-vs-embedded-run1/sglres/bench/bench/sglang_requests.jsonl).
 - ``max_new_tokens: 0`` (prefill only), on a plain or a speculative server: completion_tokens 0,
   no hidden-state entry, and one ``output_top_logprobs`` entry (the next-token distribution
   the prefill computed), as the real 0.5.17 server answered; ``output_token_logprobs`` is

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Regeneration through real SGLang on one GPU: answer tokens/s per concurrency, then all of ShareGPT into a token store.
-#   bash benchmarks/regen_h200.sh STEP MODEL_DIR [OUT]        STEP: speed | full | all
+#   bash benchmarks/regen_sglang.sh STEP MODEL_DIR [OUT]        STEP: speed | full | all
 # MODEL_DIR  an HF bf16 folder SGLang loads; for SmolLM2 make it with
-#            python benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml --out MODEL_DIR
+#            python benchmarks/sglang_target.py export-hf --config configs/smollm2-135m.yaml --out MODEL_DIR
 # SGL_DIR    (env) the folder the SGLang 0.5.17 wheels were installed into; on the servers' PYTHONPATH only.
 # SERVERS    (env, default 1) plain servers sharing the GPU, ports PORT, PORT+1, ...; each starts once the one
 #            before it is healthy (SGLang sizes its KV pool from the memory free at its start) and gets

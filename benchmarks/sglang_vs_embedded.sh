@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The SGLang integration against real SGLang on one GPU (the H200 recipe of /work/shared/sglang-h200).
-#   bash benchmarks/sglang_h200.sh STEP MODEL_DIR DRAFTER_DIR [OUT]        STEP: probe | harvest | bench | all
+#   bash benchmarks/sglang_vs_embedded.sh STEP MODEL_DIR DRAFTER_DIR [OUT]        STEP: probe | harvest | bench | all
 # MODEL_DIR   an HF bf16 folder SGLang loads; for SmolLM2 make it with
-#             python benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml --out MODEL_DIR
+#             python benchmarks/sglang_target.py export-hf --config configs/smollm2-135m.yaml --out MODEL_DIR
 # DRAFTER_DIR an SGLang-form drafter of that target (config.json naming its aux ids + model.safetensors),
 #             e.g. RUN/export of a run; it is the harvest server's draft model and the benchmarked one.
 # SGL_DIR     (env) the folder the SGLang 0.5.17 wheels were installed into; it goes on PYTHONPATH of the
@@ -88,11 +88,11 @@ harvest() {
       echo "one_request capture failed on the EAGLE3 server: see '"$OUT"'/harvest-sglang-one-request.err"; }' _ "${h[@]}"
   for regen in true false; do
     echo "== harvest, regenerate=$regen: embedded vs SGLang"
-    $PY benchmarks/sglang_h200.py compare-stores "$OUT/harvest-hf-$regen" "$OUT/harvest-sglang-$regen" --out "$OUT/compare-$regen.json" | tail -28
+    $PY benchmarks/sglang_target.py compare-stores "$OUT/harvest-hf-$regen" "$OUT/harvest-sglang-$regen" --out "$OUT/compare-$regen.json" | tail -28
   done
   if [[ -d "$OUT/harvest-sglang-one-request/features" ]]; then
     echo "== one_request capture vs two_pass on the EAGLE3 server (final rows left out)"
-    $PY benchmarks/sglang_h200.py compare-stores "$OUT/harvest-sglang-true" "$OUT/harvest-sglang-one-request" --exclude-last --out "$OUT/compare-one-request.json" | tail -28
+    $PY benchmarks/sglang_target.py compare-stores "$OUT/harvest-sglang-true" "$OUT/harvest-sglang-one-request" --exclude-last --out "$OUT/compare-one-request.json" | tail -28
   fi
   python3 -c "import json,sys; [print(p, json.load(open(p))['this_run']) for p in sys.argv[1:]]" "$OUT"/harvest-*-true.json
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's last goal: tok/s predicted within 10% at every
-# setting, embedded and in SGLang, from costs calibrated in an earlier run. What changed since §19 (h200_s16.sh):
+# setting, embedded and in SGLang, from costs calibrated in an earlier run. What changed since §19 (plans/sglang_live_trees.sh):
 #   - each calibration runs on prompts of the measurement's own kind and length, disjoint from them (`skip`, new), not
 #     on short HumanEval answers: embedded, MT-Bench questions 5-8 at 384 new tokens against questions 1-4 (§18b's
 #     calibrated cycle cost 12-29% fewer plain steps on 96-token HumanEval answers than on MT-Bench); SGLang, the third
@@ -29,13 +29,13 @@
 # calibration has warmed them). SGL_TEST_SKIP=7 measures on each category's 8th question on (answers no earlier lease
 # decoded: the servers' answers repeat from lease to lease, RESULTS §22); SGL_CAL_POOL (calibration.json files, comma-
 # separated) predicts once more with the cycles pooled over them and 3a (3d, bench.calibration_pool).
-# Usage as h200_scale.sh (pack, stash, setup, wait): `bash benchmarks/h200_s17.sh start`
+# Usage as gpu_lease.sh (pack, stash, setup, wait): `bash benchmarks/plans/tok_s_prediction.sh start`
 # starts the plan. Keep a `wait` call in flight all the time: a machine with no call for 30 s is given back with the
 # job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 : "${SGL_SETTINGS:=7/1/8,7/4/16,8/4/32}" "${SGL_NEW:=512}" "${SGL_PER_CAT:=2}"
-source benchmarks/h200_s15.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over h200_scale.sh's
+source benchmarks/plans/embedded_draft_graph.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over gpu_lease.sh's
 SGL_CAL_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: ${SGL_CAL_PER_CAT:-$SGL_PER_CAT}, skip: $SGL_PER_CAT}"
 SGL_TEST_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT, skip: ${SGL_TEST_SKIP:-0}}"
 : "${EMB_PROMPTS:=4}" "${EMB_NEW:=384}"
@@ -67,5 +67,5 @@ s17() {
 case ${1:-} in
   lib) ;;
   run) shift; mkdir -p "$L" "$S"; s17; say done; touch "$L/.done-s17" ;;
-  *) LEASE_SCRIPT=benchmarks/h200_s17.sh exec bash benchmarks/h200_scale.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/plans/tok_s_prediction.sh exec bash benchmarks/gpu_lease.sh "$@" ;;
 esac

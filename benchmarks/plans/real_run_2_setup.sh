@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One H200 lease, step by step (each device call carries < 64 MiB and /tmp lasts while the machine is warm).
-#   bash benchmarks/h200_session.sh stash DIR...   copy carried folders to /tmp/c (they vanish next call)
-#   bash benchmarks/h200_session.sh setup          install carried wheels + this repo, rebuild the GGUF,
+#   bash benchmarks/plans/real_run_2_setup.sh stash DIR...   copy carried folders to /tmp/c (they vanish next call)
+#   bash benchmarks/plans/real_run_2_setup.sh setup          install carried wheels + this repo, rebuild the GGUF,
 #                                                 export the target as an HF bf16 folder (/tmp/smol-hf)
-#   bash benchmarks/h200_session.sh sglang         install the SGLang 0.5.17 wheel set into /tmp/sgl
-#   source benchmarks/h200_session.sh env          the environment the other scripts run under
+#   bash benchmarks/plans/real_run_2_setup.sh sglang         install the SGLang 0.5.17 wheel set into /tmp/sgl
+#   source benchmarks/plans/real_run_2_setup.sh env          the environment the other scripts run under
 # Carry layout (.carry/, ignored): p1 = GGUF part aa + deps wheels; p2 = GGUF part ab + prompt data (sharegpt-3000.json,
 # MT-Bench, benchmarks/domain_sets.py's files; the big JSON files gzipped, unpacked by setup);
 # sglang/part1, sglang/part2 = the wheel set of ../shared/sglang-h200/build-wheelset.sh.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 C=/tmp/c
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 session_env() {
@@ -32,7 +32,7 @@ case ${1:-} in
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade --target /tmp/eagle3ft-site . >/dev/null
     mkdir -p /tmp/gguf && cat $C/p1/smol.gguf.part-aa $C/p2/smol.gguf.part-ab > /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
     echo "$GGUF_SHA256  /tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -
-    [[ -f /tmp/smol-hf/config.json ]] || python3 benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml \
+    [[ -f /tmp/smol-hf/config.json ]] || python3 benchmarks/sglang_target.py export-hf --config configs/smollm2-135m.yaml \
       --set target.path=/tmp/gguf/SmolLM2-135M-Instruct.Q4_1.gguf --out /tmp/smol-hf ;;
   sglang)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sgl $C/sglang/part1/*.whl $C/sglang/part2/*.whl

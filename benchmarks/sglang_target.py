@@ -1,8 +1,8 @@
-"""Helpers of benchmarks/sglang_h200.sh (real SGLang on a GPU against the embedded backend).
+"""Helpers of benchmarks/sglang_vs_embedded.sh (real SGLang on a GPU against the embedded backend).
 
-python benchmarks/sglang_h200.py export-hf --config configs/smollm2-135m.yaml [--set k=v] --out DIR
+python benchmarks/sglang_target.py export-hf --config configs/smollm2-135m.yaml [--set k=v] --out DIR
     the configured target as an HF folder in bf16 that SGLang loads (no quantization_config)
-python benchmarks/sglang_h200.py compare-stores RUN_A RUN_B [--out FILE] [--exclude-last]
+python benchmarks/sglang_target.py compare-stores RUN_A RUN_B [--out FILE] [--exclude-last]
     two feature stores of the same harvest (e.g. embedded vs SGLang): token agreement,
     aux_hidden error and cosine, top-k agreement; JSON to stdout (and FILE)
 """
