@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.train import attention, ttt
-from eagle3ft.train.model import Eagle3Drafter
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = {  # drafter config, default sequence length, batch

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.config import load_config, resolve_path
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.targets.base import Sampling
 from eagle3ft.targets.hf import HFTarget, load_target
 

@@ -10,7 +10,7 @@ Writes, from a seed:
                          random token ids, aux states N(0, 1) bf16 [T, 3 x 7168], top-K log-probs of a
                          random softmax whose argmax lies in the draft vocabulary, loss_mask 1 after the
                          first quarter (a prompt, then an answer)
-  RUN/vocab.safetensors  the draft vocabulary built from the answer tokens (eagle3ft/vocab.py)
+  RUN/vocab.safetensors  the draft vocabulary built from the answer tokens (eagle3ft/drafter/vocab.py)
 
 The dims come from the drafter config (configs/drafters/kimi-k2.json), as benchmarks/train_speed.py's K2
 preset does; the numbers trained on mean nothing, the step's shapes and memory are the point (issue 16).
@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 
 from eagle3ft.config import resolve_path
 from eagle3ft.data.store import SPLITS, FeatureWriter, Sample
-from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.vocab import build_vocab, save_vocab
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.vocab import build_vocab, save_vocab
 
 
 def main(argv: list[str] | None = None) -> None:

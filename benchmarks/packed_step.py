@@ -91,9 +91,9 @@ def main() -> None:
     a = parse()
     sys.path.insert(0, str(REPO))
     from eagle3ft.data.store import collate
-    from eagle3ft.drafter_config import DrafterConfig
+    from eagle3ft.drafter.config import DrafterConfig
+    from eagle3ft.drafter.model import Eagle3Drafter
     from eagle3ft.train.data import collate_packed, epoch_order, pack_bins
-    from eagle3ft.train.model import Eagle3Drafter
     from eagle3ft.train.ttt import ttt_forward
 
     dev = torch.device(a.device)

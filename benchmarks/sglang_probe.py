@@ -180,9 +180,9 @@ def double_facts(kind: str, hidden_size_check: int) -> dict:
     from sglang_double import DoubleEngine, SGLangDouble
 
     from eagle3ft.config import REPO_ROOT, load_config
-    from eagle3ft.drafter_config import DrafterConfig
+    from eagle3ft.drafter.config import DrafterConfig
+    from eagle3ft.drafter.model import Eagle3Drafter
     from eagle3ft.targets.hf import load_target
-    from eagle3ft.train.model import Eagle3Drafter
 
     cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
     model, tok = load_target(cfg.target)

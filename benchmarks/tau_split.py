@@ -22,10 +22,10 @@ import torch
 
 from eagle3ft.config import load_config
 from eagle3ft.data.store import FeatureStore
+from eagle3ft.drafter.export import load_drafter
 from eagle3ft.eval.accept_len import ChainCounts
 from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance
 from eagle3ft.targets.hf import load_input_embedding
-from eagle3ft.train.checkpoint import load_drafter
 
 
 def answer_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:

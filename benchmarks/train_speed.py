@@ -103,8 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="one of our variants, options joined by '+': topk|hidden (teacher form), adam=master|fused|bf16, compile "
         "(Eagle3Drafter.compile_blocks: norms, heads + rope, SwiGLU, the TTT attention's merge), baseline "
         "(benchmarks/ttt_baseline.py, the unroll before the speed work), attn=flash|lse, merge=eager (the merge "
-        "uncompiled under compile), wgrad=autograd (per-step weight gradients summed by autograd, not train/wgrad.py's "
-        "one GEMM per weight), tf32, lse_chunk=N, head_chunk=N; repeat for several "
+        "uncompiled under compile), wgrad=autograd (per-step weight gradients summed by autograd, not "
+        "eagle3ft/drafter/wgrad.py's one GEMM per weight), tf32, lse_chunk=N, head_chunk=N; repeat for several "
         f"(default: {' and '.join(DEFAULT_VARIANTS)})",
     )
     p.add_argument(
@@ -175,7 +175,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def apply_drafter_dims(a: argparse.Namespace) -> None:
     """--drafter: the config's dims become the run's (the batch, the teacher and the printed dims follow them)."""
     from eagle3ft.config import resolve_path
-    from eagle3ft.drafter_config import DrafterConfig
+    from eagle3ft.drafter.config import DrafterConfig
 
     if a.theirs != "none" and not (a.sides and "theirs" not in a.sides):
         raise SystemExit("--drafter builds our sides only: add --theirs none")
@@ -393,8 +393,8 @@ class BF16AdamW:
 
 def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
     from eagle3ft.config import resolve_path
-    from eagle3ft.drafter_config import DrafterConfig
-    from eagle3ft.train.model_mla import new_drafter
+    from eagle3ft.drafter.config import DrafterConfig
+    from eagle3ft.drafter.model_mla import new_drafter
 
     known = {"topk", "hidden", "compile", "tf32", "baseline"}
     kv = dict(o.split("=", 1) for o in opts if "=" in o)
@@ -411,7 +411,8 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         spec.loader.exec_module(ttt)
         modules = [ttt]
     else:
-        from eagle3ft.train import attention, losses, ttt, wgrad
+        from eagle3ft.drafter import wgrad
+        from eagle3ft.train import attention, losses, ttt
 
         modules = [ttt, attention, losses, wgrad]
     form = "hidden" if "hidden" in flags else "topk"
@@ -628,7 +629,8 @@ def versions() -> dict:
 
     out = {"python": platform.python_version()}
     try:
-        from eagle3ft.train import attention, losses, model, ttt
+        from eagle3ft.drafter import model
+        from eagle3ft.train import attention, losses, ttt
 
         for mod in (model, ttt, attention, losses):
             with open(mod.__file__, "rb") as f:

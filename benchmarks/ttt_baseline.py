@@ -11,9 +11,9 @@ from functools import partial
 
 import torch
 
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.train.attention import lse_attention as ttt_attention
 from eagle3ft.train.attention import shift
-from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import TTTOutput, ttt_targets
 
 HEAD_CHUNK = 1024  # rows per chunk in the fused lm_head + cross-entropy

@@ -34,13 +34,13 @@ from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
 from eagle3ft.files import write_atomic
 from eagle3ft.runlock import holding
 from eagle3ft.targets import open_target
 from eagle3ft.targets.base import Request, Sampling, Target
 from eagle3ft.targets.hf import load_tokenizer
-from eagle3ft.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
 
 
 @dataclass

@@ -78,7 +78,7 @@ class TargetConfig:
 
 @dataclass
 class DrafterSection:
-    """The run's drafter: its architecture (a config.json, read by eagle3ft/drafter_config.py) and where it starts."""
+    """The run's drafter: its architecture (a config.json, read by eagle3ft/drafter/config.py) and where it starts."""
 
     config: str = "configs/drafters/smollm2-135m.json"  # architecture, in SGLang's config.json form
     init: str | None = None  # an existing drafter folder (SGLang form) to warm-start from; None = scratch

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk_rows, tree_accept
 from eagle3ft.eval.loops import loop_mask
 from eagle3ft.files import write_atomic
-from eagle3ft.train.model import Eagle3Drafter
 
 # --------------------------------------------------------------------------- counts -> tau
 
@@ -281,9 +281,9 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     """Load the exported drafter and the held-out features of `run_dir`, evaluate, write eval/accept_len.json."""
     from eagle3ft.config import resolve_path
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter_config import check_drafter_folder
+    from eagle3ft.drafter.config import check_drafter_folder
+    from eagle3ft.drafter.export import load_drafter
     from eagle3ft.targets.hf import load_input_embedding, pick_device
-    from eagle3ft.train.checkpoint import load_drafter
 
     ec = cfg.eval
     ckpt = resolve_path(ec.checkpoint, base=run_dir)

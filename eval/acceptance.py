@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eagle3ft.train.model import DraftCache, Eagle3Drafter
+from eagle3ft.drafter.model import DraftCache, Eagle3Drafter
 
 
 def _node_step(drafter: Eagle3Drafter, cache: DraftCache, n_prefix: int, tokens, hidden, roots, anc, depth: int):

@@ -101,7 +101,7 @@ def drafter_folders(cfg, run_dir: Path) -> dict[str, Path]:
 def _check_drafters(cfg, run_dir: Path, folders: dict[str, Path]):
     """Every folder against the run's features, before anything is loaded; returns the held-out dataset."""
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter_config import check_drafter_folder
+    from eagle3ft.drafter.config import check_drafter_folder
 
     store = FeatureStore(run_dir / "features")
     for label, folder in folders.items():
@@ -143,8 +143,8 @@ def _pick(folders: dict[str, Path], only: list[str] | None) -> dict[str, Path]:
 
 def run_offline(cfg, run_dir: Path, only: list[str] | None = None, log=print) -> dict[str, dict]:
     """Offline tau per held-out source for each drafter (or those in `only`), in the target's dtype."""
+    from eagle3ft.drafter.export import load_drafter
     from eagle3ft.targets.hf import load_input_embedding, pick_device
-    from eagle3ft.train.checkpoint import load_drafter
 
     folders = _pick(drafter_folders(cfg, run_dir), only)
     ds = _check_drafters(cfg, run_dir, folders)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagle3ft.train.model import Eagle3Drafter, StaticDraftCache
+from eagle3ft.drafter.model import Eagle3Drafter, StaticDraftCache
 
 
 def static_forward(

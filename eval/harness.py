@@ -110,8 +110,8 @@ def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
     """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
     else the folder alone (readable weights, consistent d2t/t2d); returns its DrafterConfig. Before any compute."""
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter_config import DrafterConfig, check_drafter_folder
-    from eagle3ft.vocab import check_vocab, vocab_from_drafter
+    from eagle3ft.drafter.config import DrafterConfig, check_drafter_folder
+    from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
 
     manifest = Path(run_dir) / "features" / MANIFEST
     if manifest.is_file():
@@ -128,7 +128,7 @@ def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
 def drafter_on_target(model, folder: Path, spec):
     """(the drafter of `folder` on `model`: its embedding, device and dtype; its aux layer ids, checked against the
     target's dimensions). `spec` is the folder's DrafterConfig, from check_drafter_for_run."""
-    from eagle3ft.train.checkpoint import load_drafter
+    from eagle3ft.drafter.export import load_drafter
 
     c, emb = model.config, model.get_input_embeddings().weight.detach()
     aux_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)

@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, StaticDraftCache
 from eagle3ft.eval.draft_graph import DraftGraph
-from eagle3ft.train.model import DraftCache, Eagle3Drafter, StaticDraftCache
 
 
 @dataclass

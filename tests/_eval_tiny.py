@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model import DraftCache, Eagle3Drafter
 from eagle3ft.eval.speculate import aux_from_hidden_states, greedy_decode
-from eagle3ft.train.model import DraftCache, Eagle3Drafter
 
 VOCAB, DRAFT_VOCAB, AUX = 320, 160, [0, 1, 2]
 
@@ -120,8 +120,8 @@ def tiny_config_bench(tmp_path: Path, label: str, sets: list[str]) -> tuple[dict
     """eval/bench.py's harness on configs/tiny.yaml with `sets`, in the run folder tmp_path/label, whose export is a
     random tiny drafter (d2t 0: draft id i is target id i) made once in tmp_path/export: (summary, runs.jsonl rows)."""
     from eagle3ft.config import load_config
+    from eagle3ft.drafter.export import export_drafter
     from eagle3ft.eval import bench, harness
-    from eagle3ft.train.checkpoint import export_drafter
 
     if not (tmp_path / "export").exists():
         torch.manual_seed(0)

@@ -582,8 +582,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.speculative_algorithm:
         if args.speculative_algorithm != "EAGLE3" or not args.speculative_draft_model_path:
             ap.error("the double mirrors --speculative-algorithm EAGLE3 with --speculative-draft-model-path")
+        from eagle3ft.drafter.export import load_drafter
         from eagle3ft.targets.hf import load_input_embedding
-        from eagle3ft.train.checkpoint import load_drafter
 
         drafter = load_drafter(args.speculative_draft_model_path, load_input_embedding(cfg.target)).eval()
     engine = DoubleEngine(

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.train.model import Eagle3Drafter
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model import Eagle3Drafter
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -19,9 +19,9 @@ from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.harvest import harvest_chunk, main, run_harvest
 from eagle3ft.data.prompts import Conversation
 from eagle3ft.data.store import FeatureStore
+from eagle3ft.drafter.vocab import build_vocab, check_vocab, load_vocab
 from eagle3ft.targets.base import Request, Sampling
 from eagle3ft.targets.hf import HFTarget, load_target
-from eagle3ft.vocab import build_vocab, check_vocab, load_vocab
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 HARVEST = REPO_ROOT / "data" / "harvest.py"

@@ -9,8 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3ft.data.store import SCHEMA_VERSION, FeatureStore, FeatureWriter, Sample, StoreError, collate
+from eagle3ft.drafter.vocab import build_vocab, check_vocab, load_vocab, save_vocab, vocab_from_drafter
 from eagle3ft.files import DamagedFile
-from eagle3ft.vocab import build_vocab, check_vocab, load_vocab, save_vocab, vocab_from_drafter
 
 H, K = 8, 4
 TARGET = {"name": "t", "hidden_size": H, "vocab_size": 100, "num_layers": 4, "aux_layer_ids": [0, 1, 2]}

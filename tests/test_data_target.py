@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle3ft.config import load_config
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.targets.base import Request, Sampling, Target
 from eagle3ft.targets.hf import HFTarget, load_input_embedding, load_output_head, load_target
 

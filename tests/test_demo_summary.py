@@ -9,11 +9,11 @@ import torch
 from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import run_harvest
 from eagle3ft.data.store import FeatureStore
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.export import export_drafter, load_drafter
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval import demo_summary
 from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.train.checkpoint import export_drafter, load_drafter
-from eagle3ft.train.model import Eagle3Drafter
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 
+from eagle3ft.drafter.model import DraftCache
 from eagle3ft.eval.accept_len import ChainCounts, evaluate, walk_interval
 from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
 from eagle3ft.eval.speculate import SpeculativeDecoder
-from eagle3ft.train.model import DraftCache
 
 STEPS = 3
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from eagle3ft.config import load_config
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.export import export_drafter
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval import bench, harness, report
 from eagle3ft.eval.costs import Setting
-from eagle3ft.train.checkpoint import export_drafter
-from eagle3ft.train.model import Eagle3Drafter
 
 
 @pytest.fixture(scope="module")

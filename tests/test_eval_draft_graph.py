@@ -8,10 +8,10 @@ import pytest
 import torch
 from _eval_tiny import AUX, prompts, tiny_config_bench, tiny_pair
 
+from eagle3ft.drafter.model import DraftCache, StaticDraftCache
 from eagle3ft.eval.bench_embedded import drafting_for
 from eagle3ft.eval.draft_graph import DraftGraph, chain_drafts
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
-from eagle3ft.train.model import DraftCache, StaticDraftCache
 
 
 class Recording(SpeculativeDecoder):

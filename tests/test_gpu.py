@@ -279,11 +279,11 @@ def test_compiled_step_matches_eager_at_k2_dims(tmp_path):
 
 
 def test_deferred_weight_grads_on_cuda_as_close_to_fp64_as_autograds():
-    """train/wgrad.py's one GEMM per weight (bf16, CUDA) against the same TTT step in fp64: each weight gradient no
-    further from the reference than autograd's per-step bf16 sum (train/wgrad.DEFER off), with 2x slack."""
-    from eagle3ft.drafter_config import DrafterConfig
-    from eagle3ft.train import wgrad
-    from eagle3ft.train.model import Eagle3Drafter
+    """eagle3ft/drafter/wgrad.py's one GEMM per weight (bf16, CUDA) against the same TTT step in fp64: each weight
+    gradient no further from the reference than autograd's per-step bf16 sum (wgrad.DEFER off), with 2x slack."""
+    from eagle3ft.drafter import wgrad
+    from eagle3ft.drafter.config import DrafterConfig
+    from eagle3ft.drafter.model import Eagle3Drafter
     from eagle3ft.train.ttt import ttt_forward
 
     cfg = DrafterConfig(

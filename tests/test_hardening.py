@@ -15,10 +15,10 @@ from test_train_checkpoint import write_k2_like
 from train_fixtures import REPO, TINY_TARGET, write_store
 
 from eagle3ft.config import load_config
-from eagle3ft.drafter_config import DrafterConfig, DrafterMismatch, check_drafter
-from eagle3ft.train.checkpoint import export_drafter
-from eagle3ft.train.model import Eagle3Drafter
-from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
+from eagle3ft.drafter.config import DrafterConfig, DrafterMismatch, check_drafter
+from eagle3ft.drafter.export import export_drafter
+from eagle3ft.drafter.model import Eagle3Drafter
+from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
 
 TINY = REPO / "configs/tiny.yaml"
 TINY_DRAFTER = json.loads((REPO / "configs/drafters/tiny.json").read_text())

@@ -13,7 +13,7 @@ import torch
 from eagle3ft.config import REPO_ROOT, load_config, resolve_path
 from eagle3ft.data.harvest import run_harvest
 from eagle3ft.data.store import FeatureStore
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.targets.hf import load_target, load_tokenizer
 from eagle3ft.targets.sglang import target_identity
 from eagle3ft.targets.sglang_server import build_command, drafter_aux_ids

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from eagle3ft.config import REPO_ROOT, load_config
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.export import export_drafter
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval import harness, same_prompts
 from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
 from eagle3ft.eval.costs import Setting
@@ -21,8 +23,6 @@ from eagle3ft.eval.same_prompts import offline_tau
 from eagle3ft.eval.speculate import SpeculativeDecoder
 from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang_http import SGLangError
-from eagle3ft.train.checkpoint import export_drafter
-from eagle3ft.train.model import Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402

@@ -13,13 +13,13 @@ import requests
 import torch
 
 from eagle3ft.config import REPO_ROOT, SGLangClientConfig, load_config
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.targets import sglang_http
 from eagle3ft.targets.base import Request, Sampling
 from eagle3ft.targets.hf import HFTarget, load_target
 from eagle3ft.targets.sglang import SGLangTarget
 from eagle3ft.targets.sglang_http import HiddenStream, RetryableError, SGLangError, server_info, topk_arrays
-from eagle3ft.train.model import Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402

@@ -12,10 +12,10 @@ import torch
 from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import HarvestRefused, run_harvest
 from eagle3ft.data.store import SPLITS, FeatureStore
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang_http import SGLangError
-from eagle3ft.train.model import Eagle3Drafter
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
@@ -114,7 +114,7 @@ def assert_same_store(a: Path, b: Path):
 
 
 def _vocab(run: Path) -> torch.Tensor:
-    from eagle3ft.vocab import load_vocab
+    from eagle3ft.drafter.vocab import load_vocab
 
     d2t, t2d = load_vocab(run / "vocab.safetensors")
     return torch.cat([d2t, t2d.long()])

@@ -12,7 +12,7 @@ import yaml
 
 from eagle3ft.config import REPO_ROOT, BenchSetting, load_config, to_dict
 from eagle3ft.data.chat import TEMPLATES
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.targets.sglang import target_identity
 from eagle3ft.targets.sglang_server import LaunchError, build_command, health, main, parse_setting, server_for
 

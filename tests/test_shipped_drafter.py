@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 
 from eagle3ft.config import REPO_ROOT, load_config, resolve_path
-from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.train.checkpoint import check_keys, load_drafter
-from eagle3ft.train.model import DraftCache
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.export import check_keys, load_drafter
+from eagle3ft.drafter.model import DraftCache
 
 SHIPPED = REPO_ROOT / "drafters" / "smollm2-135m"
 

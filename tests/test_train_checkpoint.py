@@ -10,18 +10,11 @@ from safetensors.torch import save_file
 from train_fixtures import REPO, TINY_TARGET
 
 from eagle3ft.config import load_config
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.export import atomic_dir, drafter_tensors, export_drafter, load_drafter, sglang_target
+from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, export_keys
 from eagle3ft.train.build import build_drafter
-from eagle3ft.train.checkpoint import (
-    atomic_dir,
-    checkpoints,
-    drafter_tensors,
-    export_drafter,
-    load_drafter,
-    resume_path,
-    sglang_target,
-)
-from eagle3ft.train.model import DraftCache, Eagle3Drafter, export_keys
+from eagle3ft.train.checkpoint import checkpoints, resume_path
 
 
 def k2_like_config(**over) -> dict:

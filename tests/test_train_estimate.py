@@ -6,9 +6,9 @@ import pytest
 import torch
 from train_fixtures import REPO
 
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.train.estimate import activation_bytes_per_token_step, estimate, main
-from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import ttt_forward
 
 
@@ -116,9 +116,9 @@ def test_estimate_allocates_nothing():
 
 
 def test_deferred_stash_count_matches_what_the_stash_holds(monkeypatch):
-    """deferred_bytes against the most train/wgrad.py's stash holds at once (new tensors only: the output gradients
-    and the head's g·x rows; the inputs and softmax - p rows are saved activations already)."""
-    from eagle3ft.train import wgrad
+    """deferred_bytes against the most eagle3ft/drafter/wgrad.py's stash holds at once (new tensors only: the output
+    gradients and the head's g·x rows; the inputs and softmax - p rows are saved activations already)."""
+    from eagle3ft.drafter import wgrad
     from eagle3ft.train.estimate import deferred_bytes
 
     m, batch, cfg = small_bf16_drafter(nkv=4)

@@ -11,8 +11,8 @@ from train_fixtures import REPO, TINY_TARGET, launch, write_store
 
 from eagle3ft.config import load_config
 from eagle3ft.data.store import FeatureStore, FeatureWriter, StoreError
+from eagle3ft.drafter.model import export_keys
 from eagle3ft.train.loop import OutOfMemoryHint, main, oom_hint
-from eagle3ft.train.model import export_keys
 
 TINY = REPO / "configs/tiny.yaml"
 COMMON = (

@@ -13,8 +13,8 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.train.model import DraftCache, Eagle3Drafter, export_keys
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, export_keys
 
 H, NH, NKV, HD, I, V, VD = 32, 4, 2, 8, 48, 50, 20
 

@@ -1,5 +1,5 @@
-"""The MLA drafter (train/model_mla.py) against SGLang 0.5.17's Eagle3DeepseekV2ForCausalLM: the weights its loader
-takes, the forward it computes (absorbed MLA over the latent), export/load, warm start and training."""
+"""The MLA drafter (eagle3ft/drafter/model_mla.py) against SGLang 0.5.17's Eagle3DeepseekV2ForCausalLM: the weights its
+loader takes, the forward it computes (absorbed MLA over the latent), export/load, warm start and training."""
 
 import json
 import math
@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from train_fixtures import REPO, launch, write_store
 
-from eagle3ft.drafter_config import MLA_EAGLE3, DrafterConfig
+from eagle3ft.drafter.config import MLA_EAGLE3, DrafterConfig
+from eagle3ft.drafter.export import check_keys, drafter_tensors, export_drafter, load_drafter
+from eagle3ft.drafter.model import DraftCache
+from eagle3ft.drafter.model_mla import Eagle3MLADrafter, mla_export_keys, new_drafter
 from eagle3ft.train.attention import shift
-from eagle3ft.train.checkpoint import check_keys, drafter_tensors, export_drafter, load_drafter
-from eagle3ft.train.model import DraftCache
-from eagle3ft.train.model_mla import Eagle3MLADrafter, mla_export_keys, new_drafter
 from eagle3ft.train.ttt import ttt_forward
 
 TINY_MLA = REPO / "configs/drafters/tiny-mla.json"

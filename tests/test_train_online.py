@@ -15,9 +15,9 @@ from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import run_harvest
 from eagle3ft.data.store import StoreError
 from eagle3ft.data.tokens import TokenSample, TokenWriter
+from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
 from eagle3ft.train.data import TrainData, collate_packed, pack_bins, sample_spans
 from eagle3ft.train.ttt import ttt_forward
-from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 

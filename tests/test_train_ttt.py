@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.train.attention import shift
 from eagle3ft.train.losses import head_cross_entropy
-from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import target_to_draft_map, topk_to_draft, ttt_forward
 
 CFG = dict(
@@ -286,9 +286,9 @@ def test_compiled_merge_matches_explicit_mask_over_token_counts_and_steps(monkey
 
 @pytest.mark.parametrize("loss", ["ce", "lk_hybrid"])
 def test_deferred_weight_grads_equal_autograds_and_fire_each_hook_once(monkeypatch, loss):
-    """train/wgrad.py: one GEMM per weight over the TTT steps gives autograd's per-step sum, and each weight's
-    gradient arrives once (the moment DeepSpeed's hooks reduce it)."""
-    from eagle3ft.train import wgrad
+    """eagle3ft/drafter/wgrad.py: one GEMM per weight over the TTT steps gives autograd's per-step sum, and each
+    weight's gradient arrives once (the moment DeepSpeed's hooks reduce it)."""
+    from eagle3ft.drafter import wgrad
 
     m = drafter(seed=11)
     b = batch(seed=12)
@@ -315,8 +315,8 @@ def test_deferred_weight_grads_equal_autograds_and_fire_each_hook_once(monkeypat
 def test_deferred_weight_grad_of_a_use_outside_the_loss_is_an_error():
     """A weight use whose output never reaches the loss would leave its weight's sum unfinished: the backward
     raises instead of handing DeepSpeed a partial gradient."""
-    from eagle3ft.train import wgrad
-    from eagle3ft.train.model import Linear
+    from eagle3ft.drafter import wgrad
+    from eagle3ft.drafter.model import Linear
 
     lin = Linear(4, 3)
     x = torch.randn(2, 4)

@@ -5,9 +5,9 @@ import torch
 from _eval_tiny import greedy_items, prompts, tiny_pair
 
 from eagle3ft.data.store import collate
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import heldout_batches, heldout_tau, heldout_view, tau_from_counts
 
@@ -87,8 +87,8 @@ def test_loop_logs_heldout_tau_and_keeps_the_best_export(tmp_path):
     from safetensors.torch import load_file
     from train_fixtures import REPO, launch, write_store
 
-    from eagle3ft.train.checkpoint import load_drafter
-    from eagle3ft.train.model import export_keys
+    from eagle3ft.drafter.export import load_drafter
+    from eagle3ft.drafter.model import export_keys
 
     arch = json.loads((REPO / "configs/drafters/tiny.json").read_text()) | {"fc_norm": True}
     (tmp_path / "tiny31.json").write_text(json.dumps(arch))  # fc_norm from the json, norm_output from the override
@@ -142,11 +142,11 @@ def test_cli_on_a_run_folder_counts_what_accept_len_counts(tmp_path):
     from train_fixtures import REPO, write_store
 
     from eagle3ft.config import load_config
+    from eagle3ft.drafter.export import export_drafter
+    from eagle3ft.drafter.vocab import load_vocab
     from eagle3ft.eval.accept_len import run as accept_len_run
     from eagle3ft.targets.hf import load_input_embedding
-    from eagle3ft.train.checkpoint import export_drafter
     from eagle3ft.train.validate import main
-    from eagle3ft.vocab import load_vocab
 
     write_store(tmp_path, n_train=2, n_heldout=4)
     cfg = load_config(REPO / "configs/tiny.yaml")
@@ -169,9 +169,9 @@ def test_warm_start_keeps_its_layout(tmp_path):
     from train_fixtures import REPO, TINY_TARGET, write_store
 
     from eagle3ft.config import load_config
+    from eagle3ft.drafter.export import export_drafter
+    from eagle3ft.drafter.vocab import load_vocab
     from eagle3ft.train.build import build_drafter
-    from eagle3ft.train.checkpoint import export_drafter
-    from eagle3ft.vocab import load_vocab
 
     write_store(tmp_path)
     m = Eagle3Drafter(DrafterConfig.from_json(REPO / "configs/drafters/tiny.json"))

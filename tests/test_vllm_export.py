@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from eagle3ft.config import load_config
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.export import export_drafter
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.targets.base import Request, Sampling
 from eagle3ft.targets.hf import HFTarget, load_target
-from eagle3ft.train.checkpoint import export_drafter
-from eagle3ft.train.model import Eagle3Drafter
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"llama": REPO / "configs" / "tiny.yaml", "deepseek-v3": REPO / "configs" / "tiny-deepseek.yaml"}

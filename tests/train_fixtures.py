@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.data.store import FeatureWriter, Sample
-from eagle3ft.vocab import build_vocab, save_vocab
+from eagle3ft.drafter.vocab import build_vocab, save_vocab
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_TARGET = {

@@ -1,1 +1,1 @@
-"""The training stage: the EAGLE-3 drafter, TTT, DeepSpeed through accelerate, checkpoints."""
+"""The training stage: TTT over the drafter (eagle3ft/drafter/), DeepSpeed through accelerate, checkpoints."""

@@ -13,12 +13,12 @@ import torch
 
 from eagle3ft.config import Config, resolve_path
 from eagle3ft.data.store import StoreError
-from eagle3ft.drafter_config import DrafterConfig, check_drafter, check_drafter_folder
-from eagle3ft.train.checkpoint import load_drafter
+from eagle3ft.drafter.config import DrafterConfig, check_drafter, check_drafter_folder
+from eagle3ft.drafter.export import load_drafter
+from eagle3ft.drafter.model import Eagle3Drafter
+from eagle3ft.drafter.model_mla import new_drafter
+from eagle3ft.drafter.vocab import load_vocab, save_vocab
 from eagle3ft.train.data import TrainData
-from eagle3ft.train.model import Eagle3Drafter
-from eagle3ft.train.model_mla import new_drafter
-from eagle3ft.vocab import load_vocab, save_vocab
 
 
 def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:

@@ -32,9 +32,9 @@ import torch
 
 from eagle3ft.config import Config, resolve_path
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate, dequantize_aux, quantize_aux
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
 from eagle3ft.train.metrics import elapsed, timestamp
-from eagle3ft.vocab import build_vocab, load_vocab, save_vocab
 
 TOKEN_KEYS = ("input_ids", "loss_mask")
 

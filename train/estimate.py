@@ -8,9 +8,9 @@ weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and
 partitions all three and gathers one module at a time (the largest module, the embedding, bounds that transient).
 Activations are what autograd keeps per token and per TTT step, counted tensor by tensor in
 `activation_bytes_per_token_step`, for the compiled step (the default on CUDA; `--eager` without train.compile).
-The TTT unroll's deferred weight gradients (train/wgrad.py) keep every projection's output gradient and the head's
-rows until the weight's last use, then concatenate one weight's rows for its GEMM (`deferred_bytes`), on top of the
-activations.
+The TTT unroll's deferred weight gradients (eagle3ft/drafter/wgrad.py) keep every projection's output gradient and the
+head's rows until the weight's last use, then concatenate one weight's rows for its GEMM (`deferred_bytes`), on top of
+the activations.
 The fp32 gradient DeepSpeed builds for the update (4 B per parameter, partitioned) lives only in the optimizer step,
 after the backward has freed the activations, so the peak holds the larger of the two, not their sum (the sum was
 14-19% above the H200's measured peaks at 1 and 2 GPUs, RESULTS §11d).
@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from eagle3ft.config import resolve_path
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.model_mla import new_drafter
 from eagle3ft.train.losses import HEAD_CHUNK_BYTES
-from eagle3ft.train.model_mla import new_drafter
 
 GIB = 2**30
 
@@ -71,7 +71,7 @@ def activation_bytes_per_token_step(cfg: DrafterConfig, act_bytes: int = 2, comp
 
 
 def deferred_bytes(cfg: DrafterConfig, tokens: int, ttt_steps: int, act_bytes: int = 2) -> tuple[int, int]:
-    """(what train/wgrad.py's stash holds at its most, the largest concatenation), in bytes.
+    """(what eagle3ft/drafter/wgrad.py's stash holds at its most, the largest concatenation), in bytes.
 
     The stash keeps the output gradients of q/k/v/o, gate/up and down and the head's g·x rows (their inputs and the
     head's softmax - p rows are saved activations already) until each weight's last use, in step 0's backward. The

@@ -25,20 +25,12 @@ from tqdm import tqdm
 
 from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
 from eagle3ft.data.store import _write_atomic
+from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
-from eagle3ft.train.checkpoint import (
-    atomic_dir,
-    choose_resume,
-    drafter_tensors,
-    load_checkpoint,
-    resume_position,
-    save_checkpoint,
-    truncate_metrics,
-    write_drafter,
-)
+from eagle3ft.train.checkpoint import choose_resume, load_checkpoint, resume_position, save_checkpoint, truncate_metrics
 from eagle3ft.train.data import TrainData
 from eagle3ft.train.metrics import Meter, PhaseClock, SetupTimes, log_record, metrics_record, open_wandb
-from eagle3ft.train.model import Eagle3Drafter
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
 

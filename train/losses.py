@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle3ft.train import wgrad
+from eagle3ft.drafter import wgrad
 
 HEAD_CHUNK = None  # rows per chunk in the fused lm_head + cross-entropy; None: HEAD_CHUNK_BYTES of fp32 logits
 HEAD_CHUNK_BYTES = 1 << 30
@@ -24,7 +24,8 @@ class _HeadCrossEntropy(torch.autograd.Function):
     x (N, H); weight (Vd, H); ids (N, K) with p (N, K) (sparse target), or ids None with p (N, Vd).
     Holds at most `chunk` × Vd float32 logits at a time and saves d = softmax - p (N, Vd) in x's dtype,
     so backward is two GEMMs, gx = g · (d W) and gw = dᵀ (g · x), and recomputes no logits. With a weight-gradient
-    stash (train/wgrad.py, the TTT unroll) gw is the stash's: one GEMM over every step's rows at the weight's last use.
+    stash (eagle3ft/drafter/wgrad.py, the TTT unroll) gw is the stash's: one GEMM over every step's rows at the weight's
+    last use.
     """
 
     @staticmethod

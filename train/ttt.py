@@ -22,10 +22,10 @@ from functools import partial
 
 import torch
 
-from eagle3ft.train import wgrad
+from eagle3ft.drafter import wgrad
+from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.train.attention import Documents, shift, ttt_attention
 from eagle3ft.train.losses import LOSSES, head_loss
-from eagle3ft.train.model import Eagle3Drafter
 
 
 @dataclass
@@ -108,7 +108,7 @@ def ttt_forward(
     target_head: the target's lm_head rows of the draft vocabulary (Vd, Ht), to take p from
     `last_hidden` (exact draft-vocab softmax) instead of the stored top-k.
     loss_kind: the per-position loss, one of LOSSES (see head_loss); lk_eta is lk_hybrid's eta.
-    The midlayer's and lm_head's weight gradients come as one GEMM each over all the steps (train/wgrad.py).
+    The midlayer's and lm_head's weight gradients come as one GEMM each over all the steps (eagle3ft/drafter/wgrad.py).
     """
     with wgrad.deferred():
         return _unroll(model, batch, steps, decay, target_head, loss_kind, lk_eta)

@@ -178,7 +178,7 @@ class HeldoutTracker:
 
     def keep_if_best(self, engine, drafter_config, result: HeldoutTau) -> bool:
         """Export the current weights to RUN/export-best when `result` beats every earlier held-out τ."""
-        from eagle3ft.train.checkpoint import atomic_dir, drafter_tensors, write_drafter
+        from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
 
         if not result.heldout_tau > self.best_tau:
             return False
@@ -206,9 +206,9 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     writes RUN/eval/heldout_tau.json. Its counts are eval/accept_len.py's greedy chain counts on greedy data."""
     from eagle3ft.config import resolve_path
     from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter_config import check_drafter_folder
+    from eagle3ft.drafter.config import check_drafter_folder
+    from eagle3ft.drafter.export import load_drafter
     from eagle3ft.targets.hf import load_input_embedding, pick_device
-    from eagle3ft.train.checkpoint import load_drafter
     from eagle3ft.train.ttt import TTTObjective
 
     tcfg, depth = cfg.train, cfg.eval.steps

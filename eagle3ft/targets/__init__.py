@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from eagle3ft.config import Config
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.targets.base import Target
 
 

@@ -35,7 +35,7 @@ import requests
 
 from eagle3ft.cli import build_parser, parse_cli
 from eagle3ft.config import BenchSetting, Config, resolve_path
-from eagle3ft.drafter_config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig
 
 ROLES = ("harvest", "baseline", "speculative")
 
@@ -82,7 +82,7 @@ def drafter_aux_ids(folder: str | Path, num_layers: int | None = None) -> list[i
         return list(spec.aux_layer_ids)
     if num_layers is None:
         raise LaunchError(f"{folder}: config.json names no eagle_aux_hidden_state_layer_ids")
-    from eagle3ft.drafter_config import default_aux_layer_ids
+    from eagle3ft.drafter.config import default_aux_layer_ids
 
     return default_aux_layer_ids(num_layers)
 

@@ -77,7 +77,7 @@ class WeightGradStash:
         if left:
             raise RuntimeError(
                 f"deferred weight gradients: {len(left)} weight(s) of shapes {left} had uses whose backward never "
-                "ran, so their gradients would be incomplete; every use inside train.wgrad.deferred() must reach "
+                "ran, so their gradients would be incomplete; every use inside drafter.wgrad.deferred() must reach "
                 "the loss"
             )
 

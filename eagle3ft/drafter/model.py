@@ -3,7 +3,7 @@
 Parameter names are SGLang's checkpoint keys (``fc.weight``, ``midlayer.*``, ``norm.weight``,
 ``lm_head.weight``, buffers ``d2t``/``t2d``), so ``state_dict()`` minus ``embed_tokens`` is the
 exported checkpoint. No I/O, no distributed code: training (train/ttt.py) and inference
-(eval/speculate.py) both drive the same pieces. Its config.json is eagle3ft/drafter_config.py's
+(eval/speculate.py) both drive the same pieces. Its config.json is config.py's
 DrafterConfig; building the model refuses a layout it cannot build (DrafterConfig.check_supported).
 
 Shapes: B batch, T new tokens, S cached tokens, H drafter hidden, Ht target hidden,
@@ -19,15 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3ft.drafter_config import DrafterConfig
-from eagle3ft.train import wgrad
+from eagle3ft.drafter import wgrad
+from eagle3ft.drafter.config import DrafterConfig
 
 # --------------------------------------------------------------------------- building blocks
 
 
 class Linear(nn.Linear):
     """nn.Linear without bias whose weight gradient the TTT unroll may take in one GEMM over its steps
-    (train/wgrad.py); the same parameter and checkpoint key as nn.Linear."""
+    (wgrad.py); the same parameter and checkpoint key as nn.Linear."""
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__(d_in, d_out, bias=False)
@@ -259,7 +259,7 @@ class Eagle3Drafter(nn.Module):
         self._inv_freq_on: dict[torch.device, torch.Tensor] = {}  # inv_freq copied once per device
         self.blocks_compiled = False  # compile_blocks() ran (train.compile)
 
-    # -- what a layout with another attention replaces (train/model_mla.py)
+    # -- what a layout with another attention replaces (model_mla.py)
 
     @staticmethod
     def make_midlayer(cfg: DrafterConfig) -> nn.Module:
@@ -310,7 +310,7 @@ class Eagle3Drafter(nn.Module):
         """torch.compile the elementwise-heavy pieces in place: the RMSNorms, the split into heads with rope, SwiGLU.
 
         The projections stay outside the compiled graphs, so that the TTT unroll can defer their weight gradients
-        (train/wgrad.py); the unroll and the attention core stay eager too (the TTT attention compiles its own merge).
+        (wgrad.py); the unroll and the attention core stay eager too (the TTT attention compiles its own merge).
         Needs a backend that compiles (triton on CUDA).
         """
         mid = self.midlayer

@@ -2,8 +2,8 @@
 of a drafter against a target or a feature store.
 
 `DrafterConfig` is what every stage knows of a drafter: the harvest takes the aux layer ids and the vocab sizes from
-it, train builds the model from it (train/model.py), eval checks a checkpoint with it. Reading is lenient about the
-layout (SGLang serves drafters that train/model.py cannot build); `check_supported()` refuses those before a model is
+it, train builds the model from it (model.py), eval checks a checkpoint with it. Reading is lenient about the
+layout (SGLang serves drafters that model.py cannot build); `check_supported()` refuses those before a model is
 built.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
 from eagle3ft.files import read_json
-from eagle3ft.vocab import check_vocab, vocab_from_drafter
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # SGLang's aux id i is the output of decoder layer i; vLLM's id j is the hidden state entering layer j (0: the
@@ -25,8 +25,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # models/deepseek_v2.py DeepseekV2Model.forward). The same layer is j = i + 1, and so are the two defaults:
 # SGLang's [1, L//2 - 1, L - 4], vLLM's (2, L//2, L - 3) (models/interfaces.py, models/deepseek_v2.py).
 VLLM_AUX_ID_OFFSET = 1
-LLAMA_EAGLE3 = "LlamaForCausalLMEagle3"  # SGLang's models/llama_eagle3.py: train/model.py
-MLA_EAGLE3 = "Eagle3DeepseekV2ForCausalLM"  # SGLang's models/kimi_k25_eagle3.py (DeepSeek-V2 MLA): train/model_mla.py
+LLAMA_EAGLE3 = "LlamaForCausalLMEagle3"  # SGLang's models/llama_eagle3.py: model.py
+MLA_EAGLE3 = "Eagle3DeepseekV2ForCausalLM"  # SGLang's models/kimi_k25_eagle3.py (DeepSeek-V2 MLA): model_mla.py
 
 
 class DrafterMismatch(ValueError):
@@ -167,7 +167,7 @@ class DrafterConfig:
     # -- checks
 
     def check_supported(self) -> "DrafterConfig":
-        """Raise ValueError for a layout that train/model.py cannot build (SGLang may still serve it); returns self."""
+        """Raise ValueError for a layout that model.py cannot build (SGLang may still serve it); returns self."""
         if self.num_hidden_layers != 1:
             raise ValueError(
                 f"drafter num_hidden_layers is {self.num_hidden_layers}; only 1 (SGLang's midlayer) is supported"

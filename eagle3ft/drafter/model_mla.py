@@ -1,7 +1,7 @@
 """The EAGLE-3(.1) drafter with DeepSeek-V2 multi-latent attention: SGLang's ``Eagle3DeepseekV2ForCausalLM``.
 
 SGLang 0.5.17 serves it from `models/kimi_k25_eagle3.py` (the layout of lightseekorg's `kimi-k2.5-eagle3-mla`): the
-EAGLE-3 layout of train/model.py (fc over the aux states, one midlayer reading [input_layernorm(emb),
+EAGLE-3 layout of model.py (fc over the aux states, one midlayer reading [input_layernorm(emb),
 hidden_norm(h)] (2H), norm, lm_head over the draft vocab, d2t/t2d, EAGLE-3.1's fc_norm and norm_output) with the
 midlayer's attention replaced by DeepSeek-V2 MLA whose down projections read the 2H input:
 
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3ft.drafter_config import MLA_EAGLE3, DrafterConfig
-from eagle3ft.train.model import MLP, Eagle3Drafter, Linear, MidLayer, RMSNorm, apply_rope
+from eagle3ft.drafter.config import MLA_EAGLE3, DrafterConfig
+from eagle3ft.drafter.model import MLP, Eagle3Drafter, Linear, MidLayer, RMSNorm, apply_rope
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAAttention(nn.Module):
-    """DeepSeek-V2 MLA over the 2H input, uncompressed; `forward` and `out` as train/model.py's Attention."""
+    """DeepSeek-V2 MLA over the 2H input, uncompressed; `forward` and `out` as model.py's Attention."""
 
     def __init__(self, cfg: DrafterConfig, dims: MLADims) -> None:
         super().__init__()
@@ -155,7 +155,7 @@ class MLAAttention(nn.Module):
 
 
 class MLAMidLayer(nn.Module):
-    """SGLang's Eagle3MLADecoderLayer: train/model.py's MidLayer with MLA as its self_attn."""
+    """SGLang's Eagle3MLADecoderLayer: model.py's MidLayer with MLA as its self_attn."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()

@@ -1,0 +1,205 @@
+"""A drafter folder in SGLang's form: what `--speculative-draft-model-path` (and vLLM's eagle3 method) loads.
+
+`config.json` + `model.safetensors` with exactly the keys of `model.export_keys()` (`model_mla.mla_export_keys()`
+for the MLA layout); SGLang's loader skips unknown keys silently, so every write and read checks the key set
+against the parameters and shards SGLang's load_weights fills (`check_keys`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eagle3ft.drafter.config import LLAMA_EAGLE3, MLA_EAGLE3, DrafterConfig
+from eagle3ft.drafter.model import Eagle3Drafter, export_keys
+from eagle3ft.drafter.model_mla import mla_export_keys, new_drafter
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+IGNORED_KEYS = ("embed_tokens.weight",)  # filled from the target by SGLang and by `load_drafter`
+
+
+# SGLang's LlamaForCausalLMEagle3 parameters (embed_tokens aside, which it fills from the target) and the
+# shards its load_weights fills in each: q/k/v are stacked into qkv_proj, gate/up into gate_up_proj, and a
+# key is tried as written, then with "model." in front; d2t becomes hot_token_id, t2d is read and dropped.
+SGLANG_PARAMS = {
+    "model.fc.weight": {""},
+    "model.midlayer.self_attn.qkv_proj.weight": {"q", "k", "v"},
+    "model.midlayer.self_attn.o_proj.weight": {""},
+    "model.midlayer.mlp.gate_up_proj.weight": {"0", "1"},
+    "model.midlayer.mlp.down_proj.weight": {""},
+    "model.midlayer.input_layernorm.weight": {""},
+    "model.midlayer.hidden_norm.weight": {""},
+    "model.midlayer.post_attention_layernorm.weight": {""},
+    "model.norm.weight": {""},
+    "lm_head.weight": {""},
+}
+# parameters SGLang builds only when the drafter's config.json sets fc_norm (or use_aux_norm): EAGLE-3.1
+SGLANG_FC_NORM_PARAMS = {f"model.fc_norm.{i}.weight": {""} for i in range(3)}
+SGLANG_STACKED = (
+    (".q_proj", ".qkv_proj", "q"),
+    (".k_proj", ".qkv_proj", "k"),
+    (".v_proj", ".qkv_proj", "v"),
+    (".gate_proj", ".gate_up_proj", "0"),
+    (".up_proj", ".gate_up_proj", "1"),
+)
+
+
+def sglang_target(key: str) -> tuple[str, str] | None:
+    """(SGLang parameter, shard) that SGLang's Eagle3 load_weights writes `key` into; None if it skips the key."""
+    shard = ""
+    for ours, theirs, sid in SGLANG_STACKED:
+        if ours in key:
+            key, shard = key.replace(ours, theirs), sid
+            break
+    for name in (key, f"model.{key}"):
+        if name in SGLANG_PARAMS or name in SGLANG_FC_NORM_PARAMS:
+            return name, shard
+    return None
+
+
+# SGLang's Eagle3DeepseekV2ForCausalLM parameters (models/kimi_k25_eagle3.py) and the shards its load_weights fills:
+# a key's leading "layers.0." becomes "midlayer." and every key but lm_head.* gets "model." in front (no fallback);
+# gate/up are stacked into gate_up_proj; q_a_proj and kv_a_proj_with_mqa are held until both came, then concatenated
+# (q first) into fused_qkv_a_proj_with_mqa; anything else not a parameter is skipped with a warning.
+_MLA_ATTN = ("q_a_layernorm", "q_b_proj", "kv_a_layernorm", "kv_b_proj", "o_proj")
+SGLANG_MLA_PARAMS = {
+    **{k: v for k, v in SGLANG_PARAMS.items() if ".self_attn." not in k},
+    "model.midlayer.self_attn.fused_qkv_a_proj_with_mqa.weight": {"q_a", "kv_a"},
+    **{f"model.midlayer.self_attn.{p}.weight": {""} for p in _MLA_ATTN},
+}
+
+
+def sglang_mla_target(key: str) -> tuple[str, str] | None:
+    """(SGLang parameter, shard) that Eagle3DeepseekV2ForCausalLM.load_weights writes `key` into; None if skipped."""
+    name = re.sub(r"^layers\.0\.", "midlayer.", key)
+    name = name if name.startswith("lm_head.") else f"model.{name}"
+    params = {**SGLANG_MLA_PARAMS, **SGLANG_FC_NORM_PARAMS}
+    for ours, theirs, sid in SGLANG_STACKED[3:]:  # gate/up only
+        if ours in name and name.replace(ours, theirs) in params:
+            return name.replace(ours, theirs), sid
+    for part, sid in (("q_a_proj", "q_a"), ("kv_a_proj_with_mqa", "kv_a")):
+        if part in name:
+            return name.replace(part, "fused_qkv_a_proj_with_mqa"), sid
+    return (name, "") if name in params else None
+
+
+# architecture -> (its parameters, the loader's rule, the keys we export)
+LAYOUTS = {
+    LLAMA_EAGLE3: (SGLANG_PARAMS, sglang_target, export_keys),
+    MLA_EAGLE3: (SGLANG_MLA_PARAMS, sglang_mla_target, mla_export_keys),
+}
+
+
+def check_keys(keys, where: str, fc_norm: bool | None = None, architecture: str | None = None) -> None:
+    """Raise ValueError unless SGLang's loader reads every key, fills every parameter shard, and gets d2t/t2d.
+
+    fc_norm: whether the drafter's config sets fc_norm (SGLang then has model.fc_norm.{i}); None infers it from the
+    keys. architecture: the config's architectures[0]; None infers MLA from an MLA projection's key.
+    """
+    keys = set(keys)
+    if fc_norm is None:
+        fc_norm = any(k.startswith("fc_norm.") for k in keys)
+    if architecture is None:
+        mla = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+        architecture = MLA_EAGLE3 if any(p in k for k in keys for p in mla) else LLAMA_EAGLE3
+    if architecture not in LAYOUTS:
+        raise ValueError(f"{where}: drafter architecture {architecture} is not one of {', '.join(LAYOUTS)}")
+    layout_params, target, expected_keys = LAYOUTS[architecture]
+    params = {**layout_params, **(SGLANG_FC_NORM_PARAMS if fc_norm else {})}
+    filled = {target(k) for k in keys} - {None}
+    unread = sorted(k for k in keys - {"d2t", "t2d"} if target(k) is None or target(k)[0] not in params)
+    unfilled = sorted(f"{p}[{s}]" if s else p for p, shards in params.items() for s in shards if (p, s) not in filled)
+    missing = sorted({"d2t", "t2d"} - keys)
+    expected = expected_keys(fc_norm)
+    if unread or unfilled or missing or keys != set(expected):
+        raise ValueError(
+            f"{where}: drafter keys do not load into SGLang's {architecture} (skipped silently: {unread}; "
+            f"left unfilled: {unfilled}; missing: {missing}; expected exactly {sorted(expected)})"
+        )
+
+
+def drafter_tensors(state_dict: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The exportable tensors of a (possibly wrapped) drafter state dict, keys without `prefix`."""
+    out = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    out = {k: v.detach().cpu().contiguous() for k, v in out.items() if k not in IGNORED_KEYS}
+    check_keys(out, "export")
+    return out
+
+
+@contextmanager
+def atomic_dir(final: Path):
+    """Yield a temporary sibling folder; on success it replaces `final` in one rename."""
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_drafter(folder: Path, cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> None:
+    check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture)
+    (folder / CONFIG).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+
+
+def export_drafter(model: Eagle3Drafter, folder: str | Path) -> Path:
+    """Write `model` in SGLang's form (no embed_tokens), atomically; returns the folder."""
+    folder = Path(folder)
+    with atomic_dir(folder) as tmp:
+        write_drafter(tmp, model.config, drafter_tensors(model.state_dict()))
+    return folder
+
+
+def read_drafter_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a drafter folder's *.safetensors files, without a leading `model.` and embed_tokens."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors drafter weights")
+    out = {}
+    for f in files:
+        with safe_open(f, framework="pt") as h:
+            for k in h.keys():
+                out[k.removeprefix("model.")] = h.get_tensor(k)
+    return {k: v for k, v in out.items() if k not in IGNORED_KEYS}
+
+
+def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
+    """A drafter from SGLang's form (either layout: model_mla.py's new_drafter); `embedding` (V, H) is the
+    target's input embedding."""
+    folder = Path(folder)
+    if not (folder / CONFIG).is_file():
+        raise FileNotFoundError(f"{folder}: no {CONFIG} (expected a drafter in SGLang's form)")
+    cfg = DrafterConfig.from_json(folder / CONFIG)
+    tensors = read_drafter_tensors(folder)
+    if cfg.architecture == MLA_EAGLE3:  # SGLang's MLA loader reads checkpoints that name the midlayer layers.0
+        tensors = {re.sub(r"^layers\.0\.", "midlayer.", k): v for k, v in tensors.items()}
+    check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture)
+    model = new_drafter(cfg)
+    dtype = next(iter(v for k, v in tensors.items() if k.endswith(".weight"))).dtype
+    model.to(dtype)
+    if embedding is not None:
+        if tuple(embedding.shape) != tuple(model.embed_tokens.weight.shape):
+            raise ValueError(
+                f"target embedding shape {tuple(embedding.shape)} != drafter's (vocab_size, hidden_size) "
+                f"{tuple(model.embed_tokens.weight.shape)}"
+            )
+        tensors = {**tensors, "embed_tokens.weight": embedding}
+    model.load_state_dict(tensors, strict=False)  # keys checked above; embed_tokens stays as built without `embedding`
+    return model
