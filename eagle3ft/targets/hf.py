@@ -241,6 +241,10 @@ class HFTarget:
     def _generate(self, requests: list[Request], sampling: Sampling) -> list[list[int]]:
         from transformers import GenerationConfig
 
+        if sampling.temperature > 0 and len(requests) > 1:
+            # generate() draws a batch from one RNG stream, so a row's draw would depend on what it is batched with;
+            # one request per call with its own seed makes a conversation's answer the same however it is batched
+            return [c for r in requests for c in self._generate([r], sampling)]
         width = max(len(r.prompt_ids) for r in requests)
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
