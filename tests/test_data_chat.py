@@ -118,3 +118,22 @@ def test_template_errors(smol_tokenizer):
     with pytest.raises(ChatTemplateError, match="unknown chat template"):
         ChatFormat(smol_tokenizer, "nope")
     assert set(TEMPLATES) >= {"chatml", "kimi-k2"}
+
+
+def test_tokenizer_eos_follows_the_model_config(smol_tokenizer, tmp_path):
+    """A converted folder whose tokenizer names the wrong eos (transformers 5.17 saves SmolLM2's as <|im_start|>)
+    loads with the config's eos id, so the chat format ends turns on <|im_end|>."""
+    from transformers import AutoTokenizer
+
+    from eagle3ft.data.chat import ChatFormat
+    from eagle3ft.targets.hf import _tokenizer_at
+
+    tok = smol_tokenizer
+    tok.save_pretrained(tmp_path)
+    conf = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**conf, "eos_token": "<|im_start|>"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 2, "bos_token_id": 1}))
+    assert AutoTokenizer.from_pretrained(tmp_path).eos_token == "<|im_start|>"  # the defect, as saved
+    loaded = _tokenizer_at(str(tmp_path), None)
+    assert loaded.eos_token == "<|im_end|>" and loaded.eos_token_id == 2
+    assert ChatFormat(loaded).stop_ids == [2]

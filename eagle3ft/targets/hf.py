@@ -76,7 +76,23 @@ def _tokenizer_at(folder: str, gguf_file: str | None, trust_remote_code: bool = 
     from transformers import AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
+    _eos_from_config(tokenizer, folder, kwargs, trust_remote_code)
+    return tokenizer
+
+
+def _eos_from_config(tokenizer, folder: str, kwargs: dict, trust_remote_code: bool) -> None:
+    """The model's own eos id, where its config names one, also as the tokenizer's eos token. transformers 5.17 saves a
+    GGUF-converted SmolLM2 folder with eos_token <|im_start|> (id 1) while config.json says 2 (<|im_end|>); the chat
+    format's end of turn and every stop id follow the tokenizer's eos, so prompts and answers would run on past it."""
+    from transformers import AutoConfig
+
+    try:
+        eos = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs).eos_token_id
+    except (OSError, ValueError, KeyError):
+        return  # a tokenizer-only folder: its own eos stands
+    if isinstance(eos, int) and 0 <= eos < len(tokenizer) and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
 
 
 def load_tokenizer(cfg: TargetConfig):
