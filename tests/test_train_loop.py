@@ -199,3 +199,23 @@ def test_non_finite_loss_stops_naming_step_and_sample(tmp_path):
     r = launch(tmp_path, "train.max_steps=4", *COMMON, procs=1)
     assert r.returncode != 0
     assert "non-finite loss at step" in r.stderr and "[[2]]" in r.stderr, r.stderr[-3000:]
+
+
+def test_ranks_leave_together_through_the_store(monkeypatch):
+    """finetune's os._exit waits (dist.leave_together) until every rank has ended its process group; a peer that never
+    arrives costs the timeout, not a hang (issue 41 item 10)."""
+    import time
+
+    from eagle3ft.train import dist as dist_mod
+
+    dist_mod.leave_together()  # no Dist.end of several processes: nothing to wait for
+    store = torch.distributed.HashStore()
+    store.set("eagle3ft/ended/1", "1")  # rank 1 already left
+    monkeypatch.setattr(dist_mod, "_exit_store", (store, 0, 2))
+    t = time.monotonic()
+    dist_mod.leave_together(timeout_s=5)
+    assert time.monotonic() - t < 2 and store.get("eagle3ft/ended/0") == b"1"
+    monkeypatch.setattr(dist_mod, "_exit_store", (store, 0, 3))  # rank 2 never comes
+    t = time.monotonic()
+    dist_mod.leave_together(timeout_s=0.5)
+    assert 0.4 < time.monotonic() - t < 5

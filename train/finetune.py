@@ -80,13 +80,20 @@ def overwrite(run_dir) -> None:
 
 
 def _exit(code: int) -> None:
-    """Exit a rank of a multi-process run without C++ static destruction. After everything is written and the process
-    group is gone, a ZeRO-3 CPU rank still aborted in ~1 of 8 exits on the 2-core CI machine, with no Python frame
-    left ("terminate called without an active exception": a joinable C++ thread destroyed at teardown; the gloo
-    threads of pytorch#179291's kind); with this, 0 of 24 under the same load. Logging and stdio are flushed first;
-    atexit handlers do not run (the trainer's files, wandb and the run lock are closed before this)."""
+    """Exit a rank of a multi-process run without C++ static destruction, at the same point as its peers.
+
+    After everything is written and the process group is gone, a ZeRO-3 CPU rank aborted now and then with no Python
+    frame left ("terminate called without an active exception": a joinable C++ thread destroyed at teardown; the gloo
+    threads of pytorch#179291's kind), hence os._exit. It still aborted in CI (issue 41 item 10), which we put down to
+    the ranks leaving at different points: the rank done first os._exited (closing its gloo sockets) while its peer
+    was still tearing down. So the engine goes before the process group (Dist.end) and every rank waits here for the
+    others (dist.leave_together, through the launcher's store). Logging and stdio are flushed first; atexit handlers
+    do not run (the trainer's files, wandb and the run lock are closed before this)."""
     import logging
 
+    from eagle3ft.train.dist import leave_together
+
+    leave_together()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -147,8 +147,10 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
         run.wandb_run.finish()
     if run.lock is not None:
         run.lock.release()
-    run.dist.end()
-    return run.last
+    dist, last = run.dist, run.last
+    del run  # the engine and optimizer go in dist.end, before the process group (see there)
+    dist.end()
+    return last
 
 
 def setup(cfg: Config, run_dir: Path) -> Run:
