@@ -5,7 +5,7 @@
 An answer is one run of loss-masked tokens (the tokens the target wrote, end-of-turn included). Each answer's loop
 tokens are counted with the live bench's definition (eval/loops.py: a run of >= 8 tokens whose 8-gram occurred
 earlier in the same answer). Per store and source: answers, answer tokens, loop tokens and their share, the share of
-answers with a loop, and the unfinished answers (cut by a token cap) the manifest counts. One JSON line per store
+answers with a loop, and for a store of one source the unfinished answers (cut by a cap) its manifest counts. One JSON line per store
 and source on stdout, and the whole table in --out.
 """
 
@@ -53,14 +53,11 @@ def store_loops(tokens_dir: str | Path, split: str = "train") -> dict[str, dict]
             c["answers_with_loop"] += n > 0
             c["tokens"] += len(ans)
             c["loop_tokens"] += n
-    unfinished = {
-        s: v.get("unfinished_answers", 0) for s, v in store.manifest.get("source_counts", {}).get(split, {}).items()
-    }
-    for name, c in per.items():
+    for c in per.values():
         c["loop_share"] = round(c["loop_tokens"] / max(c["tokens"], 1), 4)
         c["answers_with_loop_share"] = round(c["answers_with_loop"] / max(c["answers"], 1), 4)
-        if name in unfinished:
-            c["unfinished_answers"] = unfinished[name]
+    if len(per) == 1:  # the manifest counts unfinished answers per split, not per source
+        next(iter(per.values()))["unfinished_answers"] = store.counts(split).get("unfinished_answers", 0)
     return dict(per)
 
 

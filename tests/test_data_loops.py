@@ -48,3 +48,4 @@ def test_loop_share_per_source(tmp_path):
     assert rows["t0"]["loop_share"] == round(23 / 90, 4)
     assert rows["magpie"]["loop_tokens"] == 0 and rows["magpie"]["answers_with_loop_share"] == 0.0
     assert json.loads(out.read_text())[str(tmp_path / "tokens")]["magpie"]["tokens"] == 45
+    assert "unfinished_answers" not in rows["t0"]  # two sources: the manifest does not split the count
