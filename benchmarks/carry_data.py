@@ -2,7 +2,7 @@
 
     python benchmarks/carry_data.py OUT
 
-writes what benchmarks/gpu_lease.sh's `setup` expects under $C:
+writes what benchmarks/run_phases.sh's `setup` expects under $C:
   OUT/b/data/sharegpt-prompts.json.gz  every ShareGPT conversation, its split parts joined, as the system message and
                                        user turns that regeneration keeps (a tenth of the package's 120 MB)
   OUT/b/data/mtbench-questions.jsonl   the 80 MT-Bench questions

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/gpu_lease.sh's phases:
+# One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/run_phases.sh's phases:
 #   0. the GPU tests of the embedded decoder's CUDA paths: the graphed draft chain (eval/draft_graph.py) and chain
 #      attention; meanwhile the embedded bench's held-out features (calibrated_prediction.sh STEPS=features)
 #   1. SGLang 0.5.17 servers on the GPU, one at a time, each with 0.1 of it and --sleep-on-idle (an idle scheduler
@@ -17,11 +17,11 @@
 #   4. an A side of 2: the same prompts and sizes at EMB_AB_SETTING (5/1/6) with EMB_AB_SET (bench.drafting=eager: a
 #      drafter forward at a time, as in RESULTS §17b; bench.draft_graph_extend=true: the extends graphed too), plain
 #      interleaved (EMB_AB=0 leaves it out)
-# Usage as gpu_lease.sh (pack, stash, setup, wait): `bash benchmarks/plans/embedded_draft_graph.sh start` starts the plan. Keep a `wait`
+# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/plans/embedded_draft_graph.sh start` starts the plan. Keep a `wait`
 # call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source benchmarks/gpu_lease.sh lib
+source benchmarks/run_phases.sh lib
 : "${SGL_SETTINGS:=2/1/3,3/1/4,5/1/6}" "${SGL_NEW:=512}" "${SGL_LIMIT:=8}"
 IFS=, read -r -a SGL_LIST <<< "$SGL_SETTINGS"
 
@@ -197,5 +197,5 @@ s15() {
 case ${1:-} in
   lib) ;;  # sourced by a later plan (benchmarks/plans/sglang_live_trees.sh): the functions only
   run) shift; mkdir -p "$L" "$S"; s15; say done; touch "$L/.done-s15" ;;
-  *) LEASE_SCRIPT=benchmarks/plans/embedded_draft_graph.sh exec bash benchmarks/gpu_lease.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/plans/embedded_draft_graph.sh exec bash benchmarks/run_phases.sh "$@" ;;
 esac

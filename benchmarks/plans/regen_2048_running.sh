@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One `nvidia-h200` lease (one GPU, 16 host cores) for issues 14 and 13, over benchmarks/gpu_lease.sh's phases:
+# One `nvidia-h200` lease (one GPU, 16 host cores) for issues 14 and 13, over benchmarks/run_phases.sh's phases:
 #   1. the embedded bench alone on the GPU (nothing else running: RESULTS §10f, §13c were noisy beside other work):
 #      benchmarks/calibrated_prediction.sh with the shipped drafter, its costs calibrated on EMB_CAL_PROMPTS (4)
 #      HumanEval prompts at EMB_CAL_NEW (96) new tokens, then its tok/s predicted from its offline tau on EMB_PROMPTS
@@ -11,14 +11,14 @@
 #      go in batches); the client keeps SETTING (1024x1) requests in flight per server.
 #   3. on the same servers, their prefix caches flushed, the same workload at SETTING_A (341x1): at most 341 requests
 #      running per server, as in §14a and §16a, the A side of 2's batch size on the same machine.
-# Usage as gpu_lease.sh (pack, stash, setup, wait): `bash benchmarks/plans/regen_2048_running.sh start` starts the plan. Keep a `wait`
+# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/plans/regen_2048_running.sh start` starts the plan. Keep a `wait`
 # call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${CHITCHAT:=3000}" "${REGEN_S:=420}" "${SETTING:=1024x1}" "${PER_GPU:=3}" "${RUNNING:=2048}"
 : "${SERVER_EXTRA=--min-free-slots-delay 4}"
 export CHITCHAT REGEN_S SETTING PER_GPU RUNNING SERVER_EXTRA
-source benchmarks/gpu_lease.sh lib
+source benchmarks/run_phases.sh lib
 
 embedded_alone() {
   say "1. embedded: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench"
@@ -63,5 +63,5 @@ s14() {
 
 case ${1:-} in
   run) shift; mkdir -p "$L" "$S"; s14; say done; touch "$L/.done-s14" ;;
-  *) LEASE_SCRIPT=benchmarks/plans/regen_2048_running.sh exec bash benchmarks/gpu_lease.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/plans/regen_2048_running.sh exec bash benchmarks/run_phases.sh "$@" ;;
 esac

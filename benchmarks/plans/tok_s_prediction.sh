@@ -29,13 +29,13 @@
 # calibration has warmed them). SGL_TEST_SKIP=7 measures on each category's 8th question on (answers no earlier lease
 # decoded: the servers' answers repeat from lease to lease, RESULTS §22); SGL_CAL_POOL (calibration.json files, comma-
 # separated) predicts once more with the cycles pooled over them and 3a (3d, bench.calibration_pool).
-# Usage as gpu_lease.sh (pack, stash, setup, wait): `bash benchmarks/plans/tok_s_prediction.sh start`
+# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/plans/tok_s_prediction.sh start`
 # starts the plan. Keep a `wait` call in flight all the time: a machine with no call for 30 s is given back with the
 # job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${SGL_SETTINGS:=7/1/8,7/4/16,8/4/32}" "${SGL_NEW:=512}" "${SGL_PER_CAT:=2}"
-source benchmarks/plans/embedded_draft_graph.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over gpu_lease.sh's
+source benchmarks/plans/embedded_draft_graph.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over run_phases.sh's
 SGL_CAL_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: ${SGL_CAL_PER_CAT:-$SGL_PER_CAT}, skip: $SGL_PER_CAT}"
 SGL_TEST_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT, skip: ${SGL_TEST_SKIP:-0}}"
 : "${EMB_PROMPTS:=4}" "${EMB_NEW:=384}"
@@ -67,5 +67,5 @@ s17() {
 case ${1:-} in
   lib) ;;
   run) shift; mkdir -p "$L" "$S"; s17; say done; touch "$L/.done-s17" ;;
-  *) LEASE_SCRIPT=benchmarks/plans/tok_s_prediction.sh exec bash benchmarks/gpu_lease.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/plans/tok_s_prediction.sh exec bash benchmarks/run_phases.sh "$@" ;;
 esac
