@@ -11,6 +11,16 @@ against the same servers and prompts as `eval/bench_sglang.py`, batch 1, streame
     python benchmarks/outside_client.py compare RUN/bench/summary.json DIR/outside.json
         per arm, our e2e tok/s (non-streamed, and the streamed requests' wall) against bench_serving's: total output
         tokens over the summed e2e latency of its requests
+    python benchmarks/outside_client.py prompts --config CFG [--set k=v ...] [--num-prompts N] --out P.json
+    python benchmarks/outside_client.py alternate --prompts P.json --tokenizer MODEL_DIR --arm baseline=URL \
+        --arm 8/4/32=URL [--output-len 512 --reps 1 --clients bench_serving,ours,ours-text] --out DIR
+        the two clients alternated request by request (a pass-level comparison drifts with the host, RESULTS §25c):
+        per prompt of bench.prompts and per arm, one non-streamed request from each client, in an order that rotates
+        with the prompt, each after a cache flush so that all see the server in one state: `bench_serving` (its own
+        request function, async_request_sglang_generate, with the namespace its parser builds from the `run` flags),
+        `ours` (eval/sglang_requests.whole_generate with the bench's payload: input_ids and stop_token_ids) and
+        `ours-text` (our client with bench_serving's payload: text, no stop ids), so that a gap splits into client
+        and payload. DIR/alternate.jsonl (a row per request) and DIR/alternate.json (`summarize`)
 
 The run needs SGLang's PYTHONPATH and the `datasets` package there (bench_serving imports it at start).
 """
@@ -18,10 +28,14 @@ The run needs SGLang's PYTHONPATH and the `datasets` package there (bench_servin
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
+
+CLIENTS = ("bench_serving", "ours", "ours-text")
 
 
 def dataset(args) -> None:
@@ -87,6 +101,173 @@ def run(a) -> None:
     (out / "outside.json").write_text(json.dumps({"arms": arms, "runs": rows}, indent=1))
 
 
+def _bench_serving(a, url: str):
+    """(serving module, the args namespace bench_serving's own parser builds for `run`'s flags, non-streamed)."""
+    from sglang.benchmark import serving
+
+    got: list = []
+    real, serving.run_benchmark = serving.run_benchmark, got.append  # cli_main parses, validates, then calls this
+    try:
+        sys.argv = _argv(url, a, False, Path(a.out) / "unused.jsonl")
+        serving.cli_main()
+    finally:
+        serving.run_benchmark = real
+    return serving, got[0]
+
+
+def _request_bench_serving(state, url: str, text: str, ids: list[int], max_new: int) -> dict:
+    serving, ns = state
+    serving.set_global_args(ns)
+    inp = serving.RequestFuncInput(
+        prompt=text, api_url=url + "/generate", prompt_len=len(ids), output_len=max_new, model=ns.model or "",
+        lora_name=None, image_data=None, extra_request_body={},
+    )  # fmt: skip
+    out = asyncio.run(serving.async_request_sglang_generate(inp))
+    if not out.success:
+        raise SystemExit(f"outside_client.py: error: bench_serving's request to {url} failed: {out.error[-300:]}")
+    return {"tokens": int(out.output_len), "seconds": out.latency, "text": out.generated_text}
+
+
+def _request_ours(eos_ids, url: str, text: str, ids: list[int], max_new: int, timeout_s: float = 600.0) -> dict:
+    from eagle3ft.eval.sglang_requests import whole_generate
+
+    sp = {"max_new_tokens": max_new, "temperature": 0.0, "stop_token_ids": list(eos_ids)}
+    meta, _, wall = whole_generate(url, ids, sp, timeout_s)
+    return {"tokens": int(meta["completion_tokens"]), "seconds": wall, "server_s": meta.get("e2e_latency")}
+
+
+def _request_ours_text(url: str, text: str, ids: list[int], max_new: int, timeout_s: float = 600.0) -> dict:
+    import requests
+
+    t0 = time.perf_counter()
+    body = requests.post(
+        url + "/generate", json={"text": text, "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0}},
+        timeout=(10.0, timeout_s),
+    ).json()  # fmt: skip
+    wall = time.perf_counter() - t0
+    meta = body["meta_info"]
+    return {"tokens": int(meta["completion_tokens"]), "seconds": wall, "server_s": meta.get("e2e_latency"),
+            "text": body.get("text")}  # fmt: skip
+
+
+def alternate_rows(arms: dict[str, str], texts: list[str], ids: list[list[int]], requesters: dict, max_new: int,
+                   reps: int, flush, on_row=None) -> list[dict]:  # fmt: skip
+    """Per repetition, prompt and arm: one request per client, the clients' order rotated by the prompt, each after
+    flush(url)."""
+    names, rows = list(requesters), []
+    for rep in range(reps):
+        for i, (text, pid) in enumerate(zip(texts, ids)):
+            k = i % len(names)
+            order = names[k:] + names[:k]
+            for arm, url in arms.items():
+                for pos, client in enumerate(order):
+                    flush(url)
+                    r = requesters[client](url, text, pid, max_new)
+                    rows.append({"rep": rep, "prompt": i, "arm": arm, "client": client, "position": pos, **r})
+                    if on_row:
+                        on_row(rows[-1])
+    return rows
+
+
+def _ratio_spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else {}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per arm and client: tok/s over all requests (tokens / seconds); per arm, each client against bench_serving
+    (or the first client): the ratio of the totals, the per-request ratios, and the share of requests whose answer
+    had as many tokens; per client, each arm's speed-up over `baseline` and its difference from bench_serving's."""
+    clients = list(dict.fromkeys(r["client"] for r in rows))
+    ref = "bench_serving" if "bench_serving" in clients else clients[0]
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    by = {(r["rep"], r["prompt"], r["arm"], r["client"]): r for r in rows}
+    out: dict = {"reference": ref, "arms": {}}
+    tok_s: dict = {}
+    for arm in arms:
+        a = out["arms"][arm] = {}
+        for c in clients:
+            mine = [r for r in rows if r["arm"] == arm and r["client"] == c]
+            tok_s[arm, c] = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+            a[c] = {"requests": len(mine), "tokens": sum(r["tokens"] for r in mine), "tok_s": tok_s[arm, c]}
+            server = [r["server_s"] for r in mine if r.get("server_s")]
+            if len(server) == len(mine):
+                a[c]["tok_s_server"] = a[c]["tokens"] / sum(server)
+        for c in clients:
+            if c == ref:
+                continue
+            pairs = [
+                (r, by.get((r["rep"], r["prompt"], arm, ref))) for r in rows if r["arm"] == arm and r["client"] == c
+            ]
+            pairs = [(r, q) for r, q in pairs if q]
+            same = [(r, q) for r, q in pairs if r["tokens"] == q["tokens"]]
+            a[c]["vs_" + ref] = {
+                "total": tok_s[arm, c] / tok_s[arm, ref] - 1,
+                "per_request": _ratio_spread([(r["tokens"] / r["seconds"]) / (q["tokens"] / q["seconds"]) - 1 for r, q in pairs]),
+                "same_length_share": len(same) / len(pairs) if pairs else None,
+                "same_length_total": (sum(r["tokens"] for r, _ in same) / sum(r["seconds"] for r, _ in same))
+                / (sum(q["tokens"] for _, q in same) / sum(q["seconds"] for _, q in same)) - 1 if same else None,
+                "within_5pct": abs(tok_s[arm, c] / tok_s[arm, ref] - 1) <= 0.05,
+            }  # fmt: skip
+    if "baseline" in arms:
+        out["speedup"] = {}
+        for arm in arms:
+            if arm == "baseline":
+                continue
+            s = {c: tok_s[arm, c] / tok_s["baseline", c] for c in clients}
+            out["speedup"][arm] = {**s, **{f"{c}_vs_{ref}": s[c] / s[ref] - 1 for c in clients if c != ref}}
+    return out
+
+
+def prompts(a) -> None:
+    """bench.prompts as the alternation sends them: the token ids, their text, and the bench's stop ids."""
+    from eagle3ft.config import load_config
+    from eagle3ft.data.chat import ChatFormat
+    from eagle3ft.eval.harness import load_prompts
+    from eagle3ft.targets.hf import load_tokenizer
+
+    cfg = load_config(a.config, a.set)
+    ids = load_prompts(cfg)[: a.num_prompts or None]
+    tok = load_tokenizer(cfg.target)
+    texts = [tok.decode(p) for p in ids]
+    if any(tok(t)["input_ids"] != p for t, p in zip(texts, ids)):
+        raise SystemExit("outside_client.py: error: a text prompt would tokenize to other ids than the bench sends")
+    stop = ChatFormat(tok, cfg.target.chat_template).stop_ids
+    Path(a.out).write_text(json.dumps({"texts": texts, "ids": ids, "stop_ids": stop}))
+    print(json.dumps({"prompts": len(ids), "stop_ids": stop}))
+
+
+def alternate(a) -> None:
+    """Needs no transformers of its own: SGLang's PYTHONPATH brings the version SGLang pins."""
+    import requests
+
+    p = json.loads(Path(a.prompts).read_text())
+    texts, ids, eos = p["texts"], p["ids"], p["stop_ids"]
+    arms = dict(x.split("=", 1) for x in a.arm)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    requesters = {
+        "ours": lambda url, text, pid, n: _request_ours(eos, url, text, pid, n),
+        "ours-text": _request_ours_text,
+    }
+    if "bench_serving" in a.clients.split(","):  # its parser wants `run`'s flags; it reads no dataset here
+        a.dataset, a.num_prompts = "unused.jsonl", len(ids)
+        states = {url: _bench_serving(a, url) for url in arms.values()}
+        requesters = {"bench_serving": lambda url, *r: _request_bench_serving(states[url], url, *r), **requesters}
+    requesters = {c: requesters[c] for c in a.clients.split(",")}
+    log = open(out / "alternate.jsonl", "w")
+
+    def on_row(r):
+        log.write(json.dumps({k: v for k, v in r.items() if k != "text"}) + "\n")
+        log.flush()
+
+    rows = alternate_rows(arms, texts, ids, requesters, a.output_len, a.reps,
+                          lambda url: requests.post(url + "/flush_cache", timeout=30), on_row)  # fmt: skip
+    log.close()
+    summary = {"prompts": len(ids), "reps": a.reps, "output_len": a.output_len, "arms_urls": arms, **summarize(rows)}
+    (out / "alternate.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+
+
 def compare(summary_path: str, outside_path: str) -> dict:
     """Per arm and mode: our median e2e tok/s, bench_serving's, and the difference."""
     s = json.loads(Path(summary_path).read_text())
@@ -124,6 +305,19 @@ def main() -> None:
     r.add_argument("--reps", type=int, default=3)
     r.add_argument("--modes", default="whole,stream")
     r.add_argument("--out", required=True)
+    pr = sub.add_parser("prompts")
+    pr.add_argument("--config", required=True)
+    pr.add_argument("--set", action="append", default=[])
+    pr.add_argument("--num-prompts", type=int, default=0, help="the first N of bench.prompts (0: all)")
+    pr.add_argument("--out", required=True)
+    al = sub.add_parser("alternate")
+    al.add_argument("--prompts", required=True, help="the file of `prompts`")
+    al.add_argument("--arm", action="append", required=True, help="label=URL; baseline for the plain server")
+    al.add_argument("--clients", default=",".join(CLIENTS))
+    al.add_argument("--output-len", type=int, default=512)
+    al.add_argument("--reps", type=int, default=1)
+    al.add_argument("--out", required=True)
+    al.add_argument("--tokenizer", required=True, help="the served model's folder, for bench_serving's parser")
     c = sub.add_parser("compare")
     c.add_argument("summary")
     c.add_argument("outside")
@@ -132,6 +326,10 @@ def main() -> None:
         dataset(a)
     elif a.cmd == "run":
         run(a)
+    elif a.cmd == "prompts":
+        prompts(a)
+    elif a.cmd == "alternate":
+        alternate(a)
     else:
         print(json.dumps(compare(a.summary, a.outside), indent=1))
 
