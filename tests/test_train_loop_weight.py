@@ -155,3 +155,11 @@ def test_data_summary_gives_the_loop_tokens_and_their_share(run, tmp_path, capsy
 def test_loop_weight_outside_0_1_is_refused(bad):
     with pytest.raises(ConfigError, match="loop_weight must be"):
         cfg(f"train.loop_weight={bad}")
+
+
+def test_packed_rows_carry_the_weights(run):
+    """Packed micro-batches (train.pack_tokens) carry loss_weight as the padded ones do: 0 on the padding."""
+    _, packed = batches(run, "train.loop_weight=0.25", "train.pack_tokens=256")
+    answers = sum(sum(mask) for _, mask in SAMPLES)
+    assert len(packed) == 1 and packed[0].tensors["loss_weight"].shape == (1, 256)
+    assert packed[0].tensors["loss_weight"].sum().item() == pytest.approx(answers - 20 + 20 * 0.25)
