@@ -258,6 +258,9 @@ class TrainConfig:
     # train on a seeded subset of the train split: whole samples in a fixed random order (the same for every limit,
     # so smaller subsets lie inside larger ones) until their answer (loss-masked) tokens reach this; None: all of it
     max_answer_tokens: int | None = None
+    # the loss weight of the answers' loop tokens (data/loops.py: runs of >= 8 tokens whose 8-gram occurred earlier
+    # in the same answer): 1 as every token, 0 cut (loss_mask 0), between a weighted mean over the positions
+    loop_weight: float = 1.0
 
     def __post_init__(self) -> None:
         positive(self, "ttt_steps", "step_decay", "lr", "micro_batch_size", "grad_accum", "max_len", "epochs")
@@ -267,6 +270,8 @@ class TrainConfig:
         non_negative(self, "warmup_steps", "weight_decay", "max_grad_norm", "keep_checkpoints", "num_workers")
         non_negative(self, "eval_every", "min_lr_ratio")
         at_most(self, 1, "min_lr_ratio")
+        non_negative(self, "loop_weight")
+        at_most(self, 1, "loop_weight")
 
 
 @dataclass

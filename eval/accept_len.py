@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.data.loops import answer_loops as loop_of_answers
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk_rows, tree_accept
-from eagle3ft.eval.loops import loop_mask
 from eagle3ft.files import write_atomic
 
 # --------------------------------------------------------------------------- counts -> tau
@@ -190,20 +190,8 @@ def evaluate(
 
 
 def answer_loops(s: SampleInputs) -> list[bool]:
-    """Per position: whether the token sits in a repetition loop of its own answer turn (eval/loops.py)."""
-    mask = s.loss_mask.tolist()
-    ids = s.input_ids.tolist()
-    out, t = [False] * len(ids), 0
-    while t < len(ids):
-        if not mask[t]:
-            t += 1
-            continue
-        end = t
-        while end < len(ids) and mask[end]:
-            end += 1
-        out[t:end] = loop_mask(ids[t:end])
-        t = end
-    return out
+    """Per position: whether the token sits in a repetition loop of its own answer turn (data/loops.py)."""
+    return loop_of_answers(s.input_ids.tolist(), s.loss_mask.tolist())
 
 
 def _totals(cycles: list[tuple[int, int]], loops: list[bool]) -> tuple[int, int, float, float]:

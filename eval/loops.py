@@ -4,10 +4,9 @@ A tiny target at T=0 falls into loops: it copies a stretch of its own answer aga
 drafter accepts 4-6 tokens per verify there. A user's traffic does not loop like that, so every tau and tok/s is also
 given on the loop-free tokens and on the answers that finished before the cap.
 
-The definition: a token is *repeated* when the NGRAM tokens ending at it already occurred, whole, earlier in the
-same answer (the earlier occurrence may overlap it). A *loop* is a run of at least MIN_RUN consecutive repeated
-tokens, so the answer copies itself verbatim for NGRAM + MIN_RUN - 1 tokens or more. The tokens of such runs are loop
-tokens; every other token is loop-free (a phrase said twice in passing is shorter than a run).
+The definition is data/loops.py's (training reads it too; its names are this module's as well): a token is
+*repeated* when the 8-gram ending at it occurred earlier in the same answer, and a *loop* is a run of >= 8 repeated
+tokens.
 
 A decoder emits an answer in spans (a verify's accepted tokens, or a streamed chunk): `split_spans` shares each
 span's verifies and seconds out between its loop and loop-free tokens in proportion to their counts, which is exact
@@ -18,34 +17,7 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass
 
-NGRAM = 8
-MIN_RUN = 8
-
-
-def repeated(ids: list[int], ngram: int = NGRAM) -> list[bool]:
-    """Per token: whether the ngram ending at it occurred earlier in `ids`."""
-    seen: set[tuple[int, ...]] = set()
-    out = [False] * len(ids)
-    for t in range(ngram - 1, len(ids)):
-        gram = tuple(ids[t - ngram + 1 : t + 1])
-        out[t] = gram in seen
-        seen.add(gram)
-    return out
-
-
-def loop_mask(ids: list[int], ngram: int = NGRAM, min_run: int = MIN_RUN) -> list[bool]:
-    """Per token: whether it sits in a loop (a run of >= min_run repeated tokens)."""
-    rep = repeated(ids, ngram)
-    out = [False] * len(ids)
-    start = None
-    for t, r in enumerate(rep + [False]):
-        if r and start is None:
-            start = t
-        elif not r and start is not None:
-            if t - start >= min_run:
-                out[start:t] = [True] * (t - start)
-            start = None
-    return out
+from eagle3ft.data.loops import MIN_RUN, NGRAM, loop_mask, repeated  # noqa: F401  (this module's interface too)
 
 
 @dataclass

@@ -8,6 +8,9 @@ Features (`train.features`):
   of eagle3ft/targets/head.py), under no grad, in bf16 on CUDA and fp32 on the CPU. The batch then holds exactly what
   the store would. Nothing is written.
 
+Loops (`train.loop_weight` < 1): `LoopWeighted` weights the answers' repetition-loop tokens (data/loops.py), or at 0
+cuts them from loss_mask, after the subset and the vocabulary are drawn (so both stay as at weight 1).
+
 Layout (`train.pack_tokens`):
 - None: `micro_batch_size` samples per micro-batch in the seeded epoch order, right-padded (data/store.py collate).
 - N: whole samples (truncated to min(max_len, N)) packed into bins of at most N tokens by first-fit decreasing
@@ -31,6 +34,7 @@ from typing import Iterator
 import torch
 
 from eagle3ft.config import Config, resolve_path
+from eagle3ft.data.loops import answer_loops
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate, dequantize_aux, quantize_aux
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
@@ -56,6 +60,39 @@ class EpochOrder(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return self.ds[self.order[i]]
+
+
+class LoopWeighted(torch.utils.data.Dataset):
+    """The samples with the loss weight of their answers' loop tokens set to `weight` (train.loop_weight).
+
+    Loops are data/loops.py's, found in each answer (each run of loss_mask 1) apart, on the full sample before any
+    max_len cut. weight 0 sets loss_mask 0 on the loop tokens; a weight in (0, 1) leaves loss_mask alone and adds
+    `loss_weight` (T,) float32 (that weight on loop tokens, 1 on the other answer tokens, 0 outside the answers),
+    which train/ttt.py turns into a weighted mean over the positions.
+    """
+
+    def __init__(self, ds, weight: float) -> None:
+        self.ds, self.weight = ds, weight
+        self.loops: list[torch.Tensor] = []  # per sample: its loop tokens' positions (L,)
+        for i in range(len(ds)):
+            item, _ = ds.rows(i, ("input_ids", "loss_mask"))  # the token columns alone (no aux states)
+            loop = answer_loops(item["input_ids"].tolist(), item["loss_mask"].tolist())
+            self.loops.append(torch.tensor([t for t, x in enumerate(loop) if x], dtype=torch.long))
+        self.loop_tokens = sum(len(x) for x in self.loops)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def lengths(self) -> list[int]:
+        return self.ds.lengths()
+
+    def __getitem__(self, i: int) -> dict:
+        item, at = self.ds[i], self.loops[i]
+        if self.weight == 0:
+            item["loss_mask"] = item["loss_mask"].index_fill(0, at, 0)
+        else:
+            item["loss_weight"] = item["loss_mask"].float().index_fill_(0, at, self.weight)
+        return item
 
 
 # --------------------------------------------------------------------------- packing
@@ -321,6 +358,10 @@ class TrainData:
             ensure_vocab(cfg, run_dir, self.dataset, self.where)
             self.online = OnlineTarget(cfg)
             self.target, self.has_last_hidden = self.online.identity, cfg.harvest.store_last_hidden
+        self.loop_tokens = None  # answer tokens that train.loop_weight weights (None: every token weighs 1)
+        if tcfg.loop_weight < 1:  # after the subset and the vocab, so that they do not depend on it
+            self.dataset = LoopWeighted(self.dataset, tcfg.loop_weight)
+            self.loop_tokens = self.dataset.loop_tokens
         self.run_dir = run_dir
         self.cap = min(tcfg.max_len, tcfg.pack_tokens or tcfg.max_len)  # tokens kept per sample
         self.lengths = [min(n, self.cap) for n in self.dataset.lengths()] if tcfg.pack_tokens else None

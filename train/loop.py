@@ -242,9 +242,13 @@ def open_logs(run: Run, n_train: int) -> None:
     start = f"warm start from {resolve_path(cfg.drafter.init)}" if cfg.drafter.init else "from scratch"
     data = run.data
     subset = f" (a seeded subset of {data.all_answer_tokens:,})" if data.answer_tokens != data.all_answer_tokens else ""
+    loops = ""
+    if data.loop_tokens is not None:
+        share = data.loop_tokens / max(data.answer_tokens, 1)
+        loops = f", {data.loop_tokens:,} of them ({share:.1%}) in loops weighted {tcfg.loop_weight:g}"
     dist.print(
         f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(data)} training samples, "
-        f"{data.answer_tokens:,} answer tokens{subset} "
+        f"{data.answer_tokens:,} answer tokens{subset}{loops} "
         f"({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); "
         f"{run.total} optimizer steps"
     )
@@ -255,6 +259,8 @@ def open_logs(run: Run, n_train: int) -> None:
             "answer_tokens": data.answer_tokens,
             "all_answer_tokens": data.all_answer_tokens,
             "max_answer_tokens": tcfg.max_answer_tokens,
+            "loop_weight": tcfg.loop_weight,
+            "loop_tokens": data.loop_tokens,  # answer tokens in loops, weighted loop_weight; null at loop_weight 1
             "epochs": tcfg.epochs,
             "optimizer_steps": run.total,
         },

@@ -10,7 +10,9 @@ and the backward hands the merged output and log-sum-exp back to the flash backw
 
 Loss = Σ_k decay^k · mean over valid positions of CE(p, q), where p is the target's distribution
 restricted to the draft vocabulary and renormalised, and q the drafter's. A position is valid at
-step k when the predicted token t+2+k has loss_mask 1 and p has mass in the draft vocabulary.
+step k when the predicted token t+2+k has loss_mask 1 and p has mass in the draft vocabulary. With a float
+`loss_weight` (B, T) in the batch (train.loop_weight, train/data.py) the mean is weighted: Σ w·loss / Σ w over the
+valid positions, w of the predicted token.
 Instead of CE, `loss_kind` picks an acceptance-targeted loss of the overlap Σ min(p, q): tv, lk, lk_hybrid.
 The attention is train/attention.py; the losses, fused with the lm_head, train/losses.py.
 """
@@ -123,6 +125,7 @@ def _unroll(model, batch, steps, decay, target_head, loss_kind, lk_eta) -> TTTOu
     docs = Documents(batch["position_ids"]) if "position_ids" in batch else None  # packed rows (train/data.py)
     positions = docs.positions if docs is not None else torch.arange(T, device=dev).expand(B, T)
     loss_mask = batch["loss_mask"].bool()  # (B, T)
+    weight = batch["loss_weight"].reshape(B * T) if "loss_weight" in batch else None  # (B*T,) float or None
     target_argmax, ids_all, p_all, has_mass = ttt_targets(model, batch, target_head)
 
     # the valid rows of every step at once: one host sync per batch instead of several per step
@@ -163,7 +166,11 @@ def _unroll(model, batch, steps, decay, target_head, loss_kind, lk_eta) -> TTTOu
         tid = ids_flat.index_select(0, ahead) if ids_flat is not None else None
         per_row, pred = model.lm_head(xn, partial(head_loss, ids=tid, p=p, loss=loss_kind, eta=lk_eta))  # (N,), (N,)
         n = counts[k]
-        step_loss = per_row.sum() / n.clamp(min=1)
+        if weight is None:
+            step_loss = per_row.sum() / n.clamp(min=1)
+        else:  # w of the predicted token t+2+k, in row t's sample (valid rows never cross one)
+            w = weight.index_select(0, r + 2 + k).float()  # (N,)
+            step_loss = (per_row * w).sum() / w.sum().clamp(min=1e-30)
         loss = loss + decay**k * step_loss
 
         with torch.no_grad():
