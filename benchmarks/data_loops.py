@@ -3,7 +3,7 @@
     python benchmarks/data_loops.py RUN/tokens [RUN2/tokens ...] [--split train] [--out loops.json]
 
 An answer is one run of loss-masked tokens (the tokens the target wrote, end-of-turn included). Each answer's loop
-tokens are counted with the live bench's definition (eval/loops.py: a run of >= 8 tokens whose 8-gram occurred
+tokens are counted with the live bench's definition (data/loops.py: a run of >= 8 tokens whose 8-gram occurred
 earlier in the same answer). Per store and source: answers, answer tokens, loop tokens and their share, the share of
 answers with a loop, and for a store of one source the unfinished answers (cut by a cap) its manifest counts. One JSON line per store
 and source on stdout, and the whole table in --out.
@@ -19,23 +19,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from eagle3ft.data.loops import answer_spans, loop_mask
 from eagle3ft.data.tokens import TokenStore
-from eagle3ft.eval.loops import loop_mask
 
 
 def answers(input_ids: list[int], loss_mask: list[int]) -> list[list[int]]:
-    """The maximal runs of loss-masked tokens: one per assistant turn."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    for t, m in zip(input_ids, loss_mask):
-        if m:
-            cur.append(t)
-        elif cur:
-            out.append(cur)
-            cur = []
-    if cur:
-        out.append(cur)
-    return out
+    """The answers of a sample (data/loops.py answer_spans): one per assistant turn."""
+    return [input_ids[a:b] for a, b in answer_spans(loss_mask)]
 
 
 def store_loops(tokens_dir: str | Path, split: str = "train") -> dict[str, dict]:

@@ -40,17 +40,25 @@ def loop_mask(ids: list[int], ngram: int = NGRAM, min_run: int = MIN_RUN) -> lis
     return out
 
 
-def answer_loops(ids: list[int], mask: list[int]) -> list[bool]:
-    """Per position of a sample: whether the token sits in a loop of its own answer, each maximal run of mask-set
-    positions (one assistant turn) taken apart; False outside the answers."""
-    out, t = [False] * len(ids), 0
-    while t < len(ids):
+def answer_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each maximal run of mask-set positions of a sample: one assistant turn each."""
+    out, t = [], 0
+    while t < len(mask):
         if not mask[t]:
             t += 1
             continue
         end = t
-        while end < len(ids) and mask[end]:
+        while end < len(mask) and mask[end]:
             end += 1
-        out[t:end] = loop_mask(ids[t:end])
+        out.append((t, end))
         t = end
+    return out
+
+
+def answer_loops(ids: list[int], mask: list[int]) -> list[bool]:
+    """Per position of a sample: whether the token sits in a loop of its own answer, each answer (answer_spans) taken
+    apart; False outside the answers."""
+    out = [False] * len(ids)
+    for a, b in answer_spans(mask):
+        out[a:b] = loop_mask(ids[a:b])
     return out

@@ -17,13 +17,21 @@ def _format_figures(f: dict | None, indent: str) -> list[str]:
     share = f"{lf['loop_share']:.0%}" if lf["loop_share"] is not None else "n/a"
     tau_lf = f"{lf['tau']:.2f}" if lf["tau"] else "n/a"
     tau_fin = f"{fin['tau']:.2f}" if fin["tau"] else "n/a"
+    fa = f.get("loop_free_answers")  # exact without spans, so also for non-streamed SGLang answers
+    looping = fa["of"] - fa["answers"] if fa else lf["answers_looping"]
+    no_loop = ""
+    if fa and fa.get("tau"):
+        no_loop = f"; no loop {fa['answers']}/{fa['of']}, tau {fa['tau']:.2f}" + (
+            f", e2e x{fa['speedup_e2e']:.2f}" if fa.get("speedup_e2e") else ""
+        )
     out.append(
-        f"{indent}  loops: {share} of tokens, {lf['answers_looping']} answers loop"
+        f"{indent}  loops: {share} of tokens, {looping} answers loop"
         + (f"; tau loop-free {tau_lf}" if lf["tau"] or f["all"]["verifies"] else "")
         + (f" (decode x{lf['speedup_decode']:.2f})" if lf.get("speedup_decode") else "")
         + f"; finished {fin['answers']}/{fin['of']}"
         + (f", tau {tau_fin}" if f["all"]["verifies"] else "")
         + (f", e2e x{fin['speedup_e2e']:.2f}" if fin.get("speedup_e2e") else "")
+        + no_loop
         + (f"; {lf['unresolved']} answers without spans" if lf["unresolved"] else "")
     )
     return out

@@ -93,6 +93,24 @@ def test_finished_and_e2e_figures_pair_prompts_and_repetitions():
     assert "non-streamed" in f["e2e"]["timing"]
 
 
+def test_non_streamed_console_line_counts_looping_answers_and_gives_the_no_loop_figure():
+    from eagle3ft.eval.bench_format import _format_figures
+
+    loop = [1, 2, 3, 4] * 8  # loops from its 9th token on
+    rows = [
+        _row(ids, k, "speculative", verify=v, finished=True, whole={"new_tokens": len(ids), "wall_s": 0.5, "output_ids": ids})
+        for k, (ids, v) in enumerate([(loop, 8), (list(range(32)), 16)])
+    ]  # fmt: skip
+    plain = [
+        _row(ids, k, "baseline", finished=True, whole={"new_tokens": len(ids), "wall_s": 1.0, "output_ids": ids})
+        for k, ids in enumerate([loop, list(range(32))])
+    ]  # fmt: skip
+    line = _format_figures(arm_figures(rows, plain), "")[1]
+    assert "1 answers loop" in line  # not 0: the answers without spans are still looked at whole
+    assert "no loop 1/2, tau 1.94, e2e x2.00" in line  # 31 tokens after the prefill's over 16 verifies
+    assert "2 answers without spans" in line
+
+
 def test_offline_walk_counts_a_cycle_by_its_share_of_loop_free_tokens():
     """accept_len's walk: the cycle at row i emits positions i+2 .. i+1+n; the loop-free figures count each cycle by
     the share of its tokens outside loops."""
