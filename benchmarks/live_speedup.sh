@@ -16,7 +16,8 @@
 #   datasets (PLAN=datasets) Magpie prompts by the target, answers at T=0 and 0.8 beside ShareGPT's: loop shares
 #   alternate (PLAN=alternate) bench_serving's request function and ours, alternated request by request (issue 37.2)
 #   loopfree (PLAN=loopfree) T=0.8 answers to Magpie and ShareGPT, the shipped drafter fine-tuned on them with loops
-#            kept and cut, each benched live at 3/1/4 on the everyday set beside the shipped one (issue 38)
+#            kept and cut, then plain and the three drafters at 3/1/4 interleaved per prompt on 60 everyday prompts
+#            (outside_client.py alternate --clients ours, REPS repetitions; RESULTS §26b ran one bench per drafter)
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PLAN (factors outside compare
 # everyday nocache short; also pass, paired), REPS (3).
 set -uo pipefail
@@ -70,7 +71,7 @@ servers() {
 }
 bench() {  # bench NAME SRC SETTINGS [sets...]: eval/bench_sglang.py, plain against the servers of SETTINGS
   local urls="" s out=$S/$1
-  for s in ${3//,/ }; do case $s in 3/1/4) urls+="${urls:+, }http://127.0.0.1:${P314:-30101}" ;; 8/4/32) urls+="${urls:+, }http://127.0.0.1:30102" ;; esac; done
+  for s in ${3//,/ }; do case $s in 3/1/4) urls+="${urls:+, }http://127.0.0.1:30101" ;; 8/4/32) urls+="${urls:+, }http://127.0.0.1:30102" ;; esac; done
   say "bench $1: $2, settings $3 ${*:4}"
   local yaml="" st tk nd
   for s in ${3//,/ }; do IFS=/ read -r st tk nd <<< "$s"; yaml+="${yaml:+, }{steps: $st, topk: $tk, num_draft_tokens: $nd}"; done
@@ -178,7 +179,7 @@ finetune() {  # finetune NAME [sets...]: the shipped drafter warm-started on $S/
 }
 loopfree() {  # issue 38: Magpie prompts and every ShareGPT conversation answered by the target at T=0.8 on three plain
               # servers, the shipped drafter fine-tuned on them with loops kept (lw1) and cut (lw0) side by side, each
-              # served at 3/1/4 and benched against plain on the everyday set beside the shipped drafter
+              # served at 3/1/4, then all of them interleaved per prompt against plain on the everyday set
   local t=$SECONDS url=http://127.0.0.1:30100
   local cli=(--config $CONFIG "${SGL[@]}" --set harvest.backend=sglang --set harvest.sglang.prompts_per_request=8)
   xargs -r kill < <(sed -n 3p "$L/sgl.pids") 2> /dev/null  # the 8/4/32 server: its share goes to regeneration
@@ -219,12 +220,14 @@ loopfree() {  # issue 38: Magpie prompts and every ShareGPT conversation answere
     eval "PORT_$n=$port"; port=$((port + 1)); slot=$((slot + 1))
   done
   up 300 30105 30106 || true
-  for n in shipped lw1 lw0; do
-    local p=30101; [[ $n == lw1 ]] && p=$PORT_lw1; [[ $n == lw0 ]] && p=${PORT_lw0:-}
-    [[ -n $p ]] && curl -sf "http://127.0.0.1:$p/health" > /dev/null || { echo "$n: no server"; continue; }
-    P314=$p REPS=1 bench "everyday-$n" "$EVERYDAY60" 3/1/4 --set 'bench.sglang_requests=[whole]' \
-      --set "eval.checkpoint=$( [[ $n == shipped ]] && echo "$SHIPPED" || echo "$S/$n/export-best")"
-  done
+  say "loopfree: plain, shipped, lw1 and lw0 at 3/1/4 interleaved per prompt (our client, request by request)"
+  local arms=(--arm baseline=$url --arm shipped=http://127.0.0.1:30101)
+  [[ -n ${PORT_lw1:-} ]] && arms+=(--arm "lw1=http://127.0.0.1:$PORT_lw1")
+  [[ -n ${PORT_lw0:-} ]] && arms+=(--arm "lw0=http://127.0.0.1:$PORT_lw0")
+  $PY benchmarks/outside_client.py prompts --config $CONFIG "${SGL[@]}" --set "bench.prompts=$EVERYDAY60" \
+    --out "$S/everyday60.json" && timeout 900 $PY benchmarks/outside_client.py alternate --prompts "$S/everyday60.json" \
+    --tokenizer "$MODEL" --clients ours "${arms[@]}" --reps "${REPS:-2}" --out "$L/drafters-live" > "$L/drafters-live.txt" 2>&1
+  echo "exit $?"; tail -c 2500 "$L/drafters-live/alternate.json"
   echo "loopfree in $((SECONDS - t)) s"
 }
 plan() {

@@ -20,7 +20,9 @@ against the same servers and prompts as `eval/bench_sglang.py`, batch 1, streame
         request function, async_request_sglang_generate, with the namespace its parser builds from the `run` flags),
         `ours` (eval/sglang_requests.whole_generate with the bench's payload: input_ids and stop_token_ids) and
         `ours-text` (our client with bench_serving's payload: text, no stop ids), so that a gap splits into client
-        and payload. DIR/alternate.jsonl (a row per request) and DIR/alternate.json (`summarize`)
+        and payload. DIR/alternate.jsonl (a row per request) and DIR/alternate.json (`summarize`). With `--clients
+        ours` and one arm per drafter (`--arm shipped=URL --arm new=URL`, servers of one setting), it is the
+        drafters' comparison interleaved per prompt: tok/s, speed-up, tau and the no-loop answers' tau per arm
 
 The run needs SGLang's PYTHONPATH and the `datasets` package there (bench_serving imports it at start).
 """
@@ -129,11 +131,13 @@ def _request_bench_serving(state, url: str, text: str, ids: list[int], max_new: 
 
 
 def _request_ours(eos_ids, url: str, text: str, ids: list[int], max_new: int, timeout_s: float = 600.0) -> dict:
+    from eagle3ft.data.loops import loop_mask
     from eagle3ft.eval.sglang_requests import whole_generate
 
     sp = {"max_new_tokens": max_new, "temperature": 0.0, "stop_token_ids": list(eos_ids)}
-    meta, _, wall = whole_generate(url, ids, sp, timeout_s)
-    return {"tokens": int(meta["completion_tokens"]), "seconds": wall, "server_s": meta.get("e2e_latency")}
+    meta, out, wall = whole_generate(url, ids, sp, timeout_s)
+    return {"tokens": int(meta["completion_tokens"]), "seconds": wall, "server_s": meta.get("e2e_latency"),
+            "verifies": meta.get("spec_verify_ct"), "loops": any(loop_mask(out))}  # fmt: skip
 
 
 def _request_ours_text(url: str, text: str, ids: list[int], max_new: int, timeout_s: float = 600.0) -> dict:
@@ -192,6 +196,14 @@ def summarize(rows: list[dict]) -> dict:
             server = [r["server_s"] for r in mine if r.get("server_s")]
             if len(server) == len(mine):
                 a[c]["tok_s_server"] = a[c]["tokens"] / sum(server)
+            if mine and all(r.get("verifies") for r in mine):  # tau: the tokens after the prefill's, per verify
+                a[c]["tau"] = sum(r["tokens"] - 1 for r in mine) / sum(r["verifies"] for r in mine)
+                free = [r for r in mine if r.get("loops") is False]
+                if free:
+                    a[c]["no_loop_answers"] = {
+                        "answers": len(free),
+                        "tau": sum(r["tokens"] - 1 for r in free) / sum(r["verifies"] for r in free),
+                    }
         for c in clients:
             if c == ref:
                 continue
