@@ -24,6 +24,16 @@ def row(arm, client, prompt, tokens, seconds, rep=0, **kw):
     return {"rep": rep, "prompt": prompt, "arm": arm, "client": client, "tokens": tokens, "seconds": seconds, **kw}
 
 
+def test_tau_and_the_no_loop_answers_per_arm():
+    rows = [
+        row("new", "ours", 0, 101, 1.0, verifies=25, loops=True),
+        row("new", "ours", 1, 51, 1.0, verifies=25, loops=False),
+    ]
+    a = oc.summarize(rows)["arms"]["new"]["ours"]
+    assert a["tau"] == pytest.approx(150 / 50)
+    assert a["no_loop_answers"] == {"answers": 1, "tau": pytest.approx(2.0)}
+
+
 def test_summary_of_known_rows():
     rows = [
         row("baseline", "bench_serving", 0, 100, 1.0),
@@ -99,3 +109,5 @@ def test_our_clients_against_the_doubles(tiny, doubles, tmp_path, monkeypatch, c
         assert "tok_s_server" in s["arms"][arm]["ours"]  # the server's own e2e_latency
     assert s["arms"]["baseline"]["ours-text"]["vs_ours"]["same_length_share"] == 1.0  # one server state, one answer
     assert "3/1/4" in s["speedup"]
+    spec = s["arms"]["3/1/4"]["ours"]
+    assert spec["tau"] >= 1.0 and "tau" not in s["arms"]["baseline"]["ours"]  # a plain server verifies nothing
