@@ -320,5 +320,7 @@ def test_flags_off_is_todays_drafter():
         "topk_logprobs": torch.tensor(g["topk_logprobs"]),
     }
     out = ttt_forward(m, batch, steps=3)
-    assert out.loss.item() == pytest.approx(g["ttt_loss"], rel=1e-12)
-    assert out.step_loss.tolist() == pytest.approx(g["ttt_step_loss"], rel=1e-12)
+    # the TTT loss is float32 by design (train/losses.py), so it holds to float32's precision: an AMD EPYC (AVX2)
+    # sums it 7e-8 apart from the Intel machine that wrote the golden file
+    assert out.loss.item() == pytest.approx(g["ttt_loss"], rel=1e-6)
+    assert out.step_loss.tolist() == pytest.approx(g["ttt_step_loss"], rel=1e-6)
