@@ -20,7 +20,8 @@ against the same servers and prompts as `eval/bench_sglang.py`, batch 1, streame
         request function, async_request_sglang_generate, with the namespace its parser builds from the `run` flags),
         `ours` (eval/sglang_requests.whole_generate with the bench's payload: input_ids and stop_token_ids) and
         `ours-text` (our client with bench_serving's payload: text, no stop ids), so that a gap splits into client
-        and payload. DIR/alternate.jsonl (a row per request) and DIR/alternate.json (`summarize`). With `--clients
+        and payload; `bench_serving-stream` and `ours-stream` (--clients) are the two clients streamed, their time
+        to the first token kept apart (ttft_s). DIR/alternate.jsonl (a row per request) and DIR/alternate.json (`summarize`). With `--clients
         ours` and one arm per drafter (`--arm shipped=URL --arm new=URL`, servers of one setting), it is the
         drafters' comparison interleaved per prompt: tok/s, speed-up, tau and the no-loop answers' tau per arm
 
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 CLIENTS = ("bench_serving", "ours", "ours-text")
+STREAMED = ("bench_serving-stream", "ours-stream")  # the same, streamed: wall time to the last event, TTFT apart
 
 
 def dataset(args) -> None:
@@ -103,14 +105,14 @@ def run(a) -> None:
     (out / "outside.json").write_text(json.dumps({"arms": arms, "runs": rows}, indent=1))
 
 
-def _bench_serving(a, url: str):
-    """(serving module, the args namespace bench_serving's own parser builds for `run`'s flags, non-streamed)."""
+def _bench_serving(a, url: str, stream: bool = False):
+    """(serving module, the args namespace bench_serving's own parser builds for `run`'s flags)."""
     from sglang.benchmark import serving
 
     got: list = []
     real, serving.run_benchmark = serving.run_benchmark, got.append  # cli_main parses, validates, then calls this
     try:
-        sys.argv = _argv(url, a, False, Path(a.out) / "unused.jsonl")
+        sys.argv = _argv(url, a, stream, Path(a.out) / "unused.jsonl")
         serving.cli_main()
     finally:
         serving.run_benchmark = real
@@ -127,7 +129,7 @@ def _request_bench_serving(state, url: str, text: str, ids: list[int], max_new: 
     out = asyncio.run(serving.async_request_sglang_generate(inp))
     if not out.success:
         raise SystemExit(f"outside_client.py: error: bench_serving's request to {url} failed: {out.error[-300:]}")
-    return {"tokens": int(out.output_len), "seconds": out.latency, "text": out.generated_text}
+    return {"tokens": int(out.output_len), "seconds": out.latency, "ttft_s": out.ttft, "text": out.generated_text}
 
 
 def _request_ours(eos_ids, url: str, text: str, ids: list[int], max_new: int, timeout_s: float = 600.0) -> dict:
@@ -138,6 +140,17 @@ def _request_ours(eos_ids, url: str, text: str, ids: list[int], max_new: int, ti
     meta, out, wall = whole_generate(url, ids, sp, timeout_s)
     return {"tokens": int(meta["completion_tokens"]), "seconds": wall, "server_s": meta.get("e2e_latency"),
             "verifies": meta.get("spec_verify_ct"), "loops": any(loop_mask(out))}  # fmt: skip
+
+
+def _request_ours_stream(eos_ids, url: str, text: str, ids: list[int], max_new: int, timeout_s: float = 600.0) -> dict:
+    from eagle3ft.data.loops import loop_mask
+    from eagle3ft.eval.sglang_requests import stream_generate
+
+    sp = {"max_new_tokens": max_new, "temperature": 0.0, "stop_token_ids": list(eos_ids)}
+    r = stream_generate(url, ids, sp, timeout_s)
+    return {"tokens": int(r.meta["completion_tokens"]), "seconds": r.wall_s, "ttft_s": r.prefill_s,
+            "server_s": r.meta.get("e2e_latency"), "verifies": r.meta.get("spec_verify_ct"),
+            "events": len(r.events), "loops": any(loop_mask(r.output_ids))}  # fmt: skip
 
 
 def _request_ours_text(url: str, text: str, ids: list[int], max_new: int, timeout_s: float = 600.0) -> dict:
@@ -193,6 +206,10 @@ def summarize(rows: list[dict]) -> dict:
             mine = [r for r in rows if r["arm"] == arm and r["client"] == c]
             tok_s[arm, c] = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
             a[c] = {"requests": len(mine), "tokens": sum(r["tokens"] for r in mine), "tok_s": tok_s[arm, c]}
+            if c.endswith("-stream") and all(r.get("ttft_s") is not None for r in mine):  # decode only, as §23
+                a[c]["tok_s_after_first"] = sum(r["tokens"] - 1 for r in mine) / sum(
+                    r["seconds"] - r["ttft_s"] for r in mine
+                )
             server = [r["server_s"] for r in mine if r.get("server_s")]
             if len(server) == len(mine):
                 a[c]["tok_s_server"] = a[c]["tokens"] / sum(server)
@@ -260,11 +277,12 @@ def alternate(a) -> None:
     requesters = {
         "ours": lambda url, text, pid, n: _request_ours(eos, url, text, pid, n),
         "ours-text": _request_ours_text,
+        "ours-stream": lambda url, text, pid, n: _request_ours_stream(eos, url, text, pid, n),
     }
-    if "bench_serving" in a.clients.split(","):  # its parser wants `run`'s flags; it reads no dataset here
-        a.dataset, a.num_prompts = "unused.jsonl", len(ids)
-        states = {url: _bench_serving(a, url) for url in arms.values()}
-        requesters = {"bench_serving": lambda url, *r: _request_bench_serving(states[url], url, *r), **requesters}
+    for c in {"bench_serving", "bench_serving-stream"} & set(a.clients.split(",")):  # its parser wants `run`'s
+        a.dataset, a.num_prompts = "unused.jsonl", len(ids)  # flags; it reads no dataset here
+        st = {url: _bench_serving(a, url, stream=c.endswith("-stream")) for url in arms.values()}
+        requesters[c] = lambda url, *r, st=st: _request_bench_serving(st[url], url, *r)
     requesters = {c: requesters[c] for c in a.clients.split(",")}
     log = open(out / "alternate.jsonl", "w")
 

@@ -111,3 +111,31 @@ def test_our_clients_against_the_doubles(tiny, doubles, tmp_path, monkeypatch, c
     assert "3/1/4" in s["speedup"]
     spec = s["arms"]["3/1/4"]["ours"]
     assert spec["tau"] >= 1.0 and "tau" not in s["arms"]["baseline"]["ours"]  # a plain server verifies nothing
+
+
+def test_streamed_client_against_the_doubles(tiny, doubles, tmp_path, monkeypatch):  # noqa: F811
+    """ours-stream beside ours, request by request: the same answers, tau from the same counters, decode-only tok/s."""
+    base, spec = doubles
+    p = tmp_path / "prompts.json"
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["outside_client.py", "prompts", "--config", str(REPO_ROOT / "configs/tiny.yaml"),
+         "--set", "bench.prompts={kind: mtbench, limit: 2}", "--out", str(p)],
+    )  # fmt: skip
+    oc.main()
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["outside_client.py", "alternate", "--prompts", str(p), "--tokenizer", "unused", "--arm", f"baseline={base.url}",
+         "--arm", f"3/1/4={spec.url}", "--clients", "ours,ours-stream", "--output-len", "8", "--out", str(tmp_path)],
+    )  # fmt: skip
+    oc.main()
+    s = json.loads((tmp_path / "alternate.json").read_text())
+    for arm in ("baseline", "3/1/4"):
+        st = s["arms"][arm]["ours-stream"]
+        assert st["vs_ours"]["same_length_share"] == 1.0
+        assert st["tok_s_after_first"] > 0 and "tok_s_after_first" not in s["arms"][arm]["ours"]
+    assert s["arms"]["3/1/4"]["ours-stream"]["tau"] == pytest.approx(s["arms"]["3/1/4"]["ours"]["tau"])
+    rows = [json.loads(x) for x in (tmp_path / "alternate.jsonl").read_text().splitlines()]
+    assert all(r["events"] >= 1 and r["ttft_s"] <= r["seconds"] for r in rows if r["client"] == "ours-stream")
