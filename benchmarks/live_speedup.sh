@@ -15,9 +15,13 @@
 #   paired   (PLAN=paired) the two clients alternated repetition by repetition, compared per repetition
 #   datasets (PLAN=datasets) Magpie prompts by the target, answers at T=0 and 0.8 beside ShareGPT's: loop shares
 #   alternate (PLAN=alternate) bench_serving's request function and ours, alternated request by request (issue 37.2)
+#   altstream (PLAN=altstream) the same with both clients streamed (the time to the first token apart)
 #   loopfree (PLAN=loopfree) T=0.8 answers to Magpie and ShareGPT, the shipped drafter fine-tuned on them with loops
 #            kept and cut, then plain and the three drafters at 3/1/4 interleaved per prompt on 60 everyday prompts
 #            (outside_client.py alternate --clients ours, REPS repetitions; RESULTS §26b ran one bench per drafter)
+#   ship     (PLAN=ship, with NO_8432=1) Magpie and two T=0.8 answers per prompt, the shipped drafter fine-tuned 900
+#            steps on them, then plain, shipped and new at 3/1/4 and 8/4/32 on 48 everyday prompts, both clients
+#   again    (PLAN=again, after ship on the same machine) its servers again, on 24 everyday prompts it did not use
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PLAN (factors outside compare
 # everyday nocache short; also pass, paired), REPS (3).
 set -uo pipefail
@@ -54,13 +58,15 @@ serve() {  # serve PORT SLOT ROLE...: a server with a tenth of the GPU (SGLang t
 }
 servers() {
   local t=$SECONDS p
-  if curl -sf http://127.0.0.1:30100/health > /dev/null && curl -sf http://127.0.0.1:30102/health > /dev/null; then
+  local ports=(30100 30101 30102)
+  [[ ${NO_8432:-0} == 1 ]] && ports=(30100 30101)  # the ship step starts its 8/4/32 servers after training
+  if curl -sf http://127.0.0.1:30100/health > /dev/null && curl -sf "http://127.0.0.1:${ports[-1]}/health" > /dev/null; then
     echo "servers already up"; return 0
   fi
   serve 30100 0 --role baseline
   serve 30101 1 --role speculative --drafter "$SHIPPED" --setting 3/1/4
-  serve 30102 2 --role speculative --drafter "$SHIPPED" --setting 8/4/32
-  for p in 30100 30101 30102; do
+  [[ ${NO_8432:-0} == 1 ]] || serve 30102 2 --role speculative --drafter "$SHIPPED" --setting 8/4/32
+  for p in "${ports[@]}"; do
     until curl -sf "http://127.0.0.1:$p/health" > /dev/null; do
       (( SECONDS - t < 600 )) || { echo "server :$p not up"; tail -5 "$L"/*"$p"*.log; return 1; }; sleep 2
     done
@@ -136,20 +142,20 @@ datasets() {  # issue 38 on the plain server (:30100): Magpie prompts written by
   (( ${#stores[@]} )) && $PY benchmarks/data_loops.py "${stores[@]}" --out "$L/data/loops.json" 2> /dev/null
   echo "datasets in $((SECONDS - t)) s"
 }
-alternate() {  # issue 37.2: the two clients request by request on the three servers (outside_client.py alternate)
-  say "alternate: bench_serving, ours and ours with its payload, request by request, 512 tokens"
+alternate() {  # alternate OUT CLIENTS, issue 37.2: the clients request by request on the three servers (outside_client.py)
+  say "alternate: $2, request by request, 512 tokens"
   $PY benchmarks/outside_client.py prompts --config $CONFIG "${SGL[@]}" --set "bench.prompts=${ALT_PROMPTS:-$MTB}" \
     --out "$S/alt-prompts.json" || return 1
   PYTHONPATH=$SGL_DIR:$PYTHONPATH SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout 600 $PY benchmarks/outside_client.py alternate \
     --prompts "$S/alt-prompts.json" --tokenizer "$MODEL" --arm baseline=http://127.0.0.1:30100 \
-    --arm 3/1/4=http://127.0.0.1:30101 --arm 8/4/32=http://127.0.0.1:30102 --reps "${ALT_REPS:-1}" --out "$L/alternate" \
-    > "$L/alternate.txt" 2>&1
+    --arm 3/1/4=http://127.0.0.1:30101 --arm 8/4/32=http://127.0.0.1:30102 --reps "${ALT_REPS:-1}" --out "$L/$1" \
+    --clients "$2" > "$L/$1.txt" 2>&1
   echo "exit $?"; $PY -c "
 import json, sys
 s = json.load(open(sys.argv[1]))
 for arm, a in s['arms'].items():
     print(arm, {c: (round(v['tok_s'], 1), {k: round(x, 4) if isinstance(x, float) else x for k, x in (v.get('vs_bench_serving') or {}).items() if k in ('total', 'same_length_share', 'same_length_total')}) for c, v in a.items()})
-print('speed-ups', {k: {c: round(x, 4) for c, x in v.items()} for k, v in s.get('speedup', {}).items()})" "$L/alternate/alternate.json" 2>&1 | tail -8
+print('speed-ups', {k: {c: round(x, 4) for c, x in v.items()} for k, v in s.get('speedup', {}).items()})" "$L/$1/alternate.json" 2>&1 | tail -8
 }
 regen_server() {  # regen_server PORT SHARE USED: a plain server with SHARE of the GPU while USED of it is taken, for regen
   PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 \
@@ -165,8 +171,8 @@ regen_server() {  # regen_server PORT SHARE USED: a plain server with SHARE of t
 }
 up() { local p end=$((SECONDS + $1)); shift; for p; do until curl -sf "http://127.0.0.1:$p/health" > /dev/null; do
   (( SECONDS < end )) || { echo "server :$p not up"; tail -5 "$L/server$p.log"; return 1; }; sleep 2; done; done; }
-finetune() {  # finetune NAME [sets...]: the shipped drafter warm-started on $S/t08's store, online (the target's prefill)
-  mkdir -p "$S/$1" && ln -sfn "$S/t08/tokens" "$S/$1/tokens"
+finetune() {  # finetune NAME PORT [sets...]: the shipped drafter warm-started on $S/$STORE's store (t08), online
+  mkdir -p "$S/$1" && ln -sfn "$S/${STORE:-t08}/tokens" "$S/$1/tokens"
   CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout "${TRAIN_S:-420}" accelerate launch --config_file configs/accelerate/1gpu.yaml \
     --main_process_port "$2" train/finetune.py --config $CONFIG --run-dir "$S/$1" --set "target.path=$MODEL" \
     --set target.gguf_file=null --set train.wandb_mode=disabled --set "drafter.init=$SHIPPED" --set train.features=online \
@@ -230,6 +236,82 @@ loopfree() {  # issue 38: Magpie prompts and every ShareGPT conversation answere
   echo "exit $?"; tail -c 2500 "$L/drafters-live/alternate.json"
   echo "loopfree in $((SECONDS - t)) s"
 }
+ship() {  # issue 38: more T=0.8 data (Magpie, two answers per prompt), the shipped drafter fine-tuned longer on it,
+          # then plain, shipped and new at 3/1/4 and 8/4/32 interleaved per prompt on 48 everyday prompts, each request
+          # sent by bench_serving's own request function and by ours (the card's figure, issue 37's cross-check)
+  local t=$SECONDS url=http://127.0.0.1:30100 seed n
+  local cli=(--config $CONFIG "${SGL[@]}" --set harvest.backend=sglang --set harvest.sglang.prompts_per_request=8)
+  say "ship: regeneration servers :30103 :30104 start; magpie ${MAGPIE_N:-6000} prompts on :30100"
+  ( regen_server 30103 0.3 0.2; regen_server 30104 0.3 0.5 ) &
+  local starting=$!
+  timeout -s INT "${MAGPIE_S:-150}" $PY data/magpie.py "${cli[@]}" --run-dir "$S/magpie" --set "harvest.sglang.urls=[$url]" \
+    --set harvest.sglang.concurrency=128 --set harvest.heldout_fraction=0.0 --set "harvest.magpie.count=${MAGPIE_N:-6000}" \
+    --set harvest.magpie.chunk=512 \
+    --set "harvest.magpie.heldout=[{kind: mtbench, path: $C/mtbench-questions.jsonl}, {kind: file, path: $PWD/data/sets/everyday-v1.jsonl}]" \
+    > "$L/magpie.json" 2> "$L/magpie.log"
+  echo "magpie exit $? at $((SECONDS - t)) s"; tail -c 300 "$S/magpie/magpie/state.json"
+  wait "$starting"; up 300 30103 30104 && echo "regen servers up at $((SECONDS - t)) s"
+  for seed in 0 1; do  # the same prompts, split and held-out set; another sampling seed: a second answer per turn
+    n=t08; [[ $seed == 1 ]] && n=t08b
+    say "ship: regen $n at T=0.8 (seed $seed), ShareGPT conversations and Magpie, ${REGEN_S:-150} s at most"
+    timeout -s INT "${REGEN_S:-150}" $PY data/regen.py "${cli[@]}" --run-dir "$S/$n" --set "seed=$seed" \
+      --set "harvest.sglang.urls=[$url, http://127.0.0.1:30103, http://127.0.0.1:30104]" --set harvest.sglang.concurrency=128 \
+      --set harvest.temperature=0.8 --set harvest.max_new_tokens=512 --set harvest.max_total_tokens=4096 \
+      --set harvest.max_turns=1000 --set harvest.heldout_fraction=0.02 \
+      --set "harvest.sources=[{kind: file, path: $S/magpie/magpie/prompts.jsonl, name: magpie-t0.8}, {kind: file, path: $C/sharegpt-conversations.jsonl, name: sharegpt-t0.8}]" \
+      > "$L/regen-$n.json" 2> "$L/regen-$n.log"
+    echo "regen $n exit $? at $((SECONDS - t)) s"; tail -c 600 "$L/regen-$n.json"
+  done
+  xargs -r kill < "$L/regen.pids" 2> /dev/null
+  [[ -f $S/t08/tokens/manifest.json ]] || { echo "no token store"; return 1; }
+  local more=()
+  [[ -f $S/t08b/tokens/manifest.json ]] && more=(--set "train.more_tokens=[$S/t08b/tokens]")
+  $PY benchmarks/data_loops.py "$S/t08/tokens" ${more:+"$S/t08b/tokens"} --out "$L/loops-t08.json" 2> /dev/null | tail -4
+  say "ship: fine-tune new on t08 + t08b, ${STEPS:-900} steps"
+  sleep 10  # the regeneration servers' memory back
+  STEPS=${STEPS:-900} EPOCHS=${EPOCHS:-8} TRAIN_S=${TRAIN_S:-540} finetune new 29511 "${more[@]}"
+  echo "trained at $((SECONDS - t)) s"
+  local ck=$S/new/export-best
+  [[ -f $ck/config.json ]] || ck=$S/new/export
+  [[ -f $ck/config.json ]] || { echo "new: no export"; return 1; }
+  mkdir -p "$L/new" "$L/../drafters" && cp "$ck"/config.json "$L/new/export-config.json"
+  cp "$S/new/train/data.json" "$L/new/" 2> /dev/null
+  split -b 15m "$ck"/model.safetensors "$L/../drafters/new-model.safetensors.part-"  # $OUT takes files of 16 MiB at most
+  serve 30105 2 --role speculative --drafter "$ck" --setting 3/1/4
+  serve 30106 3 --role speculative --drafter "$ck" --setting 8/4/32
+  serve 30102 4 --role speculative --drafter "$SHIPPED" --setting 8/4/32
+  up 300 30105 30106 30102 || true
+  say "ship: plain, shipped and new at 3/1/4 and 8/4/32, interleaved per prompt, bench_serving's client and ours"
+  $PY benchmarks/outside_client.py prompts --config $CONFIG "${SGL[@]}" \
+    --set "bench.prompts={kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout, per_category: ${PER_CAT:-8}}" \
+    --out "$S/everyday-ship.json" || return 1
+  PYTHONPATH=$SGL_DIR:$PYTHONPATH SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout "${BENCH_S:-480}" $PY benchmarks/outside_client.py \
+    alternate --prompts "$S/everyday-ship.json" --tokenizer "$MODEL" --clients bench_serving,ours \
+    --arm baseline=$url --arm shipped-3/1/4=http://127.0.0.1:30101 --arm new-3/1/4=http://127.0.0.1:30105 \
+    --arm shipped-8/4/32=http://127.0.0.1:30102 --arm new-8/4/32=http://127.0.0.1:30106 --reps "${REPS:-1}" \
+    --out "$L/ship-live" > "$L/ship-live.txt" 2>&1
+  echo "exit $?"; tail -c 1500 "$L/ship-live/alternate.json"
+  echo "ship in $((SECONDS - t)) s"
+}
+again() {  # the ship step's five servers started again, on everyday prompts it did not use (7th-10th per category)
+  local ck=$S/new/export-best url=http://127.0.0.1:30100
+  [[ -f $ck/config.json ]] || ck=$S/new/export
+  NO_8432=1 servers || return 1
+  serve 30105 2 --role speculative --drafter "$ck" --setting 3/1/4
+  serve 30106 3 --role speculative --drafter "$ck" --setting 8/4/32
+  serve 30102 4 --role speculative --drafter "$SHIPPED" --setting 8/4/32
+  up 300 30105 30106 30102 || true
+  say "again: plain, shipped and new at 3/1/4 and 8/4/32 on 24 other everyday prompts, both clients"
+  $PY benchmarks/outside_client.py prompts --config $CONFIG "${SGL[@]}" \
+    --set "bench.prompts={kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout, per_category: 4, skip: 6}" \
+    --out "$S/everyday-again.json" || return 1
+  PYTHONPATH=$SGL_DIR:$PYTHONPATH SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout "${BENCH_S:-300}" $PY benchmarks/outside_client.py \
+    alternate --prompts "$S/everyday-again.json" --tokenizer "$MODEL" --clients bench_serving,ours \
+    --arm baseline=$url --arm shipped-3/1/4=http://127.0.0.1:30101 --arm new-3/1/4=http://127.0.0.1:30105 \
+    --arm shipped-8/4/32=http://127.0.0.1:30102 --arm new-8/4/32=http://127.0.0.1:30106 --out "$L/ship-live-again" \
+    > "$L/ship-live-again.txt" 2>&1
+  echo "exit $?"; tail -c 800 "$L/ship-live-again/alternate.json"
+}
 plan() {
   servers || return 1
   local p
@@ -245,8 +327,11 @@ plan() {
       nocache) bench nocache "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never ;;
       pass) bench pass "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never --set bench.interleave=pass ;;
       datasets) datasets ;;
-      alternate) alternate ;;
+      alternate) alternate alternate bench_serving,ours,ours-text ;;
+      altstream) alternate alternate-stream bench_serving-stream,ours-stream ;;
       loopfree) loopfree ;;
+      ship) ship ;;
+      again) again ;;
       short) bench short "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.max_new_tokens=256 ;;
     esac
   done
