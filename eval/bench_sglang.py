@@ -43,8 +43,7 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.config import BenchSetting, resolve_path
-from eagle3ft.eval.costs import Setting
+from eagle3ft.config import resolve_path
 from eagle3ft.eval.harness import (
     RequestResult,
     base_environment,
@@ -57,6 +56,7 @@ from eagle3ft.eval.harness import (
 )
 from eagle3ft.eval.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
 from eagle3ft.files import write_atomic
+from eagle3ft.setting import Setting
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
 
@@ -184,14 +184,7 @@ class SGLangBackend:
             server = server_for(self.cfg, self.run_dir, "baseline", port)
         else:
             drafter = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
-            server = server_for(
-                self.cfg,
-                self.run_dir,
-                "speculative",
-                port,
-                drafter,
-                BenchSetting(setting.steps, setting.topk, setting.num_draft_tokens),
-            )
+            server = server_for(self.cfg, self.run_dir, "speculative", port, drafter, setting)
         server.start()
         try:
             server.wait_healthy()
@@ -362,12 +355,11 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
     levels = sorted({c for c in cfg.bench.concurrency if c > 1})
     if not levels:
         return None
-    settings = [Setting.of(s) for s in cfg.bench.settings]
     out: dict = {"levels": {}}
     for c in levels:
         rows: dict[str, list[dict]] = {}
         for rep in range(cfg.bench.repetitions):
-            for s in [None, *settings]:
+            for s in [None, *cfg.bench.settings]:
                 key = "baseline" if s is None else s.key
                 r = backend.throughput(s, prompts, cfg.bench.max_new_tokens, c)
                 rows.setdefault(key, []).append(r)

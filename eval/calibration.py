@@ -25,8 +25,9 @@ import json
 from pathlib import Path
 
 from eagle3ft.config import resolve_path
-from eagle3ft.eval.costs import Setting, cost_model_from_summary, fmt, max_tau
+from eagle3ft.eval.costs import cost_model_from_summary, fmt, max_tau
 from eagle3ft.files import write_atomic
+from eagle3ft.setting import Setting
 
 CALIBRATION_SCHEMA = 1
 
@@ -170,7 +171,7 @@ def predict(
     intervals = intervals or {}
     rows = []
     for key, tau in sorted(offline_tau.items()):
-        st = Setting(*map(int, key.split("/")))
+        st = Setting.parse(key)
         steps = None
         if key in cal["settings"]:
             cycle, basis = cal["settings"][key]["cycle_s"], "measured"

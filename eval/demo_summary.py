@@ -207,8 +207,6 @@ def _training(run_dir: Path) -> dict:
 
 def build(cfg, run_dir: Path, before: str, after: str) -> dict:
     """The before/after table as data: per prompt set (domain first) offline tau, live tau, tok/s and break-even."""
-    from eagle3ft.eval.costs import Setting
-
     summary_path = run_dir / "bench" / "summary.json"
     bench = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     offline = {}
@@ -216,7 +214,7 @@ def build(cfg, run_dir: Path, before: str, after: str) -> dict:
         p = run_dir / DEMO_DIR / f"offline-{label}.json"
         offline[label] = json.loads(p.read_text()) if p.is_file() else None
     domain = cfg.bench.prompts.kind
-    setting = Setting.of(cfg.bench.settings[-1]).key  # the deepest benchmarked setting
+    setting = cfg.bench.settings[-1].key  # the deepest benchmarked setting
     seen = {k for o in offline.values() if o for k in o["sets"]} | set((bench or {}).get("prompt_sets", {}))
     kinds = [domain] + sorted(seen - {domain})
     sets = []

@@ -23,8 +23,9 @@ from eagle3ft.eval.calibration import (
     write_calibration,
     write_prediction,
 )
-from eagle3ft.eval.costs import GOAL_SPEEDUPS, Setting, cost_model_from_summary, fmt, reach, reach_text
+from eagle3ft.eval.costs import GOAL_SPEEDUPS, cost_model_from_summary, fmt, reach, reach_text
 from eagle3ft.files import write_atomic
+from eagle3ft.setting import Setting
 
 
 @dataclass
@@ -121,7 +122,7 @@ def analyse(
             break
     offline_rows = []
     for key, tau in sorted(offline_tau.items()):
-        st = Setting(*map(int, key.split("/")))
+        st = Setting.parse(key)
         offline_rows.append(
             {
                 "setting": key,

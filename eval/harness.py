@@ -58,11 +58,11 @@ from typing import Protocol, runtime_checkable
 
 from eagle3ft.eval import economics
 from eagle3ft.eval.bench_format import format_summary  # noqa: F401 (the entry points print it)
-from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.economics import format_table
 from eagle3ft.eval.environment import base_environment, cpu_model, gpu_clocks  # noqa: F401 (the backends')
 from eagle3ft.eval.live_splits import arm_figures
 from eagle3ft.files import write_atomic
+from eagle3ft.setting import Setting
 
 
 @dataclass
@@ -309,7 +309,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
 def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
     """The benchmark on `backend`: warm-up, interleaved repetitions, summary, economics."""
     bc = cfg.bench
-    settings = [Setting.of(s) for s in bc.settings]
+    settings = bc.settings
     labels = drafter_labels(cfg)
     if len(labels) > 1 and not hasattr(backend, "use_drafter"):
         raise ValueError(f"bench.drafters: the {backend.name} backend benches one drafter (eval.checkpoint)")

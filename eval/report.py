@@ -29,6 +29,7 @@ from eagle3ft.eval.economics import analyse, read_offline_tau
 from eagle3ft.eval.report_md import headline_text, markdown
 from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
 from eagle3ft.files import write_atomic
+from eagle3ft.setting import Setting
 
 
 def _read_json(p: Path) -> dict | None:
@@ -161,7 +162,7 @@ def build(run_dir: Path, cfg=None) -> dict:
     if acc:
         headline["tau_offline"] = acc["headline_tau"]
     if summary and summary["speculative"]:
-        cfg_key = f"{acc['steps']}/{acc['topk']}/{acc['num_draft_tokens']}" if acc else None
+        cfg_key = Setting.of(acc).key if acc else None
         rows = {r["key"]: r for r in summary["speculative"]}
         best = rows.get(econ["best_setting"]) or summary["speculative"][0]
         head = rows.get(cfg_key) if cfg_key in rows else best

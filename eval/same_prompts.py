@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import first_answers
 from eagle3ft.eval.speculate import aux_from_hidden_states
 from eagle3ft.files import read_json
+from eagle3ft.setting import Setting
 
 
 @torch.no_grad()
@@ -148,8 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = load_prompts(cfg, src)
         source = Path(args.answers_from)
         answers = bench_answers(source, label, len(prompts), args.answers_of)
-        settings = [Setting.of(s) for s in cfg.bench.settings]
-        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, settings)
+        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, cfg.bench.settings)
         if rep is None:
             raise ValueError("bench.settings is empty: nothing to evaluate")
         doc = {
