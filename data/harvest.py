@@ -37,6 +37,7 @@ from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.targets import open_target
 from eagle3ft.targets.base import Request, Sampling, Target
@@ -314,7 +315,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         "num_layers": info.num_layers,
         "aux_layer_ids": list(info.aux_layer_ids),
     }
-    features_dir = run_dir / "features"
+    features_dir = RunDir(run_dir).features
     writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs), h.aux_dtype)
     damaged = writer.damaged()
     if damaged:
@@ -372,7 +373,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     skips = Counter(prompt_skips) + Counter(m.get("chunk_skips", {}))
     writer.finish(counts, {"skips": dict(sorted(skips.items())), "prompt_skips": dict(sorted(prompt_skips.items()))})
     d2t, t2d = frozen if frozen is not None else build_vocab(counts, spec.draft_vocab_size)
-    save_vocab(run_dir / "vocab.safetensors", d2t, t2d)
+    save_vocab(RunDir(run_dir).vocab, d2t, t2d)
 
     disk = sum((features_dir / s["file"]).stat().st_size for s in m["shards"])
     tokens = sum(m["counts"][s]["tokens"] for s in SPLITS)

@@ -56,6 +56,7 @@ from eagle3ft.eval.harness import (
 )
 from eagle3ft.eval.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
@@ -103,8 +104,9 @@ class SGLangBackend:
         self._given: dict[str, tuple[str, dict, str]] | None = None  # _given_speculative, once
         self.server_tau: dict[str, list[float]] = {}
         self.request_tau: dict[str, list[float]] = {}
-        (self.run_dir / "bench").mkdir(parents=True, exist_ok=True)
-        self._log = open(self.run_dir / "bench" / "sglang_requests.jsonl", "a")
+        bench = RunDir(self.run_dir).bench
+        bench.mkdir(parents=True, exist_ok=True)
+        self._log = open(bench / "sglang_requests.jsonl", "a")
         self._lock = threading.Lock()
         atexit.register(self.close)
 
@@ -374,7 +376,7 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
             }
             for key, rs in rows.items()
         }
-    path = Path(run_dir) / "bench" / "concurrency.json"
+    path = RunDir(run_dir).bench / "concurrency.json"
     write_atomic(path, json.dumps(out, indent=2))
     return out
 

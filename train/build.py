@@ -18,6 +18,7 @@ from eagle3ft.drafter.export import load_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.drafter.model_mla import new_drafter
 from eagle3ft.drafter.vocab import load_vocab, save_vocab
+from eagle3ft.run_dir import RunDir
 from eagle3ft.train.data import TrainData
 
 
@@ -28,7 +29,7 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
     """
     from eagle3ft.targets.hf import load_input_embedding
 
-    features = str(run_dir / "features" / "manifest.json")
+    features = str(RunDir(run_dir).features_manifest)
     if cfg.drafter.init:
         folder = resolve_path(cfg.drafter.init)
         spec = check_drafter_folder(folder, target, "warm start", features)
@@ -52,7 +53,7 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
         if getattr(cfg.drafter, flag) is not None:
             setattr(dcfg, flag, getattr(cfg.drafter, flag))
     check_drafter(dcfg, target, str(cfg.drafter.config), features)
-    vocab_file = run_dir / "vocab.safetensors"
+    vocab_file = RunDir(run_dir).vocab
     if not vocab_file.is_file():
         raise FileNotFoundError(
             f"{vocab_file} not found: the harvest writes it (python data/harvest.py ... --run-dir {run_dir})"
@@ -70,7 +71,7 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
 def adopt_drafter_vocab(run_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, folder: Path) -> str | None:
     """After a warm start the run's vocab.safetensors is the drafter's: rewrite it when it differs (or is
     missing or unreadable) and return what was done, so the run folder never holds two vocabularies."""
-    vocab_file = run_dir / "vocab.safetensors"
+    vocab_file = RunDir(run_dir).vocab
     d2t, t2d = d2t.cpu().to(torch.int64), t2d.cpu().to(torch.bool)
     try:
         old = load_vocab(vocab_file) if vocab_file.is_file() else None

@@ -38,6 +38,7 @@ from eagle3ft.data.loops import answer_loops
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate, dequantize_aux, quantize_aux
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
+from eagle3ft.run_dir import RunDir
 from eagle3ft.train.metrics import elapsed, timestamp
 
 TOKEN_KEYS = ("input_ids", "loss_mask")
@@ -254,7 +255,7 @@ def token_dataset(
     (train.drop_sources)."""
     from eagle3ft.data.tokens import TokenDataset, TokenStore
 
-    tokens = run_dir / "tokens"
+    tokens = RunDir(run_dir).tokens
     if (tokens / MANIFEST).is_file():
         first = TokenStore(tokens)
         others = [TokenStore(resolve_path(p)) for p in more] if split == "train" else []
@@ -308,7 +309,7 @@ def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
         item = dataset[i]
         counts += torch.bincount(item["input_ids"][item["loss_mask"].bool()], minlength=spec.vocab_size)
     d2t, t2d = build_vocab(counts, spec.draft_vocab_size)
-    path = run_dir / "vocab.safetensors"
+    path = RunDir(run_dir).vocab
     if path.is_file():
         old_d2t, old_t2d = load_vocab(path)
         if old_d2t.shape == d2t.shape and torch.equal(old_d2t, d2t) and torch.equal(old_t2d, t2d):
@@ -335,7 +336,7 @@ class TrainData:
         if tcfg.more_tokens and tcfg.features != "online":
             raise ValueError("train.more_tokens is read by online training only (train.features: online)")
         self.cfg, self.online, self._bins = cfg, None, {}
-        features = run_dir / "features"
+        features = RunDir(run_dir).features
         self.store = (
             FeatureStore(features) if tcfg.features == "offline" or (features / MANIFEST).is_file() else None
         )  # also the held-out split
@@ -375,7 +376,7 @@ class TrainData:
         if self.online is None:
             return (
                 (self.store.dataset("heldout") if self.store is not None else []),
-                str(self.run_dir / "features"),
+                str(RunDir(self.run_dir).features),
                 None,
             )
         ds, where = token_dataset(self.run_dir, self.store, "heldout")

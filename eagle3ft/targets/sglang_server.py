@@ -36,6 +36,7 @@ import requests
 from eagle3ft.cli import build_parser, parse_cli
 from eagle3ft.config import Config, resolve_path
 from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 
 ROLES = ("harvest", "baseline", "speculative")
@@ -286,7 +287,7 @@ def server_for(
     setting: Setting | None = None,
 ) -> SGLangServer:
     cmd = build_command(cfg, role, port, drafter, setting)
-    log_dir = resolve_path(cfg.serve.log_dir) if cfg.serve.log_dir else Path(run_dir) / "serve"
+    log_dir = resolve_path(cfg.serve.log_dir) if cfg.serve.log_dir else RunDir(run_dir).serve
     suffix = "-" + setting.key.replace("/", "-") if setting is not None and role == "speculative" else ""
     return SGLangServer(
         cmd,
