@@ -329,8 +329,6 @@ class TrainData:
         tcfg = cfg.train
         if tcfg.features not in ("offline", "online"):
             raise ValueError(f"train.features '{tcfg.features}' is not one of offline, online")
-        if tcfg.pack_tokens is not None and tcfg.pack_tokens <= 0:
-            raise ValueError(f"train.pack_tokens must be positive or null, got {tcfg.pack_tokens}")
         if tcfg.drop_sources and tcfg.features != "online":
             raise ValueError("train.drop_sources is read by online training only (train.features: online)")
         if tcfg.more_tokens and tcfg.features != "online":
@@ -352,8 +350,6 @@ class TrainData:
         per_sample = self.dataset.loss_tokens()
         self.answer_tokens = self.all_answer_tokens = sum(per_sample)
         if tcfg.max_answer_tokens is not None:
-            if tcfg.max_answer_tokens <= 0:
-                raise ValueError(f"train.max_answer_tokens must be positive or null, got {tcfg.max_answer_tokens}")
             self.dataset, self.answer_tokens = answer_subset(self.dataset, per_sample, tcfg.max_answer_tokens, cfg.seed)
         if tcfg.features == "online":
             ensure_vocab(cfg, run_dir, self.dataset, self.where)
@@ -410,8 +406,6 @@ class TrainData:
         tcfg = self.cfg.train
         cuda = torch.cuda.is_available()
         workers = tcfg.num_workers if tcfg.num_workers is not None else (2 if cuda else 0)
-        if workers < 0:
-            raise ValueError(f"train.num_workers must be >= 0 or null, got {tcfg.num_workers}")
         # its own generator: an iterator draws its workers' base seed from it, not from the global RNG (which the
         # checkpoints save and restore, so a resumed run must draw from it exactly as a straight one)
         generator = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch + 104_729)
