@@ -7,6 +7,7 @@ rows of the draft vocab when the training targets come from last_hidden. train/l
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -46,12 +47,10 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
                     f"({folder}/config.json; its layout is kept)"
                 )
         return load_drafter(folder, load_input_embedding(cfg.target)).float()
-    dcfg = DrafterConfig.from_json(resolve_path(cfg.drafter.config))
+    overrides = {k: getattr(cfg.drafter, k) for k in ("fc_norm", "norm_output") if getattr(cfg.drafter, k) is not None}
     if cfg.drafter.draft_vocab_size:
-        dcfg.draft_vocab_size = cfg.drafter.draft_vocab_size
-    for flag in ("fc_norm", "norm_output"):
-        if getattr(cfg.drafter, flag) is not None:
-            setattr(dcfg, flag, getattr(cfg.drafter, flag))
+        overrides["draft_vocab_size"] = cfg.drafter.draft_vocab_size
+    dcfg = dataclasses.replace(DrafterConfig.from_json(resolve_path(cfg.drafter.config)), **overrides)
     check_drafter(dcfg, target, str(cfg.drafter.config), features)
     vocab_file = RunDir(run_dir).vocab
     if not vocab_file.is_file():
