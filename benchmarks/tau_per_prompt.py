@@ -25,9 +25,9 @@ import torch
 
 from eagle3ft.config import load_config, resolve_path
 from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
-from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target, load_prompts, prompt_sets
 from eagle3ft.eval.same_prompts import bench_answers, features
+from eagle3ft.setting import Setting
 from eagle3ft.targets.hf import load_target
 
 
@@ -79,7 +79,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
-    st = Setting(*map(int, args.setting.split("/")))
+    st = Setting.parse(args.setting)
     label, src = prompt_sets(cfg)[0]
     prompts = load_prompts(cfg, src)
     plain = bench_answers(args.run, label, len(prompts))

@@ -39,11 +39,11 @@ from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.contamination import HeldoutGrams, words
 from eagle3ft.data.regen_backends import Gen, RegenError, open_backend
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.targets.base import Sampling
 from eagle3ft.targets.hf import load_tokenizer
 
-MAGPIE_DIR = "magpie"
 _SENTINEL = "\x00MAGPIE\x00"
 
 
@@ -135,7 +135,7 @@ def _generate(backend, gens: list[Gen]) -> list:
 def main(cfg: Config, run_dir: str | Path) -> dict:
     """Draw prompts until `magpie.count` are kept (or `max_draws` are made); returns the summary."""
     m = cfg.harvest.magpie
-    folder = Path(run_dir) / MAGPIE_DIR
+    folder = RunDir(run_dir).magpie
     folder.mkdir(parents=True, exist_ok=True)
     out, state_path = folder / "prompts.jsonl", folder / "state.json"
     tokenizer = load_tokenizer(cfg.target)

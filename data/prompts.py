@@ -191,11 +191,7 @@ def iter_records(src: SourceConfig, skips: Counter) -> Iterator[object]:
     if src.categories:
         wanted = set(src.categories)
         records = (r for r in records if isinstance(r, dict) and r.get("category") in wanted)
-    if src.skip < 0:
-        raise ValueError(f"source skip {src.skip}: expected 0 or more")
     if src.per_category is not None:
-        if src.per_category < 1:
-            raise ValueError(f"source per_category {src.per_category}: expected at least 1")
         records = _per_category(records, src.per_category, src.skip)
     elif src.skip:
         records = itertools.islice(records, src.skip, None)

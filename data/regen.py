@@ -65,12 +65,10 @@ from eagle3ft.data.regen_backends import Answer, Gen, RegenError, open_backend
 from eagle3ft.data.store import SPLITS, StoreError
 from eagle3ft.data.tokens import TokenSample, TokenWriter, tokenizer_digest
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.targets.base import Sampling
 from eagle3ft.targets.hf import load_tokenizer
-
-TOKENS_DIR = "tokens"
-
 
 # --------------------------------------------------------------------------- conversations in flight
 
@@ -350,7 +348,7 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         "stop_ids": list(chat.stop_ids),
     }
     convs = longest_first(convs)
-    writer = TokenWriter(run_dir / TOKENS_DIR, identity, fingerprint(cfg, convs))
+    writer = TokenWriter(RunDir(run_dir).tokens, identity, fingerprint(cfg, convs))
     if record:
         save_resolved(cfg, run_dir, "regen")
     chunks = []
@@ -403,7 +401,7 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         },
         "time_s": round(time.time() - t0, 2),
     }
-    write_atomic(run_dir / TOKENS_DIR / "summary.json", json.dumps(summary, indent=1))
+    write_atomic(RunDir(run_dir).tokens / "summary.json", json.dumps(summary, indent=1))
     return summary
 
 

@@ -20,6 +20,7 @@ import yaml
 
 from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, to_dict
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
 
 
 def code_version() -> str:
@@ -49,9 +50,8 @@ def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str) -> Path:
 
     Each stage adds its own entry under `stages`, so the file records every stage's view.
     """
-    run = Path(run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    out = run / "config.yaml"
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    out = RunDir(run_dir).config
     doc = yaml.safe_load(out.read_text()) if out.exists() else {}
     doc = doc if isinstance(doc, dict) else {}
     doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg)}
@@ -87,7 +87,7 @@ def is_rank0() -> bool:
 
 
 def error_log(run_dir: str | os.PathLike, stage: str) -> Path:
-    return Path(run_dir) / "logs" / f"{stage}-error.log"
+    return RunDir(run_dir).error_log(stage)
 
 
 def _write_log(log: Path, error: BaseException) -> None:

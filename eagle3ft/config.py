@@ -30,6 +30,7 @@ from eagle3ft.config_build import (  # noqa: F401  (apply_override, ConfigError:
     parse_yaml,
     positive,
 )
+from eagle3ft.setting import Setting
 
 _CHECKOUT = Path(__file__).resolve().parent.parent
 # Config paths are relative to the checkout; an installed (non-editable) copy resolves them from the cwd.
@@ -294,18 +295,6 @@ class EvalConfig:
 
 
 @dataclass
-class BenchSetting:
-    """One speculation setting: SGLang's steps / topk / draft tokens."""
-
-    steps: int = 3
-    topk: int = 1
-    num_draft_tokens: int = 4
-
-    def __post_init__(self) -> None:
-        positive(self, "steps", "topk", "num_draft_tokens")
-
-
-@dataclass
 class BenchConfig:
     """eval/bench.py: live baseline vs speculation, interleaved repetitions."""
 
@@ -323,7 +312,7 @@ class BenchConfig:
     interleave: Literal["prompt", "pass"] = "prompt"
     temperature: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1])
-    settings: list[BenchSetting] = field(default_factory=lambda: [BenchSetting()])
+    settings: list[Setting] = field(default_factory=lambda: [Setting()])
     threads: int | None = None  # embedded: torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
     # embedded: the target's attention, "sdpa" (transformers') or "chain" (eval/chain_attention.py: batch 1, no mask
     # tensors, so a verify makes ~550-900 fewer aten ops; on the H200 a verify then costs a plain step, RESULTS §18a)
@@ -382,9 +371,7 @@ class ServeConfig:
     # eagle3: a draft model makes the server return its aux layers (any version) | aux_flag: SGLang >= 0.5.23, no draft
     harvest_capture: Literal["eagle3", "aux_flag"] = "eagle3"
     harvest_draft: str | None = None  # drafter folder (SGLang form) for harvest_capture=eagle3; default drafter.init
-    harvest_setting: BenchSetting = field(
-        default_factory=lambda: BenchSetting(1, 1, 2)
-    )  # the cheapest speculation while harvesting
+    harvest_setting: Setting = field(default_factory=lambda: Setting(1, 1, 2))  # the cheapest speculation, harvesting
     aux_capture_args: list[str] = field(
         default_factory=lambda: ["--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids"]
     )  # harvest_capture=aux_flag; the ids follow the last one

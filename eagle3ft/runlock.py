@@ -21,7 +21,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-LOCK_NAME = ".lock"
+from eagle3ft.run_dir import LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: part of this module's interface)
+
 UNREADABLE_GRACE_S = 5.0  # an owner writes its record at once: a lock unreadable for this long has no writer
 _held: dict[Path, list] = {}  # lock path -> [nesting depth, owner record], for this process
 
@@ -31,7 +32,7 @@ class RunLocked(RuntimeError):
 
 
 def lock_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / LOCK_NAME
+    return RunDir(run_dir).lock
 
 
 def read_owner(path: Path) -> dict | None:

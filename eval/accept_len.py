@@ -26,6 +26,7 @@ from eagle3ft.data.loops import answer_loops as loop_of_answers
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk_rows, tree_accept
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
 
 # --------------------------------------------------------------------------- counts -> tau
 
@@ -275,7 +276,7 @@ def run(cfg, run_dir: Path) -> AcceptReport:
 
     ec = cfg.eval
     ckpt = resolve_path(ec.checkpoint, base=run_dir)
-    store = FeatureStore(run_dir / "features")
+    store = FeatureStore(RunDir(run_dir).features)
     check_drafter_folder(ckpt, store.target, "eval.checkpoint", str(store.dir / MANIFEST))  # before any compute
     device = pick_device(cfg.target)
     drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
@@ -283,21 +284,19 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
     items = (ds[i] for i in range(n))
     rep = evaluate(drafter, items, ec.steps, ec.topk, ec.num_draft_tokens, ec.temperature, device, ec.tree_context)
-    out = run_dir / "eval"
-    out.mkdir(parents=True, exist_ok=True)
+    out = RunDir(run_dir).accept_len
+    out.parent.mkdir(parents=True, exist_ok=True)
     held_out = [
         asdict(s) for s in cfg.harvest.sources if s.split in ("heldout", "auto")
     ]  # where the held-out split came from
     data = {
-        "features": str(run_dir / "features"),
+        "features": str(RunDir(run_dir).features),
         "split": "heldout",
         "samples_in_split": len(ds),
         "sources": held_out,
         "heldout_fraction": cfg.harvest.heldout_fraction,
     }
-    write_atomic(
-        out / "accept_len.json", json.dumps({**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2)
-    )
+    write_atomic(out, json.dumps({**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2))
     return rep
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from eagle3ft.eval import chain_attention
-from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import RequestResult, base_environment, check_drafter_for_run, drafter_on_target
 from eagle3ft.eval.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
+from eagle3ft.setting import Setting
 
 
 def sync(device: torch.device) -> None:

@@ -43,8 +43,7 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.config import BenchSetting, resolve_path
-from eagle3ft.eval.costs import Setting
+from eagle3ft.config import resolve_path
 from eagle3ft.eval.harness import (
     RequestResult,
     base_environment,
@@ -57,6 +56,8 @@ from eagle3ft.eval.harness import (
 )
 from eagle3ft.eval.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
+from eagle3ft.setting import Setting
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
 
@@ -103,8 +104,9 @@ class SGLangBackend:
         self._given: dict[str, tuple[str, dict, str]] | None = None  # _given_speculative, once
         self.server_tau: dict[str, list[float]] = {}
         self.request_tau: dict[str, list[float]] = {}
-        (self.run_dir / "bench").mkdir(parents=True, exist_ok=True)
-        self._log = open(self.run_dir / "bench" / "sglang_requests.jsonl", "a")
+        bench = RunDir(self.run_dir).bench
+        bench.mkdir(parents=True, exist_ok=True)
+        self._log = open(bench / "sglang_requests.jsonl", "a")
         self._lock = threading.Lock()
         atexit.register(self.close)
 
@@ -184,14 +186,7 @@ class SGLangBackend:
             server = server_for(self.cfg, self.run_dir, "baseline", port)
         else:
             drafter = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
-            server = server_for(
-                self.cfg,
-                self.run_dir,
-                "speculative",
-                port,
-                drafter,
-                BenchSetting(setting.steps, setting.topk, setting.num_draft_tokens),
-            )
+            server = server_for(self.cfg, self.run_dir, "speculative", port, drafter, setting)
         server.start()
         try:
             server.wait_healthy()
@@ -362,12 +357,11 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
     levels = sorted({c for c in cfg.bench.concurrency if c > 1})
     if not levels:
         return None
-    settings = [Setting.of(s) for s in cfg.bench.settings]
     out: dict = {"levels": {}}
     for c in levels:
         rows: dict[str, list[dict]] = {}
         for rep in range(cfg.bench.repetitions):
-            for s in [None, *settings]:
+            for s in [None, *cfg.bench.settings]:
                 key = "baseline" if s is None else s.key
                 r = backend.throughput(s, prompts, cfg.bench.max_new_tokens, c)
                 rows.setdefault(key, []).append(r)
@@ -382,7 +376,7 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
             }
             for key, rs in rows.items()
         }
-    path = Path(run_dir) / "bench" / "concurrency.json"
+    path = RunDir(run_dir).bench / "concurrency.json"
     write_atomic(path, json.dumps(out, indent=2))
     return out
 

@@ -25,8 +25,10 @@ import json
 from pathlib import Path
 
 from eagle3ft.config import resolve_path
-from eagle3ft.eval.costs import Setting, cost_model_from_summary, fmt, max_tau
+from eagle3ft.eval.costs import cost_model_from_summary, fmt, max_tau
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
+from eagle3ft.setting import Setting
 
 CALIBRATION_SCHEMA = 1
 
@@ -170,7 +172,7 @@ def predict(
     intervals = intervals or {}
     rows = []
     for key, tau in sorted(offline_tau.items()):
-        st = Setting(*map(int, key.split("/")))
+        st = Setting.parse(key)
         steps = None
         if key in cal["settings"]:
             cycle, basis = cal["settings"][key]["cycle_s"], "measured"
@@ -314,7 +316,7 @@ def format_prediction(p: dict) -> str:
 
 
 def write_calibration(run_dir: Path, summary: dict, target: str | None = None) -> Path:
-    out = Path(run_dir) / "bench" / "calibration.json"
+    out = RunDir(run_dir).calibration
     write_atomic(out, json.dumps(calibration_from_summary(summary, str(run_dir), target), indent=2))
     return out
 
@@ -327,9 +329,9 @@ def write_prediction(
     intervals: dict | None = None,
 ) -> dict:
     """RUN/bench/prediction.json: made_before_bench stays true while the prediction is unchanged."""
-    out = Path(run_dir) / "bench" / "prediction.json"
+    out = RunDir(run_dir).prediction
     pred = predict(cal, offline_tau, tau_basis, intervals)
-    before = not (Path(run_dir) / "bench" / "summary.json").exists()
+    before = not RunDir(run_dir).bench_summary.exists()
     if out.exists():
         old = json.loads(out.read_text())
         before = before or (old.get("made_before_bench", False) and old.get("rows") == pred["rows"])

@@ -23,26 +23,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Setting:
-    """SGLang's speculation knobs: --speculative-num-steps / -eagle-topk / -num-draft-tokens."""
-
-    steps: int
-    topk: int
-    num_draft_tokens: int
-
-    @property
-    def key(self) -> str:
-        return f"{self.steps}/{self.topk}/{self.num_draft_tokens}"
-
-    @classmethod
-    def of(cls, obj) -> "Setting":
-        if isinstance(obj, Setting):
-            return obj
-        if isinstance(obj, dict):
-            return cls(int(obj["steps"]), int(obj["topk"]), int(obj["num_draft_tokens"]))
-        return cls(int(obj.steps), int(obj.topk), int(obj.num_draft_tokens))
+from eagle3ft.setting import Setting
 
 
 @dataclass

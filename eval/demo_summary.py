@@ -34,9 +34,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.files import write_atomic
-
-DEMO_DIR = "demo"
-
+from eagle3ft.run_dir import RunDir
 
 # --------------------------------------------------------------------------- held-out samples by source
 
@@ -103,7 +101,7 @@ def _check_drafters(cfg, run_dir: Path, folders: dict[str, Path]):
     from eagle3ft.data.store import MANIFEST, FeatureStore
     from eagle3ft.drafter.config import check_drafter_folder
 
-    store = FeatureStore(run_dir / "features")
+    store = FeatureStore(RunDir(run_dir).features)
     for label, folder in folders.items():
         check_drafter_folder(folder, store.target, label, str(store.dir / MANIFEST))
     return store.dataset("heldout")
@@ -113,8 +111,8 @@ def offline_all(cfg, run_dir: Path, drafters: dict, folders: dict[str, Path], ds
     """Offline tau per held-out source for each loaded drafter; writes RUN/demo/offline-<label>.json."""
     groups = group_heldout(ds, heldout_kinds(cfg))
     if not groups:
-        raise ValueError(f"{run_dir / 'features'} has no held-out samples (harvest.sources with split heldout)")
-    out_dir = run_dir / DEMO_DIR
+        raise ValueError(f"{RunDir(run_dir).features} has no held-out samples (harvest.sources with split heldout)")
+    out_dir = RunDir(run_dir).demo
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for label, drafter in drafters.items():
@@ -187,19 +185,19 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
 def _training(run_dir: Path) -> dict:
     """What the fine-tune did: steps, seconds, the train split it saw, the held-out tau the trainer measured."""
     out: dict = {}
-    metrics = run_dir / "train" / "metrics.jsonl"
+    metrics = RunDir(run_dir).metrics
     if metrics.is_file():
         rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
         steps = [r for r in rows if "step" in r and "loss" in r]
         if steps:
             out["steps"] = steps[-1]["step"]
             out["train_s"] = round(sum(r.get("s_per_step", 0.0) for r in steps), 1)
-    manifest = run_dir / "features" / "manifest.json"
+    manifest = RunDir(run_dir).features_manifest
     if manifest.is_file():
         counts = json.loads(manifest.read_text()).get("counts", {})
         out["train_split"] = counts.get("train")
         out["heldout_split"] = counts.get("heldout")
-    card = run_dir / "export" / "card.json"
+    card = RunDir(run_dir).export / "card.json"
     if card.is_file():
         out["export_card"] = json.loads(card.read_text())
     return out
@@ -207,16 +205,14 @@ def _training(run_dir: Path) -> dict:
 
 def build(cfg, run_dir: Path, before: str, after: str) -> dict:
     """The before/after table as data: per prompt set (domain first) offline tau, live tau, tok/s and break-even."""
-    from eagle3ft.eval.costs import Setting
-
-    summary_path = run_dir / "bench" / "summary.json"
+    summary_path = RunDir(run_dir).bench_summary
     bench = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     offline = {}
     for label in (before, after):
-        p = run_dir / DEMO_DIR / f"offline-{label}.json"
+        p = RunDir(run_dir).demo / f"offline-{label}.json"
         offline[label] = json.loads(p.read_text()) if p.is_file() else None
     domain = cfg.bench.prompts.kind
-    setting = Setting.of(cfg.bench.settings[-1]).key  # the deepest benchmarked setting
+    setting = cfg.bench.settings[-1].key  # the deepest benchmarked setting
     seen = {k for o in offline.values() if o for k in o["sets"]} | set((bench or {}).get("prompt_sets", {}))
     kinds = [domain] + sorted(seen - {domain})
     sets = []
@@ -324,7 +320,7 @@ def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | Non
     after = after or cfg.eval.checkpoint
     h = build(cfg, run_dir, before, after)
     text = format_headline(h)
-    out = run_dir / DEMO_DIR
+    out = RunDir(run_dir).demo
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "summary.json", json.dumps({**h, "headline": text}, indent=2) + "\n")
     write_atomic(out / "summary.md", "# Demo: before and after the fine-tune\n\n```\n" + text + "\n```\n")

@@ -23,8 +23,10 @@ from eagle3ft.eval.calibration import (
     write_calibration,
     write_prediction,
 )
-from eagle3ft.eval.costs import GOAL_SPEEDUPS, Setting, cost_model_from_summary, fmt, reach, reach_text
+from eagle3ft.eval.costs import GOAL_SPEEDUPS, cost_model_from_summary, fmt, reach, reach_text
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
+from eagle3ft.setting import Setting
 
 
 @dataclass
@@ -121,7 +123,7 @@ def analyse(
             break
     offline_rows = []
     for key, tau in sorted(offline_tau.items()):
-        st = Setting(*map(int, key.split("/")))
+        st = Setting.parse(key)
         offline_rows.append(
             {
                 "setting": key,
@@ -210,7 +212,7 @@ def read_offline_tau(accept_len_json: Path) -> tuple[dict[str, float], str, dict
 
 def offline_loop_free(run_dir: Path) -> dict[str, float]:
     """The offline walk's tau on loop-free tokens per setting (accept_len.json), where it has one."""
-    path = Path(run_dir) / "eval" / "accept_len.json"
+    path = RunDir(run_dir).accept_len
     settings = json.loads(path.read_text()).get("settings", {}) if path.exists() else {}
     return {k: v["tau_walk_loop_free"] for k, v in settings.items() if v.get("tau_walk_loop_free")}
 
@@ -218,16 +220,16 @@ def offline_loop_free(run_dir: Path) -> dict[str, float]:
 def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
     """economics.json (+ calibration.json) from this run's summary, and the prediction when bench.calibration is set."""
     run_dir = Path(run_dir)
-    offline, basis, intervals = read_offline_tau(run_dir / "eval" / "accept_len.json")
+    offline, basis, intervals = read_offline_tau(RunDir(run_dir).accept_len)
     cal = from_config(cfg)
     target = cfg.target.name if cfg is not None else None
     pred = write_prediction(run_dir, cal, offline, basis, intervals) if cal else None
-    summary_path = run_dir / "bench" / "summary.json"
+    summary_path = RunDir(run_dir).bench_summary
     if not summary_path.exists():
         return None, pred
     summary = json.loads(summary_path.read_text())
     ec = analyse(summary, offline, cal, tok_s, target, basis, intervals, offline_loop_free(run_dir))
-    mine = run_dir.resolve() / "bench" / "calibration.json"
+    mine = RunDir(run_dir.resolve()).calibration
     if ec.calibrated and (
         Path(cal["source_run"]).resolve() == run_dir.resolve()
         or any(Path(p).resolve() == mine for p in cal.get("pool", []))
@@ -235,7 +237,7 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
         ec.calibrated["warnings"].append(
             "the calibration comes from this very run: its prediction restates the measurement"
         )
-    write_atomic(run_dir / "bench" / "economics.json", json.dumps(ec.to_dict(), indent=2))
+    write_atomic(RunDir(run_dir).economics, json.dumps(ec.to_dict(), indent=2))
     write_calibration(run_dir, summary, target)
     return ec, pred
 
@@ -262,10 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         print(format_table(ec))
     elif pred is not None:
         print(format_prediction(pred))
-        print(
-            f"no {run_dir / 'bench' / 'summary.json'} yet: this prediction is in "
-            f"{run_dir / 'bench' / 'prediction.json'}"
-        )
+        print(f"no {RunDir(run_dir).bench_summary} yet: this prediction is in {RunDir(run_dir).prediction}")
 
 
 if __name__ == "__main__":

@@ -58,11 +58,12 @@ from typing import Protocol, runtime_checkable
 
 from eagle3ft.eval import economics
 from eagle3ft.eval.bench_format import format_summary  # noqa: F401 (the entry points print it)
-from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.economics import format_table
 from eagle3ft.eval.environment import base_environment, cpu_model, gpu_clocks  # noqa: F401 (the backends')
 from eagle3ft.eval.live_splits import arm_figures
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
+from eagle3ft.setting import Setting
 
 
 @dataclass
@@ -109,11 +110,11 @@ class BenchBackend(Protocol):
 def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
     """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
     else the folder alone (readable weights, consistent d2t/t2d); returns its DrafterConfig. Before any compute."""
-    from eagle3ft.data.store import MANIFEST, FeatureStore
+    from eagle3ft.data.store import FeatureStore
     from eagle3ft.drafter.config import DrafterConfig, check_drafter_folder
     from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
 
-    manifest = Path(run_dir) / "features" / MANIFEST
+    manifest = RunDir(run_dir).features_manifest
     if manifest.is_file():
         return check_drafter_folder(folder, FeatureStore(manifest.parent, verify=False).target, where, str(manifest))
     if not (Path(folder) / "config.json").is_file():
@@ -309,13 +310,14 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
 def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
     """The benchmark on `backend`: warm-up, interleaved repetitions, summary, economics."""
     bc = cfg.bench
-    settings = [Setting.of(s) for s in bc.settings]
+    settings = bc.settings
     labels = drafter_labels(cfg)
     if len(labels) > 1 and not hasattr(backend, "use_drafter"):
         raise ValueError(f"bench.drafters: the {backend.name} backend benches one drafter (eval.checkpoint)")
     sets = [(label, src, load_prompts(cfg, src)) for label, src in prompt_sets(cfg)]
     primary_set, primary_drafter = sets[0][0], labels[0]
-    out = run_dir / "bench"
+    paths = RunDir(run_dir)
+    out = paths.bench
     out.mkdir(parents=True, exist_ok=True)
     log(
         f"bench: {backend.name}, {' + '.join(f'{len(p)} {label}' for label, _, p in sets)} prompts, "
@@ -367,7 +369,7 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
                 for (d, s), results in zip(arms, got):
                     mode, key = ("baseline", None) if s is None else ("speculative", s.key)
                     record(rep, mode, key, pset, d, results)
-    os.replace(out / "runs.jsonl.tmp", out / "runs.jsonl")
+    os.replace(out / "runs.jsonl.tmp", paths.bench_runs)
     curve = None
     if hasattr(backend, "verify_costs"):
         sizes = sorted({1, *range(2, max(s.num_draft_tokens for s in settings) + 3)})
@@ -413,7 +415,7 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
         "offline_same_prompts": top["drafters"][primary_drafter]["offline_same_prompts"],
         "prompt_sets": by_set,
     }
-    write_atomic(out / "summary.json", json.dumps(summary, indent=2))
+    write_atomic(paths.bench_summary, json.dumps(summary, indent=2))
     ec, _ = economics.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
     log(format_table(ec))
     return summary

@@ -21,6 +21,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from eagle3ft.run_dir import RunDir
+
 DRAFTER_FILES = ("config.json", "model.safetensors")
 STAGES = ("eval", "bench", "economics", "report")
 
@@ -40,7 +42,7 @@ def stage_command(script: str, config: str, run_dir: Path) -> str:
 
 
 def _checkpoints(run_dir: Path) -> list[str]:
-    found = [p.name for p in (run_dir / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+", p.name)]
+    found = [p.name for p in RunDir(run_dir).ckpt.glob("step-*") if re.fullmatch(r"step-\d+", p.name)]
     return sorted(found, key=lambda n: int(n.split("-")[1]))
 
 
@@ -52,7 +54,7 @@ def missing_drafter(checkpoint: Path, run_dir: Path, config: str) -> str | None:
     what = (
         f"no drafter at {checkpoint}" if not checkpoint.exists() else f"{checkpoint} has no {' and no '.join(lacking)}"
     )
-    if checkpoint != run_dir / "export":
+    if checkpoint != RunDir(run_dir).export:
         return f"{what} (eval.checkpoint): point --set eval.checkpoint=DIR at an exported drafter folder"
     ckpts = _checkpoints(run_dir)
     state = f"training stopped at ckpt/{ckpts[-1]} before the export; resume it" if ckpts else "train one"
@@ -67,10 +69,8 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
         raise ValueError(f"preflight stage {stage!r}: expected one of {STAGES}")
     run_dir = Path(run_dir)
     drafter = lambda: missing_drafter(resolve_path(cfg.eval.checkpoint, base=run_dir), run_dir, config)  # noqa: E731
-    features = run_dir / "features" / "manifest.json"
-    offline = run_dir / "eval" / "accept_len.json"
-    summary = run_dir / "bench" / "summary.json"
-    metrics = run_dir / "train" / "metrics.jsonl"
+    run = RunDir(run_dir)
+    features, offline, summary, metrics = run.features_manifest, run.accept_len, run.bench_summary, run.metrics
     if stage == "eval":
         if not features.is_file():
             return f"no {features}: harvest first: {stage_command('data/harvest.py', config, run_dir)}"

@@ -29,6 +29,8 @@ from eagle3ft.eval.economics import analyse, read_offline_tau
 from eagle3ft.eval.report_md import headline_text, markdown
 from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
+from eagle3ft.setting import Setting
 
 
 def _read_json(p: Path) -> dict | None:
@@ -123,22 +125,23 @@ def step_time(metrics: list[dict]) -> dict | None:
 
 def build(run_dir: Path, cfg=None) -> dict:
     """report.json, report.md and the plots of `run_dir`; `cfg` supplies bench.calibration when set."""
-    out = run_dir / "eval"
+    run = RunDir(run_dir)
+    out = run.eval
     out.mkdir(parents=True, exist_ok=True)
-    metrics, heldout = read_metrics(run_dir / "train" / "metrics.jsonl")
+    metrics, heldout = read_metrics(run.metrics)
     est = {
         str(m["step"]): m["accept_len_est"]
         for m in metrics
         if m["step"] in {h["step"] for h in heldout} and "accept_len_est" in m
     }
-    exports = {name: card for name in ("export", "export-best") if (card := _read_json(run_dir / name / "card.json"))}
-    acc = _read_json(out / "accept_len.json")
+    exports = {p.name: card for p in (run.export, run.export_best) if (card := _read_json(p / "card.json"))}
+    acc = _read_json(run.accept_len)
     if acc and acc.get("checkpoint"):
         acc = {**acc, "card": _read_json(Path(acc["checkpoint"]) / "card.json")}
-    summary = _read_json(run_dir / "bench" / "summary.json")
-    offline, basis, intervals = read_offline_tau(out / "accept_len.json")
+    summary = _read_json(run.bench_summary)
+    offline, basis, intervals = read_offline_tau(run.accept_len)
     cal = from_config(cfg)
-    prediction = _read_json(run_dir / "bench" / "prediction.json")
+    prediction = _read_json(run.prediction)
     econ = analyse(summary, offline, cal, tau_basis=basis, intervals=intervals).to_dict() if summary else None
     if econ and not econ["calibrated"] and prediction:
         econ["calibrated"] = join(prediction, summary)
@@ -161,7 +164,7 @@ def build(run_dir: Path, cfg=None) -> dict:
     if acc:
         headline["tau_offline"] = acc["headline_tau"]
     if summary and summary["speculative"]:
-        cfg_key = f"{acc['steps']}/{acc['topk']}/{acc['num_draft_tokens']}" if acc else None
+        cfg_key = Setting.of(acc).key if acc else None
         rows = {r["key"]: r for r in summary["speculative"]}
         best = rows.get(econ["best_setting"]) or summary["speculative"][0]
         head = rows.get(cfg_key) if cfg_key in rows else best
@@ -201,7 +204,7 @@ def build(run_dir: Path, cfg=None) -> dict:
         "plots": plots,
     }
     write_atomic(out / "report.json", json.dumps(report, indent=2))
-    write_atomic(out / "report.md", markdown(report))
+    write_atomic(run.report_md, markdown(report))
     return report
 
 
@@ -217,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with holding(run_dir, "report", "report.py"), cli_errors("report.py", log=error_log(run_dir, "report")):
         rep = build(run_dir, cfg)
-    print(f"report: {run_dir / 'eval' / 'report.md'}")
+    print(f"report: {RunDir(run_dir).report_md}")
     print(headline_text(rep["headline"]))
     if rep["verdict"]:
         print(rep["verdict"])

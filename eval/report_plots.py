@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from eagle3ft.eval.costs import Setting  # noqa: E402
+from eagle3ft.setting import Setting  # noqa: E402
 
 
 def _save(fig, out: Path) -> Path:

@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import first_answers
 from eagle3ft.eval.speculate import aux_from_hidden_states
 from eagle3ft.files import read_json
+from eagle3ft.run_dir import RunDir
+from eagle3ft.setting import Setting
 
 
 @torch.no_grad()
@@ -108,7 +109,7 @@ def checkpoint_offline_tau(
 def bench_answers(run: Path, label: str, count: int, setting: str | None = None) -> list[list[int]]:
     """The first repetition's greedy answers of prompt set `label` in the bench run `run`, by prompt index: the plain
     pass's, or with `setting` (a key such as "3/1/4") the speculative pass's, the tokens its live tau was counted on."""
-    runs, summary = run / "bench" / "runs.jsonl", run / "bench" / "summary.json"
+    runs, summary = RunDir(run).bench_runs, RunDir(run).bench_summary
     if not runs.is_file() or not summary.is_file():
         raise FileNotFoundError(f"--answers-from {run}: no finished bench there ({runs} and {summary} are needed)")
     if read_json(summary, "the bench summary").get("temperature") != 0:
@@ -148,8 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = load_prompts(cfg, src)
         source = Path(args.answers_from)
         answers = bench_answers(source, label, len(prompts), args.answers_of)
-        settings = [Setting.of(s) for s in cfg.bench.settings]
-        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, settings)
+        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, cfg.bench.settings)
         if rep is None:
             raise ValueError("bench.settings is empty: nothing to evaluate")
         doc = {
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                 for k, v in rep["settings"].items()
             },
         }
-        out = run_dir / "eval" / "accept_len.json"
+        out = RunDir(run_dir).accept_len
         out.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(out, json.dumps(doc, indent=1).encode())
     print(

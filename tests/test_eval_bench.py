@@ -10,7 +10,7 @@ from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval import bench, harness, report
-from eagle3ft.eval.costs import Setting
+from eagle3ft.setting import Setting
 
 
 @pytest.fixture(scope="module")

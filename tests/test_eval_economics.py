@@ -15,8 +15,9 @@ from eagle3ft.eval.calibration import (
     load_calibration,
     predict,
 )
-from eagle3ft.eval.costs import CostModel, Setting, max_tau, reach, reach_text
+from eagle3ft.eval.costs import CostModel, max_tau, reach, reach_text
 from eagle3ft.eval.economics import analyse, format_table, main, read_offline_tau
+from eagle3ft.setting import Setting
 
 S324 = Setting(steps=2, topk=1, num_draft_tokens=3)
 

@@ -11,11 +11,11 @@ from eagle3ft.config import load_config
 from eagle3ft.eval import harness
 from eagle3ft.eval.accept_len import evaluate
 from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk
-from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.harness import RequestResult
 from eagle3ft.eval.same_prompts import bench_answers, offline_tau
 from eagle3ft.eval.same_prompts import features as bench_features
 from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+from eagle3ft.setting import Setting
 
 
 def test_features_match_the_reference_item():

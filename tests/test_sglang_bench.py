@@ -17,10 +17,10 @@ from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval import harness, same_prompts
 from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
-from eagle3ft.eval.costs import Setting
 from eagle3ft.eval.economics import offline_tau_by_setting
 from eagle3ft.eval.same_prompts import offline_tau
 from eagle3ft.eval.speculate import SpeculativeDecoder
+from eagle3ft.setting import Setting
 from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang_http import SGLangError
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3ft.config import REPO_ROOT, BenchSetting, load_config, to_dict
+from eagle3ft.config import REPO_ROOT, ConfigError, load_config, to_dict
 from eagle3ft.data.chat import TEMPLATES
 from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.setting import Setting
 from eagle3ft.targets.sglang import target_identity
-from eagle3ft.targets.sglang_server import LaunchError, build_command, health, main, parse_setting, server_for
+from eagle3ft.targets.sglang_server import LaunchError, build_command, health, main, server_for
 
 KIMI = REPO_ROOT / "configs/kimi-k25-8gpu.yaml"
 DOUBLE = Path(__file__).parent / "sglang_double.py"
@@ -83,11 +84,13 @@ def test_harvest_draft_must_capture_the_drafters_layers(tmp_path):
 
 def test_settings_sglang_refuses_are_refused():
     cfg = load_config(KIMI)
-    assert parse_setting("5/1/6") == BenchSetting(5, 1, 6)
+    assert Setting.parse("5/1/6") == Setting(5, 1, 6) and Setting.of("5/1/6").key == "5/1/6"
     with pytest.raises(LaunchError, match="at most steps \\+ 1"):
-        build_command(cfg, "speculative", drafter="/x", setting=BenchSetting(3, 1, 5))
-    with pytest.raises(LaunchError, match="steps/topk/num_draft_tokens"):
-        parse_setting("3-1-4")
+        build_command(cfg, "speculative", drafter="/x", setting=Setting(3, 1, 5))
+    with pytest.raises(ConfigError, match="steps/topk/num_draft_tokens"):
+        Setting.parse("3-1-4")
+    with pytest.raises(ConfigError, match="Setting.steps must be positive"):
+        Setting.parse("0/1/4")
     cfg.serve.model_path = None
     with pytest.raises(LaunchError, match="serve.model_path"):
         build_command(cfg, "baseline")

@@ -7,6 +7,7 @@ rows of the draft vocab when the training targets come from last_hidden. train/l
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from eagle3ft.drafter.export import load_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.drafter.model_mla import new_drafter
 from eagle3ft.drafter.vocab import load_vocab, save_vocab
+from eagle3ft.run_dir import RunDir
 from eagle3ft.train.data import TrainData
 
 
@@ -28,7 +30,7 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
     """
     from eagle3ft.targets.hf import load_input_embedding
 
-    features = str(run_dir / "features" / "manifest.json")
+    features = str(RunDir(run_dir).features_manifest)
     if cfg.drafter.init:
         folder = resolve_path(cfg.drafter.init)
         spec = check_drafter_folder(folder, target, "warm start", features)
@@ -45,14 +47,12 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
                     f"({folder}/config.json; its layout is kept)"
                 )
         return load_drafter(folder, load_input_embedding(cfg.target)).float()
-    dcfg = DrafterConfig.from_json(resolve_path(cfg.drafter.config))
+    overrides = {k: getattr(cfg.drafter, k) for k in ("fc_norm", "norm_output") if getattr(cfg.drafter, k) is not None}
     if cfg.drafter.draft_vocab_size:
-        dcfg.draft_vocab_size = cfg.drafter.draft_vocab_size
-    for flag in ("fc_norm", "norm_output"):
-        if getattr(cfg.drafter, flag) is not None:
-            setattr(dcfg, flag, getattr(cfg.drafter, flag))
+        overrides["draft_vocab_size"] = cfg.drafter.draft_vocab_size
+    dcfg = dataclasses.replace(DrafterConfig.from_json(resolve_path(cfg.drafter.config)), **overrides)
     check_drafter(dcfg, target, str(cfg.drafter.config), features)
-    vocab_file = run_dir / "vocab.safetensors"
+    vocab_file = RunDir(run_dir).vocab
     if not vocab_file.is_file():
         raise FileNotFoundError(
             f"{vocab_file} not found: the harvest writes it (python data/harvest.py ... --run-dir {run_dir})"
@@ -70,7 +70,7 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
 def adopt_drafter_vocab(run_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, folder: Path) -> str | None:
     """After a warm start the run's vocab.safetensors is the drafter's: rewrite it when it differs (or is
     missing or unreadable) and return what was done, so the run folder never holds two vocabularies."""
-    vocab_file = run_dir / "vocab.safetensors"
+    vocab_file = RunDir(run_dir).vocab
     d2t, t2d = d2t.cpu().to(torch.int64), t2d.cpu().to(torch.bool)
     try:
         old = load_vocab(vocab_file) if vocab_file.is_file() else None

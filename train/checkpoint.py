@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import drafter_tensors, write_drafter
+from eagle3ft.run_dir import RunDir
 
 TRAINER_STATE, STATE_TENSORS, STATE_JSON = "trainer_state.json", "state.safetensors", "state.json"
 FORMAT = "eagle3ft-train-state-2"
@@ -33,7 +34,7 @@ FORMAT = "eagle3ft-train-state-2"
 
 def step_dirs(run_dir: Path) -> list[Path]:
     """Every ckpt/step-N folder, oldest first."""
-    found = [p for p in (Path(run_dir) / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir()]
+    found = [p for p in RunDir(run_dir).ckpt.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -82,7 +83,7 @@ def choose_resume(run_dir: Path, resume: str | None) -> tuple[Path | None, list[
             refused.append(str(e))
     if refused:
         raise CheckpointError(
-            f"--resume auto: no checkpoint in {Path(run_dir) / 'ckpt'} verifies ({'; '.join(refused)}); start over "
+            f"--resume auto: no checkpoint in {RunDir(run_dir).ckpt} verifies ({'; '.join(refused)}); start over "
             "with --overwrite"
         )
     return None, []
@@ -132,7 +133,7 @@ class StateTensors:
 def save_checkpoint(dist, module, cfg: DrafterConfig, run_dir: Path, step: int, trainer_state: dict, keep: int) -> Path:
     """Collective: every rank calls it. Writes ckpt/step-N atomically (from the main process) and keeps the newest
     `keep`."""
-    root = Path(run_dir) / "ckpt"
+    root = RunDir(run_dir).ckpt
     final = root / f"step-{step}"
     tensors, meta = dist.training_state()
     state = dist.full_state_dict(module)

@@ -38,6 +38,7 @@ from eagle3ft.data.loops import answer_loops
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate, dequantize_aux, quantize_aux
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
+from eagle3ft.run_dir import RunDir
 from eagle3ft.train.metrics import elapsed, timestamp
 
 TOKEN_KEYS = ("input_ids", "loss_mask")
@@ -254,7 +255,7 @@ def token_dataset(
     (train.drop_sources)."""
     from eagle3ft.data.tokens import TokenDataset, TokenStore
 
-    tokens = run_dir / "tokens"
+    tokens = RunDir(run_dir).tokens
     if (tokens / MANIFEST).is_file():
         first = TokenStore(tokens)
         others = [TokenStore(resolve_path(p)) for p in more] if split == "train" else []
@@ -308,7 +309,7 @@ def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
         item = dataset[i]
         counts += torch.bincount(item["input_ids"][item["loss_mask"].bool()], minlength=spec.vocab_size)
     d2t, t2d = build_vocab(counts, spec.draft_vocab_size)
-    path = run_dir / "vocab.safetensors"
+    path = RunDir(run_dir).vocab
     if path.is_file():
         old_d2t, old_t2d = load_vocab(path)
         if old_d2t.shape == d2t.shape and torch.equal(old_d2t, d2t) and torch.equal(old_t2d, t2d):
@@ -328,14 +329,12 @@ class TrainData:
         tcfg = cfg.train
         if tcfg.features not in ("offline", "online"):
             raise ValueError(f"train.features '{tcfg.features}' is not one of offline, online")
-        if tcfg.pack_tokens is not None and tcfg.pack_tokens <= 0:
-            raise ValueError(f"train.pack_tokens must be positive or null, got {tcfg.pack_tokens}")
         if tcfg.drop_sources and tcfg.features != "online":
             raise ValueError("train.drop_sources is read by online training only (train.features: online)")
         if tcfg.more_tokens and tcfg.features != "online":
             raise ValueError("train.more_tokens is read by online training only (train.features: online)")
         self.cfg, self.online, self._bins = cfg, None, {}
-        features = run_dir / "features"
+        features = RunDir(run_dir).features
         self.store = (
             FeatureStore(features) if tcfg.features == "offline" or (features / MANIFEST).is_file() else None
         )  # also the held-out split
@@ -351,8 +350,6 @@ class TrainData:
         per_sample = self.dataset.loss_tokens()
         self.answer_tokens = self.all_answer_tokens = sum(per_sample)
         if tcfg.max_answer_tokens is not None:
-            if tcfg.max_answer_tokens <= 0:
-                raise ValueError(f"train.max_answer_tokens must be positive or null, got {tcfg.max_answer_tokens}")
             self.dataset, self.answer_tokens = answer_subset(self.dataset, per_sample, tcfg.max_answer_tokens, cfg.seed)
         if tcfg.features == "online":
             ensure_vocab(cfg, run_dir, self.dataset, self.where)
@@ -375,7 +372,7 @@ class TrainData:
         if self.online is None:
             return (
                 (self.store.dataset("heldout") if self.store is not None else []),
-                str(self.run_dir / "features"),
+                str(RunDir(self.run_dir).features),
                 None,
             )
         ds, where = token_dataset(self.run_dir, self.store, "heldout")
@@ -409,8 +406,6 @@ class TrainData:
         tcfg = self.cfg.train
         cuda = torch.cuda.is_available()
         workers = tcfg.num_workers if tcfg.num_workers is not None else (2 if cuda else 0)
-        if workers < 0:
-            raise ValueError(f"train.num_workers must be >= 0 or null, got {tcfg.num_workers}")
         # its own generator: an iterator draws its workers' base seed from it, not from the global RNG (which the
         # checkpoints save and restore, so a resumed run must draw from it exactly as a straight one)
         generator = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch + 104_729)

@@ -11,6 +11,7 @@ DIR/logs/train-error.log.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from contextlib import nullcontext
@@ -42,7 +43,7 @@ def cli(argv: list[str] | None = None) -> int:
     with rank0_voice(end_launch):
         cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
     if args.resume is not None:
-        cfg.train.resume = args.resume
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=args.resume))
     rank0 = is_rank0()  # rank 0 holds the run folder's lock and records run_dir/config.yaml
     errors = (StoreError, NonFiniteLoss, OutOfMemoryHint, RunLocked)
     with cli_errors("finetune", *errors, log=error_log(run_dir, "train"), end_launch=end_launch):  # one line

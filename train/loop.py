@@ -27,6 +27,7 @@ from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
 from eagle3ft.data.store import _write_atomic
 from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
+from eagle3ft.run_dir import RunDir
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
 from eagle3ft.train.checkpoint import choose_resume, load_checkpoint, resume_position, save_checkpoint, truncate_metrics
 from eagle3ft.train.data import TrainData
@@ -112,7 +113,7 @@ class Run:
 
     @property
     def metrics_file(self) -> Path:
-        return self.run_dir / "train" / "metrics.jsonl"
+        return RunDir(self.run_dir).metrics
 
     def trainer_state(self) -> dict:
         """What a checkpoint records besides the weights: the step, the data position, the config, the last metrics."""
@@ -213,7 +214,7 @@ def resume(run: Run) -> bool:
     for why in refused:
         run.dist.print(f"--resume auto: passed over a damaged checkpoint: {why}")
     if ckpt is None and run.cfg.train.resume == "auto":
-        run.dist.print(f"--resume auto: no checkpoint in {run.run_dir / 'ckpt'}; starting at step 0")
+        run.dist.print(f"--resume auto: no checkpoint in {RunDir(run.run_dir).ckpt}; starting at step 0")
     if ckpt is not None:
         st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed)
         run.step = st["step"]
@@ -347,22 +348,19 @@ def fit(run: Run) -> None:
 
 def export(run: Run) -> None:
     """run_dir/export: the last step's drafter in SGLang's form, when the run reached its end (once)."""
-    run_dir, dist, heldout, step = run.run_dir, run.dist, run.heldout, run.step
-    if not (step >= run.total and (step > run.start_step or not (run_dir / "export").exists())):
+    out, dist, heldout, step = RunDir(run.run_dir), run.dist, run.heldout, run.step
+    if not (step >= run.total and (step > run.start_step or not out.export.exists())):
         return
     state = dist.full_state_dict(run.engine)
     if dist.is_main:
-        with atomic_dir(run_dir / "export") as tmp:
+        with atomic_dir(out.export) as tmp:
             write_drafter(tmp, run.model.config, drafter_tensors(state, prefix="drafter."))
             write_card(tmp, "last", step, heldout.latest, heldout.depth)
-        dist.print(
-            f"exported the drafter to {run_dir / 'export'} "
-            f"(SGLang: --speculative-draft-model-path {run_dir / 'export'})"
-        )
+        dist.print(f"exported the drafter to {out.export} (SGLang: --speculative-draft-model-path {out.export})")
         if heldout.latest is not None:
-            best = read_card(run_dir / "export-best") or {}
+            best = read_card(out.export_best) or {}
             dist.print(
                 f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}; "
-                f"best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {run_dir / 'export-best'}"
+                f"best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {out.export_best}"
             )
     dist.barrier()

@@ -11,22 +11,23 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-OUTPUTS = ("ckpt", "export", "export-best", "train")
-DERIVED = ("eval", "bench")  # made from an export by the later stages: left alone, but stale after --overwrite
+from eagle3ft.run_dir import RunDir
 
 
 def training_outputs(run_dir: Path) -> list[str]:
     """The training outputs present in run_dir (names relative to it), temporary siblings included."""
-    run_dir = Path(run_dir)
-    names = [*OUTPUTS, *(f".{n}.{tail}" for n in ("export", "export-best") for tail in ("tmp", "old"))]
-    return [n for n in names if (run_dir / n).exists()]
+    run = RunDir(run_dir)
+    exports = (run.export.name, run.export_best.name)
+    names = [*(p.name for p in run.training_outputs), *(f".{n}.{tail}" for n in exports for tail in ("tmp", "old"))]
+    return [n for n in names if (run.root / n).exists()]
 
 
 def refusal(run_dir: Path, found: list[str]) -> str:
     """What to say to a launch without --resume on a folder whose training has started."""
+    outputs = ", ".join(f"{p.name}/" for p in RunDir(run_dir).training_outputs)
     return (
         f"{run_dir} already holds a training run ({', '.join(found)}); continue it with --resume auto, or start over "
-        f"in a new --run-dir or with --overwrite (removes {', '.join(f'{n}/' for n in OUTPUTS)} first)"
+        f"in a new --run-dir or with --overwrite (removes {outputs} first)"
     )
 
 
@@ -41,4 +42,4 @@ def remove_training_outputs(run_dir: Path) -> list[str]:
 
 def stale_derived(run_dir: Path) -> list[str]:
     """The later stages' outputs that describe the drafter of an earlier run."""
-    return [n for n in DERIVED if (Path(run_dir) / n).exists()]
+    return [p.name for p in RunDir(run_dir).derived if p.exists()]

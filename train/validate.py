@@ -24,6 +24,7 @@ import torch
 
 from eagle3ft.data.store import collate
 from eagle3ft.files import write_atomic
+from eagle3ft.run_dir import RunDir
 
 
 @dataclass
@@ -145,7 +146,7 @@ class HeldoutTracker:
         """heldout: (items, where, features) as train/data.py's TrainData.heldout gives them."""
         tcfg = cfg.train
         self.dist, self.depth, self.every = dist, cfg.eval.steps, tcfg.eval_every
-        self.best_dir = Path(run_dir) / "export-best"
+        self.best_dir = RunDir(run_dir).export_best
         ds, where, self.features = heldout
         self.batches = heldout_batches(
             ds, tcfg.eval_samples, dist.rank, dist.world, tcfg.micro_batch_size, tcfg.max_len
@@ -213,7 +214,7 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
 
     tcfg, depth = cfg.train, cfg.eval.steps
     ckpt = resolve_path(checkpoint or cfg.eval.checkpoint, base=Path(run_dir))
-    store = FeatureStore(Path(run_dir) / "features")
+    store = FeatureStore(RunDir(run_dir).features)
     check_drafter_folder(ckpt, store.target, "checkpoint", str(store.dir / MANIFEST))  # before any compute
     device = pick_device(cfg.target)
     drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
@@ -223,7 +224,7 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     result = heldout_tau(
         objective, heldout_batches(ds, n, 0, 1, tcfg.micro_batch_size, tcfg.max_len), depth, device=device
     )
-    out = Path(run_dir) / "eval"
+    out = RunDir(run_dir).eval
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(
         out / "heldout_tau.json",

@@ -34,8 +34,10 @@ from pathlib import Path
 import requests
 
 from eagle3ft.cli import build_parser, parse_cli
-from eagle3ft.config import BenchSetting, Config, resolve_path
+from eagle3ft.config import Config, resolve_path
 from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.run_dir import RunDir
+from eagle3ft.setting import Setting
 
 ROLES = ("harvest", "baseline", "speculative")
 
@@ -56,19 +58,11 @@ class ServerCommand:
         return (env + " " if env else "") + shlex.join(self.argv)
 
 
-def parse_setting(text: str) -> BenchSetting:
-    """'3/1/4' -> steps 3, topk 1, num_draft_tokens 4."""
-    try:
-        steps, topk, ndt = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise LaunchError(f"setting {text!r}: expected steps/topk/num_draft_tokens, e.g. 3/1/4") from None
-    return BenchSetting(steps, topk, ndt)
-
-
-def check_setting(s: BenchSetting) -> None:
-    """Settings SGLang refuses: a chain (topk 1) verifies at most steps + 1 tokens."""
-    if s.steps < 1 or s.topk < 1 or s.num_draft_tokens < 2:
-        raise LaunchError(f"speculative setting {s}: steps and topk >= 1, num_draft_tokens >= 2")
+def check_setting(s: Setting) -> None:
+    """Settings SGLang refuses (Setting itself checks that each is positive): a chain (topk 1) verifies at most
+    steps + 1 tokens."""
+    if s.num_draft_tokens < 2:
+        raise LaunchError(f"speculative setting {s}: num_draft_tokens >= 2")
     if s.topk == 1 and s.num_draft_tokens > s.steps + 1:
         raise LaunchError(
             f"speculative setting {s}: with topk 1, num_draft_tokens is at most steps + 1 = {s.steps + 1}"
@@ -87,7 +81,7 @@ def drafter_aux_ids(folder: str | Path, num_layers: int | None = None) -> list[i
     return default_aux_layer_ids(num_layers)
 
 
-def _speculative_args(drafter: str | Path, s: BenchSetting) -> list[str]:
+def _speculative_args(drafter: str | Path, s: Setting) -> list[str]:
     check_setting(s)
     return [
         "--speculative-algorithm", "EAGLE3",
@@ -103,7 +97,7 @@ def build_command(
     role: str,
     port: int | None = None,
     drafter: str | Path | None = None,
-    setting: BenchSetting | None = None,
+    setting: Setting | None = None,
 ) -> ServerCommand:
     """The server's argv and extra environment for one role; raises LaunchError on a config that cannot serve it."""
     sv = cfg.serve
@@ -165,7 +159,7 @@ def build_command(
         if drafter is None:
             raise LaunchError("role speculative needs the exported drafter folder")
         argv += _speculative_args(
-            resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else BenchSetting())
+            resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else Setting())
         )
     argv += list(sv.extra_args)
     host = "127.0.0.1" if sv.host in ("0.0.0.0", "::") else sv.host
@@ -290,15 +284,11 @@ def server_for(
     role: str,
     port: int | None = None,
     drafter=None,
-    setting: BenchSetting | None = None,
+    setting: Setting | None = None,
 ) -> SGLangServer:
     cmd = build_command(cfg, role, port, drafter, setting)
-    log_dir = resolve_path(cfg.serve.log_dir) if cfg.serve.log_dir else Path(run_dir) / "serve"
-    suffix = (
-        f"-{setting.steps}-{setting.topk}-{setting.num_draft_tokens}"
-        if setting is not None and role == "speculative"
-        else ""
-    )
+    log_dir = resolve_path(cfg.serve.log_dir) if cfg.serve.log_dir else RunDir(run_dir).serve
+    suffix = "-" + setting.key.replace("/", "-") if setting is not None and role == "speculative" else ""
     return SGLangServer(
         cmd,
         log_dir / f"{role}{suffix}-{cmd.url.rsplit(':', 1)[-1]}.log",
@@ -320,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, run_dir, args = parse_cli("", stage="serve", argv=argv, parser=ap)
     try:
         server = server_for(
-            cfg, run_dir, args.role, args.port, args.drafter, parse_setting(args.setting) if args.setting else None
+            cfg, run_dir, args.role, args.port, args.drafter, Setting.parse(args.setting) if args.setting else None
         )
     except (LaunchError, ValueError, FileNotFoundError) as e:
         ap.exit(2, f"{ap.prog}: {e}\n")
