@@ -115,7 +115,8 @@ def cli_errors(
     `<prog>: error: <message>`; the traceback goes to `log` (error_log(run_dir, stage)), and to the console only with
     --debug or EAGLE3FT_DEBUG=1. Under a launcher of several processes rank 0 alone prints the line:
     `end_launch(is_rank0)` (train/launcher.py) ends the launch before the launcher reports the failed ranks, and
-    returns False on a rank whose launcher is still there (its error then was its own, so it prints it)."""
+    returns False on a rank whose launcher is still there (its error then was its own, so it prints it). An interrupt
+    (SIGINT) exits 130 with `<prog>: interrupted`."""
     try:
         yield
     except USER_ERRORS + more as e:
@@ -129,6 +130,10 @@ def cli_errors(
         if (end_launch is not None and not end_launch(is_rank0())) or (end_launch is None and not is_rank0()):
             print(f"{prog}: error (rank {os.environ['RANK']}): {msg}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C or `timeout -s INT`: the stages commit as they go, so one line, not a traceback
+        if is_rank0():
+            print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 @contextmanager

@@ -223,6 +223,11 @@ def test_cli_errors_print_one_line_and_the_traceback_only_with_debug(monkeypatch
     with pytest.raises(KeyError):  # not an input error: a bug keeps its traceback
         with cli_errors("prog"):
             raise KeyError("x")
+    monkeypatch.delenv(DEBUG_ENV)
+    with pytest.raises(SystemExit) as e:
+        with cli_errors("prog"):
+            raise KeyboardInterrupt
+    assert e.value.code == 130 and capsys.readouterr().err == "prog: interrupted\n"
 
 
 def test_debug_flag_sets_the_env_for_cli_errors(tmp_path, monkeypatch):
