@@ -10,7 +10,9 @@
 # Usage, from this machine (each a device call, back to back: a machine idle for 30 s is given back):
 #   bash benchmarks/live_speedup.sh pack            here: wheels, the GGUF and the deps into .carry/ls/<k>/ pieces
 #   bash benchmarks/live_speedup.sh stash DIR       there: copy a carried piece to $C (carried files vanish next call)
-#   bash benchmarks/live_speedup.sh start           there: unpack, install, convert the target, run the plan (setsid)
+#   bash benchmarks/live_speedup.sh start           there: unpack, install, convert the target, run the plan (setsid);
+#            give this device call timeout_s 240: the call otherwise lasts its whole limit (600 s of device time
+#            twice, RESULTS §26 and §27) although the set-up takes ~2 minutes and the plan runs on after it
 #   bash benchmarks/live_speedup.sh wait SECS       there: until done or SECS; the log's tail; $L packed into $OUT
 #   paired   (PLAN=paired) the two clients alternated repetition by repetition, compared per repetition
 #   datasets (PLAN=datasets) Magpie prompts by the target, answers at T=0 and 0.8 beside ShareGPT's: loop shares
