@@ -279,40 +279,30 @@ ship() {  # issue 38: more T=0.8 data (Magpie, two answers per prompt), the ship
   mkdir -p "$L/new" "$L/../drafters" && cp "$ck"/config.json "$L/new/export-config.json"
   cp "$S/new/train/data.json" "$L/new/" 2> /dev/null
   split -b 15m "$ck"/model.safetensors "$L/../drafters/new-model.safetensors.part-"  # $OUT takes files of 16 MiB at most
-  serve 30105 2 --role speculative --drafter "$ck" --setting 3/1/4
-  serve 30106 3 --role speculative --drafter "$ck" --setting 8/4/32
-  serve 30102 4 --role speculative --drafter "$SHIPPED" --setting 8/4/32
-  up 300 30105 30106 30102 || true
-  say "ship: plain, shipped and new at 3/1/4 and 8/4/32, interleaved per prompt, bench_serving's client and ours"
-  $PY benchmarks/outside_client.py prompts --config $CONFIG "${SGL[@]}" \
-    --set "bench.prompts={kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout, per_category: ${PER_CAT:-8}}" \
-    --out "$S/everyday-ship.json" || return 1
-  PYTHONPATH=$SGL_DIR:$PYTHONPATH SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout "${BENCH_S:-480}" $PY benchmarks/outside_client.py \
-    alternate --prompts "$S/everyday-ship.json" --tokenizer "$MODEL" --clients bench_serving,ours \
-    --arm baseline=$url --arm shipped-3/1/4=http://127.0.0.1:30101 --arm new-3/1/4=http://127.0.0.1:30105 \
-    --arm shipped-8/4/32=http://127.0.0.1:30102 --arm new-8/4/32=http://127.0.0.1:30106 --reps "${REPS:-1}" \
-    --out "$L/ship-live" > "$L/ship-live.txt" 2>&1
-  echo "exit $?"; tail -c 1500 "$L/ship-live/alternate.json"
+  five_arms ship-live "$ck" "per_category: ${PER_CAT:-8}" "${BENCH_S:-480}"
   echo "ship in $((SECONDS - t)) s"
 }
-again() {  # the ship step's five servers started again, on everyday prompts it did not use (7th-10th per category)
-  local ck=$S/new/export-best url=http://127.0.0.1:30100
-  [[ -f $ck/config.json ]] || ck=$S/new/export
-  NO_8432=1 servers || return 1
-  serve 30105 2 --role speculative --drafter "$ck" --setting 3/1/4
-  serve 30106 3 --role speculative --drafter "$ck" --setting 8/4/32
+five_arms() {  # five_arms OUT DRAFTER PROMPTS TIMEOUT: DRAFTER at 3/1/4 and 8/4/32 beside the shipped drafter's
+               # servers and plain, on the everyday prompts PROMPTS picks (e.g. "per_category: 6"), both clients
+  serve 30105 2 --role speculative --drafter "$2" --setting 3/1/4
+  serve 30106 3 --role speculative --drafter "$2" --setting 8/4/32
   serve 30102 4 --role speculative --drafter "$SHIPPED" --setting 8/4/32
   up 300 30105 30106 30102 || true
-  say "again: plain, shipped and new at 3/1/4 and 8/4/32 on 24 other everyday prompts, both clients"
+  say "$1: plain, shipped and new at 3/1/4 and 8/4/32, interleaved per prompt, bench_serving's client and ours"
   $PY benchmarks/outside_client.py prompts --config $CONFIG "${SGL[@]}" \
-    --set "bench.prompts={kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout, per_category: 4, skip: 6}" \
-    --out "$S/everyday-again.json" || return 1
-  PYTHONPATH=$SGL_DIR:$PYTHONPATH SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout "${BENCH_S:-300}" $PY benchmarks/outside_client.py \
-    alternate --prompts "$S/everyday-again.json" --tokenizer "$MODEL" --clients bench_serving,ours \
-    --arm baseline=$url --arm shipped-3/1/4=http://127.0.0.1:30101 --arm new-3/1/4=http://127.0.0.1:30105 \
-    --arm shipped-8/4/32=http://127.0.0.1:30102 --arm new-8/4/32=http://127.0.0.1:30106 --out "$L/ship-live-again" \
-    > "$L/ship-live-again.txt" 2>&1
-  echo "exit $?"; tail -c 800 "$L/ship-live-again/alternate.json"
+    --set "bench.prompts={kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout, $3}" --out "$S/$1.json" || return 1
+  PYTHONPATH=$SGL_DIR:$PYTHONPATH SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout "$4" $PY benchmarks/outside_client.py \
+    alternate --prompts "$S/$1.json" --tokenizer "$MODEL" --clients bench_serving,ours \
+    --arm baseline=http://127.0.0.1:30100 --arm shipped-3/1/4=http://127.0.0.1:30101 --arm new-3/1/4=http://127.0.0.1:30105 \
+    --arm shipped-8/4/32=http://127.0.0.1:30102 --arm new-8/4/32=http://127.0.0.1:30106 --reps "${REPS:-1}" \
+    --out "$L/$1" > "$L/$1.txt" 2>&1
+  echo "exit $?"; tail -c 1500 "$L/$1/alternate.json"
+}
+again() {  # the ship step's five servers started again, on everyday prompts it did not use (7th-10th per category)
+  local ck=$S/new/export-best
+  [[ -f $ck/config.json ]] || ck=$S/new/export
+  NO_8432=1 servers || return 1
+  five_arms ship-live-again "$ck" "per_category: 4, skip: 6" "${BENCH_S:-300}"
 }
 plan() {
   servers || return 1

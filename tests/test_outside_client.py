@@ -82,8 +82,9 @@ def test_order_rotates_and_every_request_follows_a_flush():
     assert firsts == ["a", "b", "c"]
 
 
-def test_our_clients_against_the_doubles(tiny, doubles, tmp_path, monkeypatch, capsys):  # noqa: F811
-    base, spec = doubles
+def alternate_on_doubles(servers, tmp_path, monkeypatch, clients: str) -> dict:
+    """`prompts` then `alternate` through main(), plain and 3/1/4 on the two doubles, 2 prompts, 8 tokens."""
+    base, spec = servers
     p = tmp_path / "prompts.json"
     monkeypatch.setattr(
         sys,
@@ -96,10 +97,14 @@ def test_our_clients_against_the_doubles(tiny, doubles, tmp_path, monkeypatch, c
         sys,
         "argv",
         ["outside_client.py", "alternate", "--prompts", str(p), "--tokenizer", "unused", "--arm", f"baseline={base.url}",
-         "--arm", f"3/1/4={spec.url}", "--clients", "ours,ours-text", "--output-len", "8", "--out", str(tmp_path)],
+         "--arm", f"3/1/4={spec.url}", "--clients", clients, "--output-len", "8", "--out", str(tmp_path)],
     )  # fmt: skip
     oc.main()
-    s = json.loads((tmp_path / "alternate.json").read_text())
+    return json.loads((tmp_path / "alternate.json").read_text())
+
+
+def test_our_clients_against_the_doubles(tiny, doubles, tmp_path, monkeypatch, capsys):  # noqa: F811
+    s = alternate_on_doubles(doubles, tmp_path, monkeypatch, "ours,ours-text")
     lines = (tmp_path / "alternate.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 2 * 2
     assert s["reference"] == "ours"
@@ -115,23 +120,7 @@ def test_our_clients_against_the_doubles(tiny, doubles, tmp_path, monkeypatch, c
 
 def test_streamed_client_against_the_doubles(tiny, doubles, tmp_path, monkeypatch):  # noqa: F811
     """ours-stream beside ours, request by request: the same answers, tau from the same counters, decode-only tok/s."""
-    base, spec = doubles
-    p = tmp_path / "prompts.json"
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        ["outside_client.py", "prompts", "--config", str(REPO_ROOT / "configs/tiny.yaml"),
-         "--set", "bench.prompts={kind: mtbench, limit: 2}", "--out", str(p)],
-    )  # fmt: skip
-    oc.main()
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        ["outside_client.py", "alternate", "--prompts", str(p), "--tokenizer", "unused", "--arm", f"baseline={base.url}",
-         "--arm", f"3/1/4={spec.url}", "--clients", "ours,ours-stream", "--output-len", "8", "--out", str(tmp_path)],
-    )  # fmt: skip
-    oc.main()
-    s = json.loads((tmp_path / "alternate.json").read_text())
+    s = alternate_on_doubles(doubles, tmp_path, monkeypatch, "ours,ours-stream")
     for arm in ("baseline", "3/1/4"):
         st = s["arms"][arm]["ours-stream"]
         assert st["vs_ours"]["same_length_share"] == 1.0
