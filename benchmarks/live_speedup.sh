@@ -173,6 +173,16 @@ regen_server() {  # regen_server PORT SHARE USED: a plain server with SHARE of t
 }
 up() { local p end=$((SECONDS + $1)); shift; for p; do until curl -sf "http://127.0.0.1:$p/health" > /dev/null; do
   (( SECONDS < end )) || { echo "server :$p not up"; tail -5 "$L/server$p.log"; return 1; }; sleep 2; done; done; }
+regen_t08() {  # regen_t08 NAME SEED SECS: the Magpie turns and every ShareGPT conversation answered at T=0.8 (every
+               # turn, <= 512 tokens each) on the three plain servers into $S/NAME, stopped after SECS
+  timeout -s INT "$3" $PY data/regen.py --config $CONFIG "${SGL[@]}" --set harvest.backend=sglang \
+    --set harvest.sglang.prompts_per_request=8 --run-dir "$S/$1" --set "seed=$2" \
+    --set "harvest.sglang.urls=[http://127.0.0.1:30100, http://127.0.0.1:30103, http://127.0.0.1:30104]" \
+    --set harvest.sglang.concurrency=128 --set harvest.temperature=0.8 --set harvest.max_new_tokens=512 \
+    --set harvest.max_total_tokens=4096 --set harvest.max_turns=1000 --set harvest.heldout_fraction=0.02 \
+    --set "harvest.sources=[{kind: file, path: $S/magpie/magpie/prompts.jsonl, name: magpie-t0.8}, {kind: file, path: $C/sharegpt-conversations.jsonl, name: sharegpt-t0.8}]" \
+    > "$L/regen-$1.json" 2> "$L/regen-$1.log"
+}
 finetune() {  # finetune NAME PORT [sets...]: the shipped drafter warm-started on $S/$STORE's store (t08), online
   mkdir -p "$S/$1" && ln -sfn "$S/${STORE:-t08}/tokens" "$S/$1/tokens"
   CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout "${TRAIN_S:-420}" accelerate launch --config_file configs/accelerate/1gpu.yaml \
@@ -202,12 +212,7 @@ loopfree() {  # issue 38: Magpie prompts and every ShareGPT conversation answere
   echo "magpie exit $? at $((SECONDS - t)) s"; tail -c 600 "$L/magpie.json"
   wait "$starting"; up 300 30103 30104 && echo "regen servers up at $((SECONDS - t)) s"
   say "loopfree: regen at T=0.8, ShareGPT conversations and Magpie, ${REGEN_S:-240} s at most"
-  timeout -s INT "${REGEN_S:-240}" $PY data/regen.py "${cli[@]}" --run-dir "$S/t08" \
-    --set "harvest.sglang.urls=[$url, http://127.0.0.1:30103, http://127.0.0.1:30104]" --set harvest.sglang.concurrency=128 \
-    --set harvest.temperature=0.8 --set harvest.max_new_tokens=512 --set harvest.max_total_tokens=4096 \
-    --set harvest.max_turns=1000 --set harvest.heldout_fraction=0.02 \
-    --set "harvest.sources=[{kind: file, path: $S/magpie/magpie/prompts.jsonl, name: magpie-t0.8}, {kind: file, path: $C/sharegpt-conversations.jsonl, name: sharegpt-t0.8}]" \
-    > "$L/regen-t08.json" 2> "$L/regen-t08.log"
+  regen_t08 t08 0 "${REGEN_S:-240}"
   echo "regen exit $? at $((SECONDS - t)) s"; tail -c 800 "$L/regen-t08.json"
   xargs -r kill < "$L/regen.pids" 2> /dev/null
   [[ -f $S/t08/tokens/manifest.json ]] || { echo "no token store"; return 1; }
@@ -256,12 +261,7 @@ ship() {  # issue 38: more T=0.8 data (Magpie, two answers per prompt), the ship
   for seed in 0 1; do  # the same prompts, split and held-out set; another sampling seed: a second answer per turn
     n=t08; [[ $seed == 1 ]] && n=t08b
     say "ship: regen $n at T=0.8 (seed $seed), ShareGPT conversations and Magpie, ${REGEN_S:-150} s at most"
-    timeout -s INT "${REGEN_S:-150}" $PY data/regen.py "${cli[@]}" --run-dir "$S/$n" --set "seed=$seed" \
-      --set "harvest.sglang.urls=[$url, http://127.0.0.1:30103, http://127.0.0.1:30104]" --set harvest.sglang.concurrency=128 \
-      --set harvest.temperature=0.8 --set harvest.max_new_tokens=512 --set harvest.max_total_tokens=4096 \
-      --set harvest.max_turns=1000 --set harvest.heldout_fraction=0.02 \
-      --set "harvest.sources=[{kind: file, path: $S/magpie/magpie/prompts.jsonl, name: magpie-t0.8}, {kind: file, path: $C/sharegpt-conversations.jsonl, name: sharegpt-t0.8}]" \
-      > "$L/regen-$n.json" 2> "$L/regen-$n.log"
+    regen_t08 "$n" "$seed" "${REGEN_S:-150}"
     echo "regen $n exit $? at $((SECONDS - t)) s"; tail -c 600 "$L/regen-$n.json"
   done
   xargs -r kill < "$L/regen.pids" 2> /dev/null
