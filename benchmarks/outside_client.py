@@ -283,6 +283,11 @@ def alternate(a) -> None:
         a.dataset, a.num_prompts = "unused.jsonl", len(ids)  # flags; it reads no dataset here
         st = {url: _bench_serving(a, url, stream=c.endswith("-stream")) for url in arms.values()}
         requesters[c] = lambda url, *r, st=st: _request_bench_serving(st[url], url, *r)
+    unknown = set(a.clients.split(",")) - set(requesters)
+    if unknown:
+        raise SystemExit(
+            f"outside_client.py: error: --clients: unknown {sorted(unknown)}; known: {list(CLIENTS + STREAMED)}"
+        )
     requesters = {c: requesters[c] for c in a.clients.split(",")}
     log = open(out / "alternate.jsonl", "w")
 
@@ -343,7 +348,7 @@ def main() -> None:
     al = sub.add_parser("alternate")
     al.add_argument("--prompts", required=True, help="the file of `prompts`")
     al.add_argument("--arm", action="append", required=True, help="label=URL; baseline for the plain server")
-    al.add_argument("--clients", default=",".join(CLIENTS))
+    al.add_argument("--clients", default=",".join(CLIENTS), help=f"comma-separated, of {', '.join(CLIENTS + STREAMED)}")
     al.add_argument("--output-len", type=int, default=512)
     al.add_argument("--reps", type=int, default=1)
     al.add_argument("--out", required=True)

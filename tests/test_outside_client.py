@@ -128,3 +128,16 @@ def test_streamed_client_against_the_doubles(tiny, doubles, tmp_path, monkeypatc
     assert s["arms"]["3/1/4"]["ours-stream"]["tau"] == pytest.approx(s["arms"]["3/1/4"]["ours"]["tau"])
     rows = [json.loads(x) for x in (tmp_path / "alternate.jsonl").read_text().splitlines()]
     assert all(r["events"] >= 1 and r["ttft_s"] <= r["seconds"] for r in rows if r["client"] == "ours-stream")
+
+
+def test_an_unknown_client_is_one_line(tmp_path, monkeypatch):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"texts": [], "ids": [], "stop_ids": [2]}))
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["outside_client.py", "alternate", "--prompts", str(p), "--tokenizer", "x", "--arm", "baseline=http://127.0.0.1:1",
+         "--clients", "ours,bogus", "--out", str(tmp_path / "o")],
+    )  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--clients: unknown \['bogus'\]"):
+        oc.main()
