@@ -15,7 +15,9 @@ figure again on the loop-free tokens and on the answers that finished before the
 - **loop_free_answers**: the same over the answers with no loop at all; exact without spans, so it is what a
   non-streamed run gives in place of `loop_free`.
 
-`python -m eagle3ft.eval.live_splits RUN/bench/runs.jsonl` prints these figures for every arm of a bench's raw runs.
+`python -m eagle3ft.eval.live_splits RUN/bench/runs.jsonl [--cap N]` prints these figures for every arm of a bench's
+raw runs; with `--cap`, of its streamed requests cut at N new tokens (`cut_at`): what a shorter cap would have given on
+the same answers, read off one run rather than measured by a second.
 """
 
 from __future__ import annotations
@@ -56,6 +58,39 @@ def spans_of(r: dict) -> list[tuple[int, float, float]] | None:
         step = float(r["decode_s"]) / (n - 1)
         return [(1, 0.0, 0.0)] + [(1, 0.0, step)] * (n - 1)
     return None
+
+
+def cut_at(r: dict, cap: int) -> dict:
+    """A streamed request as it would have run with at most `cap` new tokens. At T=0 the answer is the same greedy
+    path whatever the cap, so it is this answer's first `cap` tokens, and the server stops after the event (plain: the
+    token; speculative: the verify) that reaches the cap: its time since the first token, plus the prefill, is the
+    wall time. The non-streamed twin (`whole`) cannot be cut and is dropped; an answer longer than the cap did not
+    finish. Needs the events (`bench.sglang_requests` "stream")."""
+    if not r.get("events"):
+        raise ValueError(f"prompt {r.get('prompt_index')}: no streamed events to cut at {cap} tokens")
+    n = int(r["new_tokens"])
+    if n <= cap:
+        return {**r, "whole": None}
+    kept = next(i for i, (_, count) in enumerate(r["events"]) if count >= cap) + 1
+    events = [list(e) for e in r["events"][:kept]]
+    events[-1][1] = cap
+    decode_s = float(events[-1][0])
+    verifies = r.get("verify_count")
+    if verifies and len(r["events"]) != verifies + 1:  # merged events: the verifies shared out by time, as spans_of
+        verifies = round(verifies * decode_s / float(r["events"][-1][0]))
+    elif verifies:
+        verifies = kept - 1
+    return {
+        **r,
+        "new_tokens": cap,
+        "output_ids": list(r["output_ids"])[:cap] if r.get("output_ids") is not None else None,
+        "events": events,
+        "verify_count": verifies,
+        "decode_s": decode_s,
+        "wall_s": float(r["prefill_s"]) + decode_s,
+        "finished": False,
+        "whole": None,
+    }
 
 
 def _row_splits(r: dict) -> tuple[Split, Split, bool] | None:
@@ -189,9 +224,26 @@ def figures_of_runs(runs: list[dict]) -> dict:
     return out
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import gzip
     import json
-    import sys
 
-    rows = [json.loads(line) for line in open(sys.argv[1])]
+    ap = argparse.ArgumentParser(prog="python -m eagle3ft.eval.live_splits", description=__doc__.split("\n")[0])
+    ap.add_argument("runs", help="a bench's runs.jsonl (or .jsonl.gz)")
+    ap.add_argument("--cap", type=int, help="cut the streamed requests at this many new tokens (cut_at)")
+    args = ap.parse_args(argv)
+    with (gzip.open if args.runs.endswith(".gz") else open)(args.runs, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if args.cap is not None:
+        if args.cap < 1:
+            ap.error("--cap: at least 1 new token")
+        try:
+            rows = [cut_at(r, args.cap) for r in rows]
+        except ValueError as e:
+            ap.error(str(e))
     print(json.dumps(figures_of_runs(rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

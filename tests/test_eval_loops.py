@@ -1,7 +1,9 @@
 """The repetition-loop definition (eval/loops.py) and the live split built on it (eval/live_splits.py), on hand-made
 answers whose loops are known."""
 
-from eagle3ft.eval.live_splits import arm_figures, spans_of
+import pytest
+
+from eagle3ft.eval.live_splits import arm_figures, cut_at, spans_of
 from eagle3ft.eval.loops import MIN_RUN, NGRAM, loop_mask, repeated, split_spans
 
 
@@ -79,6 +81,24 @@ def test_streamed_events_resolve_verifies_when_one_per_event():
     merged = _row(ids, 0, "speculative", verify=3, events=[[0.0, 1], [0.25, 4], [0.75, 10]])
     s = spans_of(merged)
     assert [round(v, 6) for _, v, _ in s] == [0.0, 1.0, 2.0]  # 3 verifies shared out by the events' seconds
+
+
+def test_a_streamed_request_cut_at_a_shorter_cap():
+    """Cut at 5 tokens: the verify that reaches the 5th token (the 3rd event) ends it, at its time plus the prefill;
+    an answer already within the cap is kept whole, and a request with no events cannot be cut."""
+    ids = list(range(10))
+    whole = {"new_tokens": 10, "wall_s": 0.9, "output_ids": ids}
+    r = _row(ids, 0, "speculative", verify=3, finished=True, events=[[0.0, 1], [0.25, 4], [0.5, 7], [0.75, 10]])
+    r["whole"] = whole
+    c = cut_at(r, 5)
+    assert (c["new_tokens"], c["output_ids"], c["verify_count"]) == (5, ids[:5], 2)
+    assert c["events"] == [[0.0, 1], [0.25, 4], [0.5, 5]] and c["wall_s"] == 0.01 + 0.5
+    assert not c["finished"] and c["whole"] is None and r["events"][-1] == [0.75, 10]
+    assert spans_of(c) == [(1, 0.0, 0.0), (3, 1.0, 0.25), (1, 1.0, 0.25)]
+    same = cut_at(r, 10)
+    assert same["finished"] and same["new_tokens"] == 10 and same["whole"] is None
+    with pytest.raises(ValueError, match="no streamed events"):
+        cut_at(_row(ids, 0, "baseline"), 5)
 
 
 def test_finished_and_e2e_figures_pair_prompts_and_repetitions():
