@@ -10,7 +10,7 @@
 # Usage, from this machine (each a device call, back to back: a machine idle for 30 s is given back):
 #   bash benchmarks/live_speedup.sh pack            here: wheels, the GGUF and the deps into .carry/ls/<k>/ pieces
 #   bash benchmarks/live_speedup.sh stash DIR       there: copy a carried piece to $C (carried files vanish next call)
-#   bash benchmarks/live_speedup.sh start           there: unpack, install, convert the target, run the plan (setsid);
+#   bash benchmarks/live_speedup.sh start           there: `install`, convert the target, run the plan (setsid);
 #            give this device call timeout_s 240: the call otherwise lasts its whole limit (600 s of device time
 #            twice, RESULTS §26 and §27) although the set-up takes ~2 minutes and the plan runs on after it
 #   bash benchmarks/live_speedup.sh wait SECS       there: until done or SECS; the log's tail; $L packed into $OUT
@@ -369,14 +369,17 @@ PYEOF
     k=0; for f in /tmp/lspack.part-*; do k=$((k + 1)); mkdir -p ".carry/ls/$k" && mv "$f" ".carry/ls/$k/"; done
     echo "$k" > .carry/ls/1/pieces; du -sh .carry/ls/* ;;
   stash) mkdir -p "$C" && cp "$2"/* "$C/" && ls "$C" ;;
-  start)
+  install)  # the carried pieces unpacked: SGLang into $SGL_DIR, DeepSpeed and gguf into /tmp/dsw, this tree into
+             # /tmp/eagle3ft-site; the GGUF, MT-Bench and ShareGPT files into /tmp/lspack and $C
     n=$(cat "$C/pieces") && (( $(ls "$C"/lspack.part-* | wc -l) == n )) || { echo "pieces missing"; exit 1; }
     mkdir -p /tmp/lspack "$L" "$S" && cat "$C"/lspack.part-* | tar -xf - -C /tmp/lspack && mv /tmp/lspack/mtbench-questions.jsonl /tmp/lspack/sharegpt-*.jsonl "$C/"
     $PY -m pip install -q --no-index --no-deps --no-compile --target "$SGL_DIR" /tmp/lspack/deps/*.whl
     mkdir -p "$SGL_DIR/deep_gemm" && printf '%s\n' 'def __getattr__(name):' '    def _missing(*a, **k):' \
       '        raise RuntimeError(f"deep_gemm.{name} is not installed")' '    return _missing' > "$SGL_DIR/deep_gemm/__init__.py"
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/dsw /tmp/lspack/dsw/*.whl
-    $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . > /dev/null
+    $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . > /dev/null ;;
+  start)
+    bash benchmarks/live_speedup.sh install || exit 1
     export PYTHONPATH=/tmp/eagle3ft-site:/tmp/dsw
     echo "$GGUF_SHA256  /tmp/lspack/$GGUF" | sha256sum -c - || exit 1
     $PY benchmarks/sglang_target.py export-hf --config $CONFIG --set "target.path=/tmp/lspack/$GGUF" --out "$MODEL" || exit 1
@@ -393,5 +396,5 @@ PYEOF
       [[ -d $L/../drafters ]] && cp -r "$L/../drafters" "$OUT/"  # loopfree's drafters in pieces, beside the tarball
       ls -la "$OUT" "$OUT"/drafters 2> /dev/null
     fi ;;
-  *) echo "usage: $0 pack | stash DIR | start | wait SECS" >&2; exit 2 ;;
+  *) echo "usage: $0 pack | stash DIR | install | start | wait SECS" >&2; exit 2 ;;
 esac

