@@ -1,5 +1,5 @@
 """The console commands `pip install -e .` puts beside the interpreter ([project.scripts]): each answers --help, and
-eagle3ft-train is the README's `accelerate launch ... train/finetune.py` with no path into the tree."""
+eagle3ft-train is `accelerate launch ... train/finetune.py` (docs/pipeline.md) with no path into the tree."""
 
 import subprocess
 import sys
