@@ -174,9 +174,11 @@ regen_server() {  # regen_server PORT SHARE USED: a plain server with SHARE of t
 up() { local p end=$((SECONDS + $1)); shift; for p; do until curl -sf "http://127.0.0.1:$p/health" > /dev/null; do
   (( SECONDS < end )) || { echo "server :$p not up"; tail -5 "$L/server$p.log"; return 1; }; sleep 2; done; done; }
 regen_t08() {  # regen_t08 NAME SEED SECS: the Magpie turns and every ShareGPT conversation answered at T=0.8 (every
-               # turn, <= 512 tokens each) on the three plain servers into $S/NAME, stopped after SECS
-  timeout -s INT "$3" $PY data/regen.py --config $CONFIG "${SGL[@]}" --set harvest.backend=sglang \
-    --set harvest.sglang.prompts_per_request=8 --run-dir "$S/$1" --set "seed=$2" \
+               # turn, <= 512 tokens each) on the three plain servers into $S/NAME, stopped SECS after its first turn
+               # by harvest.max_seconds (open chunks kept, cut at each conversation's last answer; the summary's
+               # "stopped"); the outer timeout is only a guard: start-up, the 60-s wait for the turns in flight
+  timeout -k 30 $(($3 + 120)) $PY data/regen.py --config $CONFIG "${SGL[@]}" --set harvest.backend=sglang \
+    --set "harvest.max_seconds=$3" --set harvest.sglang.prompts_per_request=8 --run-dir "$S/$1" --set "seed=$2" \
     --set "harvest.sglang.urls=[http://127.0.0.1:30100, http://127.0.0.1:30103, http://127.0.0.1:30104]" \
     --set harvest.sglang.concurrency=128 --set harvest.temperature=0.8 --set harvest.max_new_tokens=512 \
     --set harvest.max_total_tokens=4096 --set harvest.max_turns=1000 --set harvest.heldout_fraction=0.02 \

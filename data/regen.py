@@ -8,6 +8,16 @@ shard of data/tokens.py once all its conversations are done. Rerunning the same
 command skips the committed chunks, so a killed run resumes, losing and
 duplicating nothing.
 
+Stopping early keeps what was generated: once ``harvest.max_seconds`` have passed since the first turn was sent
+(0: no budget), or on a first SIGINT/SIGTERM, no new turn is sent, the turns in flight are waited for (60 s at
+most), and every open chunk is committed with each unfinished conversation cut at the end of its last answer
+(data/regen_turns.py): every answer that came back is kept; a conversation with no answer yet, and a turn still in
+flight after the wait, are dropped. A signal while a stop is under way (a second one, or one after the budget ran
+out) aborts at once, losing the open chunks as a kill does. A chunk
+committed cut is done: a rerun does the chunks never opened and leaves the cut ones cut (the manifest lists them in
+``chunks_cut``; the skips count ``turns_cut_by_stop`` and ``conversations_cut_by_stop_before_an_answer``), so a
+rerun duplicates nothing. A kill -9 still loses only the open chunks.
+
 Scheduling: a conversation's turns depend on one another, so its remaining user turns are a chain that no
 number of servers shortens. With ``harvest.sglang.priority`` (the default) each ready turn carries a
 priority, the user turns its conversation still has to answer (this one included), and is sent highest
@@ -33,7 +43,8 @@ Backends (``harvest.backend``, data/regen_backends.py):
 - ``hf``: the embedded transformers target (eagle3ft/targets/hf.py) in batches of
   ``harvest.batch_size``, for CPUs and tests.
 
-A summary (answer tokens, wall time, answer tokens/s, per-split counts) goes to
+A summary (answer tokens, wall time, answer tokens/s, per-split counts; ``stopped``: why the run stopped early,
+the conversations cut and dropped, the turns not sent and dropped in flight, the chunks cut and left) goes to
 stdout and ``RUN/tokens/summary.json``.
 """
 
@@ -44,14 +55,13 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads slow a busy CPU; before torch loads
 
 import hashlib
-import itertools
 import json
-import queue
+import signal
 import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from pathlib import Path
 
 from tqdm import tqdm
@@ -59,220 +69,17 @@ from tqdm import tqdm
 from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
 from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.harvest import check_harvest_config, request_seed, sample_id
+from eagle3ft.data.harvest import check_harvest_config
 from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
-from eagle3ft.data.regen_backends import Answer, Gen, RegenError, open_backend
+from eagle3ft.data.regen_backends import RegenError, open_backend
+from eagle3ft.data.regen_turns import ReadyTurns, Regenerator  # noqa: F401  (ReadyTurns: part of this interface)
 from eagle3ft.data.store import SPLITS, StoreError
-from eagle3ft.data.tokens import TokenSample, TokenWriter, tokenizer_digest
+from eagle3ft.data.tokens import TokenWriter, tokenizer_digest
 from eagle3ft.files import write_atomic
 from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.targets.base import Sampling
 from eagle3ft.targets.hf import load_tokenizer
-
-# --------------------------------------------------------------------------- conversations in flight
-
-
-@dataclass
-class ConvState:
-    """One conversation being regenerated; only the main thread touches it."""
-
-    conv: Conversation
-    chunk: tuple[str, int]
-    head: list[dict]  # system message, if any
-    users: list[dict]
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    turn: int = 0  # assistant turns written
-    unfinished: int = 0
-    answers: list[str] = field(default_factory=list)  # decoded answers: the history the template renders
-    sample: TokenSample | None = None
-    server: int = 0  # every turn goes to this server (its prefix cache holds the conversation so far)
-
-
-@dataclass
-class RunStats:
-    answer_tokens: int = 0
-    answers: int = 0
-    unfinished: int = 0
-
-
-class ReadyTurns:
-    """The turns ready to generate on one server: highest priority first, first come first served among equal
-    priorities. Thread-safe (the main thread puts, the server's workers take)."""
-
-    def __init__(self) -> None:
-        self._q: queue.PriorityQueue = queue.PriorityQueue()
-        self._seq = itertools.count()
-
-    def put(self, s: ConvState, g: Gen) -> None:
-        self._q.put((-g.priority, next(self._seq), (s, g)))
-
-    def get(self, timeout: float) -> tuple[ConvState, Gen]:
-        return self._q.get(timeout=timeout)[2]
-
-    def get_nowait(self) -> tuple[ConvState, Gen]:
-        return self._q.get_nowait()[2]
-
-
-class Regenerator:
-    """Moves conversations turn by turn through the backend's workers; commits chunks as they complete."""
-
-    def __init__(self, cfg: Config, chat: ChatFormat, backend, writer: TokenWriter, bar: tqdm):
-        self.h, self.seed, self.chat, self.backend, self.writer, self.bar = (
-            cfg.harvest,
-            cfg.seed,
-            chat,
-            backend,
-            writer,
-            bar,
-        )
-        self.ready = [ReadyTurns() for _ in range(backend.servers)]
-        self.opened = 0  # conversations opened so far: the next one's server is opened % servers
-        self.results: queue.Queue = queue.Queue()
-        self.stop = threading.Event()
-        self.stats = RunStats()
-        self.left: dict[tuple[str, int], int] = {}  # conversations of an open chunk not done yet
-        self.t0 = time.time()
-
-    # ------------------------------------------------------------------ turns
-
-    def _messages(self, s: ConvState, upto_user: int) -> list[dict]:
-        msgs = list(s.head)
-        for k in range(upto_user + 1):
-            msgs.append(s.users[k])
-            if k < upto_user:
-                msgs.append({"role": "assistant", "content": s.answers[k]})
-        return msgs
-
-    def _next(self, s: ConvState, chunk_skips: Counter) -> Gen | None:
-        """The next turn of `s`, or None when the conversation is over."""
-        if s.turn >= len(s.users) or (s.turn and s.unfinished):
-            return None
-        if s.turn == 0:
-            ids, _ = self.chat.encode(self._messages(s, 0), add_generation_prompt=True)
-        else:
-            ids = self.chat.next_turn_ids(self._messages(s, s.turn))
-        prompt = s.ids + ids
-        budget = min(self.h.max_new_tokens, self.h.max_total_tokens - len(prompt))
-        if budget <= 0:
-            if s.turn == 0:
-                chunk_skips["too_long"] += 1
-            else:
-                chunk_skips["turns_cut_by_max_total_tokens"] += len(s.users) - s.turn
-            return None
-        s.ids, s.mask = prompt, s.mask + [0] * len(ids)
-        priority = len(s.users) - s.turn if self.h.sglang.priority else 0
-        return Gen(prompt, budget, request_seed(self.seed, s.conv.key, s.turn), priority=priority)
-
-    def _take(self, s: ConvState, a: Answer) -> None:
-        s.ids = s.ids + a.ids
-        s.mask = s.mask + [1] * len(a.ids)
-        s.turn += 1
-        s.unfinished += not a.finished
-        s.answers.append(self.chat.decode(a.ids))
-        self.stats.answer_tokens += len(a.ids)
-        self.stats.answers += 1
-        self.stats.unfinished += not a.finished
-
-    # ------------------------------------------------------------------ workers
-
-    def _worker(self, slot: int) -> None:
-        ready = self.ready[self.backend.slot_server[slot]]
-        while not self.stop.is_set():
-            try:
-                first = ready.get(timeout=0.5)  # idle workers wake rarely: thousands may wait at once
-            except queue.Empty:
-                continue
-            batch = [first]
-            while len(batch) < self.backend.batch:
-                try:
-                    batch.append(ready.get_nowait())
-                except queue.Empty:
-                    break
-            try:
-                answers = self.backend.generate(slot, [g for _, g in batch])
-            except Exception as e:  # noqa: BLE001 - reported by the main thread with its server
-                self.results.put(("error", f"{self.backend.slots[slot]}: {e}"))
-                return
-            self.results.put(("ok", [(s, a) for (s, _), a in zip(batch, answers)]))
-
-    # ------------------------------------------------------------------ the run
-
-    def run(self, todo: list[tuple[str, int, list[Conversation]]]) -> None:
-        """Regenerate every chunk of `todo`; chunks are opened while fewer than a window of conversations is open."""
-        capacity = len(self.backend.slots) * self.backend.batch
-        window = max(4 * capacity, 1)
-        pending = list(reversed(todo))
-        open_chunks: dict[tuple[str, int], tuple[list[ConvState], Counter]] = {}
-        open_convs = 0
-        threads = [
-            threading.Thread(target=self._worker, args=(i,), daemon=True) for i in range(len(self.backend.slots))
-        ]
-        for t in threads:
-            t.start()
-        try:
-            while pending or open_chunks:
-                while pending and (not open_chunks or open_convs < window):
-                    split, index, members = pending.pop()
-                    states = [
-                        ConvState(
-                            c,
-                            (split, index),
-                            [m for m in c.messages if m["role"] == "system"],
-                            [m for m in c.messages if m["role"] == "user"],
-                        )
-                        for c in members
-                    ]
-                    for st in states:  # round robin in the longest-first order: every server gets long chains
-                        st.server = self.opened % len(self.ready)
-                        self.opened += 1
-                    skips: Counter = Counter()
-                    open_chunks[(split, index)] = (states, skips)
-                    self.left[(split, index)] = len(states)
-                    open_convs += len(states)
-                    for s in states:
-                        self._advance(s, skips)
-                    open_convs -= self._commit_done(open_chunks)
-                if not open_chunks:
-                    continue
-                kind, payload = self.results.get()
-                if kind == "error":
-                    raise RegenError(f"regeneration stopped, committed chunks kept (rerun to resume): {payload}")
-                for s, a in payload:
-                    self._take(s, a)
-                    self._advance(s, open_chunks[s.chunk][1])
-                self.bar.set_postfix_str(
-                    f"answer tok/s {self.stats.answer_tokens / max(time.time() - self.t0, 1e-9):,.0f}", refresh=False
-                )
-                open_convs -= self._commit_done(open_chunks)
-        finally:
-            self.stop.set()
-            deadline = time.time() + 2.0  # workers still inside a request are daemons: not waited for long
-            for t in threads:
-                t.join(timeout=max(0.0, deadline - time.time()))
-
-    def _advance(self, s: ConvState, skips: Counter) -> None:
-        g = self._next(s, skips)
-        if g is not None:
-            self.ready[s.server].put(s, g)
-            return
-        if s.turn:
-            s.sample = TokenSample(
-                sample_id(s.conv.key), s.ids, s.mask, turns=s.turn, unfinished=s.unfinished, source=s.conv.source
-            )
-        self.left[s.chunk] -= 1
-        self.bar.update(1)
-
-    def _commit_done(self, open_chunks: dict) -> int:
-        closed = 0
-        for key in [k for k in open_chunks if self.left[k] == 0]:
-            states, skips = open_chunks.pop(key)
-            del self.left[key]
-            self.writer.commit(key[0], key[1], [s.sample for s in states if s.sample is not None], dict(skips))
-            closed += len(states)
-        return closed
-
 
 # --------------------------------------------------------------------------- the job
 
@@ -305,6 +112,29 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
         "seed": cfg.seed,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+@contextmanager
+def stop_on_signals(regen: Regenerator):
+    """While regenerating: a first SIGINT or SIGTERM stops the run as ``harvest.max_seconds`` does (data/regen_turns.py:
+    open chunks committed cut); one that comes while a stop is under way (a second signal, or one after the budget
+    ran out) aborts at once (KeyboardInterrupt: open chunks lost, committed ones kept). Python delivers signals to the
+    main thread only: from another thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if regen.stop_reason is not None:
+            raise KeyboardInterrupt
+        regen.request_stop(signal.Signals(signum).name)
+
+    before = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
 
 
 def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
@@ -374,15 +204,20 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         mininterval=1.0,
     ) as bar:
         regen = Regenerator(cfg, chat, backend, writer, bar)
-        regen.run(todo)
+        with stop_on_signals(regen):
+            regen.run(todo)
     work_s = time.time() - t_work
 
     m = writer.manifest
     skips = Counter(prompt_skips) + Counter(m["chunk_skips"])
-    writer.finish({"skips": dict(sorted(skips.items())), "prompt_skips": dict(sorted(prompt_skips.items()))})
+    writer.finish(
+        {"skips": dict(sorted(skips.items())), "prompt_skips": dict(sorted(prompt_skips.items()))},
+        complete=not (regen.stopped and regen.stopped.chunks_left),
+    )
     st = regen.stats
     summary = {
-        "answer_tokens": st.answer_tokens,
+        "answer_tokens": st.answer_tokens,  # all of them in the store, also after a stop
+        "stopped": regen.stop_summary(),  # None, or why and what was cut (data/regen_turns.py)
         "answers": st.answers,
         "unfinished_answers": st.unfinished,
         "wall_s": round(work_s, 2),

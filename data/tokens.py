@@ -15,7 +15,9 @@ The manifest also counts samples, tokens and loss tokens per split and source (`
 training can leave one source out (``train.drop_sources``). A shard is 5 bytes per token. Writes reuse the feature store's atomic commit
 (data/store.py: tmp file, fsync, os.replace, then the manifest), and a chunk is
 recorded as done only with its shard, so a killed regeneration resumes at the
-first chunk not done, with nothing lost or duplicated.
+first chunk not done, with nothing lost or duplicated. A regeneration stopped early (data/regen.py) commits its
+open chunks with conversations cut at their last answer and lists them in ``chunks_cut``: done all the same, a
+rerun leaves them cut.
 """
 
 from __future__ import annotations
@@ -115,8 +117,11 @@ class TokenWriter:
     def done(self, split: str) -> set[int]:
         return set(self.manifest["chunks_done"][split])
 
-    def commit(self, split: str, chunk: int, samples: list[TokenSample], skips: dict[str, int] | None = None) -> None:
-        """Write one chunk's shard (if it kept any sample) and record the chunk as done."""
+    def commit(
+        self, split: str, chunk: int, samples: list[TokenSample], skips: dict[str, int] | None = None, cut: bool = False
+    ) -> None:
+        """Write one chunk's shard (if it kept any sample) and record the chunk as done; `cut`: a stopped
+        regeneration committed it with conversations cut short (listed in ``chunks_cut``; done all the same)."""
         m = self.manifest
         if chunk in m["chunks_done"][split]:
             raise StoreError(f"chunk {split}/{chunk} is already committed")
@@ -130,6 +135,8 @@ class TokenWriter:
         for reason, n in (skips or {}).items():
             m["chunk_skips"][reason] = m["chunk_skips"].get(reason, 0) + n
         m["chunks_done"][split].append(chunk)
+        if cut:
+            m.setdefault("chunks_cut", {s: [] for s in SPLITS})[split].append(chunk)
         self._save()
 
     def _count_sources(self, split: str, samples: list[TokenSample]) -> None:
@@ -140,8 +147,9 @@ class TokenWriter:
             c["tokens"] += len(s.input_ids)
             c["loss_tokens"] += sum(s.loss_mask)
 
-    def finish(self, extra: dict | None = None) -> None:
-        self.manifest["complete"] = True
+    def finish(self, extra: dict | None = None, complete: bool = True) -> None:
+        """Record `extra`; `complete` once every chunk is done (a stopped regeneration leaves it False)."""
+        self.manifest["complete"] = complete
         self.manifest.update(extra or {})
         self._save()
 

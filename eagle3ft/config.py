@@ -191,6 +191,7 @@ class HarvestConfig:
     heldout_fraction: float = 0.05
     dedupe: bool = True
     shard_samples: int = 256  # samples per shard
+    max_seconds: float = 0.0  # data/regen.py: seconds of generation, then stop with open chunks kept cut; 0 = none
     # T=0 check: a generated token whose log-prob is within this of the top-1's counts as the argmax (near-tie)
     argmax_tie_eps: float = 0.05
     argmax_max_mismatch: float = (
@@ -202,7 +203,7 @@ class HarvestConfig:
     def __post_init__(self) -> None:
         positive(self, "max_turns", "max_prompt_tokens", "max_total_tokens", "max_new_tokens", "batch_size", "topk")
         positive(self, "shard_samples", "top_p")
-        non_negative(self, "temperature", "heldout_fraction", "argmax_tie_eps", "argmax_max_mismatch")
+        non_negative(self, "temperature", "heldout_fraction", "argmax_tie_eps", "argmax_max_mismatch", "max_seconds")
         at_most(self, 1, "top_p", "heldout_fraction", "argmax_max_mismatch")
 
 
