@@ -19,7 +19,7 @@ from contextlib import nullcontext
 from eagle3ft.cli import build_parser, cli_errors, error_log, is_rank0, parse_cli, rank0_voice, save_resolved
 from eagle3ft.data.store import StoreError
 from eagle3ft.runlock import RunLocked, run_lock
-from eagle3ft.train.launcher import end_launch
+from eagle3ft.train.launcher import end_launch, launch_args
 from eagle3ft.train.loop import NonFiniteLoss, OutOfMemoryHint, main
 from eagle3ft.train.outputs import refusal, remove_training_outputs, stale_derived, training_outputs
 
@@ -103,7 +103,8 @@ def _exit(code: int) -> None:
 
 def launch(argv: list[str] | None = None) -> None:
     """`eagle3ft-train`: `accelerate launch --config_file ACCEL -m eagle3ft.train.finetune ARGS`, the same command
-    line from an installed package (`--accelerate-config`, default 1gpu.yaml with CUDA, else cpu-2proc.yaml)."""
+    line from an installed package (`--accelerate-config`, default 1gpu.yaml with CUDA, else cpu-2proc.yaml); on one
+    machine, with the rendezvous whose store listens on loopback only (launcher.launch_args)."""
     import argparse
 
     from eagle3ft.config import resolve_path
@@ -119,7 +120,8 @@ def launch(argv: list[str] | None = None) -> None:
         import torch
 
         accel = "configs/accelerate/" + ("1gpu.yaml" if torch.cuda.is_available() else "cpu-2proc.yaml")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(resolve_path(accel))]
+    accel = resolve_path(accel)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel), *launch_args(accel)]
     os.execv(sys.executable, cmd + ["-m", "eagle3ft.train.finetune", *rest])
 
 

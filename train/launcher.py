@@ -3,9 +3,14 @@
 - `watch_launcher`: a rank exits when its launcher dies (torchrun starts the ranks in their own session, so a
   `kill -9` of the launcher's process group would otherwise leave them running).
 - `loopback_only`: on one machine the ranks' own sockets (gloo's pairs, NCCL's bootstrap) listen on the loopback
-  interface only. The agent's rendezvous store is another matter: c10d's TCPStore server listens on every interface
-  whatever host it is given (torch 2.13: `::`, then `0.0.0.0`), and neither torchrun nor accelerate 1.16 lets a
-  config bind it.
+  interface only.
+- `LoopbackRendezvous`: torchrun's rendezvous for one machine (`--rdzv_backend eagle3ft-loopback`, registered
+  through the `torchrun.handlers` entry point in pyproject.toml), whose store listens on 127.0.0.1 only. torchrun's
+  own backends cannot do that: c10d's TCPStore server listens on every interface (`::`, then `0.0.0.0`) whatever
+  host it is given, unless it is handed a listening socket (`master_listen_fd`), which only a rendezvous handler
+  can do. `eagle3ft-train` adds the flag for a one-machine config (`launch_args`); a plain `accelerate launch`
+  needs it on its command line, as accelerate 1.16 ignores `rdzv_backend` in a config file (its command-line
+  default, static, wins).
 - `end_launch`: after an input error, the launch ends with the stage's one line. The agent turns any non-zero
   exit of a rank into a ChildFailedError, which accelerate 1.16 re-raises (a ~45-line traceback) or, with
   `--quiet`, prints as its ~20-line failure table; no exit code of a rank makes it quiet. So rank 0 ends the other
@@ -22,10 +27,15 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
+
+from torch.distributed import PrefixStore, TCPStore
 
 PR_SET_PDEATHSIG = 1
 AGENTS = ("accelerate", "torchrun", "torch.distributed.run", "torch/distributed/run.py")
+LOOPBACK = "127.0.0.1"
+LOOPBACK_RDZV = "eagle3ft-loopback"
 
 
 def watch_launcher(poll_s: float = 0.5) -> None:
@@ -64,6 +74,82 @@ def loopback_only() -> None:
     names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if names else ():
         os.environ.setdefault(var, names[0])
+
+
+class LoopbackRendezvous:
+    """The rendezvous of a one-machine launch: the agent is node 0 of 1 and hosts the store, which listens on
+    127.0.0.1 only (a socket bound there, handed to TCPStore as its `master_listen_fd`, on a free port). The ranks
+    connect to it as clients (`use_agent_store`: MASTER_ADDR=127.0.0.1, MASTER_PORT=its port).
+
+    The methods of torch's RendezvousHandler, without subclassing it: importing torch's rendezvous package loads
+    this module through the entry point, so this module imports that package only when a rendezvous is made."""
+
+    def __init__(self, run_id: str, timeout_s: int) -> None:
+        listener = socket.create_server((LOOPBACK, 0))
+        self._store = TCPStore(
+            LOOPBACK,
+            listener.getsockname()[1],
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),  # the store owns and closes it
+        )
+        self._run_id = run_id
+
+    def get_backend(self) -> str:
+        return LOOPBACK_RDZV
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def next_rendezvous(self):
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        store = PrefixStore(self._run_id, self._store)
+        return RendezvousInfo(store, 0, 1, RendezvousStoreInfo(LOOPBACK, self._store.port))
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def create_loopback_rendezvous(params) -> LoopbackRendezvous:
+    """torch's RendezvousParameters -> the handler (one node only)."""
+    if params.max_nodes != 1:
+        raise ValueError(
+            f"rdzv_backend {LOOPBACK_RDZV} is for one machine; several use configs/accelerate/multi-node.yaml"
+        )
+    return LoopbackRendezvous(params.run_id, int(params.config.get("timeout", 600)))
+
+
+def rendezvous_backend():
+    """The `torchrun.handlers` entry point (pyproject.toml): torchrun calls it for the handler's creator."""
+    return create_loopback_rendezvous
+
+
+def launch_args(accelerate_config: Path) -> list[str]:
+    """The `accelerate launch` flags for this config: on one machine, the loopback rendezvous, and port 0 for
+    accelerate's own check (it would switch a port in use to torchrun's standalone mode, whose store listens on
+    every interface; this rendezvous takes a free port of its own)."""
+    import yaml
+
+    if not accelerate_config.is_file():  # accelerate names it
+        return []
+    if (yaml.safe_load(accelerate_config.read_text()) or {}).get("num_machines", 1) != 1:
+        return []
+    return ["--rdzv_backend", LOOPBACK_RDZV, "--main_process_port", "0"]
 
 
 def _agent() -> int | None:
