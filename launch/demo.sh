@@ -61,7 +61,7 @@ CARD
 if [[ -f "$RUN/export/model.safetensors" ]]; then
   echo "done: $RUN/export (delete it to train again)"
 else
-  accelerate launch --config_file configs/accelerate/cpu-2proc.yaml train/finetune.py \
+  eagle3ft-train --accelerate-config configs/accelerate/cpu-2proc.yaml \
     --config "$CONFIG" --run-dir "$RUN" --resume auto "${SETS[@]}"
 fi
 

@@ -14,7 +14,7 @@ stage "harvest: the EAGLE3 harvest server (AQ-MedAI draft selects layers 2/30/58
 bash launch/sglang_harvest.sh "$CONFIG" "$RUN" "$@"
 
 stage "train: TTT fine-tuning from the AQ-MedAI drafter on 8 GPUs"
-accelerate launch --config_file configs/accelerate/8gpu.yaml train/finetune.py --config "$CONFIG" --run-dir "$RUN" --resume auto "$@"
+eagle3ft-train --accelerate-config configs/accelerate/8gpu.yaml --config "$CONFIG" --run-dir "$RUN" --resume auto "$@"
 
 stage "offline accept length"
 python eval/accept_len.py --config "$CONFIG" --run-dir "$RUN" "$@"
