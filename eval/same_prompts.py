@@ -91,10 +91,16 @@ def offline_tau(
 
 
 def checkpoint_offline_tau(
-    cfg, run_dir: Path, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]
+    cfg,
+    run_dir: Path,
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    settings: list[Setting],
+    keep: list[bool] | None = None,
 ) -> dict | None:
     """offline_tau of the drafter `eval.checkpoint` (checked against `run_dir`'s features when there are any), on a
-    copy of `cfg.target` loaded here: what a bench backend without the target in this process (SGLang) uses."""
+    copy of `cfg.target` loaded here: what a bench backend without the target in this process (SGLang) uses. With
+    `keep`, also on the answers it marks, as `rep["kept"]` (None when it marks none)."""
     from eagle3ft.config import resolve_path
     from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target
     from eagle3ft.targets.hf import load_target
@@ -103,26 +109,32 @@ def checkpoint_offline_tau(
     spec = check_drafter_for_run(folder, run_dir, "eval.checkpoint")
     model, _ = load_target(cfg.target)
     drafter, aux_ids = drafter_on_target(model, folder, spec)
-    return offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context)
+    rep = offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context)
+    if rep is not None and keep is not None:
+        idx = [i for i, k in enumerate(keep) if k]
+        sub = [prompts[i] for i in idx], [answers[i] for i in idx]
+        rep["kept"] = offline_tau(model, drafter, aux_ids, *sub, settings, cfg.eval.tree_context) if idx else None
+    return rep
 
 
-def bench_answers(run: Path, label: str, count: int, setting: str | None = None) -> list[list[int]]:
+def bench_answers(run: Path, label: str, count: int, setting: str | None = None) -> tuple[list[list[int]], list[bool]]:
     """The first repetition's greedy answers of prompt set `label` in the bench run `run`, by prompt index: the plain
-    pass's, or with `setting` (a key such as "3/1/4") the speculative pass's, the tokens its live tau was counted on."""
+    pass's, or with `setting` (a key such as "3/1/4") the speculative pass's, the tokens its live tau was counted on;
+    and whether each finished (stopped on a stop id before the cap)."""
     runs, summary = RunDir(run).bench_runs, RunDir(run).bench_summary
     if not runs.is_file() or not summary.is_file():
         raise FileNotFoundError(f"--answers-from {run}: no finished bench there ({runs} and {summary} are needed)")
     if read_json(summary, "the bench summary").get("temperature") != 0:
         raise ValueError(f"--answers-from {run}: its bench was sampled; offline tau needs greedy (T=0) answers")
-    answers = first_answers(
-        [json.loads(line) for line in runs.read_text().splitlines() if line.strip()], label, setting
-    )
+    rows = [json.loads(line) for line in runs.read_text().splitlines() if line.strip()]
+    answers = first_answers(rows, label, setting)
     if sorted(answers) != list(range(count)):
         raise ValueError(
             f"--answers-from {run}: {setting or 'plain'} answers for prompts {sorted(answers)} of set {label!r}, "
             f"expected 0..{count - 1} (is bench.prompts the one that run used?)"
         )
-    return [answers[i] for i in range(count)]
+    finished = first_answers([{**r, "output_ids": bool(r.get("finished"))} for r in rows], label, setting)
+    return [answers[i] for i in range(count)], [finished[i] for i in range(count)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,10 +160,12 @@ def main(argv: list[str] | None = None) -> None:
         label, src = prompt_sets(cfg)[0]
         prompts = load_prompts(cfg, src)
         source = Path(args.answers_from)
-        answers = bench_answers(source, label, len(prompts), args.answers_of)
-        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, cfg.bench.settings)
+        answers, finished = bench_answers(source, label, len(prompts), args.answers_of)
+        # also on the answers that finished: a cap cut none of them, so no loop ran them long
+        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, cfg.bench.settings, keep=finished)
         if rep is None:
             raise ValueError("bench.settings is empty: nothing to evaluate")
+        done = rep.pop("kept")
         doc = {
             **rep,
             "source": f"the {args.answers_of or 'plain'} greedy answers of {source}/bench/runs.jsonl (repetition 0, "
@@ -164,9 +178,11 @@ def main(argv: list[str] | None = None) -> None:
                     "tau_walk_interval": rep["settings_walk_interval"][k],
                     "tau_walk_loop_free": rep["settings_walk_loop_free"][k],
                     "loop_share_walk": rep["loop_share"][k],
+                    "tau_walk_finished": done["settings_walk"][k] if done else None,
                 }
                 for k, v in rep["settings"].items()
             },
+            "finished_answers": sum(finished),
         }
         out = RunDir(run_dir).accept_len
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -132,6 +132,7 @@ def test_answers_of_another_run_are_checked(tmp_path):
             "prompts": "mtbench",
             "prompt_index": i,
             "output_ids": [10 * r + i, m == "baseline"],
+            "finished": i == 1,
         }
         for r in (0, 1)
         for m in ("baseline", "speculative")
@@ -142,8 +143,9 @@ def test_answers_of_another_run_are_checked(tmp_path):
     with pytest.raises(ValueError, match="sampled"):
         bench_answers(tmp_path, "mtbench", 2)
     (bench / "summary.json").write_text(json.dumps({"temperature": 0.0}))
-    assert bench_answers(tmp_path, "mtbench", 2) == [[0, True], [1, True]]  # the first repetition's plain pass
-    assert bench_answers(tmp_path, "mtbench", 2, "3/1/4") == [[0, False], [1, False]]  # its speculative pass
+    # the first repetition's plain pass, and which of its answers finished before the cap
+    assert bench_answers(tmp_path, "mtbench", 2) == ([[0, True], [1, True]], [False, True])
+    assert bench_answers(tmp_path, "mtbench", 2, "3/1/4") == ([[0, False], [1, False]], [False, True])  # speculative
     with pytest.raises(ValueError, match="5/1/6 answers for prompts"):
         bench_answers(tmp_path, "mtbench", 2, "5/1/6")
     with pytest.raises(ValueError, match="expected 0..2"):
