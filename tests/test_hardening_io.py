@@ -224,3 +224,22 @@ def test_an_input_error_of_a_two_process_launch_is_one_line_and_its_traceback_is
     assert [line.split(" (pid")[0] for line in _error_lines(r)] == [f"finetune: error: {busy} is in use by harvest"]
     time.sleep(0.5)
     assert _left_running(busy) == []
+
+
+def test_a_stale_extension_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, capsys):
+    """A DeepSpeed CPU-op build killed mid-way leaves its lock, and every later launch waits on it forever."""
+    import os
+    import time
+
+    from eagle3ft.train.launcher import STALE_LOCK_S, clear_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "other" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    assert clear_stale_build_locks() == [stale]
+    assert not stale.exists() and fresh.exists()
+    assert "left by a build killed mid-way" in capsys.readouterr().err

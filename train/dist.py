@@ -35,7 +35,7 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from eagle3ft.config import TrainConfig, resolve_path
 from eagle3ft.runlock import RunLocked, check_owner, run_lock
-from eagle3ft.train.launcher import loopback_only, watch_launcher
+from eagle3ft.train.launcher import clear_stale_build_locks, loopback_only, watch_launcher
 
 
 def deepspeed_config(tcfg: TrainConfig, cuda: bool) -> dict:
@@ -114,6 +114,8 @@ class Dist:
                 ACCELERATE_USE_DEEPSPEED="true",
             )
         loopback_only()
+        if os.environ["LOCAL_RANK"] == "0":
+            clear_stale_build_locks()
         if os.environ["WORLD_SIZE"] == "1" and not torch.distributed.is_initialized():
             backend = "nccl" if cuda else "gloo"
             torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)

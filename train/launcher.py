@@ -11,6 +11,10 @@
   can do. `eagle3ft-train` adds the flag for a one-machine config (`launch_args`); a plain `accelerate launch`
   needs it on its command line, as accelerate 1.16 ignores `rdzv_backend` in a config file (its command-line
   default, static, wins).
+- `clear_stale_build_locks`: torch's JIT extension builds (DeepSpeed's CPU communication op, built at a rank's first
+  start) hold a lock file in their build folder while every other process waits for it to go; a build killed
+  mid-way leaves it, and every later launch then waits forever, printing nothing. Local rank 0 removes a lock older
+  than any build takes, and says so.
 - `end_launch`: after an input error, the launch ends with the stage's one line. The agent turns any non-zero
   exit of a rank into a ChildFailedError, which accelerate 1.16 re-raises (a ~45-line traceback) or, with
   `--quiet`, prints as its ~20-line failure table; no exit code of a rank makes it quiet. So rank 0 ends the other
@@ -36,6 +40,27 @@ PR_SET_PDEATHSIG = 1
 AGENTS = ("accelerate", "torchrun", "torch.distributed.run", "torch/distributed/run.py")
 LOOPBACK = "127.0.0.1"
 LOOPBACK_RDZV = "eagle3ft-loopback"
+STALE_LOCK_S = 600.0  # DeepSpeed's CPU op builds in about a minute on 2 cores: a lock this old is a killed build's
+
+
+def clear_stale_build_locks(max_age_s: float = STALE_LOCK_S) -> list[Path]:
+    """Remove torch extension build locks (ROOT/py*_*/NAME/lock, ROOT from TORCH_EXTENSIONS_DIR or torch's default)
+    older than `max_age_s`, one stderr line each; return them."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    removed = []
+    for lock in root.glob("*/*/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age <= max_age_s:
+                continue
+            lock.unlink()
+        except FileNotFoundError:  # another process took it away first
+            continue
+        removed.append(lock)
+        print(f"removed {lock}: {age / 60:.0f} min old, left by a build killed mid-way", file=sys.stderr, flush=True)
+    return removed
 
 
 def watch_launcher(poll_s: float = 0.5) -> None:
