@@ -58,7 +58,9 @@ class DrafterConfig:
     hidden_act: str = "silu"
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer on its chunk before fc (legacy name use_aux_norm)
     norm_output: bool = False  # EAGLE-3.1: the next draft step is fed the hidden state after the final norm
-    num_hidden_layers: int = 1  # SGLang's one midlayer; anything else is refused by check_supported()
+    # one decoder layer (`midlayer`); SGLang 0.5.17 also serves more (llama_eagle3.py: layers.0 takes the 2H input,
+    # later layers H with hidden_norm before their attention), which model.py does not build: check_supported()
+    num_hidden_layers: int = 1
     tie_word_embeddings: bool = False  # an EAGLE-3 drafter has its own lm_head; True is refused
     architecture: str = LLAMA_EAGLE3  # architectures[0]: the layout (MLA_EAGLE3 keeps its MLA keys in `extra`)
     extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, kept on export
@@ -170,7 +172,7 @@ class DrafterConfig:
         """Raise ValueError for a layout that model.py cannot build (SGLang may still serve it); returns self."""
         if self.num_hidden_layers != 1:
             raise ValueError(
-                f"drafter num_hidden_layers is {self.num_hidden_layers}; only 1 (SGLang's midlayer) is supported"
+                f"drafter num_hidden_layers is {self.num_hidden_layers}; this trainer builds 1 decoder layer (midlayer)"
             )
         if self.tie_word_embeddings:
             raise ValueError(
