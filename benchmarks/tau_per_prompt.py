@@ -82,8 +82,8 @@ def main() -> None:
     st = Setting.parse(args.setting)
     label, src = prompt_sets(cfg)[0]
     prompts = load_prompts(cfg, src)
-    plain = bench_answers(args.run, label, len(prompts))
-    own = bench_answers(args.run, label, len(prompts), st.key)
+    plain, _ = bench_answers(args.run, label, len(prompts))
+    own, _ = bench_answers(args.run, label, len(prompts), st.key)
     runs = [json.loads(line) for line in (args.run / "bench" / "runs.jsonl").read_text().splitlines() if line.strip()]
     live = {
         r["prompt_index"]: r

@@ -106,6 +106,10 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
         + [a for o in overrides for a in ("--set", o)]
     )
     assert offline_tau_by_setting(other / "eval/accept_len.json") == pytest.approx(want["settings_walk"])
+    doc = json.loads((other / "eval/accept_len.json").read_text())  # and on the answers that finished before the cap
+    plain0 = [r for r in runs_of(tmp_path) if r["mode"] == "baseline" and r["repetition"] == 0]
+    assert doc["finished_answers"] == sum(bool(r["finished"]) for r in plain0)
+    assert all((v["tau_walk_finished"] is None) == (doc["finished_answers"] == 0) for v in doc["settings"].values())
     # and on the speculative pass's own answers, which greedy speculation on the CPU keeps equal to the plain ones
     own = tmp_path / "own"
     same_prompts.main(
