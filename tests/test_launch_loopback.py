@@ -8,6 +8,7 @@ every interface: accelerate 1.16 ignores a config file's rdzv_backend.)"""
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,11 +27,11 @@ def _tree(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*/children"):
-            try:
+        try:
+            for task in Path(f"/proc/{p}/task").glob("*/children"):
                 todo += [int(c) for c in task.read_text().split()]
-            except OSError:
-                pass
+        except OSError:  # the process or a thread of it ended meanwhile
+            pass
     return out
 
 
@@ -55,16 +56,18 @@ def _sockets(pid: int) -> set[str]:
 def _watch(cmd: list[str]) -> tuple[subprocess.CompletedProcess, dict[int, set[str]]]:
     """Run `cmd`; every 0.1 s until it ends, the listening addresses of its processes (pid -> addresses)."""
     seen: dict[int, set[str]] = {}
-    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
-        deadline = time.monotonic() + 600
-        while p.poll() is None and time.monotonic() < deadline:
-            listening = _listening()
-            for pid in _tree(p.pid):
-                seen.setdefault(pid, set()).update(listening[i] for i in _sockets(pid) if i in listening)
-            time.sleep(0.1)
-        p.kill()
-        out = p.stdout.read()
-        rc = p.wait()
+    with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: nothing blocks on output no one reads yet
+        with subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True) as p:
+            deadline = time.monotonic() + 600
+            while p.poll() is None and time.monotonic() < deadline:
+                listening = _listening()
+                for pid in _tree(p.pid):
+                    seen.setdefault(pid, set()).update(listening[i] for i in _sockets(pid) if i in listening)
+                time.sleep(0.1)
+            p.kill()
+            rc = p.wait()
+        log.seek(0)
+        out = log.read()
     return subprocess.CompletedProcess(cmd, rc, out), seen
 
 
