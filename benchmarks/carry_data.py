@@ -9,6 +9,11 @@ writes what benchmarks/run_phases.sh's `setup` expects under $C:
   OUT/b/data/HumanEval.jsonl.gz        the 164 HumanEval problems
   OUT/d/chitchat.json.gz               chitchat-dataset's conversations
 and checks that the ShareGPT file gives regeneration the very conversations, in the same order, that the package does.
+
+    python benchmarks/carry_data.py --jsonl OUT
+
+writes only what benchmarks/live_speedup.sh and k2_rehearsal.sh carry: OUT/sharegpt-first-turns.jsonl (the first
+2,000 conversations' first user turns) and OUT/sharegpt-conversations.jsonl (every conversation's user turns).
 """
 
 from __future__ import annotations
@@ -50,10 +55,35 @@ def keys(src: SourceConfig) -> list[str]:
     return [c.key for c in convs]
 
 
+def write_jsonl(out: Path, first_turns: int = 2000) -> None:
+    """The live bench's prompt files, one {"id", "messages"} per line: the first turns, then every conversation."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, max_turns, limit in (("first-turns", 1, first_turns), ("conversations", 1000, None)):
+        with (out / f"sharegpt-{name}.jsonl").open("w") as f:
+            n = 0
+            for k, rec in enumerate(iter_records(SourceConfig(kind="sharegpt"), Counter())):
+                try:
+                    msgs = normalize(rec, max_turns, regenerate=True)
+                except Skip:
+                    continue
+                if limit is None and any(m["role"] == "user" for m in msgs):
+                    f.write(json.dumps({"id": f"sharegpt-{k}", "messages": msgs}) + "\n")
+                elif limit is not None and msgs and msgs[0]["role"] == "user":
+                    f.write(json.dumps({"id": f"sharegpt-{k}", "messages": msgs[:1]}) + "\n")
+                    n += 1
+                    if n >= limit:
+                        break
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path)
-    out = ap.parse_args().out
+    ap.add_argument("--jsonl", action="store_true", help="only the live bench's two ShareGPT jsonl files")
+    args = ap.parse_args()
+    out = args.out
+    if args.jsonl:
+        write_jsonl(out)
+        return
     data, d = out / "b" / "data", out / "d"
     data.mkdir(parents=True, exist_ok=True)
     d.mkdir(parents=True, exist_ok=True)

