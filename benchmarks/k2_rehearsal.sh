@@ -15,9 +15,10 @@
 # Every step logs its seconds and the GPU's memory (nvidia-smi) to $L/log; a failed step does not stop the later ones
 # that do not need it.
 # Usage, from this machine (device calls back to back: a machine idle for 30 s is given back):
-#   bash benchmarks/live_speedup.sh pack          here, once: the pieces (SGLang and DeepSpeed wheels, the GGUF whose
-#                                                 ChatML tokenizer stands in for K2's, ShareGPT, MT-Bench)
-#   bash benchmarks/live_speedup.sh stash DIR     there, one call per piece
+#   bash benchmarks/k2_rehearsal.sh pack          here, once: .carry/k2/1..4, 27 MiB each beside the 35 MiB tree
+#                                                 (SGLang and DeepSpeed wheels, SmolLM2's ChatML tokenizer as a
+#                                                 folder standing in for K2's, ShareGPT first turns, MT-Bench)
+#   bash benchmarks/live_speedup.sh stash .carry/k2/N   there, one call per piece (carry that folder)
 #   bash benchmarks/k2_rehearsal.sh start         there: install, then the steps in the background (setsid); give
 #                                                 this call timeout_s 240
 #   bash benchmarks/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
