@@ -63,7 +63,7 @@ up() {  # up PORT...: each healthy within 15 min, or its log's tail (at once if 
   done
 }
 down() {  # down [PORT...]: those servers of `server` (all by default), and a pause while their GPU memory is freed
-  local f ports=("$@") killed=0
+  local f p ports=("$@") killed=0
   (( ${#ports[@]} )) || ports=($(ls "$L" | sed -n 's/^pid\.//p'))
   for p in "${ports[@]}"; do
     f=$L/pid.$p; [[ -f $f ]] || continue
@@ -194,7 +194,6 @@ case ${1:-} in
     v() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
     .venv/bin/python -m pip wheel -q --no-deps -w /tmp/k2pack/dsw "deepspeed==$(v deepspeed)" hjson || exit 1
     .venv/bin/python - << 'PYEOF' || exit 1
-import json
 from transformers import AutoConfig
 from eagle3ft.config import TargetConfig
 from eagle3ft.data.prompts import mtbench_path
