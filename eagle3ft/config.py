@@ -86,9 +86,13 @@ class DrafterSection:
     draft_vocab_size: int | None = None  # overrides the json's value (scratch only)
     fc_norm: bool | None = None  # EAGLE-3.1 per-aux-layer RMSNorm before fc; overrides the json's (scratch only)
     norm_output: bool | None = None  # EAGLE-3.1 post-norm hidden to the next draft step; overrides the json's
+    # decoder layers (Llama layout); overrides the json's. On a warm start, more than the drafter has adds layers on
+    # top that start as the identity (model.py's UpperLayer.start_as_identity), so the drafter's outputs are kept
+    num_hidden_layers: int | None = None
 
     def __post_init__(self) -> None:
         positive(self, "draft_vocab_size")
+        positive(self, "num_hidden_layers")
 
 
 @dataclass

@@ -39,8 +39,8 @@ def test_kimi_k2_parameter_count_and_memory(capsys):
 T, K = 96, 3  # tokens and TTT steps of the counts below
 
 
-def small_bf16_drafter(nkv: int = 8) -> tuple[Eagle3Drafter, dict, DrafterConfig]:
-    """(a small bf16 drafter, one batch of T tokens, its config)."""
+def small_bf16_drafter(nkv: int = 8, layers: int = 1) -> tuple[Eagle3Drafter, dict, DrafterConfig]:
+    """(a small bf16 drafter of `layers` decoder layers, one batch of T tokens, its config)."""
     cfg = DrafterConfig(
         hidden_size=128,
         num_attention_heads=8,
@@ -49,6 +49,7 @@ def small_bf16_drafter(nkv: int = 8) -> tuple[Eagle3Drafter, dict, DrafterConfig
         intermediate_size=320,
         vocab_size=1000,
         draft_vocab_size=100,
+        num_hidden_layers=layers,
     )
     torch.manual_seed(0)
     m = Eagle3Drafter(cfg).to(torch.bfloat16)
@@ -63,9 +64,9 @@ def small_bf16_drafter(nkv: int = 8) -> tuple[Eagle3Drafter, dict, DrafterConfig
     return m, batch, cfg
 
 
-def saved_bytes_per_token_step(compiled: bool) -> tuple[float, DrafterConfig]:
+def saved_bytes_per_token_step(compiled: bool, layers: int = 1) -> tuple[float, DrafterConfig]:
     """What autograd keeps per token and TTT step for a small bf16 drafter (eager, or with train.compile's blocks)."""
-    m, batch, cfg = small_bf16_drafter()
+    m, batch, cfg = small_bf16_drafter(layers=layers)
     if compiled:
         m.compile_blocks()
     if compiled:
@@ -82,9 +83,10 @@ def saved_bytes_per_token_step(compiled: bool) -> tuple[float, DrafterConfig]:
     return sum(n for ptr, n in storages.items() if ptr not in params) / (T * K), cfg
 
 
-def test_activation_count_matches_what_autograd_saves():
-    """The per-token formula against the bytes autograd really keeps, on a small bf16 drafter."""
-    measured, cfg = saved_bytes_per_token_step(compiled=False)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_activation_count_matches_what_autograd_saves(layers):
+    """The per-token formula against the bytes autograd really keeps, on a small bf16 drafter of 1 and 2 layers."""
+    measured, cfg = saved_bytes_per_token_step(compiled=False, layers=layers)
     assert abs(measured / activation_bytes_per_token_step(cfg) - 1) < 0.15, (
         measured,
         activation_bytes_per_token_step(cfg),
@@ -115,13 +117,14 @@ def test_estimate_allocates_nothing():
     assert e.tokens_per_gpu == 2048 and e.largest_param == 163840 * 7168
 
 
-def test_deferred_stash_count_matches_what_the_stash_holds(monkeypatch):
+@pytest.mark.parametrize("layers", [1, 2])
+def test_deferred_stash_count_matches_what_the_stash_holds(monkeypatch, layers):
     """deferred_bytes against the most eagle3ft/drafter/wgrad.py's stash holds at once (new tensors only: the output
     gradients and the head's g·x rows; the inputs and softmax - p rows are saved activations already)."""
     from eagle3ft.drafter import wgrad
     from eagle3ft.train.estimate import deferred_bytes
 
-    m, batch, cfg = small_bf16_drafter(nkv=4)
+    m, batch, cfg = small_bf16_drafter(nkv=4, layers=layers)
     most = [0]
     grad = wgrad.WeightGradStash.grad
 

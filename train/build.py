@@ -46,8 +46,10 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
                     f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} "
                     f"({folder}/config.json; its layout is kept)"
                 )
-        return load_drafter(folder, load_input_embedding(cfg.target)).float()
-    overrides = {k: getattr(cfg.drafter, k) for k in ("fc_norm", "norm_output") if getattr(cfg.drafter, k) is not None}
+        model = load_drafter(folder, load_input_embedding(cfg.target)).float()
+        return grow_drafter(model, cfg.drafter.num_hidden_layers, folder)
+    keys = ("fc_norm", "norm_output", "num_hidden_layers")
+    overrides = {k: getattr(cfg.drafter, k) for k in keys if getattr(cfg.drafter, k) is not None}
     if cfg.drafter.draft_vocab_size:
         overrides["draft_vocab_size"] = cfg.drafter.draft_vocab_size
     dcfg = dataclasses.replace(DrafterConfig.from_json(resolve_path(cfg.drafter.config)), **overrides)
@@ -65,6 +67,23 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
     return model
+
+
+def grow_drafter(model: Eagle3Drafter, layers: int | None, folder: Path) -> Eagle3Drafter:
+    """`model` with `layers` decoder layers (None: as it is): the ones it lacks added on top, each starting as the
+    identity, so the grown drafter's outputs equal the warm-start drafter's until training moves them."""
+    have = model.config.num_hidden_layers
+    if layers is None or layers == have:
+        return model
+    if layers < have:
+        raise ValueError(f"drafter.num_hidden_layers {layers} < the warm-start drafter's {have} ({folder}/config.json)")
+    grown = new_drafter(dataclasses.replace(model.config, num_hidden_layers=layers))
+    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or any(not k.startswith("layers.") for k in missing):
+        raise ValueError(f"growing {folder} to {layers} layers: unexpected {unexpected}, unfilled {missing}")
+    for i in range(have, layers):
+        grown.layers[str(i)].start_as_identity()
+    return grown.float()
 
 
 def adopt_drafter_vocab(run_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, folder: Path) -> str | None:

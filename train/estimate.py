@@ -49,38 +49,44 @@ class Estimate:
 def activation_bytes_per_token_step(cfg: DrafterConfig, act_bytes: int = 2, compiled: bool = False) -> int:
     """Bytes autograd saves per token for one TTT step of train/ttt.py (bf16 activations, fp32 where the code
     upcasts). `compiled` (train.compile, the default on CUDA): the compiled norms recompute their fp32 upcast of the
-    input in the backward (three norms per step) and the compiled MLP recomputes silu(gate), so neither is kept."""
+    input in the backward (three norms per step in the midlayer, two in each layer above it) and the compiled MLP
+    recomputes silu(gate), so neither is kept."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    saved = (
-        2 * H  # input_layernorm and hidden_norm inputs
-        + 2 * H  # their concatenation, read by q/k/v
-        + 2 * (q + 2 * kv)  # q/k/v before and after RoPE
+    attention_mlp = (
+        2 * (q + 2 * kv)  # q/k/v before and after RoPE
         + q  # attention output (flash output merged with the diagonal keys)
         + q  # o_proj input
         + 2 * H  # residual sum, post_attention_layernorm input
         + 4 * I  # gate, up, silu(gate), product
+    )
+    midlayer = (
+        2 * H  # input_layernorm and hidden_norm inputs
+        + 2 * H  # their concatenation, read by q/k/v
+        + attention_mlp
         + 2 * H  # step output, final norm input/output rows for the head
         + cfg.draft_vocab_size  # the fused head CE's softmax - p rows, kept for its backward
-    ) * act_bytes
-    fp32 = 4 * (
-        q + 4 * cfg.num_attention_heads
-    )  # fp32: per head log-sum-exp and diagonal scores; index and mask tensors
-    recomputed = (3 * 4 * H + act_bytes * I) if compiled else 0
-    return saved + fp32 - recomputed
+    )
+    upper = H + attention_mlp + H  # a layer above the midlayer: hidden_norm output (q/k/v input), its output
+    fp32 = 4 * (q + 4 * cfg.num_attention_heads)  # per layer: per head log-sum-exp and diagonal scores; index, masks
+    up = cfg.num_hidden_layers - 1
+    saved = (midlayer + up * upper) * act_bytes + (1 + up) * fp32
+    recomputed = (3 * 4 * H + act_bytes * I) + up * (2 * 4 * H + act_bytes * I) if compiled else 0
+    return saved - recomputed
 
 
 def deferred_bytes(cfg: DrafterConfig, tokens: int, ttt_steps: int, act_bytes: int = 2) -> tuple[int, int]:
     """(what eagle3ft/drafter/wgrad.py's stash holds at its most, the largest concatenation), in bytes.
 
-    The stash keeps the output gradients of q/k/v/o, gate/up and down and the head's g·x rows (their inputs and the
-    head's softmax - p rows are saved activations already) until each weight's last use, in step 0's backward. The
-    head is the first weight that step finishes, so the most is every step's head rows and the other weights' rows
-    of steps 1..K-1. Finishing a weight concatenates its input rows and output-gradient rows over the steps."""
+    The stash keeps the output gradients of q/k/v/o, gate/up and down (of every decoder layer) and the head's g·x rows
+    (their inputs and the head's softmax - p rows are saved activations already) until each weight's last use, in
+    step 0's backward. The head is the first weight that step finishes, so the most is every step's head rows and the
+    other weights' rows of steps 1..K-1. Finishing a weight concatenates its input rows and output-gradient rows over
+    the steps."""
     H, I, Vd = cfg.hidden_size, cfg.intermediate_size, cfg.draft_vocab_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     head = H  # g·x; softmax - p is saved already
-    projections = q + 2 * kv + H + 2 * I + H  # q, k, v, o, gate, up, down
+    projections = (q + 2 * kv + H + 2 * I + H) * cfg.num_hidden_layers  # q, k, v, o, gate, up, down per layer
     stash = act_bytes * tokens * (ttt_steps * head + (ttt_steps - 1) * projections)
     widest = max(2 * H + q, q + H, H + I, I + H, H + Vd)  # q (k, v narrower), o, gate/up, down, head
     return stash, act_bytes * ttt_steps * tokens * widest

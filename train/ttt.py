@@ -76,6 +76,24 @@ def topk_to_draft(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, t2d_map: 
 # --------------------------------------------------------------------------- the unroll
 
 
+class StepKeys:
+    """Each drafter layer's keys and values over the unroll: step 0's (causal) and the diagonal ones of steps 1..k,
+    which step k's attention reads (ttt_attention). A layer's first `attend` is its step 0."""
+
+    def __init__(self, docs: Documents | None, compiled: bool) -> None:
+        self.docs, self.compiled = docs, compiled
+        self.first: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (B, nkv, T, hd) x2
+        self.diag: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layer not in self.first:
+            self.first[layer], self.diag[layer] = (k, v), ([], [])
+        else:
+            self.diag[layer][0].append(k)
+            self.diag[layer][1].append(v)
+        return ttt_attention(q, *self.first[layer], *self.diag[layer], self.docs, self.compiled)  # (B, nh, T, hd)
+
+
 def ttt_targets(model: Eagle3Drafter, batch: dict[str, torch.Tensor], target_head: torch.Tensor | None = None):
     """(target argmax (B, T), draft ids (B, T, K) or None, p (B, T, K) or (B, T, Vd), has_mass (B, T)).
 
@@ -110,7 +128,7 @@ def ttt_forward(
     target_head: the target's lm_head rows of the draft vocabulary (Vd, Ht), to take p from
     `last_hidden` (exact draft-vocab softmax) instead of the stored top-k.
     loss_kind: the per-position loss, one of LOSSES (see head_loss); lk_eta is lk_hybrid's eta.
-    The midlayer's and lm_head's weight gradients come as one GEMM each over all the steps (eagle3ft/drafter/wgrad.py).
+    The decoder layers' and lm_head's weight gradients come as one GEMM each over all the steps (drafter/wgrad.py).
     """
     with wgrad.deferred():
         return _unroll(model, batch, steps, decay, target_head, loss_kind, lk_eta)
@@ -146,19 +164,12 @@ def _unroll(model, batch, steps, decay, target_head, loss_kind, lk_eta) -> TTTOu
     loss = hidden.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(5, steps, device=dev)  # step_loss, correct, valid, chain_correct, chain_valid
     chain_ok = torch.ones(B * T, dtype=torch.bool, device=dev)
-    k0 = v0 = None
-    diag_k: list[torch.Tensor] = []
-    diag_v: list[torch.Tensor] = []
+    keys = StepKeys(docs, model.blocks_compiled)
     for k in range(steps):
         tokens = shift(ids, 1 + k)  # (B, T) token t+1+k
         q, kk, vv = model.qkv(tokens, hidden, positions + k)  # q (B, nh, T, hd); kk, vv (B, nkv, T, hd)
-        if k == 0:
-            k0, v0 = kk, vv
-        else:
-            diag_k.append(kk)
-            diag_v.append(vv)
-        attn = ttt_attention(q, k0, v0, diag_k, diag_v, docs, model.blocks_compiled)  # (B, nh, T, hd)
-        out = model.midlayer.finish(attn, hidden)  # (B, T, H) pre-norm
+        out = model.midlayer.finish(keys.attend(0, q, kk, vv), hidden)  # (B, T, H) pre-norm
+        out = model.upper(out, positions + k, keys.attend)  # a deeper drafter's layers 1..
 
         r, ahead = rows[k], rows[k] + 1 + k  # (N,) valid rows; the rows holding their targets (t+1+k)
         xn = model.norm(flat(out).index_select(0, r))  # (N, H)

@@ -58,8 +58,8 @@ class DrafterConfig:
     hidden_act: str = "silu"
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer on its chunk before fc (legacy name use_aux_norm)
     norm_output: bool = False  # EAGLE-3.1: the next draft step is fed the hidden state after the final norm
-    # one decoder layer (`midlayer`); SGLang 0.5.17 also serves more (llama_eagle3.py: layers.0 takes the 2H input,
-    # later layers H with hidden_norm before their attention), which model.py does not build: check_supported()
+    # decoder layers: the midlayer, then (Llama layout only) layers 1.. as SGLang 0.5.17's llama_eagle3.py builds them
+    # (layers.0 reads the 2H input, later ones H with hidden_norm before their attention): model.py's UpperLayer
     num_hidden_layers: int = 1
     tie_word_embeddings: bool = False  # an EAGLE-3 drafter has its own lm_head; True is refused
     architecture: str = LLAMA_EAGLE3  # architectures[0]: the layout (MLA_EAGLE3 keeps its MLA keys in `extra`)
@@ -170,9 +170,10 @@ class DrafterConfig:
 
     def check_supported(self) -> "DrafterConfig":
         """Raise ValueError for a layout that model.py cannot build (SGLang may still serve it); returns self."""
-        if self.num_hidden_layers != 1:
+        if self.num_hidden_layers < 1 or (self.num_hidden_layers != 1 and self.architecture != LLAMA_EAGLE3):
             raise ValueError(
-                f"drafter num_hidden_layers is {self.num_hidden_layers}; this trainer builds 1 decoder layer (midlayer)"
+                f"drafter num_hidden_layers is {self.num_hidden_layers}; this trainer builds 1 decoder layer or more "
+                f"for {LLAMA_EAGLE3}, 1 for {self.architecture}"
             )
         if self.tie_word_embeddings:
             raise ValueError(

@@ -51,15 +51,37 @@ SGLANG_STACKED = (
 )
 
 
-def sglang_target(key: str) -> tuple[str, str] | None:
-    """(SGLang parameter, shard) that SGLang's Eagle3 load_weights writes `key` into; None if it skips the key."""
+def sglang_upper_params(i: int) -> dict[str, set[str]]:
+    """Layer i >= 1 of a deeper drafter (SGLang names the midlayer layers.0): what load_weights fills there. Its
+    `input_layernorm`, which the layer's forward never reads, is left out."""
+    p = f"model.layers.{i}"
+    return {
+        f"{p}.self_attn.qkv_proj.weight": {"q", "k", "v"},
+        f"{p}.self_attn.o_proj.weight": {""},
+        f"{p}.mlp.gate_up_proj.weight": {"0", "1"},
+        f"{p}.mlp.down_proj.weight": {""},
+        f"{p}.hidden_norm.weight": {""},
+        f"{p}.post_attention_layernorm.weight": {""},
+    }
+
+
+def sglang_params(fc_norm: bool, num_layers: int) -> dict[str, set[str]]:
+    """SGLang's LlamaForCausalLMEagle3 parameters for a config with these fc_norm and num_hidden_layers."""
+    upper = {k: v for i in range(1, num_layers) for k, v in sglang_upper_params(i).items()}
+    return {**SGLANG_PARAMS, **(SGLANG_FC_NORM_PARAMS if fc_norm else {}), **upper}
+
+
+def sglang_target(key: str, params: dict[str, set[str]] | None = None) -> tuple[str, str] | None:
+    """(SGLang parameter, shard) that SGLang's Eagle3 load_weights writes `key` into; None if it skips the key.
+    params: the parameters of the drafter's config (sglang_params); default one layer with fc_norm's norms."""
+    params = params if params is not None else sglang_params(True, 1)
     shard = ""
     for ours, theirs, sid in SGLANG_STACKED:
         if ours in key:
             key, shard = key.replace(ours, theirs), sid
             break
     for name in (key, f"model.{key}"):
-        if name in SGLANG_PARAMS or name in SGLANG_FC_NORM_PARAMS:
+        if name in params:
             return name, shard
     return None
 
@@ -76,11 +98,16 @@ SGLANG_MLA_PARAMS = {
 }
 
 
-def sglang_mla_target(key: str) -> tuple[str, str] | None:
+def sglang_mla_params(fc_norm: bool, num_layers: int) -> dict[str, set[str]]:
+    """SGLang's Eagle3DeepseekV2ForCausalLM parameters (it builds exactly one layer: check_supported refuses more)."""
+    return {**SGLANG_MLA_PARAMS, **(SGLANG_FC_NORM_PARAMS if fc_norm else {})}
+
+
+def sglang_mla_target(key: str, params: dict[str, set[str]] | None = None) -> tuple[str, str] | None:
     """(SGLang parameter, shard) that Eagle3DeepseekV2ForCausalLM.load_weights writes `key` into; None if skipped."""
     name = re.sub(r"^layers\.0\.", "midlayer.", key)
     name = name if name.startswith("lm_head.") else f"model.{name}"
-    params = {**SGLANG_MLA_PARAMS, **SGLANG_FC_NORM_PARAMS}
+    params = params if params is not None else sglang_mla_params(True, 1)
     for ours, theirs, sid in SGLANG_STACKED[3:]:  # gate/up only
         if ours in name and name.replace(ours, theirs) in params:
             return name.replace(ours, theirs), sid
@@ -90,18 +117,21 @@ def sglang_mla_target(key: str) -> tuple[str, str] | None:
     return (name, "") if name in params else None
 
 
-# architecture -> (its parameters, the loader's rule, the keys we export)
+# architecture -> (its parameters for (fc_norm, num_layers), the loader's rule, the keys we export for them)
 LAYOUTS = {
-    LLAMA_EAGLE3: (SGLANG_PARAMS, sglang_target, export_keys),
-    MLA_EAGLE3: (SGLANG_MLA_PARAMS, sglang_mla_target, mla_export_keys),
+    LLAMA_EAGLE3: (sglang_params, sglang_target, export_keys),
+    MLA_EAGLE3: (sglang_mla_params, sglang_mla_target, lambda fc_norm, num_layers: mla_export_keys(fc_norm)),
 }
 
 
-def check_keys(keys, where: str, fc_norm: bool | None = None, architecture: str | None = None) -> None:
+def check_keys(
+    keys, where: str, fc_norm: bool | None = None, architecture: str | None = None, num_layers: int | None = None
+) -> None:
     """Raise ValueError unless SGLang's loader reads every key, fills every parameter shard, and gets d2t/t2d.
 
     fc_norm: whether the drafter's config sets fc_norm (SGLang then has model.fc_norm.{i}); None infers it from the
-    keys. architecture: the config's architectures[0]; None infers MLA from an MLA projection's key.
+    keys. architecture: the config's architectures[0]; None infers MLA from an MLA projection's key. num_layers: the
+    config's num_hidden_layers; None infers it from the highest `layers.{i}.` key.
     """
     keys = set(keys)
     if fc_norm is None:
@@ -109,15 +139,21 @@ def check_keys(keys, where: str, fc_norm: bool | None = None, architecture: str 
     if architecture is None:
         mla = ("q_a_proj", "kv_a_proj_with_mqa", "kv_b_proj")
         architecture = MLA_EAGLE3 if any(p in k for k in keys for p in mla) else LLAMA_EAGLE3
+    if num_layers is None:
+        num_layers = 1 + max((int(m[1]) for k in keys if (m := re.match(r"layers\.(\d+)\.", k))), default=0)
     if architecture not in LAYOUTS:
         raise ValueError(f"{where}: drafter architecture {architecture} is not one of {', '.join(LAYOUTS)}")
-    layout_params, target, expected_keys = LAYOUTS[architecture]
-    params = {**layout_params, **(SGLANG_FC_NORM_PARAMS if fc_norm else {})}
+    layout_params, rule, expected_keys = LAYOUTS[architecture]
+    params = layout_params(fc_norm, num_layers)
+
+    def target(k: str) -> tuple[str, str] | None:
+        return rule(k, params)
+
     filled = {target(k) for k in keys} - {None}
-    unread = sorted(k for k in keys - {"d2t", "t2d"} if target(k) is None or target(k)[0] not in params)
+    unread = sorted(k for k in keys - {"d2t", "t2d"} if target(k) is None)
     unfilled = sorted(f"{p}[{s}]" if s else p for p, shards in params.items() for s in shards if (p, s) not in filled)
     missing = sorted({"d2t", "t2d"} - keys)
-    expected = expected_keys(fc_norm)
+    expected = expected_keys(fc_norm, num_layers)
     if unread or unfilled or missing or keys != set(expected):
         raise ValueError(
             f"{where}: drafter keys do not load into SGLang's {architecture} (skipped silently: {unread}; "
@@ -154,7 +190,7 @@ def atomic_dir(final: Path):
 
 
 def write_drafter(folder: Path, cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> None:
-    check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture)
+    check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture, cfg.num_hidden_layers)
     (folder / CONFIG).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
 
@@ -190,7 +226,7 @@ def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> E
     tensors = read_drafter_tensors(folder)
     if cfg.architecture == MLA_EAGLE3:  # SGLang's MLA loader reads checkpoints that name the midlayer layers.0
         tensors = {re.sub(r"^layers\.0\.", "midlayer.", k): v for k, v in tensors.items()}
-    check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture)
+    check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture, cfg.num_hidden_layers)
     model = new_drafter(cfg)
     dtype = next(iter(v for k, v in tensors.items() if k.endswith(".weight"))).dtype
     model.to(dtype)

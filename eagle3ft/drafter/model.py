@@ -1,8 +1,8 @@
 """The EAGLE-3 drafter in SGLang's ``LlamaForCausalLMEagle3`` layout.
 
 Parameter names are SGLang's checkpoint keys (``fc.weight``, ``midlayer.*``, ``norm.weight``,
-``lm_head.weight``, buffers ``d2t``/``t2d``), so ``state_dict()`` minus ``embed_tokens`` is the
-exported checkpoint. No I/O, no distributed code: training (train/ttt.py) and inference
+``lm_head.weight``, buffers ``d2t``/``t2d``; a deeper drafter's layers 1.. as ``layers.{i}.*``), so ``state_dict()``
+minus ``embed_tokens`` is the exported checkpoint. No I/O, no distributed code: training (train/ttt.py) and inference
 (eval/speculate.py) both drive the same pieces. Its config.json is config.py's
 DrafterConfig; building the model refuses a layout it cannot build (DrafterConfig.check_supported).
 
@@ -13,7 +13,7 @@ nh / nkv attention / key-value heads, hd head dim, V target vocab, Vd draft voca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -104,21 +104,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Llama attention whose q/k/v read the 2H concatenation [input_layernorm(emb), hidden_norm(h)]."""
+    """Llama attention whose q/k/v read the 2H concatenation [input_layernorm(emb), hidden_norm(h)] (the midlayer), or
+    H (`d_in`, a deeper drafter's layers above it)."""
 
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, d_in: int | None = None) -> None:
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(2 * cfg.hidden_size, self.nh * self.hd)
-        self.k_proj = Linear(2 * cfg.hidden_size, self.nkv * self.hd)
-        self.v_proj = Linear(2 * cfg.hidden_size, self.nkv * self.hd)
+        d_in = d_in or 2 * cfg.hidden_size
+        self.q_proj = Linear(d_in, self.nh * self.hd)
+        self.k_proj = Linear(d_in, self.nkv * self.hd)
+        self.v_proj = Linear(d_in, self.nkv * self.hd)
         self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Roped q (B, nh, T, hd), k and v (B, nkv, T, hd); the attention core is the caller's."""
-        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)  # x (B, T, 2H)
+        return self.heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)  # x (B, T, d_in)
 
     def heads(self, q, k, v, cos, sin):
         """The projections (B, T, heads·hd) split into heads (B, heads, T, hd), q and k roped (compiled in training)."""
@@ -169,6 +171,31 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))  # (B, T, H), pre-norm output
 
 
+class UpperLayer(nn.Module):
+    """Layer i >= 1 of a deeper drafter: SGLang's Eagle3 LlamaDecoderLayer with is_input_layer False, a pre-norm Llama
+    layer over the layer below's pre-norm output whose input norm is `hidden_norm` (q/k/v read H). SGLang also builds
+    an `input_layernorm` there that its forward never reads; it is not built here nor exported."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, d_in=cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        return self.self_attn(self.hidden_norm(h), cos, sin)  # h (B, T, H) -> q (B, nh, T, hd), k/v (B, nkv, T, hd)
+
+    finish = MidLayer.finish  # residual + o_proj(attn), then the MLP: (B, T, H) pre-norm
+
+    def start_as_identity(self) -> None:
+        """o_proj and down_proj zero: the layer passes its input through, so one added to a trained drafter keeps
+        that drafter's outputs until training moves it."""
+        with torch.no_grad():
+            self.self_attn.o_proj.weight.zero_()
+            self.mlp.down_proj.weight.zero_()
+
+
 class LMHead(nn.Linear):
     """Linear(H -> Vd), no bias. `head(x, fn)` returns fn(x, weight) from inside the module call (training's
     fused chunked loss), so an engine that shards parameters (ZeRO-3) gathers the weight for it."""
@@ -182,14 +209,22 @@ class LMHead(nn.Linear):
 
 @dataclass
 class DraftCache:
-    """The drafter's key/value cache for inference: (B, nkv, S, hd) each, grown by `step`."""
+    """The drafter's key/value cache for inference: (B, nkv, S, hd) each, grown by `step`; a deeper drafter's layers
+    1.. keep theirs in `above`, over the same S rows."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    above: list["DraftCache"] = field(default_factory=list)
 
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
+
+    def layer(self, i: int) -> "DraftCache":
+        """Layer i's cache: this one for the midlayer (i = 0), else `above[i - 1]` (made on first use)."""
+        while len(self.above) < i:
+            self.above.append(DraftCache())
+        return self if i == 0 else self.above[i - 1]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
@@ -202,13 +237,17 @@ class DraftCache:
             raise ValueError(f"cannot crop a cache of {self.length} entries to {n}")
         if self.k is not None:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+        for c in self.above:
+            c.crop(n)
 
 
 class StaticDraftCache:
     """DraftCache in buffers of a fixed `capacity` (B, nkv, capacity, hd), written in place, so that a CUDA graph can
-    read and write them (eval/draft_graph.py). The same `length`, `append` and `crop` as DraftCache."""
+    read and write them (eval/draft_graph.py). The same `length`, `append` and `crop` as DraftCache; one layer."""
 
     def __init__(self, cfg: DrafterConfig, capacity: int, device, dtype: torch.dtype, batch: int = 1) -> None:
+        if cfg.num_hidden_layers != 1:
+            raise ValueError(f"a static draft cache holds 1 drafter layer, not {cfg.num_hidden_layers}")
         shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -229,10 +268,13 @@ class StaticDraftCache:
             raise ValueError(f"cannot crop a cache of {self.length} entries to {n}")
         self.length = n
 
+    def layer(self, i: int) -> "StaticDraftCache":
+        return self
+
 
 class Eagle3Drafter(nn.Module):
-    """embed_tokens (frozen target embedding) -> fc fuses 3 aux states -> midlayer -> norm -> lm_head over the draft
-    vocab.
+    """embed_tokens (frozen target embedding) -> fc fuses 3 aux states -> midlayer (-> layers 1.. of a deeper drafter)
+    -> norm -> lm_head over the draft vocab.
 
     EAGLE-3.1 options (config.json flags SGLang reads): `fc_norm` adds `fc_norm.{0,1,2}` RMSNorms, one per aux chunk,
     before fc; `norm_output` feeds the next draft step norm(out) instead of the pre-norm out. Both off: EAGLE-3.
@@ -250,6 +292,8 @@ class Eagle3Drafter(nn.Module):
         )
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = self.make_midlayer(cfg)
+        # num_hidden_layers > 1: SGLang's layers.1.. (keys `layers.{i}.*`), each over the one below's pre-norm output
+        self.layers = nn.ModuleDict({str(i): UpperLayer(cfg) for i in range(1, cfg.num_hidden_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = LMHead(cfg.hidden_size, cfg.draft_vocab_size)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target = draft + d2t[draft]
@@ -291,6 +335,17 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self.rope(position_ids, x.dtype)
         return self.midlayer.self_attn(x, cos, sin)
 
+    def upper(self, out: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
+        """Layers 1.. of a deeper drafter over the midlayer's pre-norm output `out` (B, T, H) -> (B, T, H) pre-norm;
+        `out` itself for one layer. attend(i, q, k, v) -> (B, nh, T, hd) is the caller's attention core for layer i
+        (an inference cache, the TTT unroll's keys)."""
+        if not self.layers:
+            return out
+        cos, sin = self.rope(position_ids, out.dtype)
+        for i, layer in enumerate(self.layers.values(), 1):
+            out = layer.finish(attend(i, *layer.qkv(out, cos, sin)), out)
+        return out
+
     def logits(self, hidden_out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden_out))  # (B, T, H) -> (B, T, Vd)
 
@@ -315,10 +370,13 @@ class Eagle3Drafter(nn.Module):
         """
         mid = self.midlayer
         self.blocks_compiled = True
-        for m in (self.norm, mid.input_layernorm, mid.hidden_norm, mid.post_attention_layernorm, *(self.fc_norm or ())):
+        for m in (self.norm, mid.input_layernorm, *(self.fc_norm or ())):
             m.compile()
-        mid.self_attn.heads = torch.compile(mid.self_attn.heads)
-        mid.mlp.act = torch.compile(mid.mlp.act)
+        for layer in (mid, *self.layers.values()):
+            layer.hidden_norm.compile()
+            layer.post_attention_layernorm.compile()
+            layer.self_attn.heads = torch.compile(layer.self_attn.heads)
+            layer.mlp.act = torch.compile(layer.mlp.act)
 
     # -- inference
 
@@ -337,29 +395,39 @@ class Eagle3Drafter(nn.Module):
         all of the cache plus causal among the new tokens).
         Returns (hidden for the next step (B, T, H): `feedback(out)`, logits (B, T, Vd)).
         """
-        past = cache.length
-        q, k, v = self.qkv(input_ids, hidden, position_ids)
-        k, v = cache.append(k, v)  # (B, nkv, S + T, hd)
-        T = q.shape[2]
+        past, T = cache.length, input_ids.shape[1]
         if attn_mask is None and T > 1:
-            attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)[None, None]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, enable_gqa=self.config.num_key_value_heads != self.config.num_attention_heads
-        )
-        return self.outputs(self.midlayer.finish(o, hidden))  # finish: (B, T, H) pre-norm
+            attn_mask = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(diagonal=past)
+            attn_mask = attn_mask[None, None]
+        gqa = self.config.num_key_value_heads != self.config.num_attention_heads
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k, v = cache.layer(i).append(k, v)  # (B, nkv, S + T, hd)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)  # (B, nh, T, hd)
+
+        out = self.midlayer.finish(attend(0, *self.qkv(input_ids, hidden, position_ids)), hidden)  # (B, T, H) pre-norm
+        return self.outputs(self.upper(out, position_ids, attend))
 
 
-def export_keys(fc_norm: bool = False) -> list[str]:
+def export_keys(fc_norm: bool = False, num_layers: int = 1) -> list[str]:
     """The checkpoint keys SGLang's LlamaForCausalLMEagle3.load_weights maps onto parameters, plus d2t/t2d.
 
-    fc_norm (EAGLE-3.1) adds `fc_norm.{0,1,2}.weight`, which SGLang loads into `model.fc_norm.{i}.weight`.
+    fc_norm (EAGLE-3.1) adds `fc_norm.{0,1,2}.weight`, which SGLang loads into `model.fc_norm.{i}.weight`; each layer
+    past the midlayer adds `layers.{i}.*` (no input_layernorm: UpperLayer).
     """
-    mid = ["input_layernorm", "hidden_norm", "post_attention_layernorm"]
+
+    def layer(prefix: str, norms: list[str]) -> list[str]:
+        return (
+            [f"{prefix}.{n}.weight" for n in norms]
+            + [f"{prefix}.self_attn.{p}_proj.weight" for p in "qkvo"]
+            + [f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        )
+
+    norms = ["hidden_norm", "post_attention_layernorm"]
     return (
         [f"fc_norm.{i}.weight" for i in range(3) if fc_norm]
         + ["fc.weight"]
-        + [f"midlayer.{n}.weight" for n in mid]
-        + [f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"]
-        + [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        + layer("midlayer", ["input_layernorm", *norms])
+        + [k for i in range(1, num_layers) for k in layer(f"layers.{i}", norms)]
         + ["norm.weight", "lm_head.weight", "d2t", "t2d"]
     )

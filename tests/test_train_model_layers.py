@@ -1,0 +1,258 @@
+"""A deeper drafter (num_hidden_layers > 1): the forward against SGLang 0.5.17's llama_eagle3.py written out from the
+exported tensors, the cache, the TTT unroll against an explicit-mask reference, the export's keys, and a warm start
+grown by a layer that keeps the drafter's outputs."""
+
+import dataclasses
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_checkpoint import write_k2_like
+from test_train_model import HD, NH, NKV, VD, H, V, hf_config
+from test_train_ttt import batch
+from train_fixtures import launch, write_store
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, repeat_kv
+
+from eagle3ft.drafter.config import MLA_EAGLE3, DrafterConfig
+from eagle3ft.drafter.export import (
+    check_keys,
+    drafter_tensors,
+    export_drafter,
+    load_drafter,
+    sglang_params,
+    sglang_target,
+)
+from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, export_keys
+from eagle3ft.train.attention import shift
+from eagle3ft.train.build import grow_drafter
+from eagle3ft.train.ttt import ttt_forward
+
+
+def make(layers: int, seed: int = 0, **kw) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(
+        hidden_size=H,
+        num_attention_heads=NH,
+        num_key_value_heads=NKV,
+        head_dim=HD,
+        intermediate_size=48,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        rms_norm_eps=1e-5,
+        rope_theta=500.0,
+        max_position_embeddings=64,
+        num_hidden_layers=layers,
+        **kw,
+    )
+    m = Eagle3Drafter(cfg)
+    with torch.no_grad():
+        m.embed_tokens.weight.normal_()
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+        m.d2t.copy_(torch.arange(VD) * 2 - torch.arange(VD))
+        m.t2d[::2][:VD] = True
+    return m
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None):
+    """SGLang's RMSNorm(x) or, given a residual, its fused form: (norm(x + residual), x + residual)."""
+    if residual is not None:
+        x = x + residual
+    y = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    return y if residual is None else (y, x)
+
+
+def sglang_forward(tensors: dict, cfg: DrafterConfig, ids, hidden, pos):
+    """LlamaModel.forward of SGLang 0.5.17's llama_eagle3.py over one causal sequence, from the exported tensors by
+    the names its load_weights gives them (midlayer -> layers.0, q/k/v and gate/up stacked). Returns (the aux it hands
+    the next draft step: pre-norm, the logits)."""
+    params = {}
+    for k, w in tensors.items():
+        if k in ("d2t", "t2d", "embed_tokens.weight"):
+            continue
+        name, shard = sglang_target(k, sglang_params(False, cfg.num_hidden_layers))
+        params.setdefault(name.replace("model.midlayer.", "model.layers.0."), {})[shard] = w
+    p = {
+        k: torch.cat([v[s] for s in ("q", "k", "v", "0", "1") if s in v]) if "" not in v else v[""]
+        for k, v in params.items()
+    }
+    B, T = ids.shape
+    emb = tensors["embed_tokens.weight"][ids]
+    cos, sin = LlamaRotaryEmbedding(hf_config(SimpleNamespace(config=cfg)))(hidden, pos)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    residual = None
+    for i in range(cfg.num_hidden_layers):
+        L = f"model.layers.{i}"
+        if i == 0:  # is_input_layer
+            residual = hidden
+            x = torch.cat([rms(emb, p[f"{L}.input_layernorm.weight"]), rms(hidden, p[f"{L}.hidden_norm.weight"])], -1)
+        else:
+            x, residual = rms(hidden, p[f"{L}.hidden_norm.weight"], residual)
+        q, k, v = (x @ p[f"{L}.self_attn.qkv_proj.weight"].t()).split([NH * HD, NKV * HD, NKV * HD], -1)
+        q, k, v = (t.view(B, T, -1, HD).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = repeat_kv(k, NH // NKV), repeat_kv(v, NH // NKV)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(HD)).masked_fill(~causal, float("-inf"))
+        o = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, NH * HD) @ p[f"{L}.self_attn.o_proj.weight"].t()
+        x, residual = rms(o, p[f"{L}.post_attention_layernorm.weight"], residual)
+        gate, up = (x @ p[f"{L}.mlp.gate_up_proj.weight"].t()).chunk(2, -1)
+        hidden = (torch.nn.functional.silu(gate) * up) @ p[f"{L}.mlp.down_proj.weight"].t()
+    to_logits, aux = rms(hidden, p["model.norm.weight"], residual)
+    return aux, to_logits @ p["lm_head.weight"].t()
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_step_matches_sglangs_forward_from_the_export(layers):
+    m = make(layers, seed=layers)
+    ids, aux = torch.randint(0, V, (2, 7)), torch.randn(2, 7, 3 * H)
+    pos = torch.arange(7).expand(2, 7)
+    hidden = m.fuse(aux)
+    out, logits = m.step(ids, hidden, pos, DraftCache())
+    tensors = {**drafter_tensors(m.state_dict()), "embed_tokens.weight": m.embed_tokens.weight}
+    ref_out, ref_logits = sglang_forward(tensors, m.config, ids, hidden, pos)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_deeper_cache_extends_crops_and_follows_a_tree_mask():
+    m = make(3, seed=4)
+    ids, hidden = torch.randint(0, V, (1, 8)), torch.randn(1, 8, H)
+    pos = torch.arange(8)[None]
+    full, _ = m.step(ids, hidden, pos, DraftCache())
+    cache = DraftCache()
+    a, _ = m.step(ids[:, :5], hidden[:, :5], pos[:, :5], cache)
+    b, _ = m.step(ids[:, 5:], hidden[:, 5:], pos[:, 5:], cache)
+    assert cache.length == 8 and [c.length for c in cache.above] == [8, 8]
+    torch.testing.assert_close(torch.cat([a, b], 1), full, rtol=1e-5, atol=1e-5)
+    cache.crop(5)
+    assert [c.length for c in (cache, *cache.above)] == [5, 5, 5]
+    for t in range(5, 8):
+        o, _ = m.step(ids[:, t : t + 1], hidden[:, t : t + 1], pos[:, t : t + 1], cache)
+        torch.testing.assert_close(o, full[:, t : t + 1], rtol=1e-5, atol=1e-5)
+    cache.crop(5)
+    mask = torch.zeros(1, 1, 2, 7, dtype=torch.bool)
+    mask[..., :5] = True
+    mask[0, 0, 0, 5] = mask[0, 0, 1, 6] = True
+    sib = torch.stack([ids[:, 5], torch.full_like(ids[:, 5], 3)], 1)
+    o, _ = m.step(sib, hidden[:, [5, 5]], torch.tensor([[5, 5]]), cache, attn_mask=mask)
+    torch.testing.assert_close(o[:, :1], full[:, 5:6], rtol=1e-5, atol=1e-5)
+
+
+def reference_ttt(m: Eagle3Drafter, b: dict, steps: int, decay: float) -> torch.Tensor:
+    """The unroll written plainly for any depth: each layer's keys of every step concatenated, an explicit mask
+    (step 0 causal, then the row's own key of each later step), full logits, CE against the stored top-k."""
+    ids = b["input_ids"]
+    B, T = ids.shape
+    hidden = m.fuse(b["aux_hidden"])
+    pos = torch.arange(T).expand(B, T)
+    layers = [m.midlayer, *m.layers.values()]
+    keys = [[] for _ in layers]
+    t2d = torch.full((V,), -1, dtype=torch.long)
+    t2d[torch.arange(VD) + m.d2t] = torch.arange(VD)
+    loss = 0.0
+    for k in range(steps):
+        mask = torch.cat([torch.ones(T, T).tril().bool()] + [torch.eye(T, dtype=torch.bool)] * k, dim=1)
+        cos, sin = m.rope(pos + k, hidden.dtype)
+        x = hidden
+        for i, layer in enumerate(layers):
+            if i == 0:
+                q, kk, vv = m.qkv(shift(ids, 1 + k), hidden, pos + k)
+            else:
+                q, kk, vv = layer.qkv(x, cos, sin)
+            keys[i].append((kk.repeat_interleave(NH // NKV, 1), vv.repeat_interleave(NH // NKV, 1)))
+            kall, vall = (torch.cat([kv[j] for kv in keys[i]], 2) for j in (0, 1))
+            s = (q @ kall.transpose(-1, -2) / math.sqrt(HD)).masked_fill(~mask, float("-inf"))
+            x = layer.finish(torch.softmax(s, -1) @ vall, x)
+        logq = torch.log_softmax(m.logits(x), -1)  # (B, T, Vd)
+        tk, lp = shift(b["topk_ids"], 1 + k), shift(b["topk_logprobs"], 1 + k)
+        d = t2d[tk]
+        pk = lp.exp() * (d >= 0)
+        mass = pk.sum(-1, keepdim=True)
+        p = torch.zeros(B, T, VD).scatter_add_(-1, d.clamp(min=0), pk / mass.clamp(min=1e-30))
+        valid = shift(b["loss_mask"].bool(), 2 + k) & (mass[..., 0] > 0)
+        ce = -(p * logq).sum(-1)
+        loss = loss + decay**k * (ce * valid).sum() / valid.sum().clamp(min=1)
+        hidden = x
+    return loss
+
+
+def test_deeper_ttt_matches_the_explicit_mask_reference_and_its_gradients():
+    m = make(2, seed=5)
+    b = batch(B=2, T=9, H=H, V=V)
+    out = ttt_forward(m, b, steps=3, decay=0.8)
+    ref = reference_ttt(m, b, steps=3, decay=0.8)
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-5)
+    params = [p for p in m.parameters() if p.requires_grad]
+    got = torch.autograd.grad(out.loss, params)
+    want = torch.autograd.grad(reference_ttt(m, b, steps=3, decay=0.8), params)
+    for (name, _), g, w in zip([(n, p) for n, p in m.named_parameters() if p.requires_grad], got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=name)
+    assert any(
+        n.startswith("layers.1.") and g.abs().sum() > 0
+        for n, g in zip([n for n, p in m.named_parameters() if p.requires_grad], got)
+    )
+
+
+def test_a_deeper_export_round_trips_and_names_sglangs_layers(tmp_path):
+    m = make(2, seed=6)
+    folder = export_drafter(m, tmp_path / "d")
+    back = load_drafter(folder, m.embed_tokens.weight.detach())
+    assert back.config.num_hidden_layers == 2
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(back.state_dict()[k], v, msg=k)
+    keys = set(export_keys(num_layers=2))
+    assert "layers.1.self_attn.q_proj.weight" in keys and "layers.1.input_layernorm.weight" not in keys
+    assert sglang_target("layers.1.self_attn.k_proj.weight", sglang_params(False, 2)) == (
+        "model.layers.1.self_attn.qkv_proj.weight",
+        "k",
+    )
+    with pytest.raises(ValueError, match="left unfilled.*model.layers.1.mlp.down_proj"):
+        check_keys(keys - {"layers.1.mlp.down_proj.weight"}, "t", num_layers=2)
+    with pytest.raises(ValueError, match="skipped silently.*layers.1.hidden_norm"):
+        check_keys(keys, "t", num_layers=1)
+
+
+def test_a_warm_start_grown_by_a_layer_keeps_the_drafters_outputs(tmp_path):
+    one = make(1, seed=7)
+    grown = grow_drafter(one, 2, tmp_path)
+    assert grown.config.num_hidden_layers == 2
+    ids, hidden = torch.randint(0, V, (1, 6)), torch.randn(1, 6, H)
+    pos = torch.arange(6)[None]
+    want = one.step(ids, hidden, pos, DraftCache())
+    got = grown.step(ids, hidden, pos, DraftCache())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    assert grow_drafter(one, None, tmp_path) is one and grow_drafter(one, 1, tmp_path) is one
+    with pytest.raises(ValueError, match="num_hidden_layers 1 < the warm-start drafter's 2"):
+        grow_drafter(grown, 1, tmp_path)
+
+
+def test_layouts_that_cannot_be_deeper_are_refused():
+    with pytest.raises(ValueError, match="1 for Eagle3DeepseekV2ForCausalLM"):
+        dataclasses.replace(make(1).config, architecture=MLA_EAGLE3, num_hidden_layers=2).check_supported()
+    with pytest.raises(ValueError, match="num_hidden_layers is 0"):
+        dataclasses.replace(make(1).config, num_hidden_layers=0).check_supported()
+
+
+@pytest.mark.slow
+def test_a_warm_start_grown_by_a_layer_trains_from_the_drafters_loss_and_exports_it(tmp_path):
+    """Through the real entry point under DeepSpeed: the grown drafter's first loss is the 1-layer drafter's, and the
+    added layer trains and exports (`drafter.num_hidden_layers=2` on a warm start)."""
+    runs = {}
+    for layers in (1, 2):
+        run = runs[layers] = tmp_path / f"layers-{layers}"
+        write_store(run)
+        write_k2_like(run / "k2")
+        over = (f"drafter.init={run / 'k2'}", f"drafter.num_hidden_layers={layers}", "train.max_steps=2")
+        r = launch(run, *over, "train.warmup_steps=1", "train.lr=3e-3", "train.ttt_steps=3", procs=1)
+        assert r.returncode == 0, r.stderr[-4000:]
+    first = [json.loads((runs[n] / "train/metrics.jsonl").read_text().splitlines()[0])["loss"] for n in (1, 2)]
+    assert first[1] == pytest.approx(first[0], rel=1e-6)
+    out = load_file(runs[2] / "export/model.safetensors")
+    assert set(out) == set(export_keys(num_layers=2))
+    assert out["layers.1.self_attn.o_proj.weight"].abs().sum() > 0  # started at zero, trained
+    assert json.loads((runs[2] / "export/config.json").read_text())["num_hidden_layers"] == 2
