@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
+from safetensors.torch import load_file, save_file
 from test_train_checkpoint import write_k2_like
 from test_train_model import HD, NH, NKV, VD, H, V, hf_config
 from test_train_ttt import batch
@@ -26,6 +27,8 @@ from eagle3ft.drafter.export import (
     sglang_target,
 )
 from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, export_keys
+from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance
+from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
 from eagle3ft.train.attention import shift
 from eagle3ft.train.build import grow_drafter
 from eagle3ft.train.ttt import ttt_forward
@@ -66,10 +69,11 @@ def rms(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None):
     return y if residual is None else (y, x)
 
 
-def sglang_forward(tensors: dict, cfg: DrafterConfig, ids, hidden, pos):
+def engine_forward(tensors: dict, cfg: DrafterConfig, ids, hidden, pos, engine: str = "sglang"):
     """LlamaModel.forward of SGLang 0.5.17's llama_eagle3.py over one causal sequence, from the exported tensors by
     the names its load_weights gives them (midlayer -> layers.0, q/k/v and gate/up stacked). Returns (the aux it hands
-    the next draft step: pre-norm, the logits)."""
+    the next draft step: pre-norm, the logits). engine "vllm": vLLM's llama_eagle3.py, the same but for the norm of a
+    layer past the first (`self.input_layernorm(hidden_states, residual)` where SGLang has hidden_norm)."""
     params = {}
     for k, w in tensors.items():
         if k in ("d2t", "t2d", "embed_tokens.weight"):
@@ -91,7 +95,8 @@ def sglang_forward(tensors: dict, cfg: DrafterConfig, ids, hidden, pos):
             residual = hidden
             x = torch.cat([rms(emb, p[f"{L}.input_layernorm.weight"]), rms(hidden, p[f"{L}.hidden_norm.weight"])], -1)
         else:
-            x, residual = rms(hidden, p[f"{L}.hidden_norm.weight"], residual)
+            norm = "input_layernorm" if engine == "vllm" else "hidden_norm"
+            x, residual = rms(hidden, p[f"{L}.{norm}.weight"], residual)
         q, k, v = (x @ p[f"{L}.self_attn.qkv_proj.weight"].t()).split([NH * HD, NKV * HD, NKV * HD], -1)
         q, k, v = (t.view(B, T, -1, HD).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
@@ -105,15 +110,16 @@ def sglang_forward(tensors: dict, cfg: DrafterConfig, ids, hidden, pos):
     return aux, to_logits @ p["lm_head.weight"].t()
 
 
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
 @pytest.mark.parametrize("layers", [1, 2, 3])
-def test_step_matches_sglangs_forward_from_the_export(layers):
+def test_step_matches_each_engines_forward_from_the_export(layers, engine):
     m = make(layers, seed=layers)
     ids, aux = torch.randint(0, V, (2, 7)), torch.randn(2, 7, 3 * H)
     pos = torch.arange(7).expand(2, 7)
     hidden = m.fuse(aux)
     out, logits = m.step(ids, hidden, pos, DraftCache())
     tensors = {**drafter_tensors(m.state_dict()), "embed_tokens.weight": m.embed_tokens.weight}
-    ref_out, ref_logits = sglang_forward(tensors, m.config, ids, hidden, pos)
+    ref_out, ref_logits = engine_forward(tensors, m.config, ids, hidden, pos, engine)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
 
@@ -205,7 +211,7 @@ def test_a_deeper_export_round_trips_and_names_sglangs_layers(tmp_path):
     for k, v in m.state_dict().items():
         torch.testing.assert_close(back.state_dict()[k], v, msg=k)
     keys = set(export_keys(num_layers=2))
-    assert "layers.1.self_attn.q_proj.weight" in keys and "layers.1.input_layernorm.weight" not in keys
+    assert {"layers.1.self_attn.q_proj.weight", "layers.1.input_layernorm.weight"} <= keys
     assert sglang_target("layers.1.self_attn.k_proj.weight", sglang_params(False, 2)) == (
         "model.layers.1.self_attn.qkv_proj.weight",
         "k",
@@ -214,6 +220,12 @@ def test_a_deeper_export_round_trips_and_names_sglangs_layers(tmp_path):
         check_keys(keys - {"layers.1.mlp.down_proj.weight"}, "t", num_layers=2)
     with pytest.raises(ValueError, match="skipped silently.*layers.1.hidden_norm"):
         check_keys(keys, "t", num_layers=1)
+    weights = load_file(folder / "model.safetensors")
+    assert torch.equal(weights["layers.1.input_layernorm.weight"], weights["layers.1.hidden_norm.weight"])
+    weights["layers.1.input_layernorm.weight"] = weights["layers.1.input_layernorm.weight"] + 1
+    save_file(weights, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="layers.1.input_layernorm differs from its hidden_norm"):
+        load_drafter(folder)
 
 
 def test_a_warm_start_grown_by_a_layer_keeps_the_drafters_outputs(tmp_path):
@@ -256,3 +268,31 @@ def test_a_warm_start_grown_by_a_layer_trains_from_the_drafters_loss_and_exports
     assert set(out) == set(export_keys(num_layers=2))
     assert out["layers.1.self_attn.o_proj.weight"].abs().sum() > 0  # started at zero, trained
     assert json.loads((runs[2] / "export/config.json").read_text())["num_hidden_layers"] == 2
+
+
+@pytest.fixture(scope="module")
+def deep_pair(tmp_path_factory):
+    """The eval tests' fitted tiny drafter grown to 2 layers, its added layer moved off the identity."""
+    target, drafter = tiny_pair()
+    deep = grow_drafter(drafter, 2, tmp_path_factory.mktemp("deep"))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            deep.layers["1"].get_submodule(name).weight.normal_(std=0.02)
+    return target, deep
+
+
+def test_deeper_speculation_is_lossless_and_the_offline_walk_equals_live_drafting(deep_pair):
+    target, deep = deep_pair
+    dec = SpeculativeDecoder(target, deep, AUX, steps=3)
+    for p in prompts(2, seed=7):
+        assert dec.generate(p, 24).tokens == greedy_decode(target, p, 24).tokens
+    offline, live = [], []
+    for item in greedy_items(target, prompts(2, seed=1), 24):
+        s = SampleInputs.of(item)
+        res = chain_acceptance(deep, s, 3)
+        ids = s.input_ids.tolist()
+        for row in torch.nonzero(res.greedy_valid[:, -1]).flatten().tolist():
+            live.append(dec.generate(ids[: row + 1], max_new_tokens=2).accept_lengths[0])
+            offline.append(1 + int(torch.cumprod(res.greedy_alpha[row], 0).sum()))
+    assert len(live) > 20 and offline == live and max(live) > 1

@@ -52,10 +52,11 @@ SGLANG_STACKED = (
 
 
 def sglang_upper_params(i: int) -> dict[str, set[str]]:
-    """Layer i >= 1 of a deeper drafter (SGLang names the midlayer layers.0): what load_weights fills there. Its
-    `input_layernorm`, which the layer's forward never reads, is left out."""
+    """Layer i >= 1 of a deeper drafter (SGLang names the midlayer layers.0): what load_weights fills there. SGLang's
+    forward never reads its `input_layernorm` (it norms with hidden_norm), vLLM's reads only that one."""
     p = f"model.layers.{i}"
     return {
+        f"{p}.input_layernorm.weight": {""},
         f"{p}.self_attn.qkv_proj.weight": {"q", "k", "v"},
         f"{p}.self_attn.o_proj.weight": {""},
         f"{p}.mlp.gate_up_proj.weight": {"0", "1"},
@@ -161,10 +162,38 @@ def check_keys(
         )
 
 
+UPPER_NORM = re.compile(r"^layers\.(\d+)\.hidden_norm\.weight$")
+
+
+def vllm_norm_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A deeper drafter's layers.{i} (i >= 1) norm their input with `hidden_norm` in SGLang 0.5.17
+    (llama_eagle3.py: `self.hidden_norm(hidden_states, residual)` when not is_input_layer) and with `input_layernorm`
+    in vLLM (its llama_eagle3.py: `self.input_layernorm(hidden_states, residual)` when layer_idx > 0); each engine
+    loads both. The export writes the one weight under both names, so the drafter means the same in either."""
+    return {
+        f"layers.{m[1]}.input_layernorm.weight": v.clone() for k, v in tensors.items() if (m := UPPER_NORM.match(k))
+    }
+
+
+def drop_norm_copies(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """`tensors` without the copies vllm_norm_copies writes, after checking each equals its hidden_norm."""
+    out = dict(tensors)
+    for k, v in tensors.items():
+        if m := UPPER_NORM.match(k):
+            copy = out.pop(f"layers.{m[1]}.input_layernorm.weight", None)
+            if copy is not None and not torch.equal(copy, v):
+                raise ValueError(
+                    f"{where}: layers.{m[1]}.input_layernorm differs from its hidden_norm; SGLang norms that layer's "
+                    "input with hidden_norm and vLLM with input_layernorm, so the drafter would differ between them"
+                )
+    return out
+
+
 def drafter_tensors(state_dict: dict[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
     """The exportable tensors of a (possibly wrapped) drafter state dict, keys without `prefix`."""
     out = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
     out = {k: v.detach().cpu().contiguous() for k, v in out.items() if k not in IGNORED_KEYS}
+    out.update(vllm_norm_copies(out))
     check_keys(out, "export")
     return out
 
@@ -227,6 +256,7 @@ def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> E
     if cfg.architecture == MLA_EAGLE3:  # SGLang's MLA loader reads checkpoints that name the midlayer layers.0
         tensors = {re.sub(r"^layers\.0\.", "midlayer.", k): v for k, v in tensors.items()}
     check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture, cfg.num_hidden_layers)
+    tensors = drop_norm_copies(tensors, str(folder))
     model = new_drafter(cfg)
     dtype = next(iter(v for k, v in tensors.items() if k.endswith(".weight"))).dtype
     model.to(dtype)

@@ -174,7 +174,8 @@ class MidLayer(nn.Module):
 class UpperLayer(nn.Module):
     """Layer i >= 1 of a deeper drafter: SGLang's Eagle3 LlamaDecoderLayer with is_input_layer False, a pre-norm Llama
     layer over the layer below's pre-norm output whose input norm is `hidden_norm` (q/k/v read H). SGLang also builds
-    an `input_layernorm` there that its forward never reads; it is not built here nor exported."""
+    an `input_layernorm` there that its forward never reads, and vLLM reads that one instead of hidden_norm: the
+    export writes hidden_norm under both names (export.py: vllm_norm_copies)."""
 
     def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
@@ -413,21 +414,22 @@ def export_keys(fc_norm: bool = False, num_layers: int = 1) -> list[str]:
     """The checkpoint keys SGLang's LlamaForCausalLMEagle3.load_weights maps onto parameters, plus d2t/t2d.
 
     fc_norm (EAGLE-3.1) adds `fc_norm.{0,1,2}.weight`, which SGLang loads into `model.fc_norm.{i}.weight`; each layer
-    past the midlayer adds `layers.{i}.*` (no input_layernorm: UpperLayer).
+    past the midlayer adds `layers.{i}.*`, its `input_layernorm` a copy of its `hidden_norm` (export.py:
+    vllm_norm_copies).
     """
+    norms = ["input_layernorm", "hidden_norm", "post_attention_layernorm"]
 
-    def layer(prefix: str, norms: list[str]) -> list[str]:
+    def layer(prefix: str) -> list[str]:
         return (
             [f"{prefix}.{n}.weight" for n in norms]
             + [f"{prefix}.self_attn.{p}_proj.weight" for p in "qkvo"]
             + [f"{prefix}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         )
 
-    norms = ["hidden_norm", "post_attention_layernorm"]
     return (
         [f"fc_norm.{i}.weight" for i in range(3) if fc_norm]
         + ["fc.weight"]
-        + layer("midlayer", ["input_layernorm", *norms])
-        + [k for i in range(1, num_layers) for k in layer(f"layers.{i}", norms)]
+        + layer("midlayer")
+        + [k for i in range(1, num_layers) for k in layer(f"layers.{i}")]
         + ["norm.weight", "lm_head.weight", "d2t", "t2d"]
     )
