@@ -30,7 +30,9 @@ from tqdm import tqdm
 
 from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
 from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
+from eagle3ft.data.aux_rows import row_checker
 from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.checks import HarvestRefused, argmax_check, check_argmax_rate, check_aux_rows
 from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
@@ -51,31 +53,7 @@ class ChunkStats:
     unfinished_answers: int = 0  # answers cut by max_new_tokens / max_total_tokens
     skips: Counter = field(default_factory=Counter)
     argmax: Counter = field(default_factory=Counter)  # T=0 check: checked, mismatched, ties
-
-
-class HarvestRefused(RuntimeError):
-    """The target's answers fail a consistency check (T=0: generated tokens that are not its argmax)."""
-
-
-def argmax_check(
-    completion: list[int], topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, start: int, tie_eps: float
-) -> Counter:
-    """At T=0 every generated token is the target's argmax where it was predicted: completion[j] sits at
-    position start + j and row start + j - 1 holds the distribution over it. A token whose log-prob is within
-    `tie_eps` of the top-1's passes as a near-tie. A server whose per-token rows are shifted by one (same count)
-    fails at almost every position. Returns Counter(checked, mismatched, ties)."""
-    n = len(completion)
-    if n == 0:
-        return Counter()
-    ids = topk_ids[start - 1 : start - 1 + n].long()  # (N, K)
-    lps = topk_logprobs[start - 1 : start - 1 + n].float()
-    tok = torch.tensor(completion, dtype=torch.long)[:, None]
-    lp_tok = (
-        torch.where(ids == tok, lps, torch.full_like(lps, -float("inf"))).max(dim=1).values
-    )  # -inf: not in the top-k
-    top1 = ids[:, 0] == tok[:, 0]
-    ok = top1 | (lps[:, 0] - lp_tok <= tie_eps)
-    return Counter(checked=n, mismatched=int((~ok).sum()), ties=int((ok & ~top1).sum()))
+    rows: Counter = field(default_factory=Counter)  # aux row check (data/aux_rows.py): before, here, after
 
 
 def sample_id(key: str) -> int:
@@ -174,10 +152,12 @@ def harvest_chunk(
     sampling: Sampling,
     seed: int,
     on_batch,
+    row_check=None,
 ) -> tuple[list[Sample], ChunkStats]:
     """One chunk -> its samples in conversation order. Batches group similar prompt lengths.
 
-    `on_batch(samples, tokens)` is called after each batch (progress).
+    `on_batch(samples, tokens)` is called after each batch (progress); `row_check(sample)` counts where the sample's
+    aux rows sit (data/aux_rows.py).
     """
     stats = ChunkStats()
     order = sorted(
@@ -192,6 +172,8 @@ def harvest_chunk(
             if features_ok(s):
                 done[key] = s
                 tokens += len(s.input_ids)
+                if row_check is not None:
+                    stats.rows += row_check(s)
             else:
                 stats.skips["nonfinite_features"] += 1
         stats.captured_tokens += tokens
@@ -207,27 +189,22 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
         "harvest": {
             k: v
             for k, v in to_dict(h).items()
-            if k not in ("sglang", "batch_size", "argmax_tie_eps", "argmax_max_mismatch", "magpie", "sources")
+            if k
+            not in (
+                "sglang",
+                "batch_size",
+                "argmax_tie_eps",
+                "argmax_max_mismatch",
+                "aux_row_check",
+                "magpie",
+                "sources",
+            )
         },
         "sources": source_identity(h.sources),
         "chat_template": cfg.target.chat_template,
         "seed": cfg.seed,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
-
-
-def check_argmax_rate(manifest: dict, chunk: Counter, h: HarvestConfig, where: str) -> None:
-    """Refuse (before the chunk is committed) when the generated tokens that are not the target's argmax, over the
-    whole harvest so far, exceed harvest.argmax_max_mismatch."""
-    total = Counter(manifest.get("chunk_counts", {}).get("argmax_check", {})) + chunk
-    if total["checked"] and total["mismatched"] > h.argmax_max_mismatch * total["checked"]:
-        raise HarvestRefused(
-            f"harvest refused at {where}: {total['mismatched']} of {total['checked']} tokens generated at T=0 are not "
-            "the target's "
-            f"argmax in the returned top-k (near-ties within {h.argmax_tie_eps} pass; limit "
-            f"harvest.argmax_max_mismatch={h.argmax_max_mismatch}): "
-            "the server's per-token rows are shifted or from another computation; nothing of this chunk was written"
-        )
 
 
 def check_harvest_config(h: HarvestConfig) -> None:
@@ -321,6 +298,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             for i in range(0, len(members), h.shard_samples)
         ]
     todo = [(s, i, m) for s, i, m in chunks if i not in writer.done(s)]
+    row_check, row_layer = row_checker(h.aux_row_check, target, cfg.target, info.aux_layer_ids, info.hidden_size)
     run_stats = ChunkStats()
     t_work = time.time()
     with tqdm(
@@ -338,17 +316,14 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             bar.set_postfix(tok_s=f"{run_stats.captured_tokens / max(time.time() - t_work, 1e-9):.0f}")
 
         for split, index, members in todo:
-            samples, stats = harvest_chunk(target, chat, members, h, sampling, cfg.seed, on_batch)
+            samples, stats = harvest_chunk(target, chat, members, h, sampling, cfg.seed, on_batch, row_check)
             check_argmax_rate(writer.manifest, stats.argmax, h, f"{split} chunk {index}")
-            writer.commit(
-                split,
-                index,
-                samples,
-                dict(stats.skips),
-                {"argmax_check": {k: stats.argmax[k] for k in ("checked", "mismatched", "ties")}}
-                if stats.argmax
-                else None,
-            )
+            check_aux_rows(writer.manifest, stats.rows, f"{split} chunk {index}", row_layer)
+            counts = {"argmax_check": {k: stats.argmax[k] for k in ("checked", "mismatched", "ties")}}
+            counts = counts if stats.argmax else {}
+            if stats.rows:
+                counts["aux_rows"] = {k: stats.rows[k] for k in ("before", "here", "after")}
+            writer.commit(split, index, samples, dict(stats.skips), counts or None)
             run_stats.generated_tokens += stats.generated_tokens
             run_stats.unfinished_answers += stats.unfinished_answers
     work_s = time.time() - t_work
@@ -394,6 +369,11 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             }
             if h.temperature == 0
             else "off (temperature > 0)"
+        ),
+        "aux_row_check": (
+            {"before": 0, "here": 0, "after": 0, **m.get("chunk_counts", {}).get("aux_rows", {}), "lens": row_layer}
+            if row_check is not None
+            else row_layer
         ),
         "target": identity,
         "topk": h.topk,

@@ -201,6 +201,9 @@ class HarvestConfig:
     argmax_max_mismatch: float = (
         0.05  # T=0 check: refuse the harvest when more than this fraction of generated tokens are not the argmax
     )
+    # hidden-state rows shifted against their tokens (data/aux_rows.py, any temperature): "auto" checks when the
+    # target's final norm and lm_head can be read here (always with the embedded backend), "require" insists, "skip"
+    aux_row_check: Literal["auto", "require", "skip"] = "auto"
     sglang: SGLangClientConfig = field(default_factory=SGLangClientConfig)
     magpie: MagpieConfig = field(default_factory=MagpieConfig)
 

@@ -78,6 +78,23 @@ class ShiftedEngine(DoubleEngine):
         return out, timeline
 
 
+class HiddenShiftedEngine(DoubleEngine):
+    """A server bug the argmax check cannot see: the hidden-state rows alone moved by `by` positions (count kept), the
+    top-k rows in place."""
+
+    by = 1
+
+    def generate(self, req):
+        out, timeline = super().generate(req)
+        meta = out["meta_info"]
+        if meta.get("hidden_states"):
+            block, flat = meta["hidden_states"][0], meta["hidden_states"][1:]
+            rows = block + flat
+            rows = rows[self.by :] + rows[-1:] * self.by if self.by > 0 else rows[:1] * -self.by + rows[: self.by]
+            meta["hidden_states"] = [rows[: len(block)]] + rows[len(block) :]
+        return out, timeline
+
+
 MODES = {
     "0.5.23-aux-capture": lambda model, tok: SGLangDouble(
         DoubleEngine(model, tok, aux_layer_ids=[0, 1, 2]), version="0.5.23"
@@ -174,6 +191,44 @@ def test_a_server_that_shifts_its_rows_is_refused_at_t0(tmp_path, capture):
     assert manifest["shards"] == []
 
 
+@pytest.mark.parametrize("by, side", [(1, "after"), (-1, "before")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_hidden_rows_shifted_alone_are_refused_at_any_temperature(tmp_path, by, side, temperature):
+    """The top-k rows in place, so the argmax check passes; the aux row check (data/aux_rows.py) refuses before
+    anything is committed, and with it off the same server's rows go into the store."""
+    cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
+    model, tok = load_target(cfg.target)
+    engine = HiddenShiftedEngine(model, tok, aux_layer_ids=[0, 1, 2])
+    engine.by = by
+    sets = ("harvest.sources=[{kind: sharegpt, limit: 4}]", f"harvest.temperature={temperature}")
+    with SGLangDouble(engine, version="0.5.23") as d:
+        with pytest.raises(HarvestRefused, match=rf"aux layer 2 ranks the top-1 of the row {side} first on \d+ of"):
+            run_harvest(sglang_config(d.url, *sets), tmp_path / "on")
+        manifest = tmp_path / "on/features/manifest.json"
+        assert not manifest.exists() or json.loads(manifest.read_text())["shards"] == []
+        summary = run_harvest(sglang_config(d.url, *sets, "harvest.aux_row_check=skip"), tmp_path / "off")
+    assert summary["aux_row_check"] == "off" and summary["samples"]["train"] > 0
+
+
+def test_aux_row_counts_of_an_aligned_harvest_and_the_refusal_rule():
+    from collections import Counter
+
+    from eagle3ft.data.aux_rows import Lens, row_offsets, shifted
+
+    # H = 2, V = 4: the lens reads h straight (norm weight 1, head = one-hot rows); row t points at top1[t]'s row
+    head = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
+    lens = Lens(torch.ones(2), 1e-6, head)
+    top1 = torch.tensor([0, 1, 2, 3, 0, 1])
+    aligned = head[top1]
+    assert row_offsets(aligned, top1, lens) == Counter(before=0, here=4, after=0)
+    assert row_offsets(torch.cat([aligned[1:], aligned[-1:]]), top1, lens) == Counter(before=0, here=0, after=4)
+    assert row_offsets(aligned, torch.tensor([0, 0, 1, 1, 2, 2]), lens) == Counter()  # no three distinct candidates
+    assert shifted(Counter(before=10, here=40, after=14)) is None
+    assert shifted(Counter(before=3, here=2, after=59)) == "after"
+    assert shifted(Counter(before=30, here=20, after=14)) is None  # most, but not twice the row's own
+    assert shifted(Counter(before=40, here=2, after=1)) is None  # too few rows to say
+
+
 def test_argmax_check_counts_near_ties_and_mismatches():
     from eagle3ft.data.harvest import argmax_check
 
@@ -185,3 +240,19 @@ def test_argmax_check_counts_near_ties_and_mismatches():
     assert got == {"checked": 4, "mismatched": 1, "ties": 1}
     assert argmax_check([7, 5, 1, 8], ids, lps, start=3, tie_eps=0.0)["mismatched"] == 2
     assert argmax_check([11, 11, 11, 11], ids, lps, start=3, tie_eps=10.0)["mismatched"] == 4  # not in the top-k at all
+
+
+def test_the_aux_row_check_says_why_it_is_off_and_require_insists(tmp_path):
+    from eagle3ft.config import TargetConfig
+    from eagle3ft.data.aux_rows import row_checker
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    served = TargetConfig(kind="hf", path=str(tmp_path))  # SGLang's dummy weights: a config.json and nothing else
+    client = object()  # the SGLang backend: no model in this process
+    check, status = row_checker("auto", client, served, (0, 1, 2), 64)
+    assert check is None and status.startswith("off (the target's final norm and lm_head could not be read")
+    with pytest.raises(ValueError, match="harvest.aux_row_check is require but the target's final norm and lm_head"):
+        row_checker("require", client, served, (0, 1, 2), 64)
+    assert row_checker("skip", client, served, (0, 1, 2), 64) == (None, "off")
+    check, status = row_checker("require", client, load_config(REPO_ROOT / "configs/tiny.yaml").target, (0, 2, 1), 64)
+    assert status == "layer 2" and check is not None

@@ -208,6 +208,20 @@ def load_input_embedding(cfg: TargetConfig) -> torch.Tensor:
     return _weight(cfg, "embed_tokens.weight", lambda m: m.get_input_embeddings())
 
 
+def load_final_norm(cfg: TargetConfig) -> tuple[torch.Tensor, float]:
+    """The target's final RMSNorm weight [H] and its eps (read alone from safetensors when possible)."""
+    if cfg.kind == "hf":
+        folder, gguf = resolve_location(cfg.path, cfg.gguf_file)
+        if gguf is None and (folder / "config.json").is_file():
+            c = json.loads((folder / "config.json").read_text())
+            c = c.get("text_config", c)  # a multimodal folder's language model (Kimi-K2.5)
+            w = _safetensors_tensor(folder, "model.norm.weight")
+            if w is not None and "rms_norm_eps" in c:
+                return w, float(c["rms_norm_eps"])
+    model, _ = load_target(cfg)
+    return model.model.norm.weight.detach().cpu(), float(model.config.rms_norm_eps)
+
+
 def load_output_head(cfg: TargetConfig) -> torch.Tensor:
     """The target's lm_head [vocab, H] (the embedding when the two are tied)."""
     if cfg.kind == "hf":
