@@ -17,8 +17,9 @@ from collections import Counter
 import torch
 
 from eagle3ft.config import load_config
-from eagle3ft.data.aux_rows import lens_of_target, row_offsets, shifted
+from eagle3ft.data.aux_rows import lens_of_model, row_offsets, shifted
 from eagle3ft.data.store import FeatureStore
+from eagle3ft.targets.hf import load_target
 
 
 def moved(rows: torch.Tensor, by: int) -> torch.Tensor:
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cfg = load_config(a.config, a.sets)
     store = FeatureStore(f"{a.run_dir}/features")
     ids, H = store.manifest["target"]["aux_layer_ids"], store.manifest["target"]["hidden_size"]
-    lens = lens_of_target(cfg.target)
+    lens = lens_of_model(load_target(cfg.target)[0])
     counts = {(j, by): Counter() for j in range(len(ids)) for by in (-2, -1, 0, 1, 2)}
     for n, item in enumerate(store.dataset("train")):
         if n >= a.samples:

@@ -76,11 +76,13 @@ def shifted(total: Counter) -> str | None:
 
 
 def lens_of_target(target_cfg) -> Lens:
-    """The Lens read from the target's files (the SGLang backend has no model in this process)."""
+    """The Lens read from the target's safetensors alone (the SGLang backend has no model in this process, and the
+    model is never loaded for it); a `tiny` target is built."""
     from eagle3ft.targets.hf import load_final_norm, load_output_head
 
-    norm, eps = load_final_norm(target_cfg)
-    return Lens(norm, eps, load_output_head(target_cfg))
+    files_only = target_cfg.kind != "tiny"
+    norm, eps = load_final_norm(target_cfg, files_only)
+    return Lens(norm, eps, load_output_head(target_cfg, files_only))
 
 
 def row_checker(mode: str, target, target_cfg, aux_layer_ids, hidden_size: int):

@@ -242,17 +242,24 @@ def test_argmax_check_counts_near_ties_and_mismatches():
     assert argmax_check([11, 11, 11, 11], ids, lps, start=3, tie_eps=10.0)["mismatched"] == 4  # not in the top-k at all
 
 
-def test_the_aux_row_check_says_why_it_is_off_and_require_insists(tmp_path):
+def test_the_aux_row_check_says_why_it_is_off_and_require_insists(tmp_path, monkeypatch):
+    """It reads a served target's norm and head from safetensors alone: the model is never loaded for them."""
     from eagle3ft.config import TargetConfig
     from eagle3ft.data.aux_rows import row_checker
+    from eagle3ft.targets import hf
+
+    def no_load(cfg):
+        raise AssertionError("the target was loaded")
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     served = TargetConfig(kind="hf", path=str(tmp_path))  # SGLang's dummy weights: a config.json and nothing else
     client = object()  # the SGLang backend: no model in this process
+    monkeypatch.setattr(hf, "load_target", no_load)
     check, status = row_checker("auto", client, served, (0, 1, 2), 64)
-    assert check is None and status.startswith("off (the target's final norm and lm_head could not be read")
+    assert check is None and status == "off (the target's final norm and lm_head could not be read: FileNotFoundError)"
     with pytest.raises(ValueError, match="harvest.aux_row_check is require but the target's final norm and lm_head"):
         row_checker("require", client, served, (0, 1, 2), 64)
     assert row_checker("skip", client, served, (0, 1, 2), 64) == (None, "off")
+    monkeypatch.undo()
     check, status = row_checker("require", client, load_config(REPO_ROOT / "configs/tiny.yaml").target, (0, 2, 1), 64)
     assert status == "layer 2" and check is not None

@@ -208,8 +208,9 @@ def load_input_embedding(cfg: TargetConfig) -> torch.Tensor:
     return _weight(cfg, "embed_tokens.weight", lambda m: m.get_input_embeddings())
 
 
-def load_final_norm(cfg: TargetConfig) -> tuple[torch.Tensor, float]:
-    """The target's final RMSNorm weight [H] and its eps (read alone from safetensors when possible)."""
+def load_final_norm(cfg: TargetConfig, files_only: bool = False) -> tuple[torch.Tensor, float]:
+    """The target's final RMSNorm weight [H] and its eps (read alone from safetensors when possible). files_only: never
+    load the model for them (FileNotFoundError instead): a 1T target's weights are not loaded to read one vector."""
     if cfg.kind == "hf":
         folder, gguf = resolve_location(cfg.path, cfg.gguf_file)
         if gguf is None and (folder / "config.json").is_file():
@@ -218,12 +219,14 @@ def load_final_norm(cfg: TargetConfig) -> tuple[torch.Tensor, float]:
             w = _safetensors_tensor(folder, "model.norm.weight")
             if w is not None and "rms_norm_eps" in c:
                 return w, float(c["rms_norm_eps"])
+    if files_only:
+        raise FileNotFoundError(f"target.path {cfg.path!r} holds no model.norm.weight in safetensors")
     model, _ = load_target(cfg)
     return model.model.norm.weight.detach().cpu(), float(model.config.rms_norm_eps)
 
 
-def load_output_head(cfg: TargetConfig) -> torch.Tensor:
-    """The target's lm_head [vocab, H] (the embedding when the two are tied)."""
+def load_output_head(cfg: TargetConfig, files_only: bool = False) -> torch.Tensor:
+    """The target's lm_head [vocab, H] (the embedding when the two are tied); files_only as load_final_norm's."""
     if cfg.kind == "hf":
         folder, gguf = resolve_location(cfg.path, cfg.gguf_file)
         if gguf is None and (folder / "config.json").is_file():
@@ -231,6 +234,8 @@ def load_output_head(cfg: TargetConfig) -> torch.Tensor:
             w = _safetensors_tensor(folder, "embed_tokens.weight" if tied else "lm_head.weight")
             if w is not None:
                 return w
+    if files_only:
+        raise FileNotFoundError(f"target.path {cfg.path!r} holds no lm_head in safetensors")
     return _weight(cfg, "lm_head.weight", lambda m: m.get_output_embeddings())
 
 
