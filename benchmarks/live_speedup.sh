@@ -24,8 +24,9 @@
 #   ship     (PLAN=ship, with NO_8432=1) Magpie and two T=0.8 answers per prompt, the shipped drafter fine-tuned 900
 #            steps on them, then plain, shipped and new at 3/1/4 and 8/4/32 on 48 everyday prompts, both clients
 #   again    (PLAN=again, after ship on the same machine) its servers again, on 24 everyday prompts it did not use
-#   deeper   (PLAN="ship deeper", with NO_8432=1) after ship: the shipped drafter grown to two layers, fine-tuned on
-#            ship's store with ship's steps, then plain, ship's new and the deep one interleaved on 36 other prompts
+#   grown    (PLAN="ship grown", with NO_8432=1) after ship: the shipped drafter grown (GROW: deep = two layers, v16k /
+#            v32k = a larger draft vocab), each fine-tuned on ship's store with ship's steps, then plain, ship's new
+#            and the grown ones interleaved on 36 other prompts
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PLAN (factors outside compare
 # everyday nocache short; also pass, paired), REPS (3).
 set -uo pipefail
@@ -302,38 +303,56 @@ five_arms() {  # five_arms OUT DRAFTER PROMPTS TIMEOUT: DRAFTER at 3/1/4 and 8/4
     --out "$L/$1" > "$L/$1.txt" 2>&1
   echo "exit $?"; tail -c 1500 "$L/$1/alternate.json"
 }
-deeper() {  # issue 38.3, capacity (after ship on the same machine): the shipped drafter grown to two decoder layers (the
-            # added one starting as the identity) and fine-tuned on ship's store with ship's steps, beside ship's new
-            # one-layer drafter: plain, new and deep at 3/1/4 and 8/4/32 interleaved per prompt, both clients, on the
-            # 11th-16th everyday prompts of each category (ship benched the first 8, again the 7th-10th)
-  local t=$SECONDS more=() ck=$S/deep/export-best new=$S/new/export-best
-  [[ -f $S/t08/tokens/manifest.json ]] || { echo "deeper: no ship store ($S/t08)"; return 1; }
+grown() {  # issue 38.3 (after ship on the same machine): the shipped drafter grown, each arm fine-tuned on ship's store
+           # with ship's steps beside ship's own one-layer, 8k-vocab `new`: `deep` a second decoder layer (starting
+           # as the identity), `v16k` / `v32k` the draft vocab grown to 16,384 / 32,768 of the store's answer tokens
+           # (GROW picks, default "deep v16k"); then plain, new and the arms at 3/1/4 and 8/4/32 interleaved per
+           # prompt, both clients, on the 11th-16th everyday prompts of each category (ship benched the first 8,
+           # again the 7th-10th)
+  local t=$SECONDS more=() new=$S/new/export-best arm ck port=29512 slot=3 p=30107 arms=()
+  [[ -f $S/t08/tokens/manifest.json ]] || { echo "grown: no ship store ($S/t08)"; return 1; }
   [[ -f $S/t08b/tokens/manifest.json ]] && more=(--set "train.more_tokens=[$S/t08b/tokens]")
-  say "deeper: fine-tune deep (2 layers) on t08 + t08b, ${STEPS:-900} steps"
-  STEPS=${STEPS:-900} EPOCHS=${EPOCHS:-8} TRAIN_S=${TRAIN_S:-540} finetune deep 29512 "${more[@]}" \
-    --set drafter.num_hidden_layers=2
-  echo "trained at $((SECONDS - t)) s"
-  [[ -f $ck/config.json ]] || ck=$S/deep/export
   [[ -f $new/config.json ]] || new=$S/new/export
-  [[ -f $ck/config.json && -f $new/config.json ]] || { echo "deeper: no export of deep or new"; return 1; }
-  mkdir -p "$L/deep" && cp "$ck"/config.json "$L/deep/export-config.json"
-  pkill -f -- "--port 3010[12]( |$)"; sleep 5  # the shipped drafter's servers: their share goes to deep's
+  [[ -f $new/config.json ]] || { echo "grown: no export of ship's new drafter"; return 1; }
+  for arm in ${GROW:-deep v16k}; do
+    local sets=()
+    case $arm in
+      deep) sets=(--set drafter.num_hidden_layers=2) ;;
+      v16k) sets=(--set drafter.draft_vocab_size=16384) ;;
+      v32k) sets=(--set drafter.draft_vocab_size=32768) ;;
+      *) echo "grown: no arm $arm"; continue ;;
+    esac
+    say "grown: fine-tune $arm on t08 + t08b, ${STEPS:-900} steps"
+    STEPS=${STEPS:-900} EPOCHS=${EPOCHS:-8} TRAIN_S=${TRAIN_S:-540} finetune "$arm" $((port++)) "${more[@]}" "${sets[@]}"
+    ck=$S/$arm/export-best
+    [[ -f $ck/config.json ]] || ck=$S/$arm/export
+    [[ -f $ck/config.json ]] || { echo "grown: no export of $arm"; continue; }
+    mkdir -p "$L/$arm" && cp "$ck"/config.json "$L/$arm/export-config.json"
+    arms+=("$arm=$ck")
+  done
+  echo "trained at $((SECONDS - t)) s"
+  (( ${#arms[@]} )) || return 1
+  pkill -f -- "--port 3010[12]( |$)"; sleep 5  # the shipped drafter's servers: their share goes to the arms'
   curl -sf http://127.0.0.1:30105/health > /dev/null || serve 30105 1 --role speculative --drafter "$new" --setting 3/1/4
   curl -sf http://127.0.0.1:30106/health > /dev/null || serve 30106 2 --role speculative --drafter "$new" --setting 8/4/32
-  serve 30107 3 --role speculative --drafter "$ck" --setting 3/1/4
-  serve 30108 4 --role speculative --drafter "$ck" --setting 8/4/32
-  up 300 30105 30106 30107 30108 || { tail -5 "$L"/*3010[78]*.log; return 1; }
-  say "deeper: plain, new and deep at 3/1/4 and 8/4/32, interleaved per prompt, bench_serving's client and ours"
+  local cli=(--arm baseline=http://127.0.0.1:30100 --arm new-3/1/4=http://127.0.0.1:30105
+             --arm new-8/4/32=http://127.0.0.1:30106) ports=(30105 30106) a
+  for a in "${arms[@]}"; do
+    serve $p $((slot++)) --role speculative --drafter "${a#*=}" --setting 3/1/4
+    serve $((p + 1)) $((slot++)) --role speculative --drafter "${a#*=}" --setting 8/4/32
+    cli+=(--arm "${a%%=*}-3/1/4=http://127.0.0.1:$p" --arm "${a%%=*}-8/4/32=http://127.0.0.1:$((p + 1))")
+    ports+=($p $((p + 1))); p=$((p + 2))
+  done
+  up 300 "${ports[@]}" || { tail -5 "$L"/server301[01]*.log; return 1; }
+  say "grown: plain, new and ${arms[*]%%=*} at 3/1/4 and 8/4/32, interleaved per prompt, bench_serving's client and ours"
   $PY benchmarks/outside_client.py prompts --config $CONFIG "${SGL[@]}" \
     --set "bench.prompts={kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout, per_category: 6, skip: 10}" \
-    --out "$S/deeper-live.json" || return 1
-  PYTHONPATH=$SGL_DIR:$PYTHONPATH SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout "${BENCH_S:-420}" $PY benchmarks/outside_client.py \
-    alternate --prompts "$S/deeper-live.json" --tokenizer "$MODEL" --clients bench_serving,ours \
-    --arm baseline=http://127.0.0.1:30100 --arm new-3/1/4=http://127.0.0.1:30105 --arm deep-3/1/4=http://127.0.0.1:30107 \
-    --arm new-8/4/32=http://127.0.0.1:30106 --arm deep-8/4/32=http://127.0.0.1:30108 --reps "${REPS:-1}" \
-    --out "$L/deeper-live" > "$L/deeper-live.txt" 2>&1
-  echo "exit $?"; tail -c 1500 "$L/deeper-live/alternate.json"
-  echo "deeper in $((SECONDS - t)) s"
+    --out "$S/grown-live.json" || return 1
+  PYTHONPATH=$SGL_DIR:$PYTHONPATH SGLANG_ENABLE_JIT_DEEPGEMM=0 timeout "${BENCH_S:-540}" $PY benchmarks/outside_client.py \
+    alternate --prompts "$S/grown-live.json" --tokenizer "$MODEL" --clients bench_serving,ours "${cli[@]}" \
+    --reps "${REPS:-1}" --out "$L/grown-live" > "$L/grown-live.txt" 2>&1
+  echo "exit $?"; tail -c 1500 "$L/grown-live/alternate.json"
+  echo "grown in $((SECONDS - t)) s"
 }
 again() {  # the ship step's five servers started again, on everyday prompts it did not use (7th-10th per category)
   local ck=$S/new/export-best
@@ -361,7 +380,7 @@ plan() {
       loopfree) loopfree ;;
       ship) ship ;;
       again) again ;;
-      deeper) deeper ;;
+      grown) grown ;;
       short) bench short "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.max_new_tokens=256 ;;
     esac
   done

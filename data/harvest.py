@@ -241,7 +241,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         check_source(src)
     frozen = vocab_from_drafter(resolve_path(cfg.drafter.init)) if cfg.drafter.init else None
     if frozen is not None:
-        check_vocab(*frozen, spec.vocab_size, spec.draft_vocab_size)
+        check_vocab(*frozen, spec.vocab_size, frozen[0].numel())  # a warm start may grow it (train/build.py)
 
     chat = ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template)
     for src in h.sources:

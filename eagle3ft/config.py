@@ -83,7 +83,7 @@ class DrafterSection:
 
     config: str = "configs/drafters/smollm2-135m.json"  # architecture, in SGLang's config.json form
     init: str | None = None  # an existing drafter folder (SGLang form) to warm-start from; None = scratch
-    draft_vocab_size: int | None = None  # overrides the json's value (scratch only)
+    draft_vocab_size: int | None = None  # overrides the json's value; on a warm start, larger grows the drafter's
     fc_norm: bool | None = None  # EAGLE-3.1 per-aux-layer RMSNorm before fc; overrides the json's (scratch only)
     norm_output: bool | None = None  # EAGLE-3.1 post-norm hidden to the next draft step; overrides the json's
     # decoder layers (Llama layout); overrides the json's. On a warm start, more than the drafter has adds layers on

@@ -296,3 +296,54 @@ def test_deeper_speculation_is_lossless_and_the_offline_walk_equals_live_draftin
             live.append(dec.generate(ids[: row + 1], max_new_tokens=2).accept_lengths[0])
             offline.append(1 + int(torch.cumprod(res.greedy_alpha[row], 0).sum()))
     assert len(live) > 20 and offline == live and max(live) > 1
+
+
+def test_grow_vocab_keeps_every_token_and_adds_the_most_frequent():
+    from eagle3ft.drafter.vocab import build_vocab, grow_vocab
+
+    counts = torch.tensor([5, 0, 9, 1, 7, 3, 8, 2])
+    d2t, _ = build_vocab(torch.tensor([0, 9, 0, 0, 0, 0, 0, 9]), 2)  # tokens 1 and 7, both rare in `counts`
+    d2t2, t2d2, where = grow_vocab(d2t, counts, 5)
+    ids = (torch.arange(5) + d2t2).tolist()
+    assert ids == [1, 2, 4, 6, 7]  # 1 and 7 kept, then 2, 6, 4 by count; sorted by id
+    assert t2d2.nonzero().flatten().tolist() == ids and where.tolist() == [0, 4]
+    with pytest.raises(ValueError, match="draft_vocab_size 1 < the 2 tokens"):
+        grow_vocab(d2t, counts, 1)
+
+
+def test_a_warm_start_grown_in_vocab_keeps_its_rows_and_adds_zero_rows():
+    from eagle3ft.train.build import grow_drafter_vocab
+
+    m = make(2, seed=8)
+    counts = torch.arange(V).flip(0)  # low ids most frequent
+    grown = grow_drafter_vocab(m, VD + 6, counts)
+    assert grown.config.draft_vocab_size == VD + 6 and grown.lm_head.weight.shape == (VD + 6, H)
+    old_ids = (torch.arange(VD) + m.d2t).tolist()
+    new_ids = (torch.arange(VD + 6) + grown.d2t).tolist()
+    assert set(old_ids) < set(new_ids) and new_ids == sorted(new_ids)
+    hidden, ids = torch.randn(1, 5, H), torch.randint(0, V, (1, 5))
+    _, a = m.step(ids, hidden, torch.arange(5)[None], DraftCache())
+    _, b = grown.step(ids, hidden, torch.arange(5)[None], DraftCache())
+    at = torch.tensor([new_ids.index(t) for t in old_ids])
+    torch.testing.assert_close(b[..., at], a)  # the drafter's own tokens: the same logits
+    added = sorted(set(range(VD + 6)) - set(at.tolist()))
+    assert torch.equal(b[..., added], torch.zeros_like(b[..., added]))  # the added ones: logit 0 until trained
+
+
+@pytest.mark.slow
+def test_a_warm_start_grown_in_vocab_trains_and_exports_it(tmp_path):
+    """`drafter.draft_vocab_size` past a warm-start drafter's, through the real entry point: the export and the run's
+    vocab hold the drafter's 256 tokens and 128 more of the training answers', and every lm_head row trained."""
+    write_store(tmp_path)
+    init = write_k2_like(tmp_path / "k2")
+    over = (f"drafter.init={tmp_path / 'k2'}", "drafter.draft_vocab_size=384", "train.max_steps=2")
+    r = launch(tmp_path, *over, "train.warmup_steps=1", "train.lr=3e-3", "train.ttt_steps=3", procs=1)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = load_file(tmp_path / "export/model.safetensors")
+    assert out["lm_head.weight"].shape[0] == 384 and out["d2t"].shape == (384,)
+    assert json.loads((tmp_path / "export/config.json").read_text())["draft_vocab_size"] == 384
+    old = set((torch.arange(256) + init["d2t"]).tolist())
+    new = (torch.arange(384) + out["d2t"]).tolist()
+    assert old < set(new) and new == sorted(new)
+    assert torch.equal(load_file(tmp_path / "vocab.safetensors")["d2t"], out["d2t"])
+    assert (out["lm_head.weight"].float().abs().sum(1) > 0).all()  # the added rows started at zero and moved

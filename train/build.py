@@ -18,15 +18,17 @@ from eagle3ft.drafter.config import DrafterConfig, check_drafter, check_drafter_
 from eagle3ft.drafter.export import load_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.drafter.model_mla import new_drafter
-from eagle3ft.drafter.vocab import load_vocab, save_vocab
+from eagle3ft.drafter.vocab import grow_vocab, load_vocab, save_vocab
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.data import TrainData
 
 
-def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
+def build_drafter(cfg: Config, run_dir: Path, target: dict, token_counts=None) -> Eagle3Drafter:
     """Scratch (architecture json + the run's vocab) or warm start (a drafter folder, its own d2t/t2d).
 
     `target` is the features' identity; check_drafter refuses a drafter that disagrees with it before any compute.
+    A warm start grows by drafter.num_hidden_layers and drafter.draft_vocab_size past the drafter's own; the added
+    draft tokens are the most frequent answer tokens of `token_counts(vocab_size)` (TrainData.token_counts).
     """
     from eagle3ft.targets.hf import load_input_embedding
 
@@ -34,10 +36,10 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
     if cfg.drafter.init:
         folder = resolve_path(cfg.drafter.init)
         spec = check_drafter_folder(folder, target, "warm start", features)
-        if cfg.drafter.draft_vocab_size not in (None, spec.draft_vocab_size):
+        if (cfg.drafter.draft_vocab_size or spec.draft_vocab_size) < spec.draft_vocab_size:
             raise ValueError(
-                f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} != warm-start drafter's "
-                f"{spec.draft_vocab_size} (its vocab is kept)"
+                f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} < the warm-start drafter's "
+                f"{spec.draft_vocab_size} (its vocab is kept, and can only grow)"
             )
         layout = spec.check_supported()
         for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 options change what the trained weights mean
@@ -47,7 +49,13 @@ def build_drafter(cfg: Config, run_dir: Path, target: dict) -> Eagle3Drafter:
                     f"({folder}/config.json; its layout is kept)"
                 )
         model = load_drafter(folder, load_input_embedding(cfg.target)).float()
-        return grow_drafter(model, cfg.drafter.num_hidden_layers, folder)
+        model = grow_drafter(model, cfg.drafter.num_hidden_layers, folder)
+        size = cfg.drafter.draft_vocab_size
+        if size is None or size == model.config.draft_vocab_size:
+            return model
+        if token_counts is None:
+            raise ValueError(f"growing {folder}'s draft vocab to {size} needs the training data's token counts")
+        return grow_drafter_vocab(model, size, token_counts(model.config.vocab_size))
     keys = ("fc_norm", "norm_output", "num_hidden_layers")
     overrides = {k: getattr(cfg.drafter, k) for k in keys if getattr(cfg.drafter, k) is not None}
     if cfg.drafter.draft_vocab_size:
@@ -83,6 +91,23 @@ def grow_drafter(model: Eagle3Drafter, layers: int | None, folder: Path) -> Eagl
         raise ValueError(f"growing {folder} to {layers} layers: unexpected {unexpected}, unfilled {missing}")
     for i in range(have, layers):
         grown.layers[str(i)].start_as_identity()
+    return grown.float()
+
+
+def grow_drafter_vocab(model: Eagle3Drafter, size: int, token_counts: torch.Tensor) -> Eagle3Drafter:
+    """`model` over a draft vocab of `size`: its own tokens (their lm_head rows kept) plus the most frequent others
+    of `token_counts`, whose rows start at zero (logit 0) and train."""
+    d2t, t2d, where = grow_vocab(model.d2t.cpu(), token_counts, size)
+    grown = new_drafter(dataclasses.replace(model.config, draft_vocab_size=size))
+    kept = {k: v for k, v in model.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    missing, unexpected = grown.load_state_dict(kept, strict=False)
+    if unexpected or sorted(missing) != ["d2t", "lm_head.weight", "t2d"]:
+        raise ValueError(f"growing the draft vocab to {size}: unexpected {unexpected}, unfilled {missing}")
+    with torch.no_grad():
+        grown.lm_head.weight.zero_()
+        grown.lm_head.weight[where] = model.lm_head.weight.to(grown.lm_head.weight.dtype)
+        grown.d2t.copy_(d2t)
+        grown.t2d.copy_(t2d)
     return grown.float()
 
 

@@ -295,6 +295,15 @@ def answer_subset(dataset, per_sample: list[int], limit: int, seed: int):
     return dataset.subset(sorted(keep)), total
 
 
+def answer_token_counts(dataset, vocab_size: int) -> torch.Tensor:
+    """(V,) int64: the loss-masked tokens of a feature or token dataset's samples, their ids and masks read alone."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for i in range(len(dataset)):
+        rows, _ = dataset.rows(i, ["input_ids", "loss_mask"])
+        counts += torch.bincount(rows["input_ids"].long()[rows["loss_mask"].bool()], minlength=vocab_size)
+    return counts
+
+
 def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
     """Online training's draft vocabulary: the top loss-masked tokens of the samples it trains on.
 
@@ -304,11 +313,7 @@ def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
     if cfg.drafter.init:
         return
     spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
-    counts = torch.zeros(spec.vocab_size, dtype=torch.int64)
-    for i in range(len(dataset)):
-        item = dataset[i]
-        counts += torch.bincount(item["input_ids"][item["loss_mask"].bool()], minlength=spec.vocab_size)
-    d2t, t2d = build_vocab(counts, spec.draft_vocab_size)
+    d2t, t2d = build_vocab(answer_token_counts(dataset, spec.vocab_size), spec.draft_vocab_size)
     path = RunDir(run_dir).vocab
     if path.is_file():
         old_d2t, old_t2d = load_vocab(path)
@@ -355,6 +360,7 @@ class TrainData:
             ensure_vocab(cfg, run_dir, self.dataset, self.where)
             self.online = OnlineTarget(cfg)
             self.target, self.has_last_hidden = self.online.identity, cfg.harvest.store_last_hidden
+        self.counted = self.dataset  # the samples trained on, before any weighting wraps them
         self.loop_tokens = None  # answer tokens that train.loop_weight weights (None: every token weighs 1)
         if tcfg.loop_weight < 1:  # after the subset and the vocab, so that they do not depend on it
             self.dataset = LoopWeighted(self.dataset, tcfg.loop_weight)
@@ -365,6 +371,10 @@ class TrainData:
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """(V,) the loss-masked tokens of the samples trained on (a warm start's grown draft vocab picks from them)."""
+        return answer_token_counts(self.counted, vocab_size)
 
     def heldout(self, device: torch.device):
         """(held-out items, where they are, features): the feature store's held-out split offline (features None);

@@ -165,7 +165,7 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     data = TrainData(cfg, run_dir)
     took.mark("data")
     seed_all(cfg.seed)
-    model = build_drafter(cfg, run_dir, data.target)
+    model = build_drafter(cfg, run_dir, data.target, data.token_counts)
     if torch.cuda.is_available() if tcfg.compile is None else tcfg.compile:  # null: on with CUDA
         model.compile_blocks()
     objective = TTTObjective(

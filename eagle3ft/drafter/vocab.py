@@ -35,6 +35,21 @@ def build_vocab(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return d2t, t2d
 
 
+def grow_vocab(
+    d2t: torch.Tensor, token_counts: torch.Tensor, draft_vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A larger draft vocabulary holding every token of (d2t, t2d) plus the most frequent others (ties: lower id
+    first), sorted by id: (d2t, t2d, where (old Vd,): the new draft id of each old draft id)."""
+    old = torch.arange(d2t.numel()) + d2t  # (old Vd,) target ids, ascending
+    if draft_vocab_size < old.numel():
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} < the {old.numel()} tokens of the vocabulary it grows")
+    counts = token_counts.to(torch.int64).clone()
+    counts[old] = torch.iinfo(torch.int64).max  # kept first, whatever their counts
+    d2t_new, t2d_new = build_vocab(counts, draft_vocab_size)
+    new_ids = torch.arange(draft_vocab_size) + d2t_new
+    return d2t_new, t2d_new, torch.searchsorted(new_ids, old)
+
+
 def save_vocab(path: str | Path, d2t: torch.Tensor, t2d: torch.Tensor, tmp_name: str | None = None) -> None:
     """Atomically (eagle3ft/files.py: write_atomic; `tmp_name` when several ranks write it at once)."""
     tensors = {"d2t": d2t.to(torch.int64).contiguous(), "t2d": t2d.to(torch.bool).contiguous()}
