@@ -6,7 +6,8 @@
 #   regen    the plain server (:30100) answers ShareGPT's first turns and MT-Bench (held out), token ids only
 #   layers   the EAGLE3 harvest server (:30101, a dummy K2-layout draft picks aux layers [0, 1, 2]) and the embedded
 #            capture on the same tokens and weights: benchmarks/aux_layers_match.py (which layer each chunk holds) and
-#            sglang_target.py compare-stores (cosine per token, all chunks)
+#            sglang_target.py compare-stores (cosine per token, all chunks); the harvest's aux row check's logit lens
+#            on SGLang's rows (benchmarks/aux_rows_lens.py), measured rather than relied on (aux_row_check=skip here)
 #   capture  answers regenerated and captured by the harvest server in one request and in two passes, compared
 #   train    the K2-layout drafter (draft vocab 32,000 of 163,840) from scratch on the SGLang store, then warm-started
 #            from that export (d2t kept, as from AQ-MedAI's), DeepSpeed ZeRO-2 on one GPU; the MLA drafter likewise
@@ -42,7 +43,8 @@ SOURCES="[{kind: file, path: $C/sharegpt-first-turns.jsonl, limit: ${CONVS:-48},
 K2=(--set target.kind=hf --set "target.path=$W" --set "target.tokenizer=$TOKENIZER" --set "target.device=$DEVICE"
     --set "serve.model_path=$W" --set "serve.python=$PY" --set "serve.log_dir=$L" --set serve.startup_timeout_s=900 --set train.wandb_mode=disabled
     --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '0'}"
-    --set "harvest.max_new_tokens=${NEW:-128}" --set "bench.max_new_tokens=${NEW:-128}" --set "bench.prompts=$MTB")
+    --set "harvest.max_new_tokens=${NEW:-128}" --set "bench.max_new_tokens=${NEW:-128}" --set "bench.prompts=$MTB"
+    --set harvest.aux_row_check=skip)  # the check's lens on random K2 weights is measured in `layers`, not relied on
 TOKENS="[{kind: tokens, path: $S/regen/tokens}]"
 
 server() {  # server PORT MEMF ROLE [args...]: one server in the background, its pid in $L/pid.PORT
@@ -103,6 +105,9 @@ layers() {
   $PY benchmarks/aux_layers_match.py "$S/lay-sgl/features" "$S/lay-hf/features" | tee "$L/layers.json"
   $PY benchmarks/sglang_target.py compare-stores "$S/lay-sgl" "$S/lay-hf" --out "$L/layers-cos.json" > /dev/null
   cat "$L/layers-cos.json"
+  say "layers: the aux row check's logit lens on SGLang's rows, as stored and moved by -2..2"
+  timeout 300 $PY benchmarks/aux_rows_lens.py --config "$CONFIG" --run-dir "$S/lay-sgl" "${K2[@]}" \
+    > "$L/aux-rows-lens.jsonl" 2> "$L/aux-rows-lens.log"; grep '"moved_by": 0' "$L/aux-rows-lens.jsonl"
 }
 capture() {
   say "capture: regenerated and captured by :30101, in one request and in two passes"

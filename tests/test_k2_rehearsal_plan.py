@@ -1,7 +1,9 @@
 """benchmarks/k2_rehearsal.sh, the one-lease plan of the flagship rehearsal, on the CPU where it needs no SGLang: its
 weights step and its three trainings (the K2-layout drafter from scratch, warm-started from that export, the MLA
-drafter), on the tiny DeepSeek-V3 in place of the K2-width one, through the plan's own command lines."""
+drafter), on the tiny DeepSeek-V3 in place of the K2-width one, through the plan's own command lines; and the lens
+its `layers` step measures."""
 
+import json
 import os
 import shutil
 import socket
@@ -60,7 +62,29 @@ def test_the_plans_weights_and_trainings_run_on_the_tiny_deepseek(tmp_path):
     assert made.returncode == 0 and (w / "model.safetensors").is_file(), made.stdout + made.stderr
     # the store the plan's `layers` step harvests through SGLang, here by the embedded target from those weights
     cfg = load_config(REPO_ROOT / "configs/tiny-deepseek.yaml", ["target.kind=hf", f"target.path={w}"])
-    run_harvest(cfg, tmp_path / "S" / "lay-sgl")
+    summary = run_harvest(cfg, tmp_path / "S" / "lay-sgl")
+    assert summary["aux_row_check"]["here"] > 0  # the harvest's row check ran on the DeepSeek-V3 weights and passed
+    lens = subprocess.run(  # the plan's `layers` step measures the check's lens on that store
+        [
+            sys.executable,
+            "benchmarks/aux_rows_lens.py",
+            "--config",
+            "configs/tiny-deepseek.yaml",
+            "--run-dir",
+            str(tmp_path / "S" / "lay-sgl"),
+            "--set",
+            "target.kind=hf",
+            "--set",
+            f"target.path={w}",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    rows = [json.loads(x) for x in lens.stdout.splitlines()]
+    refused = {r["moved_by"]: r["refused"] for r in rows if r["aux_layer"] == 2}
+    assert refused == {-2: False, -1: True, 0: False, 1: True, 2: False}, lens.stdout + lens.stderr
     trained = plan("train", env)
     log = trained.stdout + trained.stderr
     assert trained.returncode == 0, log
