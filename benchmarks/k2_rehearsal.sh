@@ -25,7 +25,7 @@
 #   bash benchmarks/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
 # CONVS (48 training conversations), NEW (128 new tokens), TRAIN_STEPS (40), PORT (29611, the trainer's), NPROC (the
-# accelerate config's processes). On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
+# accelerate config's processes), GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
 # TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +34,8 @@ CONFIG=${CONFIG:-configs/kimi-k2-rehearsal.yaml} TARGET_JSON=${TARGET_JSON:-conf
 LLAMA=${LLAMA:-configs/drafters/kimi-k2-rehearsal/config.json} MLA=${MLA:-configs/drafters/kimi-k2-rehearsal-mla/config.json}
 DEVICE=${DEVICE:-cuda} TOKENIZER=${TOKENIZER:-/tmp/lspack/chatml-tokenizer}  # the ChatML stand-in (pack)
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
-export TOKENIZERS_PARALLELISM=false CUDA_VISIBLE_DEVICES=0
+GPUS=${GPUS:-0}  # nvidia-h200-x2: GPUS=0,1 TP=2 NPROC=2 ACCEL=configs/accelerate/2gpu.yaml (issue 39.6)
+export TOKENIZERS_PARALLELISM=false CUDA_VISIBLE_DEVICES=$GPUS
 say() { printf '\n== %s (%s, %s)\n' "$1" "$(date +%T)" "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2> /dev/null)"; }
 
 GRAPHS="--max-total-tokens, '65536', --cuda-graph-max-bs, '4', --cuda-graph-backend-prefill, disabled"
@@ -42,7 +43,8 @@ MTB="{kind: mtbench, path: $C/mtbench-questions.jsonl, limit: 8}"
 SOURCES="[{kind: file, path: $C/sharegpt-first-turns.jsonl, limit: ${CONVS:-48}, name: sharegpt}, {kind: mtbench, path: $C/mtbench-questions.jsonl, limit: 16, split: heldout}]"
 K2=(--set target.kind=hf --set "target.path=$W" --set "target.tokenizer=$TOKENIZER" --set "target.device=$DEVICE"
     --set "serve.model_path=$W" --set "serve.python=$PY" --set "serve.log_dir=$L" --set serve.startup_timeout_s=900 --set train.wandb_mode=disabled
-    --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '0'}"
+    --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '$GPUS'}"
+    --set "serve.tp=${TP:-1}"
     --set "harvest.max_new_tokens=${NEW:-128}" --set "bench.max_new_tokens=${NEW:-128}" --set "bench.prompts=$MTB"
     --set harvest.aux_row_check=skip)  # the check's lens on random K2 weights is measured in `layers`, not relied on
 TOKENS="[{kind: tokens, path: $S/regen/tokens}]"
