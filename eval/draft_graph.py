@@ -43,12 +43,16 @@ def static_forward(
     written there in place, each token attending to the rows <= its own. ids (1, T), hidden (1, T, H) -> (feedback
     (1, T, H), logits (1, T, Vd)); rows (capacity,) arange. No host sync: what a CUDA graph captures."""
     gqa = drafter.config.num_key_value_heads != drafter.config.num_attention_heads
-    q, k, v = drafter.qkv(ids, hidden, at.view(1, -1))  # q (1, nh, T, hd), k/v (1, nkv, T, hd)
-    cache.k.index_copy_(2, at, k)
-    cache.v.index_copy_(2, at, v)
     seen = (rows.view(1, -1) <= at.view(-1, 1)).view(1, 1, at.shape[0], -1)  # (1, 1, T, capacity)
-    o = F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=seen, enable_gqa=gqa)  # (1, nh, T, hd)
-    return drafter.outputs(drafter.midlayer.finish(o, hidden))
+
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        c = cache.layer(i)  # q (1, nh, T, hd), k/v (1, nkv, T, hd) written at rows `at` of layer i's buffers
+        c.k.index_copy_(2, at, k)
+        c.v.index_copy_(2, at, v)
+        return F.scaled_dot_product_attention(q, c.k, c.v, attn_mask=seen, enable_gqa=gqa)  # (1, nh, T, hd)
+
+    out = drafter.midlayer.finish(attend(0, *drafter.qkv(ids, hidden, at.view(1, -1))), hidden)
+    return drafter.outputs(drafter.upper(out, at.view(1, -1), attend))
 
 
 def chain_drafts(

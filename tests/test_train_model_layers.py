@@ -347,3 +347,15 @@ def test_a_warm_start_grown_in_vocab_trains_and_exports_it(tmp_path):
     assert old < set(new) and new == sorted(new)
     assert torch.equal(load_file(tmp_path / "vocab.safetensors")["d2t"], out["d2t"])
     assert (out["lm_head.weight"].float().abs().sum(1) > 0).all()  # the added rows started at zero and moved
+
+
+@pytest.mark.parametrize("graph_extend", [False, True])
+def test_a_deeper_drafters_static_chain_drafts_what_its_eager_chain_drafts(deep_pair, graph_extend):
+    """bench.drafting graph (eval/draft_graph.py, uncaptured on the CPU) over one static cache per layer."""
+    from test_eval_draft_graph import _run
+
+    target, deep = deep_pair
+    for p in prompts(2, seed=7):
+        eager, eager_drafts = _run(target, deep, p, 3, "eager", new=24)
+        graph, graph_drafts = _run(target, deep, p, 3, "graph", new=24, graph_extend=graph_extend)
+        assert graph_drafts == eager_drafts and graph.tokens == eager.tokens == greedy_decode(target, p, 24).tokens

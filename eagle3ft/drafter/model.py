@@ -244,33 +244,46 @@ class DraftCache:
 
 class StaticDraftCache:
     """DraftCache in buffers of a fixed `capacity` (B, nkv, capacity, hd), written in place, so that a CUDA graph can
-    read and write them (eval/draft_graph.py). The same `length`, `append` and `crop` as DraftCache; one layer."""
+    read and write them (eval/draft_graph.py). The same `length`, `append`, `crop` and `layer` as DraftCache; a deeper
+    drafter's layers 1.. have theirs in `above`, and setting `length` sets theirs too."""
 
-    def __init__(self, cfg: DrafterConfig, capacity: int, device, dtype: torch.dtype, batch: int = 1) -> None:
-        if cfg.num_hidden_layers != 1:
-            raise ValueError(f"a static draft cache holds 1 drafter layer, not {cfg.num_hidden_layers}")
+    def __init__(
+        self, cfg: DrafterConfig, capacity: int, device, dtype: torch.dtype, batch: int = 1, layers: int | None = None
+    ) -> None:
         shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.capacity, self.length = capacity, 0
+        self.capacity, self._length = capacity, 0
+        n = cfg.num_hidden_layers if layers is None else layers
+        self.above = [StaticDraftCache(cfg, capacity, device, dtype, batch, layers=1) for _ in range(n - 1)]
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._length = n
+        for c in self.above:
+            c.length = n
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + k.shape[2]
+        end = self._length + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"a static draft cache of {self.capacity} entries cannot hold {end}")
-        self.k[:, :, self.length : end] = k
-        self.v[:, :, self.length : end] = v
-        self.length = end
+        self.k[:, :, self._length : end] = k
+        self.v[:, :, self._length : end] = v
+        self._length = end  # this layer's alone: `step` appends each layer's in turn
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def crop(self, n: int) -> None:
         """Roll back to the first n entries (the buffers keep the rest, to be overwritten)."""
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} entries to {n}")
+        if not 0 <= n <= self._length:
+            raise ValueError(f"cannot crop a cache of {self._length} entries to {n}")
         self.length = n
 
     def layer(self, i: int) -> "StaticDraftCache":
-        return self
+        return self if i == 0 else self.above[i - 1]
 
 
 class Eagle3Drafter(nn.Module):
