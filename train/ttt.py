@@ -4,7 +4,7 @@ Step 0, row t: fc(aux[t]) and emb(token t+1) at position t predict token t+2, wh
 distribution is the one stored at position t+1. Step k feeds back step k-1's pre-norm output at the
 same row, with emb(token t+1+k) at position t+k, and predicts token t+2+k (stored at t+1+k).
 Attention at step k sees the step-0 keys 0..t (causal) and the row's own key of steps 1..k, as
-SGLang's draft decode does at inference. The causal part runs through one flash-attention call; the
+SGLang's draft decode does at inference, in every decoder layer of a deeper drafter (`StepKeys`). The causal part runs through one flash-attention call; the
 diagonal keys are merged with it through the causal part's log-sum-exp, so nothing O(k·T²) is built,
 and the backward hands the merged output and log-sum-exp back to the flash backward.
 
