@@ -359,3 +359,24 @@ def test_a_deeper_drafters_static_chain_drafts_what_its_eager_chain_drafts(deep_
         eager, eager_drafts = _run(target, deep, p, 3, "eager", new=24)
         graph, graph_drafts = _run(target, deep, p, 3, "graph", new=24, graph_extend=graph_extend)
         assert graph_drafts == eager_drafts and graph.tokens == eager.tokens == greedy_decode(target, p, 24).tokens
+
+
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        (128, "drafter.draft_vocab_size 128 < the warm-start drafter's 256"),
+        (384, "growing .* draft vocab to 384 needs the training data's token counts"),
+    ],
+)
+def test_a_warm_start_cannot_shrink_and_grows_only_with_the_datas_counts(tmp_path, size, message):
+    from train_fixtures import REPO, TINY_TARGET
+
+    from eagle3ft.config import load_config
+    from eagle3ft.train.build import build_drafter
+
+    write_k2_like(tmp_path / "k2")
+    cfg = load_config(
+        REPO / "configs/tiny.yaml", [f"drafter.init={tmp_path / 'k2'}", f"drafter.draft_vocab_size={size}"]
+    )
+    with pytest.raises(ValueError, match=message):
+        build_drafter(cfg, tmp_path, TINY_TARGET)  # no token counts given
