@@ -306,7 +306,8 @@ five_arms() {  # five_arms OUT DRAFTER PROMPTS TIMEOUT: DRAFTER at 3/1/4 and 8/4
 grown() {  # issue 38.3 (after ship on the same machine): the shipped drafter grown, each arm fine-tuned on ship's store
            # with ship's steps beside ship's own one-layer, 8k-vocab `new`: `deep` a second decoder layer (starting
            # as the identity), `v16k` / `v32k` the draft vocab grown to 16,384 / 32,768 of the store's answer tokens
-           # (GROW picks, default "deep v16k"); then plain, new and the arms at 3/1/4 and 8/4/32 interleaved per
+           # (GROW picks, default "deep": with ship, one arm fits a 30-minute lease, ~17 min for ship and ~15 for an
+           # arm's fine-tune, servers and bench); then plain, new and the arms at 3/1/4 and 8/4/32 interleaved per
            # prompt, both clients, on the 11th-16th everyday prompts of each category (ship benched the first 8,
            # again the 7th-10th)
   local t=$SECONDS more=() new=$S/new/export-best arm ck port=29512 slot=3 p=30107 arms=()
@@ -314,7 +315,7 @@ grown() {  # issue 38.3 (after ship on the same machine): the shipped drafter gr
   [[ -f $S/t08b/tokens/manifest.json ]] && more=(--set "train.more_tokens=[$S/t08b/tokens]")
   [[ -f $new/config.json ]] || new=$S/new/export
   [[ -f $new/config.json ]] || { echo "grown: no export of ship's new drafter"; return 1; }
-  for arm in ${GROW:-deep v16k}; do
+  for arm in ${GROW:-deep}; do
     local sets=()
     case $arm in
       deep) sets=(--set drafter.num_hidden_layers=2) ;;
