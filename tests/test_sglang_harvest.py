@@ -57,17 +57,23 @@ def tiny_drafter(model):
     return d.eval()
 
 
+def move_hidden_rows(meta: dict, by: int) -> None:
+    """A server's hidden-state rows (the prompt's block, then one per generated token) moved by `by` positions, their
+    count kept: row t holds row t + by's state, the edge row repeated."""
+    if meta.get("hidden_states"):
+        block, flat = meta["hidden_states"][0], meta["hidden_states"][1:]
+        rows = block + flat
+        rows = rows[by:] + rows[-1:] * by if by > 0 else rows[:1] * -by + rows[:by]
+        meta["hidden_states"] = [rows[: len(block)]] + rows[len(block) :]
+
+
 class ShiftedEngine(DoubleEngine):
     """A server bug: every per-token row (hidden state and top-k) moved up by one position, their count kept."""
 
     def generate(self, req):
         out, timeline = super().generate(req)
         meta = out["meta_info"]
-        if meta.get("hidden_states"):
-            block, flat = meta["hidden_states"][0], meta["hidden_states"][1:]
-            rows = block + flat
-            rows = rows[1:] + rows[-1:]
-            meta["hidden_states"] = [rows[: len(block)]] + rows[len(block) :]
+        move_hidden_rows(meta, 1)
         if meta.get("input_top_logprobs") is not None:
             inp, outp = meta["input_top_logprobs"], meta.get("output_top_logprobs") or []
             head = inp[:1] if inp and inp[0] is None else []
@@ -86,12 +92,7 @@ class HiddenShiftedEngine(DoubleEngine):
 
     def generate(self, req):
         out, timeline = super().generate(req)
-        meta = out["meta_info"]
-        if meta.get("hidden_states"):
-            block, flat = meta["hidden_states"][0], meta["hidden_states"][1:]
-            rows = block + flat
-            rows = rows[self.by :] + rows[-1:] * self.by if self.by > 0 else rows[:1] * -self.by + rows[: self.by]
-            meta["hidden_states"] = [rows[: len(block)]] + rows[len(block) :]
+        move_hidden_rows(out["meta_info"], self.by)
         return out, timeline
 
 

@@ -19,7 +19,7 @@ from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, export_keys
 H, NH, NKV, HD, I, V, VD = 32, 4, 2, 8, 48, 50, 20
 
 
-def make(rope_scaling=None, seed=0) -> Eagle3Drafter:
+def make(rope_scaling=None, seed=0, layers=1) -> Eagle3Drafter:
     torch.manual_seed(seed)
     cfg = DrafterConfig(
         hidden_size=H,
@@ -33,12 +33,14 @@ def make(rope_scaling=None, seed=0) -> Eagle3Drafter:
         rope_theta=500.0,
         rope_scaling=rope_scaling,
         max_position_embeddings=64,
+        num_hidden_layers=layers,
     )
     m = Eagle3Drafter(cfg)
     with torch.no_grad():
         m.embed_tokens.weight.normal_()
-        for n in (m.norm, m.midlayer.input_layernorm, m.midlayer.hidden_norm, m.midlayer.post_attention_layernorm):
-            n.weight.uniform_(0.5, 1.5)
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
         m.d2t.copy_(torch.arange(VD) * 2 - torch.arange(VD))  # draft id i -> target id 2i
         m.t2d[::2][:VD] = True
     return m
@@ -183,18 +185,20 @@ def test_step_matches_reference_layer():
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
 
 
-def test_cache_incremental_crop_and_tree_mask():
-    m = make(seed=2)
+@pytest.mark.parametrize("layers", [1, 3])
+def test_cache_incremental_crop_and_tree_mask(layers):
+    """A deeper drafter's layers keep their caches over the same rows (DraftCache.above)."""
+    m = make(seed=2, layers=layers)
     ids, hidden = torch.randint(0, V, (1, 8)), torch.randn(1, 8, H)
     pos = torch.arange(8)[None]
     full, _ = m.step(ids, hidden, pos, DraftCache())
     cache = DraftCache()
     a, _ = m.step(ids[:, :5], hidden[:, :5], pos[:, :5], cache)
     b, _ = m.step(ids[:, 5:], hidden[:, 5:], pos[:, 5:], cache)
-    assert cache.length == 8
+    assert [c.length for c in (cache, *cache.above)] == [8] * layers
     torch.testing.assert_close(torch.cat([a, b], 1), full, rtol=1e-5, atol=1e-5)
     cache.crop(5)  # roll back the last three, then redo them one token at a time
-    assert cache.length == 5
+    assert [c.length for c in (cache, *cache.above)] == [5] * layers
     for t in range(5, 8):
         o, _ = m.step(ids[:, t : t + 1], hidden[:, t : t + 1], pos[:, t : t + 1], cache)
         torch.testing.assert_close(o, full[:, t : t + 1], rtol=1e-5, atol=1e-5)

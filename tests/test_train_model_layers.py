@@ -13,6 +13,7 @@ from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 from safetensors.torch import load_file, save_file
 from test_train_checkpoint import write_k2_like
 from test_train_model import HD, NH, NKV, VD, H, V, hf_config
+from test_train_model import make as make_drafter
 from test_train_ttt import batch
 from train_fixtures import launch, write_store
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, repeat_kv
@@ -34,31 +35,8 @@ from eagle3ft.train.build import grow_drafter
 from eagle3ft.train.ttt import ttt_forward
 
 
-def make(layers: int, seed: int = 0, **kw) -> Eagle3Drafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(
-        hidden_size=H,
-        num_attention_heads=NH,
-        num_key_value_heads=NKV,
-        head_dim=HD,
-        intermediate_size=48,
-        vocab_size=V,
-        draft_vocab_size=VD,
-        rms_norm_eps=1e-5,
-        rope_theta=500.0,
-        max_position_embeddings=64,
-        num_hidden_layers=layers,
-        **kw,
-    )
-    m = Eagle3Drafter(cfg)
-    with torch.no_grad():
-        m.embed_tokens.weight.normal_()
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-        m.d2t.copy_(torch.arange(VD) * 2 - torch.arange(VD))
-        m.t2d[::2][:VD] = True
-    return m
+def make(layers: int, seed: int = 0) -> Eagle3Drafter:
+    return make_drafter(seed=seed, layers=layers)  # test_train_model's drafter, norms and vocab set, `layers` deep
 
 
 def rms(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None):
@@ -122,30 +100,6 @@ def test_step_matches_each_engines_forward_from_the_export(layers, engine):
     ref_out, ref_logits = engine_forward(tensors, m.config, ids, hidden, pos, engine)
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
-
-
-def test_a_deeper_cache_extends_crops_and_follows_a_tree_mask():
-    m = make(3, seed=4)
-    ids, hidden = torch.randint(0, V, (1, 8)), torch.randn(1, 8, H)
-    pos = torch.arange(8)[None]
-    full, _ = m.step(ids, hidden, pos, DraftCache())
-    cache = DraftCache()
-    a, _ = m.step(ids[:, :5], hidden[:, :5], pos[:, :5], cache)
-    b, _ = m.step(ids[:, 5:], hidden[:, 5:], pos[:, 5:], cache)
-    assert cache.length == 8 and [c.length for c in cache.above] == [8, 8]
-    torch.testing.assert_close(torch.cat([a, b], 1), full, rtol=1e-5, atol=1e-5)
-    cache.crop(5)
-    assert [c.length for c in (cache, *cache.above)] == [5, 5, 5]
-    for t in range(5, 8):
-        o, _ = m.step(ids[:, t : t + 1], hidden[:, t : t + 1], pos[:, t : t + 1], cache)
-        torch.testing.assert_close(o, full[:, t : t + 1], rtol=1e-5, atol=1e-5)
-    cache.crop(5)
-    mask = torch.zeros(1, 1, 2, 7, dtype=torch.bool)
-    mask[..., :5] = True
-    mask[0, 0, 0, 5] = mask[0, 0, 1, 6] = True
-    sib = torch.stack([ids[:, 5], torch.full_like(ids[:, 5], 3)], 1)
-    o, _ = m.step(sib, hidden[:, [5, 5]], torch.tensor([[5, 5]]), cache, attn_mask=mask)
-    torch.testing.assert_close(o[:, :1], full[:, 5:6], rtol=1e-5, atol=1e-5)
 
 
 def reference_ttt(m: Eagle3Drafter, b: dict, steps: int, decay: float) -> torch.Tensor:
