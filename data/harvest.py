@@ -181,25 +181,25 @@ def harvest_chunk(
     return [done[c.key] for c in convs if c.key in done], stats
 
 
+# harvest keys outside the fingerprint: how requests are sent and checked (a rerun may change them and resume), the
+# sources (fingerprinted by content below) and magpie (data/magpie.py's)
+NOT_FINGERPRINTED = (
+    "sglang",
+    "batch_size",
+    "argmax_tie_eps",
+    "argmax_max_mismatch",
+    "aux_row_check",
+    "magpie",
+    "sources",
+)
+
+
 def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
     """What must match for a rerun to resume this harvest: the sample order and how samples are made."""
     h = cfg.harvest
     what = {
         "keys": [(c.key, c.split) for c in convs],
-        "harvest": {
-            k: v
-            for k, v in to_dict(h).items()
-            if k
-            not in (
-                "sglang",
-                "batch_size",
-                "argmax_tie_eps",
-                "argmax_max_mismatch",
-                "aux_row_check",
-                "magpie",
-                "sources",
-            )
-        },
+        "harvest": {k: v for k, v in to_dict(h).items() if k not in NOT_FINGERPRINTED},
         "sources": source_identity(h.sources),
         "chat_template": cfg.target.chat_template,
         "seed": cfg.seed,
