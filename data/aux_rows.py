@@ -1,6 +1,6 @@
 """Are a harvest's aux hidden-state rows at their tokens? A check that needs no second copy of the target.
 
-The argmax check (harvest.py) catches per-token rows shifted together, at T=0 only. Hidden-state rows shifted alone,
+The argmax check (checks.py) catches per-token rows shifted together, at T=0 only. Hidden-state rows shifted alone,
 their count kept and the top-k rows in place, pass it and every shape check, and a drafter trained on them learns from
 the wrong token's features. The logit lens of the deepest aux layer tells them apart: norm(h_t) · W (the target's
 final norm and lm_head) ranks the target's own top-1 of row t above the neighbours' top-1s, of rows t-1 and t+1, on
