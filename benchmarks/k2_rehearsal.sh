@@ -136,10 +136,13 @@ train_one() {  # train_one NAME DRAFTER_CONFIG [sets...]: on the SGLang store of
   echo "$1 exit $?"; mkdir -p "$L/$1"; cp "$S/$1"/train/{metrics.jsonl,data.json} "$L/$1/" 2> /dev/null
   ls "$S/$1"; tail -3 "$L/train-$1.log"
 }
-train() {
-  train_one llama "$LLAMA" --set drafter.init=null
-  train_one warm "$LLAMA" --set "drafter.init=$(export_of llama)"
-  train_one mla "$MLA" --set drafter.init=null
+train() {  # the two scratch runs side by side (one launch's start-up less), then the warm start from llama's export
+  local port=${PORT:-29611} mla
+  PORT=$((port + 1)) train_one mla "$MLA" --set drafter.init=null > "$L/train-mla.out" &
+  mla=$!
+  PORT=$port train_one llama "$LLAMA" --set drafter.init=null
+  wait "$mla"; cat "$L/train-mla.out"
+  PORT=$port train_one warm "$LLAMA" --set "drafter.init=$(export_of llama)"
 }
 bench_one() {  # bench_one NAME PORT: plain (:30100) against EAGLE-3 3/1/4 with NAME's export on PORT
   local ex
@@ -163,7 +166,7 @@ offline_one() {  # offline_one NAME: the export's offline tau on its server's ow
   mkdir -p "$L/bench-$1"; cp "$S/bench-$1"/bench/{summary.json,runs.jsonl} "$S/own-$1"/eval/accept_len.json "$L/bench-$1/" 2> /dev/null
 }
 serve() {  # the plain server (kept up from serve_harvest, else started) and one 3/1/4 server per export, side by side
-  local name port=30102 started=()
+  local name port=30102 started=() pids=()
   curl -sf http://127.0.0.1:30100/health > /dev/null || server 30100 0.2 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
   for name in warm mla; do
     if [[ -f $(export_of $name)/config.json ]]; then
@@ -178,7 +181,9 @@ serve() {  # the plain server (kept up from serve_harvest, else started) and one
   up 30100 || { down; return 1; }
   for name in "${started[@]}"; do bench_one "${name%%:*}" "${name##*:}"; done
   down
-  for name in "${started[@]}"; do offline_one "${name%%:*}"; done
+  # not a bare `wait`: this shell's servers are its children too
+  for name in "${started[@]}"; do offline_one "${name%%:*}" > "$L/offline-${name%%:*}.out" & pids+=($!); done
+  (( ${#pids[@]} )) && wait "${pids[@]}"; cat "$L"/offline-*.out 2> /dev/null
 }
 
 run() {
