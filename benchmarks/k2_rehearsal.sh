@@ -24,7 +24,7 @@
 #                                                 this call timeout_s 240
 #   bash benchmarks/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
-# CONVS (48 training conversations), NEW (128 new tokens), TRAIN_STEPS (40), PORT (29611, the trainer's), NPROC (the
+# CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens), TRAIN_STEPS (40), PORT (29611, the trainer's), NPROC (the
 # accelerate config's processes), GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
 # TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
 set -uo pipefail
@@ -107,6 +107,7 @@ layers() {
   $PY benchmarks/aux_layers_match.py "$S/lay-sgl/features" "$S/lay-hf/features" | tee "$L/layers.json"
   $PY benchmarks/sglang_target.py compare-stores "$S/lay-sgl" "$S/lay-hf" --out "$L/layers-cos.json" > /dev/null
   cat "$L/layers-cos.json"
+  [[ ${LENS:-1} == 1 ]] || return 0
   say "layers: the aux row check's logit lens on SGLang's rows, as stored and moved by -2..2"
   timeout 300 $PY benchmarks/aux_rows_lens.py --config "$CONFIG" --run-dir "$S/lay-sgl" "${K2[@]}" \
     > "$L/aux-rows-lens.jsonl" 2> "$L/aux-rows-lens.log"; grep '"moved_by": 0' "$L/aux-rows-lens.jsonl"
