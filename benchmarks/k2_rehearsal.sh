@@ -20,8 +20,8 @@
 #                                                 (SGLang and DeepSpeed wheels, SmolLM2's ChatML tokenizer as a
 #                                                 folder standing in for K2's, ShareGPT first turns, MT-Bench)
 #   bash benchmarks/live_speedup.sh stash .carry/k2/N   there, one call per piece (carry that folder)
-#   bash benchmarks/k2_rehearsal.sh start         there: install, then the steps in the background (setsid); give
-#                                                 this call timeout_s 240
+#   bash benchmarks/k2_rehearsal.sh start         there: install, then the steps in the background (setsid); in the
+#                                                 call of the last piece's stash, with `wait 530` after it (600 s)
 #   bash benchmarks/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
 # CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens), TRAIN_STEPS (40), PORT (29611, the trainer's), NPROC (the
