@@ -24,8 +24,9 @@
 #                                                 call of the last piece's stash, with `wait 530` after it (600 s)
 #   bash benchmarks/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
-# CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens), TRAIN_STEPS (40), PORT (29611, the trainer's), NPROC (the
-# accelerate config's processes), GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
+# CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
+# TRAIN_STEPS (40), PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes),
+# GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
 # TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
