@@ -133,7 +133,7 @@ train_one() {  # train_one NAME DRAFTER_CONFIG [sets...]: on the SGLang store of
   timeout 900 accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" ${NPROC:+--num_processes "$NPROC"} \
     --main_process_port "${PORT:-29611}" \
     train/finetune.py --config "$CONFIG" --run-dir "$S/$1" "${K2[@]}" --set "drafter.config=$2" \
-    --set "train.max_steps=${TRAIN_STEPS:-40}" --set train.save_every=20 --set train.eval_every=20 \
+    --set "train.max_steps=${TRAIN_STEPS:-40}" --set "train.save_every=${TRAIN_STEPS:-40}" --set train.keep_checkpoints=1 --set train.eval_every=20 \
     --set train.log_every=5 "${@:3}" > "$L/train-$1.log" 2>&1
   echo "$1 exit $?"; mkdir -p "$L/$1"; cp "$S/$1"/train/{metrics.jsonl,data.json} "$L/$1/" 2> /dev/null
   ls "$S/$1"; tail -3 "$L/train-$1.log"

@@ -45,7 +45,7 @@ def features(model, aux_layer_ids: list[int], prompt: list[int], answer: list[in
     lp = F.log_softmax(out.logits[0].float(), dim=-1).topk(topk, dim=-1)  # (T, topk)
     mask = torch.zeros(ids.shape[1], dtype=torch.long, device=device)
     mask[len(prompt) :] = 1
-    aux = aux_from_hidden_states(out.hidden_states, aux_layer_ids)[0]  # (T, 3H)
+    aux = aux_from_hidden_states(out.hidden_states, aux_layer_ids, model.config)[0]  # (T, 3H)
     return {
         "input_ids": ids[0],
         "loss_mask": mask,

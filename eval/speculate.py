@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from eagle3ft.drafter.config import capture_points
 from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, StaticDraftCache
 from eagle3ft.eval.draft_graph import DraftGraph
 
@@ -48,9 +49,11 @@ class Generation:
         return sum(self.accept_lengths) / self.verify_count if self.verify_count else None
 
 
-def aux_from_hidden_states(hidden_states, aux_layer_ids) -> torch.Tensor:
-    """(B, T, 3Ht): the outputs of the aux layers; layer id i is transformers' hidden_states[i + 1]."""
-    return torch.cat([hidden_states[i + 1] for i in aux_layer_ids], dim=-1)
+def aux_from_hidden_states(hidden_states, aux_layer_ids, target_config) -> torch.Tensor:
+    """(B, T, 3Ht): the aux rows as SGLang takes them on this target (capture_points: hidden_states[i + 1] for a
+    Llama, the state entering layer i for a DeepSeek-V3 whose first id is not 1)."""
+    points = capture_points(getattr(target_config, "architectures", None), aux_layer_ids)
+    return torch.cat([hidden_states[p] for p in points], dim=-1)
 
 
 def crop_target(cache: DynamicCache, n: int) -> None:
@@ -194,7 +197,8 @@ class SpeculativeDecoder:
     def _target(self, ids: list[int] | torch.Tensor, cache: DynamicCache):
         ids = torch.as_tensor(ids, device=self.device).view(1, -1)
         out = self.target(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
-        return out.logits[0], aux_from_hidden_states(out.hidden_states, self.aux_layer_ids)[0]  # (T, V), (T, 3Ht)
+        aux = aux_from_hidden_states(out.hidden_states, self.aux_layer_ids, self.target.config)
+        return out.logits[0], aux[0]  # (T, V), (T, 3Ht)
 
     def extend(self, cache: DraftCache, next_ids: list[int], aux: torch.Tensor, start: int):
         """Drafter forward over tokens whose aux features are known: entry j = aux of token j, embedding of j+1.

@@ -54,7 +54,7 @@ def features(target, ids: list[int], prompt_len: int, topk: int = 16) -> dict:
     return {
         "input_ids": torch.tensor(ids),
         "loss_mask": mask,
-        "aux_hidden": aux_from_hidden_states(out.hidden_states, AUX)[0],
+        "aux_hidden": aux_from_hidden_states(out.hidden_states, AUX, target.config)[0],
         "topk_ids": lp.indices,
         "topk_logprobs": lp.values,
     }

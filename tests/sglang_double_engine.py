@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from eagle3ft.eval.speculate import aux_from_hidden_states
+
 
 def _bf16_rows(x: torch.Tensor) -> list:
     return x.to(torch.bfloat16).float().tolist()
@@ -126,7 +128,9 @@ class DoubleEngine:
             logprobs_in = torch.log_softmax(logits, dim=-1)
             logprobs_out = torch.log_softmax(logits / temperature, dim=-1) if temperature > 0 else logprobs_in
             if self.aux_layer_ids is not None:
-                rows = torch.cat([out.hidden_states[i + 1][0] for i in self.aux_layer_ids], dim=-1)
+                rows = aux_from_hidden_states(out.hidden_states, self.aux_layer_ids, self.model.config)[
+                    0
+                ]  # SGLang's rule
             else:
                 rows = out.hidden_states[-1][0]  # transformers' last entry is the final-norm output
             if spec is not None:

@@ -1,6 +1,7 @@
 """The flagship's architecture on every commit: a seeded tiny DeepSeek-V3 (MLA + MoE, configs/tiny-deepseek.yaml)
-through the embedded capture and the harvest's entry point. Aux id i == output of decoder layer i ==
-transformers hidden_states[i + 1]."""
+through the embedded capture and the harvest's entry point. SGLang 0.5.17 takes a DeepSeek-V3's aux id i as the state
+entering layer i (transformers hidden_states[i]) unless the first id is 1, then as the output of layer i
+(hidden_states[i + 1]), as it does for every id of a Llama."""
 
 import json
 
@@ -50,11 +51,15 @@ def test_captured_aux_rows_are_the_hidden_states_of_a_plain_forward(deepseek):
     (res,) = target.process([Request(ids, 0, (2,), capture=True)], Sampling(topk=4))
     hs = plain_hidden_states(model, ids)
     H = model.config.hidden_size
-    for k, i in enumerate(AUX):
+    for k, i in enumerate(AUX):  # [0, 1, 2]: the embeddings and the outputs of layers 0 and 1
+        assert torch.equal(res.features.aux_hidden[:, k * H : (k + 1) * H], hs[i][0].to(torch.bfloat16)), i
+    (res,) = HFTarget(cfg.target, [1, 2], model=model, tokenizer=tokenizer).process(
+        [Request(ids, 0, (2,), capture=True)], Sampling(topk=4)
+    )
+    for k, i in enumerate([1, 2]):  # a first id of 1: the outputs of layers 1 and 2
         assert torch.equal(res.features.aux_hidden[:, k * H : (k + 1) * H], hs[i + 1][0].to(torch.bfloat16)), i
-    assert not torch.equal(res.features.aux_hidden[:, :H], hs[0][0].to(torch.bfloat16))  # not the layer's input
-    with pytest.raises(ValueError, match="last layer"):
-        HFTarget(cfg.target, [0, 1, 3], model=model, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="last layer"):  # [2, 3, 4]: the last layer's output
+        HFTarget(cfg.target, [1, 2, 3], model=model, tokenizer=tokenizer)
 
 
 def test_a_harvest_through_the_entry_point_stores_those_rows(deepseek, tmp_path, capsys):
@@ -78,7 +83,7 @@ def test_a_harvest_through_the_entry_point_stores_those_rows(deepseek, tmp_path,
             for k, i in enumerate(AUX):  # batched and padded in the harvest, alone here
                 torch.testing.assert_close(
                     item["aux_hidden"][:, k * H : (k + 1) * H].float(),
-                    hs[i + 1][0].to(torch.bfloat16).float(),
+                    hs[i][0].to(torch.bfloat16).float(),
                     atol=0.02,
                     rtol=0.02,
                 )

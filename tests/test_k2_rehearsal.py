@@ -90,10 +90,10 @@ def test_its_harvest_sends_token_ids_only_to_a_server_without_a_tokenizer(no_tok
             assert mask.index(1) == len(mask) - sum(mask)  # one answer, at the end
             with torch.no_grad():
                 hs = model(input_ids=item["input_ids"][None], output_hidden_states=True).hidden_states
-            for k, i in enumerate([0, 1, 2]):
+            for k, i in enumerate([0, 1, 2]):  # SGLang's DeepSeek rule: the states entering layers 0, 1, 2
                 torch.testing.assert_close(
                     item["aux_hidden"][:, k * H : (k + 1) * H].float(),
-                    hs[i + 1][0].to(torch.bfloat16).float(),
+                    hs[i][0].to(torch.bfloat16).float(),
                     atol=0.02,
                     rtol=0.02,
                 )
@@ -120,12 +120,12 @@ def test_the_layer_check_finds_the_servers_layers_and_a_shift(no_tokenizer_serve
     run_harvest(load_config(REHEARSAL, fixed + ["harvest.backend=hf"]), tmp_path / "hf")
     ok = check.verdict(tmp_path / "sglang" / "features", tmp_path / "hf" / "features")
     assert ok["same_layers"] and max(ok["relative_l1"][i][i] for i in range(3)) < 0.01
-    shifted = tmp_path / "shifted.json"  # layers 1, 2, 0 where the server holds 0, 1, 2
+    shifted = tmp_path / "shifted.json"  # layers 2, 0, 1 where the server holds 0, 1, 2
     raw = json.loads((REPO_ROOT / "configs/drafters/tiny.json").read_text())
-    shifted.write_text(json.dumps({**raw, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 0]}}))
+    shifted.write_text(json.dumps({**raw, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 0, 1]}}))
     run_harvest(load_config(REHEARSAL, fixed + ["harvest.backend=hf", f"drafter.config={shifted}"]), tmp_path / "off")
     off = check.verdict(tmp_path / "sglang" / "features", tmp_path / "off" / "features")
-    assert not off["same_layers"] and off["nearest"] == [2, 0, 1]
+    assert not off["same_layers"] and off["nearest"] == [1, 2, 0]
 
 
 def test_seeded_weights_are_one_folder_per_seed_that_the_embedded_target_loads(tmp_path):

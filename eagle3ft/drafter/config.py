@@ -25,12 +25,35 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # models/deepseek_v2.py DeepseekV2Model.forward). The same layer is j = i + 1, and so are the two defaults:
 # SGLang's [1, L//2 - 1, L - 4], vLLM's (2, L//2, L - 3) (models/interfaces.py, models/deepseek_v2.py).
 VLLM_AUX_ID_OFFSET = 1
+# Targets whose SGLang 0.5.17 class inherits DeepseekV2ForCausalLM.set_eagle3_layers_to_capture (models/deepseek_v2.py,
+# kimi_k25.py, mistral_large_3.py, glm4_moe.py's DSA model). It adds 1 to the ids only when the first id is 1, and
+# otherwise captures the state entering layer i, i.e. the output of layer i - 1 (for id 0: the embeddings). Measured on
+# the K2-width rehearsal target (H200, 2026-12-06): ids [0, 1, 2] returned the embeddings and the outputs of layers
+# 0 and 1. So AQ-MedAI's [2, 30, 58] and SGLang's default [1, 29, 57] name the same three states of Kimi-K2.
+SGLANG_AS_GIVEN_CAPTURE = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+    "MistralLarge3ForCausalLM",
+    "GlmMoeDsaForCausalLM",
+)
 LLAMA_EAGLE3 = "LlamaForCausalLMEagle3"  # SGLang's models/llama_eagle3.py: model.py
 MLA_EAGLE3 = "Eagle3DeepseekV2ForCausalLM"  # SGLang's models/kimi_k25_eagle3.py (DeepSeek-V2 MLA): model_mla.py
 
 
 class DrafterMismatch(ValueError):
     """A drafter that does not fit the target or the features it is used with; the message names both values."""
+
+
+def capture_points(target_architectures: list[str] | None, aux_layer_ids) -> list[int]:
+    """Where SGLang 0.5.17 takes each aux id's rows on this target, as an index of transformers' hidden_states
+    (0: the embeddings, k: the output of decoder layer k - 1); vLLM's top-level ids count the same way."""
+    ids = [int(i) for i in aux_layer_ids]
+    as_given = any(a in SGLANG_AS_GIVEN_CAPTURE for a in target_architectures or ())
+    if as_given and not (ids and ids[0] == 1):
+        return ids
+    return [i + 1 for i in ids]
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.config import TargetConfig, resolve_path
+from eagle3ft.drafter.config import capture_points
 from eagle3ft.targets.base import Features, Request, Result, Sampling, TargetInfo
 from eagle3ft.targets.head import topk_logprobs
 
@@ -249,10 +250,12 @@ class HFTarget:
         c = model.config
         num_layers = c.num_hidden_layers
         ids = tuple(aux_layer_ids or ())
-        if num_layers - 1 in ids:
+        # hidden_states index of each id's rows, as SGLang takes them on this architecture
+        self.capture_points = tuple(capture_points(getattr(c, "architectures", None), ids))
+        if num_layers in self.capture_points:
             raise ValueError(
-                f"aux layer id {num_layers - 1} (the last layer) is not supported by the embedded backend: "
-                "transformers returns the final-norm output as hidden_states[num_layers]"
+                f"aux layer id {ids[self.capture_points.index(num_layers)]} (the last layer) is not supported by the "
+                "embedded backend: transformers returns the final-norm output as hidden_states[num_layers]"
             )
         self.info = TargetInfo(cfg.name, c.hidden_size, c.vocab_size, num_layers, ids)
         self.device = next(model.parameters()).device
@@ -343,11 +346,11 @@ class HFTarget:
         if min(lens) < T:  # no mask at all for an unpadded batch: the causal kernel, as a bare forward runs it
             mask = (torch.arange(T) < torch.tensor(lens)[:, None]).long().to(self.device)
         real = torch.cat([torch.arange(n) + b * T for b, n in enumerate(lens)]).to(self.device)  # (N,) rows of (B*T)
-        layer_ids = self.info.aux_layer_ids
-        aux = torch.empty((real.numel(), len(layer_ids) * H), dtype=torch.bfloat16, device=self.device)  # (N, 3H)
+        points = self.capture_points
+        aux = torch.empty((real.numel(), len(points) * H), dtype=torch.bfloat16, device=self.device)  # (N, 3H)
         copies = _HostCopies(self.device, enabled=to_host)
         host: dict[str, torch.Tensor] = {}
-        pending = set(range(len(layer_ids)))
+        pending = set(range(len(points)))
 
         def keep(slots):
             def hook(module, args, output):
@@ -360,10 +363,11 @@ class HFTarget:
 
             return hook
 
-        layers = self.model.model.layers
+        # point p is the output of decoder layer p - 1, or of the embedding for p = 0
+        modules = [self.model.model.embed_tokens, *self.model.model.layers]
         hooks = [
-            layers[i].register_forward_hook(keep([j for j, k in enumerate(layer_ids) if k == i]))
-            for i in sorted(set(layer_ids))
+            modules[p].register_forward_hook(keep([j for j, q in enumerate(points) if q == p]))
+            for p in sorted(set(points))
         ]
         try:
             out = self.model.model(input_ids=ids.to(self.device), attention_mask=mask, use_cache=False)
