@@ -25,6 +25,7 @@
 #   bash benchmarks/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
 # CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
+# PLAIN (1; 0: no plain server for `serve_harvest`, the harvest server regenerates: the layer check alone),
 # TRAIN_STEPS (40), PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes),
 # GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
 # TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
@@ -83,15 +84,21 @@ weights() {
     | tee "$L/weights.json"
 }
 serve_harvest() {  # the plain server for the regeneration and the EAGLE3 harvest server, started together
-  say "servers: plain (:30100) and EAGLE3 harvest (:30101), real weights"
-  server 30100 0.2 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
+  say "servers: plain (:30100, unless PLAIN=0) and EAGLE3 harvest (:30101), real weights"
+  local ports=(30101)
+  if [[ ${PLAIN:-1} == 1 ]]; then
+    server 30100 0.2 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
+    ports=(30100 30101)
+  fi
   server 30101 0.33 harvest --set "serve.extra_args=[--skip-tokenizer-init, --speculative-draft-load-format, dummy, $GRAPHS]"
-  up 30100 30101
+  up "${ports[@]}"
 }
 regen() {
-  say "regen: ${CONVS:-48} conversations' first turns + 16 MT-Bench, ${NEW:-128} new tokens, through :30100"
+  local url=http://127.0.0.1:30100
+  [[ ${PLAIN:-1} == 1 ]] || url=http://127.0.0.1:30101  # greedy: the harvest server answers the same tokens
+  say "regen: ${CONVS:-48} conversations' first turns + 16 MT-Bench, ${NEW:-128} new tokens, through $url"
   $PY data/regen.py --config "$CONFIG" --run-dir "$S/regen" "${K2[@]}" --set "harvest.sources=$SOURCES" \
-    --set "harvest.sglang.urls=[http://127.0.0.1:30100]" > "$L/regen.json" 2> "$L/regen.log"
+    --set "harvest.sglang.urls=[$url]" > "$L/regen.json" 2> "$L/regen.log"
   echo "exit $?"; tail -3 "$L/regen.json"
 }
 harvest() {  # harvest NAME [sets...]: data/harvest.py into $S/NAME
