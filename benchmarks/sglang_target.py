@@ -91,7 +91,7 @@ def compare_stores(run_a: str, run_b: str, exclude_last: bool = False) -> dict:
         da, db = a.dataset(split), b.dataset(split)
         by_id = {int(db[i]["sample_id"]): i for i in range(len(db))}
         n = same_ids = common_prefix = tokens = 0
-        cos, rel, top1, topk_overlap, lp_err = [], [], [], [], []
+        cos, rel, top1, topk_overlap, lp_err, by_chunk = [], [], [], [], [], []
         for i in range(len(da)):
             x = da[i]
             j = by_id.get(int(x["sample_id"]))
@@ -111,6 +111,12 @@ def compare_stores(run_a: str, run_b: str, exclude_last: bool = False) -> dict:
                 continue
             ha, hb = x["aux_hidden"][:k].float(), y["aux_hidden"][:k].float()
             cos.append(torch.nn.functional.cosine_similarity(ha, hb, dim=-1))
+            chunks = ha.shape[1] // a.target["hidden_size"]  # one per aux layer
+            by_chunk.append(
+                torch.nn.functional.cosine_similarity(
+                    ha.unflatten(1, (chunks, -1)), hb.unflatten(1, (chunks, -1)), dim=-1
+                )
+            )
             rel.append((ha - hb).norm(dim=-1) / ha.norm(dim=-1).clamp_min(1e-6))
             ta, tb = x["topk_ids"][:k], y["topk_ids"][:k]
             top1.append((ta[:, 0] == tb[:, 0]).float())
@@ -127,6 +133,11 @@ def compare_stores(run_a: str, run_b: str, exclude_last: bool = False) -> dict:
             "common_prefix_token_share": round(common_prefix / max(tokens, 1), 4),
             "aux_cosine_mean": round(float(c.mean()), 5) if c.numel() else None,
             "aux_cosine_min": round(float(c.min()), 5) if c.numel() else None,
+            # per aux layer's chunk, over its rows: the mean and the least
+            "aux_cosine_mean_by_chunk": [round(float(v), 5) for v in torch.cat(by_chunk).mean(0)] if by_chunk else None,
+            "aux_cosine_min_by_chunk": [round(float(v), 5) for v in torch.cat(by_chunk).min(0).values]
+            if by_chunk
+            else None,
             "aux_rel_err_median": round(float(r.median()), 5) if r.numel() else None,
             "aux_rel_err_p99": round(float(r.quantile(0.99)), 5) if r.numel() > 1 else None,
             "top1_agreement": round(float(t1.mean()), 5) if t1.numel() else None,

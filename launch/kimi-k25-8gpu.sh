@@ -3,6 +3,12 @@
 #   bash launch/kimi-k25-8gpu.sh [RUN_DIR] [--set k=v ...]     (default runs/kimi-k25)
 # Needs /models/Kimi-K2.5 and /models/Kimi-K2-Instruct-eagle3 (or --set target.path=... etc.) and an
 # SGLang interpreter in serve.python. Every stage resumes when rerun. docs/sglang.md has the details.
+# Learnt on a K2-architecture target in real SGLang 0.5.17 (docs/sglang.md, "The K2 path on real SGLang"):
+# - the drafter's aux ids [2, 30, 58] are taken as given on Kimi (the outputs of layers 1, 29, 57); the harvest, the
+#   embedded checks and the export's vLLM ids all follow that rule, so keep the ids of the drafter you warm-start;
+# - a harvest server's first start compiles for minutes (serve.startup_timeout_s), later ones are faster;
+# - each K2 checkpoint is ~16.7 GB: leave train.keep_checkpoints x 16.7 GB free under RUN/ckpt;
+# - after the bench's first requests, read the servers' spec_accept_length: 1.00 means the drafter is not drafting.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${KIMI_CONFIG:-configs/kimi-k25-8gpu.yaml}

@@ -126,6 +126,13 @@ def test_the_layer_check_finds_the_servers_layers_and_a_shift(no_tokenizer_serve
     run_harvest(load_config(REHEARSAL, fixed + ["harvest.backend=hf", f"drafter.config={shifted}"]), tmp_path / "off")
     off = check.verdict(tmp_path / "sglang" / "features", tmp_path / "off" / "features")
     assert not off["same_layers"] and off["nearest"] == [1, 2, 0]
+    spec = importlib.util.spec_from_file_location("sglang_target", REPO_ROOT / "benchmarks/sglang_target.py")
+    stores = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stores)
+    same = stores.compare_stores(tmp_path / "sglang", tmp_path / "hf")["splits"]["train"]
+    assert len(same["aux_cosine_min_by_chunk"]) == 3 and min(same["aux_cosine_mean_by_chunk"]) > 0.999
+    moved = stores.compare_stores(tmp_path / "sglang", tmp_path / "off")["splits"]["train"]
+    assert max(moved["aux_cosine_mean_by_chunk"]) < 0.99
 
 
 def test_seeded_weights_are_one_folder_per_seed_that_the_embedded_target_loads(tmp_path):

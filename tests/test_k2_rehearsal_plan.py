@@ -95,3 +95,5 @@ def test_the_plans_weights_and_trainings_run_on_the_tiny_deepseek(tmp_path):
     assert (d2t["warm"] == d2t["llama"]).all()  # the warm start kept its drafter's vocabulary
     archs = {n: DrafterConfig.from_json(e / "config.json").architecture for n, e in exports.items()}
     assert archs["mla"] == "Eagle3DeepseekV2ForCausalLM" and archs["warm"] == "LlamaForCausalLMEagle3"
+    for name, e in exports.items():  # vLLM's ids of the layers SGLang captures on a DeepSeek-V3 for ids [0, 1, 2]
+        assert json.loads((e / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2], name

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from eagle3ft.config import load_config
-from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.config import DrafterConfig, capture_points
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.targets.base import Request, Sampling
-from eagle3ft.targets.hf import HFTarget, load_target
+from eagle3ft.targets.hf import HFTarget, load_target, target_architectures
 
 REPO = Path(__file__).resolve().parent.parent
 TARGETS = {"llama": REPO / "configs" / "tiny.yaml", "deepseek-v3": REPO / "configs" / "tiny-deepseek.yaml"}
@@ -60,9 +60,11 @@ def test_an_export_names_for_vllm_the_layers_sglang_captures(target, tmp_path):
     cfg, model, tokenizer = target
     spec = DrafterConfig.from_json(REPO / cfg.drafter.config)
     spec.aux_layer_ids = [0, 1, 2]
+    spec.vllm_aux_layer_ids = capture_points(target_architectures(cfg.target), spec.aux_layer_ids)  # as train sets
     export_drafter(Eagle3Drafter(spec), tmp_path / "export")
     vllm_ids = vllm_layer_ids(tmp_path / "export" / "config.json")
-    assert vllm_ids == (1, 2, 3)
+    # a Llama: the outputs of layers 0-2; a DeepSeek-V3, ids not starting at 1: the states entering layers 0-2
+    assert vllm_ids == ((0, 1, 2) if "deepseek" in str(cfg.target.tiny.config) else (1, 2, 3))
 
     ids = [3, 17, 400, 9000, 25, 77, 1024]
     sglang = HFTarget(cfg.target, spec.aux_layer_ids, model=model, tokenizer=tokenizer)  # output of layer i: hooks
@@ -71,8 +73,18 @@ def test_an_export_names_for_vllm_the_layers_sglang_captures(target, tmp_path):
     picked = vllm_capture(model, torch.tensor([ids]), vllm_ids)
     for k, (i, row) in enumerate(zip(spec.aux_layer_ids, picked)):
         assert torch.equal(res.features.aux_hidden[:, k * H : (k + 1) * H], row.to(torch.bfloat16)), f"SGLang id {i}"
-    # the nested ids read as vLLM's would be one layer early
-    assert not torch.equal(vllm_capture(model, torch.tensor([ids]), (0,))[0], picked[0])
+    # the nested ids read as vLLM's name other layers
+    assert not torch.equal(vllm_capture(model, torch.tensor([ids]), (2,))[0], picked[0])
+
+
+def test_sglangs_capture_rule_per_target_in_vllms_ids():
+    """SGLang 0.5.17 adds 1 to a DeepSeek-V3 target's ids only when the first is 1 (models/deepseek_v2.py), and always
+    on a Llama: AQ-MedAI's [2, 30, 58] and the default [1, 29, 57] both name the states entering layers 2, 30, 58."""
+    for arch in (["DeepseekV3ForCausalLM"], ["KimiK25ForConditionalGeneration"]):
+        assert capture_points(arch, [2, 30, 58]) == [2, 30, 58]
+        assert capture_points(arch, [1, 29, 57]) == [2, 30, 58]
+    assert capture_points(["LlamaForCausalLM"], [2, 30, 58]) == [3, 31, 59]
+    assert capture_points(None, [1, 14, 26]) == [2, 15, 27]
 
 
 def test_the_ids_read_back_from_either_form_and_none_leaves_both_defaults():

@@ -14,7 +14,7 @@ import torch
 
 from eagle3ft.config import Config, resolve_path
 from eagle3ft.data.store import StoreError
-from eagle3ft.drafter.config import DrafterConfig, check_drafter, check_drafter_folder
+from eagle3ft.drafter.config import DrafterConfig, capture_points, check_drafter, check_drafter_folder
 from eagle3ft.drafter.export import load_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.drafter.model_mla import new_drafter
@@ -24,6 +24,17 @@ from eagle3ft.train.data import TrainData
 
 
 def build_drafter(cfg: Config, run_dir: Path, target: dict, token_counts=None) -> Eagle3Drafter:
+    """`_build_drafter`'s drafter, whose export names for vLLM the layers SGLang captures on this target."""
+    from eagle3ft.targets.hf import target_architectures
+
+    model = _build_drafter(cfg, run_dir, target, token_counts)
+    spec = model.config
+    if spec.aux_layer_ids is not None:
+        spec.vllm_aux_layer_ids = capture_points(target_architectures(cfg.target), spec.aux_layer_ids)
+    return model
+
+
+def _build_drafter(cfg: Config, run_dir: Path, target: dict, token_counts=None) -> Eagle3Drafter:
     """Scratch (architecture json + the run's vocab) or warm start (a drafter folder, its own d2t/t2d).
 
     `target` is the features' identity; check_drafter refuses a drafter that disagrees with it before any compute.

@@ -19,11 +19,12 @@ from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
 from eagle3ft.files import read_json
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# SGLang's aux id i is the output of decoder layer i; vLLM's id j is the hidden state entering layer j (0: the
-# embeddings), read only from the top-level `eagle_aux_hidden_state_layer_ids` (vllm 0.19.1:
+# On a Llama target SGLang's aux id i is the output of decoder layer i; vLLM's id j is the hidden state entering
+# layer j (0: the embeddings), read only from the top-level `eagle_aux_hidden_state_layer_ids` (vllm 0.19.1:
 # v1/worker/gpu_model_runner.py _get_eagle3_aux_layers_from_config; captured in models/llama.py LlamaModel.forward and
-# models/deepseek_v2.py DeepseekV2Model.forward). The same layer is j = i + 1, and so are the two defaults:
-# SGLang's [1, L//2 - 1, L - 4], vLLM's (2, L//2, L - 3) (models/interfaces.py, models/deepseek_v2.py).
+# models/deepseek_v2.py DeepseekV2Model.forward). There the same layer is j = i + 1, and so are the two defaults:
+# SGLang's [1, L//2 - 1, L - 4], vLLM's (2, L//2, L - 3) (models/interfaces.py, models/deepseek_v2.py). On a
+# DeepSeek-V3 target SGLang may take id i as given (SGLANG_AS_GIVEN_CAPTURE): capture_points gives vLLM's ids.
 VLLM_AUX_ID_OFFSET = 1
 # Targets whose SGLang 0.5.17 class inherits DeepseekV2ForCausalLM.set_eagle3_layers_to_capture (models/deepseek_v2.py,
 # kimi_k25.py, mistral_large_3.py, glm4_moe.py's DSA model). It adds 1 to the ids only when the first id is 1, and
@@ -78,6 +79,9 @@ class DrafterConfig:
     rope_scaling: dict | None = None  # HF rope_scaling / rope_parameters (rope_type + its fields)
     max_position_embeddings: int = 4096
     aux_layer_ids: list[int] | None = None  # eagle_config.eagle_aux_hidden_state_layer_ids; None: SGLang's default
+    # the top-level eagle_aux_hidden_state_layer_ids, vLLM's ids of the same layers: capture_points on the target
+    # (train/build.py sets them from the target); None writes i + 1, a Llama target's
+    vllm_aux_layer_ids: list[int] | None = None
     hidden_act: str = "silu"
     fc_norm: bool = False  # EAGLE-3.1: one RMSNorm per aux layer on its chunk before fc (legacy name use_aux_norm)
     norm_output: bool = False  # EAGLE-3.1: the next draft step is fed the hidden state after the final norm
@@ -119,8 +123,9 @@ class DrafterConfig:
             hidden = int(d["hidden_size"])
             vocab = int(d["vocab_size"])
             ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-            if ids is None and d.get("eagle_aux_hidden_state_layer_ids") is not None:  # vLLM's form alone
-                ids = [int(j) - VLLM_AUX_ID_OFFSET for j in d["eagle_aux_hidden_state_layer_ids"]]
+            top = d.get("eagle_aux_hidden_state_layer_ids")
+            if ids is None and top is not None:  # vLLM's form alone
+                ids = [int(j) - VLLM_AUX_ID_OFFSET for j in top]
             rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
             theta = d.get("rope_theta", rope.pop("rope_theta", 10000.0))
             rope.pop("rope_theta", None)
@@ -140,6 +145,7 @@ class DrafterConfig:
                 rope_scaling=rope or None,
                 max_position_embeddings=d.get("max_position_embeddings", 4096),
                 aux_layer_ids=[int(i) for i in ids] if ids is not None else None,
+                vllm_aux_layer_ids=[int(j) for j in top] if top is not None else None,
                 hidden_act=d.get("hidden_act", "silu"),
                 fc_norm=bool(d.get("fc_norm") or d.get("use_aux_norm")),
                 norm_output=bool(d.get("norm_output")),
@@ -186,7 +192,9 @@ class DrafterConfig:
                 **self.extra.get("eagle_config", {}),
                 "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             }
-            d["eagle_aux_hidden_state_layer_ids"] = [i + VLLM_AUX_ID_OFFSET for i in self.aux_layer_ids]
+            d["eagle_aux_hidden_state_layer_ids"] = list(
+                self.vllm_aux_layer_ids or [i + VLLM_AUX_ID_OFFSET for i in self.aux_layer_ids]
+            )
         return d
 
     # -- checks

@@ -143,6 +143,20 @@ def tiny_config(cfg: TargetConfig, vocab_size: int):
     )
 
 
+def target_architectures(cfg: TargetConfig) -> list[str] | None:
+    """config.json's `architectures` of the target, without loading it: the tiny target's `target.tiny.config`, else
+    target.path's config.json; None for a Llama built from widths or a GGUF (both Llamas here)."""
+    file = None
+    if cfg.kind == "tiny":
+        file = resolve_path(cfg.tiny.config) if cfg.tiny.config is not None else None
+    elif cfg.path:
+        folder, gguf = resolve_location(cfg.path, cfg.gguf_file)
+        file = folder / "config.json" if gguf is None else None
+    if file is None or not file.is_file():
+        return None
+    return json.loads(file.read_text()).get("architectures")
+
+
 def build_tiny(cfg: TargetConfig, vocab_size: int):
     """A random model of `tiny_config`, identical for the same seed in every process."""
     from transformers import AutoModelForCausalLM
