@@ -26,7 +26,8 @@
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
 # CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
 # PLAIN (1; 0: no plain server for `serve_harvest`, the harvest server regenerates: the layer check alone),
-# TRAIN_STEPS (40), PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes),
+# TRAIN_STEPS (200), LR (5e-4), EMIT (2048), BRANCH (0.3), GAIN (6): the target's shape (make_learnable; EMIT=0: as
+# drawn, whose flat distribution held every drafter at τ 1.00 in RESULTS §35), PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes),
 # GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
 # TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
 set -uo pipefail
@@ -80,8 +81,10 @@ down() {  # down [PORT...]: those servers of `server` (all by default), and a pa
 
 weights() {
   say "weights: seeded, bf16, on $DEVICE"
+  local shape=()  # a target a drafter can learn (sglang_target.py make_learnable); EMIT=0: the drawn one, flat
+  (( ${EMIT:-2048} )) && shape=(--emit "${EMIT:-2048}" --branch "${BRANCH:-0.3}" --gain "${GAIN:-6}")
   $PY benchmarks/sglang_target.py seeded --config-json "$TARGET_JSON" --seed 0 --device "$DEVICE" --out "$W" \
-    | tee "$L/weights.json"
+    "${shape[@]}" | tee "$L/weights.json"
 }
 serve_harvest() {  # the plain server for the regeneration and the EAGLE3 harvest server, started together
   say "servers: plain (:30100, unless PLAIN=0) and EAGLE3 harvest (:30101), real weights"
@@ -140,8 +143,8 @@ train_one() {  # train_one NAME DRAFTER_CONFIG [sets...]: on the SGLang store of
   timeout 900 accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" ${NPROC:+--num_processes "$NPROC"} \
     --main_process_port "${PORT:-29611}" \
     train/finetune.py --config "$CONFIG" --run-dir "$S/$1" "${K2[@]}" --set "drafter.config=$2" \
-    --set "train.max_steps=${TRAIN_STEPS:-40}" --set "train.save_every=${TRAIN_STEPS:-40}" --set train.keep_checkpoints=1 --set train.eval_every=20 \
-    --set train.log_every=5 "${@:3}" > "$L/train-$1.log" 2>&1
+    --set "train.max_steps=${TRAIN_STEPS:-200}" --set "train.save_every=${TRAIN_STEPS:-200}" --set train.keep_checkpoints=1 \
+    --set "train.eval_every=$(( (${TRAIN_STEPS:-200} + 3) / 4 ))" --set "train.lr=${LR:-5e-4}" --set train.log_every=10 "${@:3}" > "$L/train-$1.log" 2>&1
   echo "$1 exit $?"; mkdir -p "$L/$1"; cp "$S/$1"/train/{metrics.jsonl,data.json} "$L/$1/" 2> /dev/null
   ls "$S/$1"; tail -3 "$L/train-$1.log"
 }

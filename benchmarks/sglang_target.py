@@ -51,9 +51,32 @@ def export_hf(config: str, out: str, overrides: list[str] | None = None) -> None
     )
 
 
-def seeded(config_json: str, seed: int, out: str, device: str = "cpu") -> dict:
-    """A seeded random model of `config_json` in bf16, saved as `out` (model*.safetensors + config.json). The MoE
-    experts are saved one tensor per expert (transformers reverts its fused layout on save), as SGLang loads them."""
+@torch.no_grad()
+def make_learnable(model, emit: int, branch: float, gain: float, seed: int) -> None:
+    """Shape a random target so that a drafter can learn it: every residual branch's output (attention's o_proj, the
+    MLPs' and experts' down_proj) scaled by `branch`, so a position's last hidden state is mostly its own token's
+    embedding; the head's rows of `emit` seeded token ids set to norm `gain` and every other row zeroed, so the target
+    answers only in those ids and its next-token distribution is peaked. A drawn target's distribution is flat (every
+    TTT step's loss sits at ln(draft vocab)), so no drafter gets past τ 1.00 on it."""
+    for name, p in model.named_parameters():
+        if ".layers." in name and name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            p.mul_(branch)
+    head = model.get_output_embeddings().weight  # (V, H)
+    keep = torch.randperm(head.shape[0], generator=torch.Generator().manual_seed(seed))[:emit]
+    mask = torch.zeros(head.shape[0], dtype=torch.bool)
+    mask[keep] = True
+    mask = mask.to(head.device)
+    head[~mask] = 0
+    rows = head[mask].float()
+    head[mask] = (rows * (gain / rows.norm(dim=-1, keepdim=True))).to(head.dtype)  # logit std ~ gain after the norm
+
+
+def seeded(
+    config_json: str, seed: int, out: str, device: str = "cpu", emit: int | None = None, branch=1.0, gain=1.0
+) -> dict:
+    """A seeded random model of `config_json` in bf16, saved as `out` (model*.safetensors + config.json); with `emit`,
+    shaped by make_learnable. The MoE experts are saved one tensor per expert (transformers reverts its fused layout on
+    save), as SGLang loads them."""
     import time
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -63,6 +86,8 @@ def seeded(config_json: str, seed: int, out: str, device: str = "cpu") -> dict:
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if emit:
+        make_learnable(model, emit, branch, gain, seed)
     made = time.perf_counter() - t0
     model.save_pretrained(out)
     out_dir = Path(out)
@@ -75,6 +100,7 @@ def seeded(config_json: str, seed: int, out: str, device: str = "cpu") -> dict:
         "parameters": sum(p.numel() for p in model.parameters()),
         "bytes": sum(f.stat().st_size for f in out_dir.glob("*.safetensors")),
         "seed": seed,
+        "learnable": {"emit": emit, "branch": branch, "gain": gain} if emit else None,
         "device": device,
         "make_s": round(made, 1),
         "total_s": round(time.perf_counter() - t0, 1),
@@ -159,6 +185,11 @@ def main() -> None:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--out", required=True)
     w.add_argument("--device", default="cpu")
+    w.add_argument("--emit", type=int, help="make_learnable: the ids the target answers in (default: as drawn)")
+    w.add_argument("--branch", type=float, default=0.1, help="make_learnable: residual branches' scale")
+    w.add_argument(
+        "--gain", type=float, default=4.0, help="make_learnable: the kept head rows' norm (the logits' spread)"
+    )
     c = sub.add_parser("compare-stores")
     c.add_argument("run_a")
     c.add_argument("run_b")
@@ -170,7 +201,7 @@ def main() -> None:
     if args.cmd == "export-hf":
         export_hf(args.config, args.out, args.overrides)
     elif args.cmd == "seeded":
-        print(json.dumps(seeded(args.config_json, args.seed, args.out, args.device)))
+        print(json.dumps(seeded(args.config_json, args.seed, args.out, args.device, args.emit, args.branch, args.gain)))
     else:
         res = compare_stores(args.run_a, args.run_b, args.exclude_last)
         text = json.dumps(res, indent=1)

@@ -160,3 +160,28 @@ def test_seeded_weights_are_one_folder_per_seed_that_the_embedded_target_loads(t
         assert torch.equal(
             model.model.layers[1].mlp.gate.weight, f.get_tensor("model.layers.1.mlp.gate.weight").to(model.dtype)
         )
+
+
+def test_a_learnable_target_answers_in_its_kept_ids_with_a_peaked_distribution(tmp_path):
+    """sglang_target.py seeded --emit: the rehearsal's target, shaped so that a drafter can learn it (a drawn one is
+    flat: every drafter stayed at τ 1.00 on it)."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("sglang_target", REPO_ROOT / "benchmarks/sglang_target.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    config_json = str(REPO_ROOT / "configs/targets/tiny-deepseek-v3/config.json")
+    probs = {}
+    for name, emit in (("drawn", None), ("shaped", 64)):
+        made = tool.seeded(config_json, 0, str(tmp_path / name), emit=emit, branch=0.3, gain=6.0)
+        model = AutoModelForCausalLM.from_pretrained(made["out"], dtype=torch.float32)
+        kept = set(model.lm_head.weight.abs().sum(-1).nonzero().flatten().tolist())
+        out = model.generate(torch.tensor([[3, 17, 400, 9000, 25]]), max_new_tokens=24, do_sample=False)[0, 5:]
+        with torch.no_grad():
+            probs[name] = model(out[None]).logits.softmax(-1).amax(-1).median().item()
+        if emit:
+            assert len(kept) == emit and set(out.tolist()) <= kept
+            assert made["learnable"] == {"emit": 64, "branch": 0.3, "gain": 6.0}
+    assert probs["drawn"] < 0.01 < 0.3 < probs["shaped"]  # a flat next-token distribution against a peaked one
