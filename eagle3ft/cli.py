@@ -45,16 +45,17 @@ def code_version() -> str:
     return __version__
 
 
-def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str) -> Path:
+def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str, extra: dict | None = None) -> Path:
     """Write run_dir/config.yaml: the resolved config of every stage that ran, plus the code version.
 
-    Each stage adds its own entry under `stages`, so the file records every stage's view.
+    Each stage adds its own entry under `stages`, so the file records every stage's view; `extra` adds keys to the
+    stage's entry (train: where a resume started).
     """
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     out = RunDir(run_dir).config
     doc = yaml.safe_load(out.read_text()) if out.exists() else {}
     doc = doc if isinstance(doc, dict) else {}
-    doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg)}
+    doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg), **(extra or {})}
     write_atomic(
         out, yaml.safe_dump(doc, sort_keys=False), f".config.yaml.{os.getpid()}.tmp"
     )  # ranks may write at once

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -137,11 +137,13 @@ class Run:
 # --------------------------------------------------------------------------- setup -> fit -> export
 
 
-def main(cfg: Config, run_dir: str | Path) -> dict:
+def main(cfg: Config, run_dir: str | Path, on_start: Callable[[dict | None], None] | None = None) -> dict:
     """Fine-tune the drafter on run_dir's features (or the target's, online: train/data.py).
 
+    `on_start(resumed)` runs on the main process once every check has passed, before the run writes anything
+    (train/finetune.py: --overwrite's removal, the config.yaml record); `resumed` says where a resume started.
     Returns the last metrics record."""
-    run = setup(cfg, Path(run_dir))
+    run = setup(cfg, Path(run_dir), on_start)
     fit(run)
     export(run)
     if run.wandb_run is not None:
@@ -154,8 +156,9 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
     return last
 
 
-def setup(cfg: Config, run_dir: Path) -> Run:
-    """Data, drafter, processes, optimizer; the resumed position; the logs. Every check runs before any compute."""
+def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | None = None) -> Run:
+    """Data, drafter, processes, optimizer; the resumed position; the logs. Every check runs before any compute, and
+    before anything is written (a refused start leaves the folder as it was)."""
     from eagle3ft.train.dist import Dist
 
     started = time.perf_counter()
@@ -173,13 +176,9 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     )
     took.mark("drafter")
 
-    # 2. processes and the run lock; a warm start's vocab becomes the run's
+    # 2. processes and the run lock
     dist = Dist(tcfg)
     lock = dist.lock_run(run_dir)
-    if cfg.drafter.init and dist.is_main:
-        note = adopt_drafter_vocab(run_dir, model.d2t, model.t2d, resolve_path(cfg.drafter.init))
-        if note:
-            dist.print(note)
     took.mark("processes")
 
     # 3. optimizer and LR schedule over the run's optimizer steps
@@ -195,21 +194,31 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     took.mark("engine")
     run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock, started=started)
 
-    # 4. resume: weights, optimizer, RNG, data position; held-out τ
+    # 4. resume: weights, optimizer, RNG, data position
     resumed = resume(run)
     took.mark("resume")
-    run.heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed=resumed)
+
+    # 5. every check has passed: the run starts writing; a warm start's vocab becomes the run's; held-out τ
+    if dist.is_main:
+        if on_start is not None:
+            on_start(resumed)
+        if cfg.drafter.init:
+            note = adopt_drafter_vocab(run_dir, model.d2t, model.t2d, resolve_path(cfg.drafter.init))
+            if note:
+                dist.print(note)
+    run.heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed=resumed is not None)
     took.mark("held-out set")
 
-    # 5. logs: metrics.jsonl (cut back to the resumed step), the summary line, wandb
+    # 6. logs: metrics.jsonl (cut back to the resumed step), the summary line, wandb
     if dist.is_main:
         open_logs(run, sum(p.numel() for p in trainable))
     dist.print(f"start-up: {took}")
     return run
 
 
-def resume(run: Run) -> bool:
-    """Load train.resume's checkpoint (if any) into the prepared engine and move `run` to its step and data position."""
+def resume(run: Run) -> dict | None:
+    """Load train.resume's checkpoint (if any) into the prepared engine and move `run` to its step and data position.
+    Returns where it resumed (the checkpoint, its step), or None."""
     ckpt, refused = choose_resume(run.run_dir, run.cfg.train.resume)
     for why in refused:
         run.dist.print(f"--resume auto: passed over a damaged checkpoint: {why}")
@@ -231,7 +240,7 @@ def resume(run: Run) -> bool:
                 "(set train.max_steps to keep the LR schedule)"
             )
     run.start_step = run.step
-    return ckpt is not None
+    return {"from": str(ckpt), "step": run.step} if ckpt is not None else None
 
 
 def open_logs(run: Run, n_train: int) -> None:
