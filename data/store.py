@@ -33,6 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from eagle3ft.files import read_json, safetensors_keys
+from eagle3ft.files import sha256_file as _sha256  # tests and data/tokens.py import it here
 from eagle3ft.files import write_atomic as _write_atomic  # train/loop.py and eval/same_prompts.py import it here
 
 SCHEMA_VERSION = 1
@@ -260,14 +261,6 @@ def pack(
     out["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     out["sample_ids"] = torch.tensor([s.sample_id for s in samples], dtype=torch.int64)
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class FeatureStore:

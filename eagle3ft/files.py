@@ -3,6 +3,7 @@ them atomically without following a link."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -31,6 +32,15 @@ def safetensors_keys(path: str | Path, what: str) -> list[str]:
         raise DamagedFile(
             f"{path}: {what} is not a readable safetensors file ({e}); the file is truncated or damaged"
         ) from None
+
+
+def sha256_file(path: str | Path) -> str:
+    """The hex sha256 of a file, read 4 MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_atomic(path: str | Path, data: bytes | str, tmp_name: str | None = None) -> None:

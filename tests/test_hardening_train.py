@@ -5,9 +5,11 @@ refusals are one line under any launcher; a diverging loss is named."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from train_fixtures import REPO, write_store
 
@@ -112,3 +114,65 @@ def test_overwrite_removes_only_what_the_trainer_wrote(tmp_path, monkeypatch, ca
     assert {k for k in users} <= left and not {k for k in trainer} & left
     assert (run / "features" / "manifest.json").is_file() and (run / "vocab.safetensors").is_file()
     assert "train" in yaml.safe_load((run / "config.yaml").read_text())["stages"]
+
+
+# --------------------------------------------------------------------------- checkpoints carry checksums
+
+
+class SavingDist:
+    """What save_checkpoint asks of train/dist.py's Dist, on one process: whole tensors at once."""
+
+    is_main = True
+
+    def training_state(self):
+        return {"fp32.w": torch.arange(4096, dtype=torch.float32)}, {"optimizer": {"step": 1}}
+
+    def full_state_dict(self, module):
+        return {f"drafter.{k}": v for k, v in module.state_dict().items()}
+
+    def barrier(self) -> None:
+        pass
+
+
+def tiny_drafter():
+    from eagle3ft.drafter.config import DrafterConfig
+    from eagle3ft.drafter.model import Eagle3Drafter
+
+    torch.manual_seed(0)
+    return Eagle3Drafter(DrafterConfig.from_json(REPO / "configs/drafters/tiny.json"))
+
+
+def save_steps(run: Path, *steps: int) -> None:
+    from eagle3ft.train.checkpoint import save_checkpoint
+
+    model = tiny_drafter()
+    for step in steps:
+        save_checkpoint(SavingDist(), model, model.config, run, step, {"step": step, "last": {"loss": 1.0}}, keep=0)
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1  # inside the tensor data: the header still parses
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damaged", ["state.safetensors", "model.safetensors", "state.json"])
+def test_resume_auto_passes_over_a_checkpoint_whose_file_fails_its_checksum(tmp_path, damaged):
+    from eagle3ft.train.checkpoint import CheckpointError, choose_resume, verify_checkpoint
+
+    save_steps(tmp_path, 2, 4)
+    newest = tmp_path / "ckpt" / "step-4"
+    assert set(json.loads((newest / "trainer_state.json").read_text())["sha256"]) == {
+        "config.json",
+        "model.safetensors",
+        "state.json",
+        "state.safetensors",
+    }
+    if damaged == "state.json":
+        (newest / damaged).write_text((newest / damaged).read_text().replace('"step": 1', '"step": 7'))
+    else:
+        flip_a_byte(newest / damaged)
+    why = f"{newest / damaged}: fails its sha256 check (damaged after it was written)"
+    assert choose_resume(tmp_path, "auto") == (tmp_path / "ckpt" / "step-2", [why])
+    with pytest.raises(CheckpointError, match=re.escape(why)):
+        verify_checkpoint(newest)  # a named --resume loads through it too (load_checkpoint)
