@@ -128,6 +128,10 @@ def cli_errors(
         msg = " ".join(str(e).split("\n")) or type(e).__name__
         if is_rank0():
             print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        if end_launch is not None:
+            from eagle3ft.runlock import release_all
+
+            release_all()
         if (end_launch is not None and not end_launch(is_rank0())) or (end_launch is None and not is_rank0()):
             print(f"{prog}: error (rank {os.environ['RANK']}): {msg}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
@@ -146,8 +150,12 @@ def rank0_voice(end_launch: Callable[[bool], bool] | None = None):
         with redirect_stderr(heard) if not is_rank0() else nullcontext():
             yield
     except SystemExit as e:
-        if e.code and end_launch is not None and not end_launch(is_rank0()):
-            sys.stderr.write(heard.getvalue())
+        if e.code and end_launch is not None:
+            from eagle3ft.runlock import release_all
+
+            release_all()  # ending the launch kills this process too
+            if not end_launch(is_rank0()):
+                sys.stderr.write(heard.getvalue())
         raise
 
 

@@ -34,6 +34,30 @@ def safetensors_keys(path: str | Path, what: str) -> list[str]:
         ) from None
 
 
+class NonFinite(ValueError):
+    """A tensor holding NaN or inf where only finite values may be: the message names the file or folder and the
+    tensor."""
+
+
+def check_finite(tensors, where: str) -> None:
+    """NonFinite naming `where` and the first tensor of `tensors` ({name: tensor} or (name, tensor) pairs) that holds
+    a NaN or inf."""
+    import torch
+
+    for name, t in tensors.items() if isinstance(tensors, dict) else tensors:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = t.numel() - int(torch.isfinite(t).sum())
+            raise NonFinite(f"{where}: tensor {name} holds {bad} non-finite value(s) (NaN or inf)")
+
+
+def check_finite_file(path: str | Path, what: str) -> None:
+    """check_finite over every tensor of a safetensors file, read one tensor at a time; DamagedFile when it cannot be
+    read."""
+    keys = safetensors_keys(path, what)
+    with safe_open(path, framework="pt") as f:
+        check_finite(((k, f.get_tensor(k)) for k in keys), f"{path}: {what}")
+
+
 def sha256_file(path: str | Path) -> str:
     """The hex sha256 of a file, read 4 MiB at a time."""
     h = hashlib.sha256()

@@ -176,8 +176,9 @@ class RunLock:
 
 
 @atexit.register
-def _release_all() -> None:
-    """At interpreter exit, remove the lock files this process still holds (a stage that raised)."""
+def release_all() -> None:
+    """Remove the lock files this process still holds: at interpreter exit (a stage that raised), and before a rank
+    ends its launch (eagle3ft/cli.py's cli_errors: the launcher's death kills this process, atexit handlers unrun)."""
     for path, (_, owner) in list(_held.items()):
         del _held[path]
         if read_owner(path) == owner:

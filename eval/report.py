@@ -26,11 +26,12 @@ from pathlib import Path
 
 from eagle3ft.eval.calibration import from_config, join, predict
 from eagle3ft.eval.economics import analyse, read_offline_tau
-from eagle3ft.eval.report_md import headline_text, markdown
+from eagle3ft.eval.report_md import divergence_text, headline_text, markdown
 from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
 from eagle3ft.files import write_atomic
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
+from eagle3ft.train.metrics import divergence
 
 
 def _read_json(p: Path) -> dict | None:
@@ -196,6 +197,7 @@ def build(run_dir: Path, cfg=None) -> dict:
             "accept_len_est": est,
             "exports": exports,
             "speed": step_time(metrics),
+            "diverged": divergence(metrics),  # the first record whose loss rose DIVERGED x above the first's
         },
         "accept_len": acc,
         "bench": summary,
@@ -222,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         rep = build(run_dir, cfg)
     print(f"report: {RunDir(run_dir).report_md}")
     print(headline_text(rep["headline"]))
+    if warning := divergence_text(rep["train"]["diverged"]):
+        print(warning)
     if rep["verdict"]:
         print(rep["verdict"])
 

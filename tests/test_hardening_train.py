@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from train_fixtures import REPO, write_store
+from safetensors.torch import load_file, save_file
+from train_fixtures import REPO, launch, write_store
 
 import eagle3ft.train.finetune as finetune
 from eagle3ft.train.checkpoint import FORMAT
@@ -176,3 +178,110 @@ def test_resume_auto_passes_over_a_checkpoint_whose_file_fails_its_checksum(tmp_
     assert choose_resume(tmp_path, "auto") == (tmp_path / "ckpt" / "step-2", [why])
     with pytest.raises(CheckpointError, match=re.escape(why)):
         verify_checkpoint(newest)  # a named --resume loads through it too (load_checkpoint)
+
+
+# --------------------------------------------------------------------------- real launches on one process
+
+BASE = (
+    "train.max_steps=4",
+    "train.save_every=1",
+    "train.keep_checkpoints=0",
+    "train.ttt_steps=2",
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """4 steps of one process, a checkpoint at each."""
+    run = tmp_path_factory.mktemp("trained")
+    write_store(run, n_train=8, n_heldout=2)
+    r = launch(run, *BASE, procs=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+def adam_rate(before: Path, after: Path, t: int) -> float:
+    """The rate AdamW (betas 0.9/0.95, eps 1e-8, no weight decay) applied in step t, from the fp32 masters of the
+    checkpoints before and after it and the moments after it (a least-squares fit over every weight)."""
+    a, b = load_file(before / "state.safetensors"), load_file(after / "state.safetensors")
+    names = [k[len("fp32.") :] for k in b if k.startswith("fp32.")]
+    step = torch.cat([(a[f"fp32.{n}"] - b[f"fp32.{n}"]).flatten() for n in names]).double()
+    m = torch.cat([b[f"exp_avg.{n}"].flatten() for n in names]).double() / (1 - 0.9**t)
+    v = torch.cat([b[f"exp_avg_sq.{n}"].flatten() for n in names]).double() / (1 - 0.95**t)
+    u = m / (v.sqrt() + 1e-8)
+    return float((step * u).sum() / (u * u).sum())
+
+
+@pytest.mark.slow
+def test_a_resume_runs_this_configs_rate_and_the_record_says_so(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    assert adam_rate(run / "ckpt" / "step-2", run / "ckpt" / "step-3", 3) == pytest.approx(3e-3, rel=1e-3)
+    r = launch(run, *BASE, "train.lr=0.3", procs=1, extra=("--resume", str(run / "ckpt" / "step-2")))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resume: this config's train.lr 0.3 (the checkpoint ran 0.003) apply from step 3" in r.stdout
+    rows = {m["step"]: m for m in metrics(run)}
+    assert rows[3]["lr"] == pytest.approx(0.3) and rows[4]["lr"] == pytest.approx(0.3 * 0.55)  # cosine, 2 of 4 steps
+    assert adam_rate(run / "ckpt" / "step-2", run / "ckpt" / "step-3", 3) == pytest.approx(0.3, rel=1e-3)
+    record = yaml.safe_load((run / "config.yaml").read_text())["stages"]["train"]
+    assert record["config"]["train"]["lr"] == 0.3
+    assert record["resumed"] == {"from": str(run / "ckpt" / "step-2"), "step": 2, "changed": {"train.lr": [3e-3, 0.3]}}
+
+
+@pytest.mark.slow
+def test_a_refused_resume_changes_nothing_the_record_included(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    before = {k: v for k, v in tree(run).items() if not k.startswith("logs")}
+    r = launch(run, *BASE, "drafter.num_hidden_layers=2", procs=1, extra=("--resume", "auto"))
+    assert r.returncode != 0
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if re.search("error|traceback", line, re.I)]
+    assert len(errors) == 1 and re.match(r"finetune: error: .*state\.json: trainable parameters", errors[0]), errors
+    assert {k: v for k, v in tree(run).items() if not k.startswith("logs")} == before
+
+
+@pytest.mark.slow
+def test_a_diverging_loss_is_named_and_a_non_finite_one_names_the_last_good_checkpoint(trained, tmp_path, capsys):
+    from eagle3ft.data.store import _sha256
+    from eagle3ft.eval.report import main as report_main
+
+    order = [m["samples"][0][0] for m in metrics(trained)]  # the sample of each step: the same seeded order here
+    run = tmp_path / "run"
+    write_store(run, n_train=8, n_heldout=2)
+    shard = run / "features" / "train-00000.safetensors"
+    t = load_file(shard)
+    at = t["sample_ids"].tolist().index(order[3])
+    t["aux_hidden"][t["offsets"][at] : t["offsets"][at + 1]] = float("nan")  # step 4's sample
+    save_file(t, str(shard))
+    manifest = json.loads((run / "features" / "manifest.json").read_text())
+    manifest["shards"][0]["sha256"] = _sha256(shard)
+    (run / "features" / "manifest.json").write_text(json.dumps(manifest))
+    r = launch(run, *BASE, "train.lr=10", "train.max_steps=6", procs=1)
+    assert r.returncode != 0
+    first = metrics(run)[0]["loss"]
+    warning = re.search(
+        r"warning: the loss (\S+) at step (\d+) is (\d+)x the first logged loss (\S+): the training is diverging; the "
+        r"last good checkpoint is (\S+): resume from it with --resume \S+ and a lower train\.lr",
+        r.stdout,
+    )
+    assert warning and int(warning[3]) >= 100, r.stdout[-3000:]
+    step, good = int(warning[2]), run / "ckpt" / f"step-{int(warning[2]) - 1}"
+    assert step < 4 and warning[5] == str(good)  # the newest checkpoint before the divergence
+    assert re.search(
+        rf"finetune: error: non-finite loss at step 4 .*sample ids per rank: \[\[{order[3]}\]\]; the last good "
+        rf"checkpoint is {re.escape(str(good))}: resume from it",
+        r.stderr,
+    ), r.stderr[-3000:]
+    assert [p.name for p in sorted((run / "ckpt").iterdir())] == ["step-1", "step-2", "step-3"]  # kept, named apart
+    capsys.readouterr()
+    report_main(["--config", str(TINY), "--run-dir", str(run)])
+    out = capsys.readouterr().out
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["train"]["diverged"]["step"] == step and report["train"]["diverged"]["first_loss"] == first
+    assert "diverg" in out and "diverg" in (run / "eval" / "report.md").read_text()

@@ -156,12 +156,16 @@ def save_checkpoint(dist, module, cfg: DrafterConfig, run_dir: Path, step: int, 
         tmp = root / f".step-{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
-        save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": FORMAT})
-        (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1) + "\n")
-        sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
-        record = {"format": FORMAT, **trainer_state, "sha256": sums}
-        (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=1) + "\n")
+        try:
+            write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
+            save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": FORMAT})
+            (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1) + "\n")
+            sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+            record = {"format": FORMAT, **trainer_state, "sha256": sums}
+            (tmp / TRAINER_STATE).write_text(json.dumps(record, indent=1) + "\n")
+        except BaseException:  # non-finite weights, a full disk, a kill: no half checkpoint is left
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)

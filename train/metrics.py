@@ -138,6 +138,30 @@ def metrics_record(
     }
 
 
+DIVERGED = 100.0  # a logged loss this many times the run's first logged loss: the training is diverging
+
+
+def diverged(loss: float, first: float | None) -> bool:
+    """True when `loss` has risen DIVERGED times above the run's first logged loss `first`, or is not finite."""
+    if not math.isfinite(loss):
+        return True
+    return first is not None and math.isfinite(first) and loss > DIVERGED * abs(first)
+
+
+def divergence(records: list[dict]) -> dict | None:
+    """The first training record (train/metrics.jsonl, in step order) whose loss diverged from the first record's:
+    {step, loss, first_step, first_loss, ratio}; None when none did."""
+    losses = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+    if not losses:
+        return None
+    (first_step, first), *_ = losses
+    for step, loss in losses[1:]:
+        if diverged(loss, first):
+            ratio = loss / abs(first) if first and math.isfinite(loss) else None
+            return {"step": step, "loss": loss, "first_step": first_step, "first_loss": first, "ratio": ratio}
+    return None
+
+
 def open_wandb(cfg: Config, log_dir: Path) -> Any:
     """Main process: the run's wandb run (train.wandb_mode, train.wandb_project), None when disabled."""
     tcfg = cfg.train

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from eagle3ft.drafter.config import LLAMA_EAGLE3, MLA_EAGLE3, DrafterConfig
 from eagle3ft.drafter.model import Eagle3Drafter, export_keys
 from eagle3ft.drafter.model_mla import mla_export_keys, new_drafter
+from eagle3ft.files import check_finite
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 IGNORED_KEYS = ("embed_tokens.weight",)  # filled from the target by SGLang and by `load_drafter`
@@ -219,7 +220,9 @@ def atomic_dir(final: Path):
 
 
 def write_drafter(folder: Path, cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """config.json and model.safetensors into `folder`; NonFinite (nothing written) when a tensor holds NaN or inf."""
     check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture, cfg.num_hidden_layers)
+    check_finite(tensors, str(folder))
     (folder / CONFIG).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
 
