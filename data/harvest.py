@@ -38,7 +38,7 @@ from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter,
 from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
-from eagle3ft.files import write_atomic
+from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.targets import open_target
@@ -379,7 +379,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         "topk": h.topk,
         "time_s": round(time.time() - t0, 2),
     }
-    write_atomic(features_dir / "summary.json", json.dumps(summary, indent=1))
+    write_json(features_dir / "summary.json", summary)
     return summary
 
 
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
         cli_errors("harvest", StoreError, SGLangError, HarvestRefused, log=error_log(run_dir, "harvest")),
     ):
         summary = run_harvest(cfg, run_dir, record=True)
-    print(json.dumps(summary, indent=1))
+    print(json_text(summary, "harvest summary", indent=1))
 
 
 if __name__ == "__main__":

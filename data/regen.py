@@ -75,7 +75,7 @@ from eagle3ft.data.regen_backends import RegenError, open_backend
 from eagle3ft.data.regen_turns import ReadyTurns, Regenerator  # noqa: F401  (ReadyTurns: part of this interface)
 from eagle3ft.data.store import SPLITS, StoreError
 from eagle3ft.data.tokens import TokenWriter, tokenizer_digest
-from eagle3ft.files import write_atomic
+from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.targets.base import Sampling
@@ -236,7 +236,7 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         },
         "time_s": round(time.time() - t0, 2),
     }
-    write_atomic(RunDir(run_dir).tokens / "summary.json", json.dumps(summary, indent=1))
+    write_json(RunDir(run_dir).tokens / "summary.json", summary)
     return summary
 
 
@@ -251,7 +251,7 @@ def cli(argv: list[str] | None = None) -> None:
         cli_errors("regen", RegenError, SGLangError, StoreError, log=error_log(run_dir, "regen")),
     ):
         summary = main(cfg, run_dir, record=True)
-    print(json.dumps(summary, indent=1))
+    print(json_text(summary, "regen summary", indent=1))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from eagle3ft.files import read_json, safetensors_keys
+from eagle3ft.files import read_json, safetensors_keys, write_json
 from eagle3ft.files import sha256_file as _sha256  # tests and data/tokens.py import it here
 from eagle3ft.files import write_atomic as _write_atomic  # train/loop.py and eval/same_prompts.py import it here
 
@@ -246,7 +245,7 @@ class FeatureWriter:
 
     def _save(self) -> None:
         self.manifest["shards"].sort(key=lambda s: (SPLITS.index(s["split"]), s["chunk"]))
-        _write_atomic(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
+        write_json(self.dir / MANIFEST, self.manifest)
 
 
 def pack(

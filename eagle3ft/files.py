@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -51,11 +52,11 @@ def check_finite(tensors, where: str) -> None:
 
 
 def check_finite_file(path: str | Path, what: str) -> None:
-    """check_finite over every tensor of a safetensors file, read one tensor at a time; DamagedFile when it cannot be
-    read."""
+    """check_finite over every tensor of a safetensors file, read one tensor at a time (`what` opens the message);
+    DamagedFile when it cannot be read."""
     keys = safetensors_keys(path, what)
     with safe_open(path, framework="pt") as f:
-        check_finite(((k, f.get_tensor(k)) for k in keys), f"{path}: {what}")
+        check_finite(((k, f.get_tensor(k)) for k in keys), f"{what} {path}")
 
 
 def sha256_file(path: str | Path) -> str:
@@ -65,6 +66,37 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _nonfinite_at(obj, at: str = "") -> str | None:
+    """The key path (a.b[2]) of the first NaN or infinite float in plain data, or None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return at or "the value"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        found = _nonfinite_at(v, f"{at}[{k}]" if isinstance(k, int) else f"{at}.{k}" if at else str(k))
+        if found:
+            return found
+    return None
+
+
+def json_text(obj, where: str, **kw) -> str:
+    """`obj` as strict JSON: RFC 8259 has no NaN or Infinity, which json.dumps writes by default and strict readers
+    refuse. A non-finite float is a ValueError naming `where` and its key, and nothing is written."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kw)
+    except ValueError:
+        key = _nonfinite_at(obj)
+        if key is None:
+            raise
+        raise ValueError(
+            f"{where}: {key} is not a finite number; strict JSON has no NaN or Infinity: not written"
+        ) from None
+
+
+def write_json(path: str | Path, obj, indent: int | None = 1, newline: bool = False) -> None:
+    """`obj` as strict JSON (json_text) into `path`, atomically (write_atomic)."""
+    write_atomic(path, json_text(obj, str(path), indent=indent) + ("\n" if newline else ""))
 
 
 def write_atomic(path: str | Path, data: bytes | str, tmp_name: str | None = None) -> None:

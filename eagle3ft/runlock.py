@@ -21,6 +21,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from eagle3ft.files import json_text
 from eagle3ft.run_dir import LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: part of this module's interface)
 
 UNREADABLE_GRACE_S = 5.0  # an owner writes its record at once: a lock unreadable for this long has no writer
@@ -118,7 +119,7 @@ class RunLock:
                     f"delete {self.path})"
                 )
             with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.owner) + "\n")
+                f.write(json_text(self.owner, str(self.path)) + "\n")
             _held[self.path] = [1, self.owner]
             return self
         raise RunLocked(

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from train_fixtures import REPO, launch, write_store
 
 import eagle3ft.train.finetune as finetune
+from eagle3ft.config import load_config
 from eagle3ft.train.checkpoint import FORMAT
 
 TINY = REPO / "configs/tiny.yaml"
@@ -285,3 +286,47 @@ def test_a_diverging_loss_is_named_and_a_non_finite_one_names_the_last_good_chec
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["train"]["diverged"]["step"] == step and report["train"]["diverged"]["first_loss"] == first
     assert "diverg" in out and "diverg" in (run / "eval" / "report.md").read_text()
+
+
+# --------------------------------------------------------------------------- one line, whatever the launcher
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("--overwrite", "--resume", "auto")])
+def test_finetunes_own_refusals_end_a_two_process_launch_in_one_line(tmp_path, extra):
+    run = tmp_path / "run"
+    write_store(run, n_train=2, n_heldout=1)
+    (run / "ckpt" / "step-2").mkdir(parents=True)
+    (run / "ckpt" / "step-2" / "trainer_state.json").write_text(json.dumps({"format": FORMAT, "step": 2}))
+    before = tree(run)
+    r = launch(run, timeout=300, extra=extra)
+    said = [line for line in (r.stdout + r.stderr).splitlines() if re.search("error|traceback", line, re.I)]
+    message = "already holds a training run" if not extra else "--overwrite starts over, --resume"
+    assert len(said) == 1 and said[0].startswith("finetune.py: error: ") and message in said[0], said
+    assert r.returncode == -9  # as every input error of an accelerate launch: rank 0 ends it (train/launcher.py)
+    assert tree(run) == before  # no lock left, nothing written
+
+
+def test_a_drafter_whose_config_disagrees_with_its_weights_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
+    from test_hardening import export, no_compute
+
+    from eagle3ft.eval.accept_len import main as accept_len_main
+    from eagle3ft.eval.bench import main as bench_main
+    from eagle3ft.eval.bench_sglang import SGLangBackend
+
+    write_store(tmp_path, n_train=2, n_heldout=2)
+    folder = export(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] * 2}))
+    no_compute(monkeypatch)
+    line = (
+        rf"{folder / 'model.safetensors'}: tensor midlayer\.mlp\.\w+_proj\.weight has shape \[\d+, \d+\], "
+        rf"{folder / 'config.json'} gives it \[\d+, \d+\]: the config and the weights are not of one drafter"
+    )
+    for main, prog in ((accept_len_main, "accept_len.py"), (bench_main, "bench.py")):
+        with pytest.raises(SystemExit) as e:
+            main(["--config", str(TINY), "--run-dir", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 1 and len(err) == 1 and re.fullmatch(f"{prog}: error: {line}", err[0]), err
+    with pytest.raises(ValueError, match=line):
+        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.launch=true"]), tmp_path)

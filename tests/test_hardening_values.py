@@ -4,6 +4,8 @@ disk."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from train_fixtures import REPO
 
@@ -66,3 +68,45 @@ def test_an_export_or_checkpoint_is_never_written_with_a_non_finite_tensor(tmp_p
     with pytest.raises(NonFinite, match=r"/ckpt/\.step-3\.tmp: tensor fc\.weight holds 1 non-finite"):
         save_checkpoint(SavingDist(), model, model.config, tmp_path, 3, {"step": 3}, keep=0)
     assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_eval_report_and_both_benches_refuse_a_drafter_with_a_nan_weight_in_one_line(tmp_path, monkeypatch, capsys):
+    from safetensors.torch import load_file, save_file
+    from test_hardening import export, no_compute
+    from train_fixtures import write_store
+
+    from eagle3ft.eval.accept_len import main as accept_len_main
+    from eagle3ft.eval.bench import main as bench_main
+    from eagle3ft.eval.bench_sglang import SGLangBackend
+    from eagle3ft.eval.report import main as report_main
+    from eagle3ft.files import NonFinite
+
+    write_store(tmp_path, n_train=2, n_heldout=2)
+    weights = export(tmp_path) / "model.safetensors"
+    t = load_file(weights)
+    t["fc.weight"][3, 5] = float("inf")
+    save_file(t, str(weights))
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "acc": [0.5]}\n')  # for the report
+    no_compute(monkeypatch)
+    line = rf"eval\.checkpoint: the drafter's weights {weights}: tensor fc\.weight holds 1 non-finite value\(s\) \(NaN"
+    for main, prog in ((accept_len_main, "accept_len.py"), (bench_main, "bench.py"), (report_main, "report.py")):
+        with pytest.raises(SystemExit) as e:
+            main(["--config", str(TINY), "--run-dir", str(tmp_path)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 1 and len(err) == 1 and err[0].startswith(f"{prog}: error: "), (prog, err)
+        assert re.search(line, err[0]), err
+    with pytest.raises(NonFinite, match=line):  # before any server is started
+        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.launch=true"]), tmp_path)
+    assert not (tmp_path / "eval").exists() and not (tmp_path / "bench").exists()
+
+
+def test_the_json_the_project_writes_is_strict(tmp_path):
+    from eagle3ft.files import json_text, write_json
+
+    with pytest.raises(ValueError, match=r"x\.json: settings\[1\]\.tau is not a finite number; strict JSON has no NaN"):
+        write_json(tmp_path / "x.json", {"settings": [{"tau": 1.0}, {"tau": float("nan")}]})
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match=r"^metrics: heldout_best_tau is not a finite number"):
+        json_text({"step": 1, "heldout_best_tau": -float("inf")}, "metrics")
+    assert json_text({"tau": 2.5}, "x") == '{"tau": 2.5}'

@@ -10,7 +10,6 @@ train/validate.py; each export's card.json says which step it is) and `run_dir/t
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -27,7 +26,7 @@ from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
 from eagle3ft.data.store import _write_atomic
 from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
-from eagle3ft.files import NonFinite
+from eagle3ft.files import NonFinite, json_text
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
 from eagle3ft.train.checkpoint import (
@@ -334,7 +333,7 @@ def open_logs(run: Run, n_train: int) -> None:
         f"({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); "
         f"{run.total} optimizer steps"
     )
-    what = json.dumps(  # what the run trains on: benchmarks/tau_curve.py reads the answer tokens from here
+    what = json_text(  # what the run trains on: benchmarks/tau_curve.py reads the answer tokens from here
         {
             "where": data.where,
             "samples": len(data),
@@ -346,6 +345,7 @@ def open_logs(run: Run, n_train: int) -> None:
             "epochs": tcfg.epochs,
             "optimizer_steps": run.total,
         },
+        str(log_dir / "data.json"),
         indent=1,
     )
     _write_atomic(log_dir / "data.json", what.encode())

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.config import Config, TrainConfig, to_dict
+from eagle3ft.files import json_text
 
 if TYPE_CHECKING:
     from eagle3ft.train.dist import Dist
@@ -182,7 +182,7 @@ def open_wandb(cfg: Config, log_dir: Path) -> Any:
 def log_record(record: dict, metrics_file: Path, wandb_run: Any, bar: tqdm) -> None:
     """Main process: append the record to metrics.jsonl, send it to wandb, show it on the progress bar."""
     with open(metrics_file, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json_text(record, str(metrics_file)) + "\n")
     if wandb_run is not None:
         flat = {k: v for k, v in record.items() if not isinstance(v, list)}
         flat.update(
