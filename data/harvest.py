@@ -34,6 +34,7 @@ from eagle3ft.data.aux_rows import row_checker
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.checks import HarvestRefused, argmax_check, check_argmax_rate, check_aux_rows
 from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
+from eagle3ft.data.readers import Skips
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.drafter.config import DrafterConfig
@@ -257,7 +258,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             "too_long_prompt" if len(chat.encode(prompt, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
         )
 
-    prompt_skips: Counter = Counter()
+    prompt_skips = Skips()  # by reason, and where the first few of each are
     convs = collect(
         h.sources,
         max_turns=h.max_turns,
@@ -344,6 +345,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         "bytes": disk,
         "bytes_per_token": round(disk / max(tokens, 1), 1),
         "skips": dict(sorted(skips.items())),
+        "skipped_at": dict(sorted(prompt_skips.at.items())),  # the prompt records skipped: their file:line
         "chunks": len(chunks),
         "chunks_resumed": len(chunks) - len(todo),
         "this_run": {

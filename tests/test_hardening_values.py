@@ -4,6 +4,7 @@ disk."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -110,3 +111,79 @@ def test_the_json_the_project_writes_is_strict(tmp_path):
     with pytest.raises(ValueError, match=r"^metrics: heldout_best_tau is not a finite number"):
         json_text({"step": 1, "heldout_best_tau": -float("inf")}, "metrics")
     assert json_text({"tau": 2.5}, "x") == '{"tau": 2.5}'
+
+
+# --------------------------------------------------------------------------- prompt records of any depth, size or type
+
+
+def _conv(i: int) -> str:
+    return json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]})
+
+
+def test_no_single_prompt_record_stops_a_reader_and_each_skip_names_its_file_and_line(tmp_path):
+    from eagle3ft.config import SourceConfig
+    from eagle3ft.data.prompts import collect
+    from eagle3ft.data.readers import Skips
+
+    deep = "[" * 200_000 + "]" * 200_000  # 0.4 MB, under the byte cap; json's decoder recurses into it
+    shallow_but_deep = json.dumps(
+        {"conversations": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["x"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}
+    )
+    long_int = '{"turns": [' + "9" * 5000 + "]}"  # json refuses to convert it (ValueError, not a decode error)
+    wrong_types = json.dumps({"messages": "hi"}), json.dumps([1, 2]), json.dumps({"conversations": [{"from": 1}]})
+    lines = [_conv(0), deep, shallow_but_deep, long_int, *wrong_types, _conv(1)]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    array = tmp_path / "p.json"
+    array.write_text("[\n" + ",\n".join(lines) + "\n]")
+    for path in (jsonl, array):
+        skips = Skips()
+        src = SourceConfig(kind="file", path=str(path))
+        convs = collect([src], max_turns=1, regenerate=False, heldout_fraction=0.0, dedupe=True, skips=skips)
+        assert [c.messages[0]["content"] for c in convs] == ["q0", "q1"]
+        assert skips == {"too_deep": 2, "malformed": 4}, (path, skips)
+        first = 1 if path == jsonl else 2  # the array's first record is on line 2
+        assert skips.at == {
+            "too_deep": [f"{path}:{first + 1}", f"{path}:{first + 2}"],
+            "malformed": [f"{path}:{first + n}" for n in (3, 4, 5, 6)],
+        }
+
+
+def test_a_chitchat_file_of_wrong_types_is_skipped_record_by_record(tmp_path):
+    from eagle3ft.data.prompts import iter_chitchat, normalize
+    from eagle3ft.data.readers import Skips
+
+    path = tmp_path / "chats.json"
+    good = {"messages": [[{"sender": "a", "text": "hi"}], [{"sender": "b", "text": "hello"}]]}
+    bad = [{"messages": ["ab", "cd"]}, {"messages": [[1, 2]]}, {"messages": {"x": 1}}, "text", {"messages": [[{}]]}]
+    path.write_text(json.dumps({f"c{i}": c for i, c in enumerate([good, *bad, good])}))
+    skips = Skips()
+    kept = []
+    for record in iter_chitchat(path, skips):
+        try:
+            kept.append(normalize(record, max_turns=2, regenerate=False))
+        except Exception as e:  # normalize's Skip: counted by collect
+            assert type(e).__name__ == "Skip", e
+    assert len(kept) == 2
+
+
+def test_a_harvest_over_a_200000_deep_line_skips_it_naming_file_and_line(tmp_path, capsys):
+    from eagle3ft.data.harvest import main as harvest_main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join([_conv(0), "[" * 200_000, _conv(1)]) + "\n")
+    harvest_main(
+        [
+            "--config",
+            str(TINY),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            f"harvest.sources=[{{kind: file, path: {prompts}}}]",
+            "--set",
+            "harvest.max_new_tokens=4",
+        ]
+    )
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["samples"]["train"] == 2 and summary["skips"]["too_deep"] == 1
+    assert summary["skipped_at"] == {"too_deep": [f"{prompts}:2"]}
