@@ -280,12 +280,12 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     }
     features_dir = RunDir(run_dir).features
     writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs), h.aux_dtype)
-    damaged = writer.damaged()
-    if damaged:
-        raise StoreError(
-            f"{features_dir}: {len(damaged)} committed shard(s) are damaged "
-            f"({'; '.join(damaged[:3])}{'; ...' if len(damaged) > 3 else ''}): "
-            "restore them, or harvest into a new run dir"
+    if damaged := writer.drop_damaged():
+        print(
+            f"harvest: {features_dir}: {len(damaged)} committed shard(s) damaged or missing "
+            f"({'; '.join(damaged[:3])}{'; ...' if len(damaged) > 3 else ''}): their chunks are harvested again",
+            file=sys.stderr,
+            flush=True,
         )
     if record:
         save_resolved(cfg, run_dir, "harvest")
