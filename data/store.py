@@ -262,6 +262,7 @@ class FeatureWriter:
             tensors = pack(samples, m["has_last_hidden"], m["aux_dtype"], m["target"]["hidden_size"] if fp8 else None)
             write_shard(self.dir, m, split, chunk, tensors, len(samples))
             m["shards"][-1].update(skips=dict(skips), counts=counts or {})  # taken back if the shard is dropped
+            shard = self.dir / m["shards"][-1]["file"]
         for reason, n in skips.items():
             m["chunk_skips"][reason] = m["chunk_skips"].get(reason, 0) + n
         for group, kv in (counts or {}).items():
@@ -269,7 +270,12 @@ class FeatureWriter:
             for k, n in kv.items():
                 into[k] = into.get(k, 0) + n
         m["chunks_done"][split].append(chunk)
-        self._save()
+        try:
+            self._save()
+        except BaseException:  # a full disk: the shard the manifest does not list goes too
+            if samples:
+                shard.unlink(missing_ok=True)
+            raise
 
     def finish(self, token_counts: torch.Tensor, extra: dict | None = None) -> None:
         _write_atomic(self.dir / TOKEN_COUNTS, save({"token_counts": token_counts.to(torch.int64)}))

@@ -19,7 +19,7 @@ from typing import Callable
 import yaml
 
 from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, to_dict
-from eagle3ft.files import write_atomic
+from eagle3ft.files import FULL, DiskFull, disk_full_error, write_atomic
 from eagle3ft.run_dir import RunDir
 
 
@@ -79,7 +79,15 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 DEBUG_ENV = "EAGLE3FT_DEBUG"
-USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+USER_ERRORS = (
+    ConfigError,
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    DiskFull,
+)
 
 
 def is_rank0() -> bool:
@@ -119,7 +127,12 @@ def cli_errors(
     returns False on a rank whose launcher is still there (its error then was its own, so it prints it). An interrupt
     (SIGINT) exits 130 with `<prog>: interrupted`."""
     try:
-        yield
+        try:
+            yield
+        except OSError as e:  # a full disk where no writer named the file (eagle3ft/files.py's disk_full)
+            if e.errno not in FULL or isinstance(e, DiskFull):
+                raise
+            raise disk_full_error(e.filename or "a write") from None
     except USER_ERRORS + more as e:
         if log is not None and is_rank0():
             _write_log(log, e)

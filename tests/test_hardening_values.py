@@ -4,8 +4,11 @@ disk."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 from train_fixtures import REPO
@@ -187,3 +190,83 @@ def test_a_harvest_over_a_200000_deep_line_skips_it_naming_file_and_line(tmp_pat
     summary = json.loads(capsys.readouterr().out)
     assert summary["samples"]["train"] == 2 and summary["skips"]["too_deep"] == 1
     assert summary["skipped_at"] == {"too_deep": [f"{prompts}:2"]}
+
+
+# --------------------------------------------------------------------------- a full disk, anywhere
+
+FULL_LINE = (
+    r"no space left on the file system at /\S* \(\d+\.\d GiB free\): free space there \(or give --run-dir a disk "
+)
+
+
+def fill_disk_at(monkeypatch, suffix: str) -> None:
+    """The disk is full when a file whose name ends with `suffix` is flushed (fsync: where a full disk shows)."""
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(suffix):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("full_at", [".train-00001.safetensors.tmp", ".manifest.json.tmp"])
+def test_a_full_disk_stops_a_harvest_in_one_line_and_leaves_nothing_that_looks_valid(
+    tmp_path, monkeypatch, capsys, full_at
+):
+    from eagle3ft.data.harvest import main as harvest_main
+
+    argv = ["--config", str(TINY), "--run-dir", str(tmp_path), "--set", "harvest.sources=[{kind: sharegpt, limit: 2}]"]
+    argv += ["--set", "harvest.shard_samples=1", "--set", "harvest.max_new_tokens=4", "--set", "harvest.max_turns=1"]
+    fill_disk_at(monkeypatch, full_at)
+    with pytest.raises(SystemExit) as e:
+        harvest_main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    features = tmp_path / "features"
+    what = features / full_at[1:].removesuffix(".tmp")
+    assert e.value.code == 1 and re.fullmatch(f"harvest: error: {re.escape(str(what))}: {FULL_LINE}.*", err[-1]), err
+    assert not any(p.name.endswith(".tmp") for p in features.iterdir())
+    listed = (
+        json.loads((features / "manifest.json").read_text())["shards"] if (features / "manifest.json").exists() else []
+    )
+    assert sorted(p.name for p in features.glob("*.safetensors")) == [s["file"] for s in listed]
+    monkeypatch.undo()
+    harvest_main(argv)  # space freed: the rerun finishes what was not committed
+    assert json.loads(capsys.readouterr().out)["samples"]["train"] == 2
+
+
+@pytest.mark.parametrize("error", ["os", "safetensors"])
+def test_a_full_disk_during_a_checkpoint_or_an_export_names_the_file_and_leaves_the_last_good_one(
+    tmp_path, monkeypatch, error
+):
+    from safetensors import SafetensorError
+    from test_hardening_train import SavingDist, save_steps, tiny_drafter
+
+    import eagle3ft.drafter.export as export_mod
+    import eagle3ft.train.checkpoint as checkpoint_mod
+    from eagle3ft.files import DiskFull
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        if error == "os":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space" })'
+        )
+
+    save_steps(tmp_path, 2)
+    model = tiny_drafter()
+    monkeypatch.setattr(checkpoint_mod, "save_file", full)
+    with pytest.raises(DiskFull, match=rf"^{re.escape(str(tmp_path / 'ckpt' / '.step-4.tmp'))}/state\.safetensors: "):
+        checkpoint_mod.save_checkpoint(SavingDist(), model, model.config, tmp_path, 4, {"step": 4}, keep=0)
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-2"]
+    assert checkpoint_mod.choose_resume(tmp_path, "auto") == (tmp_path / "ckpt" / "step-2", [])
+
+    export_mod.export_drafter(model, tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "export").iterdir()}
+    monkeypatch.setattr(export_mod, "save_file", full)
+    with pytest.raises(DiskFull, match=rf"/\.export\.tmp/model\.safetensors: {FULL_LINE}"):
+        export_mod.export_drafter(model, tmp_path / "export")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "export").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "export"]

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.config import Config, TrainConfig, to_dict
-from eagle3ft.files import json_text
+from eagle3ft.files import disk_full, json_text
 
 if TYPE_CHECKING:
     from eagle3ft.train.dist import Dist
@@ -181,8 +181,9 @@ def open_wandb(cfg: Config, log_dir: Path) -> Any:
 
 def log_record(record: dict, metrics_file: Path, wandb_run: Any, bar: tqdm) -> None:
     """Main process: append the record to metrics.jsonl, send it to wandb, show it on the progress bar."""
-    with open(metrics_file, "a") as f:
-        f.write(json_text(record, str(metrics_file)) + "\n")
+    line = json_text(record, str(metrics_file)) + "\n"
+    with disk_full(metrics_file), open(metrics_file, "a") as f:  # a line cut short is dropped on resume
+        f.write(line)
     if wandb_run is not None:
         flat = {k: v for k, v in record.items() if not isinstance(v, list)}
         flat.update(
