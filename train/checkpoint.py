@@ -65,9 +65,11 @@ class CheckpointError(ValueError):
 
 def verify_checkpoint(path: Path) -> dict:
     """The checkpoint's trainer state; CheckpointError naming the file unless the files a resume reads are whole:
-    trainer_state.json (of this format), every file it lists matching its sha256, state.json, and state.safetensors
-    (its header read, and the file as long as the header says)."""
+    trainer_state.json (of this format), state.json, state.safetensors (its header read, and the file as long as the
+    header says), and every file trainer_state.json lists matching its sha256 (what a whole file can still hide)."""
     st = read_trainer_state(path)
+    read_json(Path(path) / STATE_JSON)
+    StateTensors(Path(path) / STATE_TENSORS)
     sums = st.get("sha256", {})
     if not isinstance(sums, dict):
         raise CheckpointError(f"{Path(path) / TRAINER_STATE}: sha256 is not a mapping of file names")
@@ -77,8 +79,6 @@ def verify_checkpoint(path: Path) -> dict:
             raise CheckpointError(f"{f}: missing")
         if sha256_file(f) != digest:
             raise CheckpointError(f"{f}: fails its sha256 check (damaged after it was written)")
-    read_json(Path(path) / STATE_JSON)
-    StateTensors(Path(path) / STATE_TENSORS)
     return st
 
 

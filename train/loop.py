@@ -437,7 +437,7 @@ def warn_if_diverging(run: Run) -> None:
     elif not run.warned and diverged(loss, run.first_loss):
         run.warned = True
         run.dist.print(
-            f"warning: the loss {loss:.4g} at step {run.step} is {loss / abs(run.first_loss):.0f}x the first logged "
+            f"warning: the loss {loss:.4g} at step {run.step} is {loss / run.first_loss:.0f}x the first logged "
             f"loss {run.first_loss:.4g}: the training is diverging; {run.resume_hint()}"
         )
 

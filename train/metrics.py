@@ -142,10 +142,11 @@ DIVERGED = 100.0  # a logged loss this many times the run's first logged loss: t
 
 
 def diverged(loss: float, first: float | None) -> bool:
-    """True when `loss` has risen DIVERGED times above the run's first logged loss `first`, or is not finite."""
+    """True when `loss` has risen DIVERGED times above the run's first logged loss `first` (when that is positive),
+    or is not finite."""
     if not math.isfinite(loss):
         return True
-    return first is not None and math.isfinite(first) and loss > DIVERGED * abs(first)
+    return first is not None and math.isfinite(first) and first > 0 and loss > DIVERGED * first
 
 
 def divergence(records: list[dict]) -> dict | None:
@@ -157,7 +158,7 @@ def divergence(records: list[dict]) -> dict | None:
     (first_step, first), *_ = losses
     for step, loss in losses[1:]:
         if diverged(loss, first):
-            ratio = loss / abs(first) if first and math.isfinite(loss) else None
+            ratio = loss / first if math.isfinite(loss) else None
             return {"step": step, "loss": loss, "first_step": first_step, "first_loss": first, "ratio": ratio}
     return None
 
