@@ -41,7 +41,8 @@ def _check(section: object, keys: tuple[str, ...], ok, what: str) -> None:
 
 
 def positive(section: object, *keys: str) -> None:
-    """Each field is finite (every check here refuses NaN and inf) and > 0 (a count of at least 1, a rate, a timeout); null passes where null is the default."""
+    """Each field is > 0 (a count of at least 1, a rate, a timeout); null passes where null is the default. Every
+    check here also refuses NaN and inf."""
     _check(section, keys, lambda v: v > 0, "positive")
 
 
