@@ -12,13 +12,13 @@ any does.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from collections.abc import Iterable
 
 from eagle3ft.config import SourceConfig
 from eagle3ft.data.prompts import Skip, iter_records, raw_messages
+from eagle3ft.files import json_text
 
 N = 8
 _PUNCT = "\"'`.,:;!?()[]{}<>*_~-–—…“”‘’"
@@ -84,7 +84,7 @@ def cli(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     grams = HeldoutGrams(source_of(h) for h in args.heldout)
     counts = contaminated(grams, [source_of(t) for t in args.train])
-    print(json.dumps({"heldout": args.heldout, "contaminated_user_turns": counts}, indent=1))
+    print(json_text({"heldout": args.heldout, "contaminated_user_turns": counts}, "contamination", indent=1))
     if any(counts.values()):
         sys.exit(1)
 

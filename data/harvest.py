@@ -34,11 +34,12 @@ from eagle3ft.data.aux_rows import row_checker
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.checks import HarvestRefused, argmax_check, check_argmax_rate, check_aux_rows
 from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
+from eagle3ft.data.readers import Skips
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
-from eagle3ft.files import write_atomic
+from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.targets import open_target
@@ -257,7 +258,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             "too_long_prompt" if len(chat.encode(prompt, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
         )
 
-    prompt_skips: Counter = Counter()
+    prompt_skips = Skips()  # by reason, and where the first few of each are
     convs = collect(
         h.sources,
         max_turns=h.max_turns,
@@ -279,12 +280,12 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     }
     features_dir = RunDir(run_dir).features
     writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs), h.aux_dtype)
-    damaged = writer.damaged()
-    if damaged:
-        raise StoreError(
-            f"{features_dir}: {len(damaged)} committed shard(s) are damaged "
-            f"({'; '.join(damaged[:3])}{'; ...' if len(damaged) > 3 else ''}): "
-            "restore them, or harvest into a new run dir"
+    if damaged := writer.drop_damaged():
+        print(
+            f"harvest: {features_dir}: {len(damaged)} committed shard(s) damaged or missing "
+            f"({'; '.join(damaged[:3])}{'; ...' if len(damaged) > 3 else ''}): their chunks are harvested again",
+            file=sys.stderr,
+            flush=True,
         )
     if record:
         save_resolved(cfg, run_dir, "harvest")
@@ -344,6 +345,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         "bytes": disk,
         "bytes_per_token": round(disk / max(tokens, 1), 1),
         "skips": dict(sorted(skips.items())),
+        "skipped_at": dict(sorted(prompt_skips.at.items())),  # the prompt records skipped: their file:line
         "chunks": len(chunks),
         "chunks_resumed": len(chunks) - len(todo),
         "this_run": {
@@ -379,7 +381,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         "topk": h.topk,
         "time_s": round(time.time() - t0, 2),
     }
-    write_atomic(features_dir / "summary.json", json.dumps(summary, indent=1))
+    write_json(features_dir / "summary.json", summary)
     return summary
 
 
@@ -394,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         cli_errors("harvest", StoreError, SGLangError, HarvestRefused, log=error_log(run_dir, "harvest")),
     ):
         summary = run_harvest(cfg, run_dir, record=True)
-    print(json.dumps(summary, indent=1))
+    print(json_text(summary, "harvest summary", indent=1))
 
 
 if __name__ == "__main__":

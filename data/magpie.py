@@ -38,7 +38,7 @@ from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.contamination import HeldoutGrams, words
 from eagle3ft.data.regen_backends import Gen, RegenError, open_backend
-from eagle3ft.files import write_atomic
+from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.targets.base import Sampling
@@ -164,7 +164,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
                     continue
                 flt.keep(text)
                 record = {"id": f"magpie-{m.seed}-{k}", "messages": [{"role": "user", "content": text}]}
-                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+                lines.append(json_text(record, str(out), ensure_ascii=False) + "\n")
                 if state["kept"] + len(lines) >= m.count:
                     break
             with open(out, "ab") as f:
@@ -174,7 +174,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
                 state["bytes"] = f.tell()
             state["kept"] += len(lines)
             state["filtered"] = dict(sorted(filtered.items()))
-            write_atomic(state_path, json.dumps(state, indent=1))
+            write_json(state_path, state)
             bar.update(len(lines))
     summary = {
         "prompts": str(out),
@@ -185,7 +185,7 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
         "top_p": m.top_p,
         "generation": backend.describe(),
     }
-    write_atomic(folder / "summary.json", json.dumps(summary, indent=1))
+    write_json(folder / "summary.json", summary)
     return summary
 
 
@@ -195,7 +195,7 @@ def cli(argv: list[str] | None = None) -> None:
     cfg, run_dir, _ = parse_cli("Prompts written by the target (Magpie).", stage="magpie", argv=argv, record=False)
     with holding(run_dir, "magpie"), cli_errors("magpie", RegenError, SGLangError):
         summary = main(cfg, run_dir)
-    print(json.dumps(summary, indent=1))
+    print(json_text(summary, "magpie summary", indent=1))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from eagle3ft.config import SourceConfig, resolve_path
-from eagle3ft.data.readers import iter_json, iter_json_items, iter_jsonl, iter_lines, iter_parquet
+from eagle3ft.data.readers import iter_json, iter_json_items, iter_jsonl, iter_lines, iter_parquet, loads, skip
 
 ROLE_NAMES = {
     "system": "system",
@@ -109,14 +109,17 @@ def iter_chitchat(path: Path, skips: Counter) -> Iterator[object]:
 
 
 def _chitchat_record(conv: object) -> dict:
-    runs = [r for r in (conv.get("messages") or [] if isinstance(conv, dict) else []) if r]
-    if not runs:
+    """A chat's record; {} (skipped as malformed) unless it is a list of runs, each a list of {"sender", "text"}."""
+    runs = conv.get("messages") if isinstance(conv, dict) else None
+    runs = [r for r in runs if r] if isinstance(runs, list) else []
+    well_formed = all(isinstance(r, list) and all(isinstance(u, dict) for u in r) for r in runs)
+    if not runs or not well_formed:
         return {}
     opener = runs[0][0].get("sender")
     messages: list[dict] = []
     for run in runs:
         role = "user" if run[0].get("sender") == opener else "assistant"
-        text = "\n".join(u.get("text") or "" for u in run)
+        text = "\n".join(u.get("text") if isinstance(u.get("text"), str) else "" for u in run)
         if messages and messages[-1]["role"] == role:
             messages[-1]["content"] += "\n" + text
         else:
@@ -141,11 +144,11 @@ def iter_humaneval(path: Path, skips: Counter) -> Iterator[object]:
         for line in iter_lines(f, skips):
             if not line.strip():
                 continue
-            try:
-                task = json.loads(line)
-                yield {"turns": [HUMANEVAL_ASK.format(prompt=task["prompt"])], "task_id": task["task_id"]}
-            except (json.JSONDecodeError, KeyError, TypeError):
-                skips["malformed"] += 1
+            task, why = loads(line)
+            if why or not isinstance(task, dict) or not isinstance(task.get("prompt"), str) or "task_id" not in task:
+                skip(skips, why or "malformed")
+                continue
+            yield {"turns": [HUMANEVAL_ASK.format(prompt=task["prompt"])], "task_id": task["task_id"]}
 
 
 def source_path(src: SourceConfig) -> Path:
@@ -361,7 +364,7 @@ def collect(
         if src.kind == "tokens":  # fixed ids: no normalization, no prompt check (harvest.max_total_tokens applies)
             for c in iter_token_store(src, src.limit):
                 if dedupe and c.key in seen:
-                    skips["duplicate"] += 1
+                    skip(skips, "duplicate")
                     continue
                 seen.add(c.key)
                 out.append(c)
@@ -374,15 +377,15 @@ def collect(
             try:
                 messages = normalize(record, max_turns, regenerate)
             except Skip as s:
-                skips[s.reason] += 1
+                skip(skips, s.reason)
                 continue
             key = content_key(messages, regenerate)
             if dedupe and key in seen:
-                skips["duplicate"] += 1
+                skip(skips, "duplicate")
                 continue
             reason = check(messages)
             if reason:
-                skips[reason] += 1
+                skip(skips, reason)
                 continue
             seen.add(key)
             split = src.split if src.split != "auto" else split_of(key, heldout_fraction)

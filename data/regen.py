@@ -71,11 +71,12 @@ from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.harvest import check_harvest_config
 from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
+from eagle3ft.data.readers import Skips
 from eagle3ft.data.regen_backends import RegenError, open_backend
 from eagle3ft.data.regen_turns import ReadyTurns, Regenerator  # noqa: F401  (ReadyTurns: part of this interface)
 from eagle3ft.data.store import SPLITS, StoreError
 from eagle3ft.data.tokens import TokenWriter, tokenizer_digest
-from eagle3ft.files import write_atomic
+from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.targets.base import Sampling
@@ -157,7 +158,7 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             "too_long_prompt" if len(chat.encode(first, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
         )
 
-    prompt_skips: Counter = Counter()
+    prompt_skips = Skips()  # by reason, and where the first few of each are
     convs = collect(
         h.sources,
         max_turns=h.max_turns,
@@ -224,6 +225,7 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         "answer_tokens_per_s": round(st.answer_tokens / max(work_s, 1e-9), 1),
         "counts": m["counts"],
         "skips": dict(sorted(skips.items())),
+        "skipped_at": dict(sorted(prompt_skips.at.items())),  # the prompt records skipped: their file:line
         "chunks": len(chunks),
         "chunks_resumed": len(chunks) - len(todo),
         "output_ids_trimmed": backend.trimmed,
@@ -236,7 +238,7 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         },
         "time_s": round(time.time() - t0, 2),
     }
-    write_atomic(RunDir(run_dir).tokens / "summary.json", json.dumps(summary, indent=1))
+    write_json(RunDir(run_dir).tokens / "summary.json", summary)
     return summary
 
 
@@ -251,7 +253,7 @@ def cli(argv: list[str] | None = None) -> None:
         cli_errors("regen", RegenError, SGLangError, StoreError, log=error_log(run_dir, "regen")),
     ):
         summary = main(cfg, run_dir, record=True)
-    print(json.dumps(summary, indent=1))
+    print(json_text(summary, "regen summary", indent=1))
 
 
 if __name__ == "__main__":

@@ -16,14 +16,15 @@ Each shard concatenates its samples along the token axis:
 
 Writes are atomic (tmp file, fsync, os.replace, then the manifest), and a
 chunk is recorded as done only with its shard, so a killed harvest resumes
-at the first chunk not done, with nothing lost or duplicated.
+at the first chunk not done, with nothing lost or duplicated. Each shard's entry
+keeps what its chunk added to the counts, so that a rerun can drop a chunk whose
+shard is damaged or missing and harvest it again (FeatureWriter.drop_damaged).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from eagle3ft.files import read_json, safetensors_keys
+from eagle3ft.files import read_json, safetensors_keys, write_json
+from eagle3ft.files import sha256_file as _sha256  # tests and data/tokens.py import it here
 from eagle3ft.files import write_atomic as _write_atomic  # train/loop.py and eval/same_prompts.py import it here
 
 SCHEMA_VERSION = 1
@@ -86,16 +88,17 @@ def member(features_dir: Path, name, manifest: Path) -> Path:
     return features_dir / name
 
 
+def shard_problem(features_dir: Path, shard: dict, manifest: Path) -> str | None:
+    """What is wrong with a listed shard (missing, fails its sha256), or None."""
+    f = member(features_dir, shard.get("file"), manifest)
+    if not f.is_file():
+        return "missing"
+    return "fails its sha256 check" if _sha256(f) != shard.get("sha256") else None
+
+
 def damaged_shards(features_dir: Path, shards: list[dict], manifest: Path) -> list[str]:
     """'name: what is wrong' for every listed shard that is missing or fails its sha256."""
-    bad = []
-    for s in shards:
-        f = member(features_dir, s.get("file"), manifest)
-        if not f.is_file():
-            bad.append(f"{s['file']}: missing")
-        elif _sha256(f) != s.get("sha256"):
-            bad.append(f"{s['file']}: fails its sha256 check")
-    return bad
+    return [f"{s['file']}: {why}" for s in shards if (why := shard_problem(features_dir, s, manifest))]
 
 
 @dataclass
@@ -145,7 +148,7 @@ def write_shard(
     data = save(tensors, metadata={"schema_version": str(schema_version)})  # one key: the header is byte-stable
     name = shard_name(split, chunk)
     _write_atomic(folder / name, data)
-    n_tok = int(tensors["input_ids"].numel())
+    n_tok, n_loss = int(tensors["input_ids"].numel()), int(tensors["loss_mask"].sum())
     manifest["shards"].append(
         {
             "file": name,
@@ -153,13 +156,14 @@ def write_shard(
             "chunk": chunk,
             "samples": n_samples,
             "tokens": n_tok,
+            "loss_tokens": n_loss,
             "sha256": hashlib.sha256(data).hexdigest(),
         }
     )
     c = manifest["counts"][split]
     c["samples"] += n_samples
     c["tokens"] += n_tok
-    c["loss_tokens"] += int(tensors["loss_mask"].sum())
+    c["loss_tokens"] += n_loss
     return c
 
 
@@ -209,6 +213,36 @@ class FeatureWriter:
         """Committed shards that are missing or fail their sha256 (checked before a rerun adds to the store)."""
         return damaged_shards(self.dir, self.manifest["shards"], self.dir / MANIFEST)
 
+    def drop_damaged(self) -> list[str]:
+        """Forget every committed chunk whose shard is missing or fails its sha256, with what it added to the counts
+        (and the damaged file), so that this harvest does the chunk again; the store is incomplete until it finishes.
+        Returns 'file: what was wrong' for each. (A shard committed before its entry kept its chunk's skips and checks
+        leaves those counted.)"""
+        m, path = self.manifest, self.dir / MANIFEST
+        dropped = [(s, why) for s in m["shards"] if (why := shard_problem(self.dir, s, path))]
+        for s, _ in dropped:
+            m["shards"].remove(s)
+            m["chunks_done"][s["split"]].remove(s["chunk"])
+            c = m["counts"][s["split"]]
+            c["samples"] -= s["samples"]
+            c["tokens"] -= s["tokens"]
+            for reason, n in s.get("skips", {}).items():
+                m["chunk_skips"][reason] -= n
+            for group, kv in s.get("counts", {}).items():
+                for k, n in kv.items():
+                    m["chunk_counts"][group][k] -= n
+            (self.dir / s["file"]).unlink(missing_ok=True)
+        for split in {s["split"] for s, _ in dropped}:  # entries of older stores lack loss_tokens: read the masks
+            shards = [s for s in m["shards"] if s["split"] == split]
+            m["counts"][split]["loss_tokens"] = sum(
+                s["loss_tokens"] if "loss_tokens" in s else int(load_file(self.dir / s["file"])["loss_mask"].sum())
+                for s in shards
+            )
+        if dropped:
+            m["complete"], m["token_counts"] = False, None
+            self._save()
+        return [f"{s['file']}: {why}" for s, why in dropped]
+
     def commit(
         self,
         split: str,
@@ -227,6 +261,8 @@ class FeatureWriter:
             fp8 = m["aux_dtype"] == "fp8"
             tensors = pack(samples, m["has_last_hidden"], m["aux_dtype"], m["target"]["hidden_size"] if fp8 else None)
             write_shard(self.dir, m, split, chunk, tensors, len(samples))
+            m["shards"][-1].update(skips=dict(skips), counts=counts or {})  # taken back if the shard is dropped
+            shard = self.dir / m["shards"][-1]["file"]
         for reason, n in skips.items():
             m["chunk_skips"][reason] = m["chunk_skips"].get(reason, 0) + n
         for group, kv in (counts or {}).items():
@@ -234,7 +270,12 @@ class FeatureWriter:
             for k, n in kv.items():
                 into[k] = into.get(k, 0) + n
         m["chunks_done"][split].append(chunk)
-        self._save()
+        try:
+            self._save()
+        except BaseException:  # a full disk: the shard the manifest does not list goes too
+            if samples:
+                shard.unlink(missing_ok=True)
+            raise
 
     def finish(self, token_counts: torch.Tensor, extra: dict | None = None) -> None:
         _write_atomic(self.dir / TOKEN_COUNTS, save({"token_counts": token_counts.to(torch.int64)}))
@@ -245,7 +286,9 @@ class FeatureWriter:
 
     def _save(self) -> None:
         self.manifest["shards"].sort(key=lambda s: (SPLITS.index(s["split"]), s["chunk"]))
-        _write_atomic(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
+        for done in self.manifest["chunks_done"].values():  # a chunk done again after a drop goes back in its place
+            done.sort()
+        write_json(self.dir / MANIFEST, self.manifest)
 
 
 def pack(
@@ -260,14 +303,6 @@ def pack(
     out["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     out["sample_ids"] = torch.tensor([s.sample_id for s in samples], dtype=torch.int64)
     return out
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class FeatureStore:

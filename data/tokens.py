@@ -36,11 +36,10 @@ from eagle3ft.data.store import (
     ShardDataset,
     StoreError,
     _sha256,
-    _write_atomic,
     open_manifest,
     write_shard,
 )
-from eagle3ft.files import read_json
+from eagle3ft.files import read_json, write_json
 
 SCHEMA_VERSION = 1
 KIND = "tokens"
@@ -155,7 +154,7 @@ class TokenWriter:
 
     def _save(self) -> None:
         self.manifest["shards"].sort(key=lambda s: (SPLITS.index(s["split"]), s["chunk"]))
-        _write_atomic(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
+        write_json(self.dir / MANIFEST, self.manifest)
 
 
 class TokenStore:

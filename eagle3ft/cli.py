@@ -19,7 +19,7 @@ from typing import Callable
 import yaml
 
 from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, to_dict
-from eagle3ft.files import write_atomic
+from eagle3ft.files import FULL, DiskFull, disk_full_error, write_atomic
 from eagle3ft.run_dir import RunDir
 
 
@@ -45,16 +45,17 @@ def code_version() -> str:
     return __version__
 
 
-def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str) -> Path:
+def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str, extra: dict | None = None) -> Path:
     """Write run_dir/config.yaml: the resolved config of every stage that ran, plus the code version.
 
-    Each stage adds its own entry under `stages`, so the file records every stage's view.
+    Each stage adds its own entry under `stages`, so the file records every stage's view; `extra` adds keys to the
+    stage's entry (train: where a resume started).
     """
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     out = RunDir(run_dir).config
     doc = yaml.safe_load(out.read_text()) if out.exists() else {}
     doc = doc if isinstance(doc, dict) else {}
-    doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg)}
+    doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg), **(extra or {})}
     write_atomic(
         out, yaml.safe_dump(doc, sort_keys=False), f".config.yaml.{os.getpid()}.tmp"
     )  # ranks may write at once
@@ -78,7 +79,15 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 DEBUG_ENV = "EAGLE3FT_DEBUG"
-USER_ERRORS = (ConfigError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+USER_ERRORS = (
+    ConfigError,
+    ValueError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+    DiskFull,
+)
 
 
 def is_rank0() -> bool:
@@ -118,7 +127,12 @@ def cli_errors(
     returns False on a rank whose launcher is still there (its error then was its own, so it prints it). An interrupt
     (SIGINT) exits 130 with `<prog>: interrupted`."""
     try:
-        yield
+        try:
+            yield
+        except OSError as e:  # a full disk where no writer named the file (eagle3ft/files.py's disk_full)
+            if e.errno not in FULL or isinstance(e, DiskFull):
+                raise
+            raise disk_full_error(e.filename or "a write") from None
     except USER_ERRORS + more as e:
         if log is not None and is_rank0():
             _write_log(log, e)
@@ -127,6 +141,10 @@ def cli_errors(
         msg = " ".join(str(e).split("\n")) or type(e).__name__
         if is_rank0():
             print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+        if end_launch is not None:
+            from eagle3ft.runlock import release_all
+
+            release_all()
         if (end_launch is not None and not end_launch(is_rank0())) or (end_launch is None and not is_rank0()):
             print(f"{prog}: error (rank {os.environ['RANK']}): {msg}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
@@ -145,8 +163,12 @@ def rank0_voice(end_launch: Callable[[bool], bool] | None = None):
         with redirect_stderr(heard) if not is_rank0() else nullcontext():
             yield
     except SystemExit as e:
-        if e.code and end_launch is not None and not end_launch(is_rank0()):
-            sys.stderr.write(heard.getvalue())
+        if e.code and end_launch is not None:
+            from eagle3ft.runlock import release_all
+
+            release_all()  # ending the launch kills this process too
+            if not end_launch(is_rank0()):
+                sys.stderr.write(heard.getvalue())
         raise
 
 

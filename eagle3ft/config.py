@@ -281,6 +281,8 @@ class TrainConfig:
         at_most(self, 1, "min_lr_ratio")
         non_negative(self, "loop_weight")
         at_most(self, 1, "loop_weight")
+        # Adam moves each weight by about lr a step: no drafter trains above 10, and near 1e38 fp32 overflows
+        at_most(self, 10, "lr")
 
 
 @dataclass

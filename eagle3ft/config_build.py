@@ -6,6 +6,7 @@ overrides, and the bounds each section checks in its `__post_init__` (so a confi
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Literal
@@ -32,13 +33,16 @@ def _check(section: object, keys: tuple[str, ...], ok, what: str) -> None:
         for v in value if isinstance(value, list) else [value]:
             if v is None and key in nullable:
                 continue
+            null = " or null" if key in nullable else ""
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
-                null = " or null" if key in nullable else ""
                 raise BoundError(section, key, f"must be {what}{null}, got {value!r}")
+            if not math.isfinite(v):  # .inf passes every bound above; .nan fails them
+                raise BoundError(section, key, f"must be a finite number{null}, got {value!r}")
 
 
 def positive(section: object, *keys: str) -> None:
-    """Each field is > 0 (a count of at least 1, a rate, a timeout); null passes where null is the default."""
+    """Each field is > 0 (a count of at least 1, a rate, a timeout); null passes where null is the default. Every
+    check here also refuses NaN and inf."""
     _check(section, keys, lambda v: v > 0, "positive")
 
 

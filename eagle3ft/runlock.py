@@ -21,6 +21,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from eagle3ft.files import json_text
 from eagle3ft.run_dir import LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: part of this module's interface)
 
 UNREADABLE_GRACE_S = 5.0  # an owner writes its record at once: a lock unreadable for this long has no writer
@@ -118,7 +119,7 @@ class RunLock:
                     f"delete {self.path})"
                 )
             with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(self.owner) + "\n")
+                f.write(json_text(self.owner, str(self.path)) + "\n")
             _held[self.path] = [1, self.owner]
             return self
         raise RunLocked(
@@ -176,8 +177,9 @@ class RunLock:
 
 
 @atexit.register
-def _release_all() -> None:
-    """At interpreter exit, remove the lock files this process still holds (a stage that raised)."""
+def release_all() -> None:
+    """Remove the lock files this process still holds: at interpreter exit (a stage that raised), and before a rank
+    ends its launch (eagle3ft/cli.py's cli_errors: the launcher's death kills this process, atexit handlers unrun)."""
     for path, (_, owner) in list(_held.items()):
         del _held[path]
         if read_owner(path) == owner:

@@ -15,7 +15,6 @@ moves on another draw of as many prompts.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 from eagle3ft.data.loops import answer_loops as loop_of_answers
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk_rows, tree_accept
-from eagle3ft.files import write_atomic
+from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 
 # --------------------------------------------------------------------------- counts -> tau
@@ -271,13 +270,14 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     from eagle3ft.config import resolve_path
     from eagle3ft.data.store import MANIFEST, FeatureStore
     from eagle3ft.drafter.config import check_drafter_folder
-    from eagle3ft.drafter.export import load_drafter
+    from eagle3ft.drafter.export import check_weight_shapes, load_drafter
     from eagle3ft.targets.hf import load_input_embedding, pick_device
 
     ec = cfg.eval
     ckpt = resolve_path(ec.checkpoint, base=run_dir)
     store = FeatureStore(RunDir(run_dir).features)
-    check_drafter_folder(ckpt, store.target, "eval.checkpoint", str(store.dir / MANIFEST))  # before any compute
+    spec = check_drafter_folder(ckpt, store.target, "eval.checkpoint", str(store.dir / MANIFEST))  # before any compute
+    check_weight_shapes(ckpt, spec)
     device = pick_device(cfg.target)
     drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
     ds = store.dataset("heldout")
@@ -296,7 +296,7 @@ def run(cfg, run_dir: Path) -> AcceptReport:
         "sources": held_out,
         "heldout_fraction": cfg.harvest.heldout_fraction,
     }
-    write_atomic(out, json.dumps({**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2))
+    write_json(out, {**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2)
     return rep
 
 

@@ -32,7 +32,6 @@ repetition, and writes RUN/bench/concurrency.json (output tok/s = all new tokens
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
 import statistics
@@ -55,7 +54,7 @@ from eagle3ft.eval.harness import (
     spread,
 )
 from eagle3ft.eval.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
-from eagle3ft.files import write_atomic
+from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
@@ -268,7 +267,9 @@ class SGLangBackend:
         spec = {k: v for k, v in meta.items() if k.startswith("spec_")}
         row = {"setting": key, "prompt_index": i, "request": kind, "completion_tokens": meta.get("completion_tokens")}
         with self._lock:
-            self._log.write(json.dumps({**row, **times, "e2e_latency": meta.get("e2e_latency"), **spec}) + "\n")
+            self._log.write(
+                json_text({**row, **times, "e2e_latency": meta.get("e2e_latency"), **spec}, self._log.name) + "\n"
+            )
             if "spec_accept_length" in spec and kind == self.cfg.bench.sglang_requests[-1]:
                 self.request_tau.setdefault(key, []).append(float(spec["spec_accept_length"]))
 
@@ -377,7 +378,7 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
             for key, rs in rows.items()
         }
     path = RunDir(run_dir).bench / "concurrency.json"
-    write_atomic(path, json.dumps(out, indent=2))
+    write_json(path, out, indent=2)
     return out
 
 

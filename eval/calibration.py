@@ -26,7 +26,7 @@ from pathlib import Path
 
 from eagle3ft.config import resolve_path
 from eagle3ft.eval.costs import cost_model_from_summary, fmt, max_tau
-from eagle3ft.files import write_atomic
+from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 
@@ -317,7 +317,7 @@ def format_prediction(p: dict) -> str:
 
 def write_calibration(run_dir: Path, summary: dict, target: str | None = None) -> Path:
     out = RunDir(run_dir).calibration
-    write_atomic(out, json.dumps(calibration_from_summary(summary, str(run_dir), target), indent=2))
+    write_json(out, calibration_from_summary(summary, str(run_dir), target), indent=2)
     return out
 
 
@@ -336,5 +336,5 @@ def write_prediction(
         old = json.loads(out.read_text())
         before = before or (old.get("made_before_bench", False) and old.get("rows") == pred["rows"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(out, json.dumps({"made_before_bench": before, **pred}, indent=2))
+    write_json(out, {"made_before_bench": before, **pred}, indent=2)
     return {"made_before_bench": before, **pred}

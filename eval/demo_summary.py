@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.files import write_atomic
+from eagle3ft.files import write_atomic, write_json
 from eagle3ft.run_dir import RunDir
 
 # --------------------------------------------------------------------------- held-out samples by source
@@ -119,7 +119,7 @@ def offline_all(cfg, run_dir: Path, drafters: dict, folders: dict[str, Path], ds
         with torch.no_grad():
             sets = offline_by_source(drafter, ds, groups, cfg.eval.steps, device)
         res = {"label": label, "checkpoint": str(folders[label]), "depth": cfg.eval.steps, "sets": sets}
-        write_atomic(out_dir / f"offline-{label}.json", json.dumps(res, indent=2) + "\n")
+        write_json(out_dir / f"offline-{label}.json", res, indent=2, newline=True)
         results[label] = res
         for kind, s in sets.items():
             taus = ", ".join(f"{k} {v:.3f}" for k, v in s["settings"].items())
@@ -322,7 +322,7 @@ def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | Non
     text = format_headline(h)
     out = RunDir(run_dir).demo
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "summary.json", json.dumps({**h, "headline": text}, indent=2) + "\n")
+    write_json(out / "summary.json", {**h, "headline": text}, indent=2, newline=True)
     write_atomic(out / "summary.md", "# Demo: before and after the fine-tune\n\n```\n" + text + "\n```\n")
     return {**h, "headline": text}
 

@@ -24,7 +24,7 @@ from eagle3ft.eval.calibration import (
     write_prediction,
 )
 from eagle3ft.eval.costs import GOAL_SPEEDUPS, cost_model_from_summary, fmt, reach, reach_text
-from eagle3ft.files import write_atomic
+from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 
@@ -237,7 +237,7 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
         ec.calibrated["warnings"].append(
             "the calibration comes from this very run: its prediction restates the measurement"
         )
-    write_atomic(RunDir(run_dir).economics, json.dumps(ec.to_dict(), indent=2))
+    write_json(RunDir(run_dir).economics, ec.to_dict(), indent=2)
     write_calibration(run_dir, summary, target)
     return ec, pred
 

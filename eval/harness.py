@@ -48,7 +48,6 @@ draft forward / cycle where the backend can see them (None otherwise).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from collections import Counter
@@ -61,7 +60,7 @@ from eagle3ft.eval.bench_format import format_summary  # noqa: F401 (the entry p
 from eagle3ft.eval.economics import format_table
 from eagle3ft.eval.environment import base_environment, cpu_model, gpu_clocks  # noqa: F401 (the backends')
 from eagle3ft.eval.live_splits import arm_figures
-from eagle3ft.files import write_atomic
+from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 
@@ -109,20 +108,25 @@ class BenchBackend(Protocol):
 
 def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
     """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
-    else the folder alone (readable weights, consistent d2t/t2d); returns its DrafterConfig. Before any compute."""
+    else the folder alone (readable finite weights, consistent d2t/t2d), and the weights' shapes against its config.json;
+    returns its DrafterConfig. Before any compute."""
     from eagle3ft.data.store import FeatureStore
-    from eagle3ft.drafter.config import DrafterConfig, check_drafter_folder
+    from eagle3ft.drafter.config import DrafterConfig, check_drafter_folder, check_weights_finite
+    from eagle3ft.drafter.export import check_weight_shapes
     from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
 
     manifest = RunDir(run_dir).features_manifest
     if manifest.is_file():
-        return check_drafter_folder(folder, FeatureStore(manifest.parent, verify=False).target, where, str(manifest))
-    if not (Path(folder) / "config.json").is_file():
-        raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
-    spec = DrafterConfig.from_json(Path(folder) / "config.json")
-    check_vocab(
-        *vocab_from_drafter(folder), spec.vocab_size, spec.draft_vocab_size, f"{where} {folder}: draft vocabulary"
-    )
+        spec = check_drafter_folder(folder, FeatureStore(manifest.parent, verify=False).target, where, str(manifest))
+    else:
+        if not (Path(folder) / "config.json").is_file():
+            raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
+        spec = DrafterConfig.from_json(Path(folder) / "config.json")
+        check_vocab(
+            *vocab_from_drafter(folder), spec.vocab_size, spec.draft_vocab_size, f"{where} {folder}: draft vocabulary"
+        )
+        check_weights_finite(folder, where)
+    check_weight_shapes(folder, spec)
     return spec
 
 
@@ -350,7 +354,7 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
                 row = {"repetition": rep, "mode": mode, "setting": key, "prompts": pset, "drafter": drafter}
                 row.update({**asdict(r), "tok_s": r.tok_s})
                 runs.append(row)
-                f.write(json.dumps(row) + "\n")
+                f.write(json_text(row, str(paths.bench_runs)) + "\n")
             f.flush()
             who = f"{pset} " * (len(sets) > 1) + f"{drafter} " * (len(labels) > 1 and drafter is not None)
             log(f"  rep {rep} {mode:<11} {key or '':<8} {who}{_pass_tok_s(results):8.1f} tok/s")
@@ -415,7 +419,7 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
         "offline_same_prompts": top["drafters"][primary_drafter]["offline_same_prompts"],
         "prompt_sets": by_set,
     }
-    write_atomic(paths.bench_summary, json.dumps(summary, indent=2))
+    write_json(paths.bench_summary, summary, indent=2)
     ec, _ = economics.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
     log(format_table(ec))
     return summary

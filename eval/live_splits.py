@@ -25,6 +25,7 @@ from __future__ import annotations
 import statistics
 
 from eagle3ft.eval.loops import Split, loop_mask, split_spans
+from eagle3ft.files import json_text
 
 
 def e2e_of(r: dict) -> tuple[int, float]:
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
             rows = [cut_at(r, args.cap) for r in rows]
         except ValueError as e:
             ap.error(str(e))
-    print(json.dumps(figures_of_runs(rows), indent=1))
+    print(json_text(figures_of_runs(rows), "live splits", indent=1))
 
 
 if __name__ == "__main__":

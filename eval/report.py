@@ -26,11 +26,12 @@ from pathlib import Path
 
 from eagle3ft.eval.calibration import from_config, join, predict
 from eagle3ft.eval.economics import analyse, read_offline_tau
-from eagle3ft.eval.report_md import headline_text, markdown
+from eagle3ft.eval.report_md import divergence_text, headline_text, markdown
 from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
-from eagle3ft.files import write_atomic
+from eagle3ft.files import write_atomic, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
+from eagle3ft.train.metrics import divergence
 
 
 def _read_json(p: Path) -> dict | None:
@@ -123,9 +124,25 @@ def step_time(metrics: list[dict]) -> dict | None:
     }
 
 
+def check_drafters(run_dir: Path, cfg, acc: dict | None) -> None:
+    """NonFinite (one line, nothing written) when a drafter the report speaks for holds a NaN or inf weight:
+    eval.checkpoint, and the drafter eval/accept_len.json was measured on."""
+    from eagle3ft.config import resolve_path
+    from eagle3ft.drafter.config import check_weights_finite
+
+    folders = {"eval.checkpoint": resolve_path(cfg.eval.checkpoint, base=Path(run_dir))} if cfg is not None else {}
+    if acc and acc.get("checkpoint"):
+        folders["eval/accept_len.json's checkpoint"] = Path(acc["checkpoint"])
+    for where, folder in folders.items():
+        if (folder / "config.json").is_file():
+            check_weights_finite(folder, where)
+
+
 def build(run_dir: Path, cfg=None) -> dict:
     """report.json, report.md and the plots of `run_dir`; `cfg` supplies bench.calibration when set."""
     run = RunDir(run_dir)
+    acc = _read_json(run.accept_len)
+    check_drafters(run_dir, cfg, acc)
     out = run.eval
     out.mkdir(parents=True, exist_ok=True)
     metrics, heldout = read_metrics(run.metrics)
@@ -135,7 +152,6 @@ def build(run_dir: Path, cfg=None) -> dict:
         if m["step"] in {h["step"] for h in heldout} and "accept_len_est" in m
     }
     exports = {p.name: card for p in (run.export, run.export_best) if (card := _read_json(p / "card.json"))}
-    acc = _read_json(run.accept_len)
     if acc and acc.get("checkpoint"):
         acc = {**acc, "card": _read_json(Path(acc["checkpoint"]) / "card.json")}
     summary = _read_json(run.bench_summary)
@@ -196,6 +212,7 @@ def build(run_dir: Path, cfg=None) -> dict:
             "accept_len_est": est,
             "exports": exports,
             "speed": step_time(metrics),
+            "diverged": divergence(metrics),  # the first record whose loss rose DIVERGED x above the first's
         },
         "accept_len": acc,
         "bench": summary,
@@ -203,7 +220,7 @@ def build(run_dir: Path, cfg=None) -> dict:
         "prediction": prediction if not summary else None,
         "plots": plots,
     }
-    write_atomic(out / "report.json", json.dumps(report, indent=2))
+    write_json(out / "report.json", report, indent=2)
     write_atomic(run.report_md, markdown(report))
     return report
 
@@ -222,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         rep = build(run_dir, cfg)
     print(f"report: {RunDir(run_dir).report_md}")
     print(headline_text(rep["headline"]))
+    if warning := divergence_text(rep["train"]["diverged"]):
+        print(warning)
     if rep["verdict"]:
         print(rep["verdict"])
 

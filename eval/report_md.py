@@ -4,6 +4,8 @@ Offline accept length, Live benchmark and Economics, in that order.
 
 from __future__ import annotations
 
+from eagle3ft.train.metrics import DIVERGED
+
 
 def _f(x, fmt="{:.2f}") -> str:
     return "—" if x is None else fmt.format(x)
@@ -45,6 +47,17 @@ def headline_text(h: dict) -> str:
     return "; ".join(parts)
 
 
+def divergence_text(d: dict | None) -> str | None:
+    """The warning for a training whose loss rose DIVERGED x above its first logged loss (train/metrics.py)."""
+    if d is None:
+        return None
+    return (
+        f"warning: the training diverged: loss {d['loss']:.4g} at step {d['step']}, over {DIVERGED:.0f}x the first "
+        f"logged loss {d['first_loss']:.4g} (step {d['first_step']}); its drafter is suspect: train again from a "
+        "checkpoint before it with a lower train.lr"
+    )
+
+
 def _thin(rows: list[dict], keep: set[int], n: int = 12) -> list[dict]:
     """At most about n rows, evenly spaced, always with the indices in `keep`."""
     if len(rows) <= n:
@@ -64,6 +77,8 @@ def _md_train(r: dict) -> list[str]:
             f"{t['acc'][0]:.3f}.",
             "",
         ]
+        if warning := divergence_text(r["train"].get("diverged")):
+            L += [f"**{warning}**", ""]
         speed = r["train"].get("speed")
         if speed:
             line = (

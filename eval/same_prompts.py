@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from eagle3ft.eval.accept_len import evaluate
 from eagle3ft.eval.harness import first_answers
 from eagle3ft.eval.speculate import aux_from_hidden_states
-from eagle3ft.files import read_json
+from eagle3ft.files import json_text, read_json, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 
@@ -140,7 +140,6 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
     from eagle3ft.config import resolve_path
-    from eagle3ft.data.store import _write_atomic
     from eagle3ft.eval.harness import load_prompts, prompt_sets
     from eagle3ft.runlock import holding
 
@@ -186,12 +185,9 @@ def main(argv: list[str] | None = None) -> None:
         }
         out = RunDir(run_dir).accept_len
         out.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out, json.dumps(doc, indent=1).encode())
-    print(
-        json.dumps(
-            {"offline_tau": rep["settings"], "walk": rep["settings_walk"], "roots": rep["roots"], "written": str(out)}
-        )
-    )
+        write_json(out, doc)
+    what = {"offline_tau": rep["settings"], "walk": rep["settings_walk"], "roots": rep["roots"], "written": str(out)}
+    print(json_text(what, "same-prompt tau"))
 
 
 if __name__ == "__main__":

@@ -222,7 +222,7 @@ def test_warm_start_rewrites_the_run_vocab_with_the_drafters(run):
     assert torch.equal(load_vocab(run / "vocab.safetensors")[0], init["d2t"])
 
 
-def test_harvest_rerun_over_a_damaged_complete_store_reports_it(tmp_path, capsys):
+def test_harvest_rerun_over_a_damaged_complete_store_redoes_the_damaged_chunks(tmp_path, capsys):
     from eagle3ft.data.harvest import main
 
     argv = [
@@ -242,22 +242,30 @@ def test_harvest_rerun_over_a_damaged_complete_store_reports_it(tmp_path, capsys
     main(argv)
     first = json.loads(capsys.readouterr().out)
     assert first["argmax_check"]["checked"] > 0 and first["argmax_check"]["mismatched"] == 0
+    features = tmp_path / "features"
+    manifest = features / "manifest.json"
+    whole = {p.name: p.read_bytes() for p in features.glob("*.safetensors")}
+    kept = {k: v for k, v in json.loads(manifest.read_text()).items() if k not in ("time_s",)}
     main(argv)  # a rerun over an intact complete store succeeds and resumes every chunk
     assert json.loads(capsys.readouterr().out)["chunks_resumed"] == first["chunks"]
-    shard = tmp_path / "features" / "train-00001.safetensors"
+    shard = features / "train-00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    (features / "train-00000.safetensors").unlink()
+    main(argv)
+    out = capsys.readouterr()
     assert (
-        e.value.code == 1
-        and err
-        == f"harvest: error: {tmp_path / 'features'}: 1 committed shard(s) are damaged (train-00001.safetensors: fails "
-        "its sha256 check): restore them, or harvest into a new run dir"
-    )
-    manifest = tmp_path / "features" / "manifest.json"
+        f"harvest: {features}: 2 committed shard(s) damaged or missing (train-00000.safetensors: missing; "
+        "train-00001.safetensors: fails its sha256 check): their chunks are harvested again"
+    ) in out.err
+    again = json.loads(out.out)
+    assert again["chunks_resumed"] == first["chunks"] - 2
+    assert {k: again[k] for k in ("samples", "tokens", "loss_tokens", "skips", "argmax_check")} == {
+        k: first[k] for k in ("samples", "tokens", "loss_tokens", "skips", "argmax_check")
+    }
+    assert {p.name: p.read_bytes() for p in features.glob("*.safetensors")} == whole  # the same shards again
+    assert {k: v for k, v in json.loads(manifest.read_text()).items() if k not in ("time_s",)} == kept
     manifest.write_bytes(manifest.read_bytes()[:200])
     with pytest.raises(SystemExit):
         main(argv)

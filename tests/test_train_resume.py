@@ -140,14 +140,16 @@ def test_a_started_run_folder_is_refused_without_resume_or_overwrite_before_anyt
     monkeypatch.setattr(finetune, "main", boom)
     write_store(tmp_path, n_train=2, n_heldout=1)
     (tmp_path / "ckpt" / "step-40").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step-40" / "trainer_state.json").write_text(json.dumps({"format": FORMAT, "step": 40}))
     (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "card.json").write_text(json.dumps({"which": "last", "step": 40}))
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     argv = ["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path)]
     for extra, message in (
         (
             [],
-            f"{tmp_path} already holds a training run (ckpt, export); continue it with --resume auto, or start over "
-            "in a new --run-dir or with --overwrite (removes ckpt/, export/, export-best/, train/ first)",
+            f"{tmp_path} already holds a training run (ckpt/step-40, export); continue it with --resume auto, or start "
+            "over in a new --run-dir or with --overwrite (removes those first)",
         ),
         (["--overwrite", "--resume", "auto"], "--overwrite starts over, --resume (train.resume) continues"),
     ):
@@ -334,11 +336,12 @@ def test_a_finished_run_is_never_restarted_silently_and_overwrite_starts_it_over
     before = {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
     r = launch(run, *COMMON, "train.max_steps=2")
     assert r.returncode != 0 and r.stderr.count("finetune.py: error: ") == 1, r.stderr[-3000:]  # from rank 0 alone
-    assert f"finetune.py: error: {run} already holds a training run (ckpt, export, export-best, train)" in r.stderr
+    outputs = "ckpt/step-2, ckpt/step-4, ckpt/step-6, export, export-best, train/metrics.jsonl, train/data.json"
+    assert f"finetune.py: error: {run} already holds a training run ({outputs})" in r.stderr
     assert {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
     r = launch(run, *COMMON, "train.max_steps=2", extra=("--overwrite",))
     ok(r)
-    assert "--overwrite: removed ckpt, export, export-best, train" in r.stderr
+    assert f"--overwrite: removed {outputs} of {run}" in r.stderr
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step-2"]  # none of the old run's checkpoints
     assert [x["step"] for x in metrics(run)] == [1, 2] and metrics(run)[0]["loss"] == metrics(ref)[0]["loss"]
     assert all(json.loads((run / d / "card.json").read_text())["step"] <= 2 for d in ("export", "export-best"))

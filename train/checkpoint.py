@@ -8,8 +8,10 @@ A training checkpoint `ckpt/step-N/` is the drafter folder plus the state to res
   state.json          optimizer (class, step count, hyper-parameters per group, parameter names),
                       LR scheduler state, engine counters, the Python/NumPy RNG scalars per rank
   trainer_state.json  format, step, data position (epoch, samples of its seeded order consumed),
-                      world size, batch shape, total steps, resolved config, last metrics; written last
-Folders are written under a temporary name and renamed, so a reader never sees half a checkpoint.
+                      world size, batch shape, total steps, resolved config, last metrics, and the sha256 of every
+                      other file of the folder; written last
+Folders are written under a temporary name and renamed, so a reader never sees half a checkpoint; a resume checks
+every file against its sha256 (a checkpoint written before the checksums is checked for whole files only).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from safetensors.torch import save_file
 
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import drafter_tensors, write_drafter
+from eagle3ft.files import disk_full, json_text, sha256_file
 from eagle3ft.run_dir import RunDir
 
 TRAINER_STATE, STATE_TENSORS, STATE_JSON = "trainer_state.json", "state.safetensors", "state.json"
@@ -60,18 +63,30 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing, damaged or of another kind; the message names the file."""
 
 
-def verify_checkpoint(path: Path) -> None:
-    """CheckpointError naming the file unless the files a resume reads are whole: trainer_state.json (of this
-    format), state.json, and state.safetensors (its header read, and the file as long as the header says)."""
-    read_trainer_state(path)
+def verify_checkpoint(path: Path) -> dict:
+    """The checkpoint's trainer state; CheckpointError naming the file unless the files a resume reads are whole:
+    trainer_state.json (of this format), state.json, state.safetensors (its header read, and the file as long as the
+    header says), and every file trainer_state.json lists matching its sha256 (what a whole file can still hide)."""
+    st = read_trainer_state(path)
     read_json(Path(path) / STATE_JSON)
     StateTensors(Path(path) / STATE_TENSORS)
+    sums = st.get("sha256", {})
+    if not isinstance(sums, dict):
+        raise CheckpointError(f"{Path(path) / TRAINER_STATE}: sha256 is not a mapping of file names")
+    for name, digest in sums.items():
+        f = Path(path) / name
+        if Path(name).name != name or not f.is_file():
+            raise CheckpointError(f"{f}: missing")
+        if sha256_file(f) != digest:
+            raise CheckpointError(f"{f}: fails its sha256 check (damaged after it was written)")
+    return st
 
 
 def choose_resume(run_dir: Path, resume: str | None) -> tuple[Path | None, list[str]]:
     """(the checkpoint to resume from, why each newer one was passed over). A named folder is taken as it is (its
-    damage is an error when it loads); 'auto' takes the newest that verifies and passes over the damaged ones, and is
-    a CheckpointError when there are checkpoints but none verifies (None when there is none: a fresh start)."""
+    damage is an error when it loads); 'auto' takes the newest that verifies (verify_checkpoint: whole files, each
+    matching its sha256) and passes over the damaged ones, and is a CheckpointError when there are checkpoints but
+    none verifies (None when there is none: a fresh start)."""
     if resume != "auto":
         return resume_path(run_dir, resume), []
     refused = []
@@ -141,10 +156,19 @@ def save_checkpoint(dist, module, cfg: DrafterConfig, run_dir: Path, step: int, 
         tmp = root / f".step-{step}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
-        save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": FORMAT})
-        (tmp / STATE_JSON).write_text(json.dumps(meta, indent=1) + "\n")
-        (tmp / TRAINER_STATE).write_text(json.dumps({"format": FORMAT, **trainer_state}, indent=1) + "\n")
+        try:
+            write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
+            with disk_full(tmp / STATE_TENSORS):
+                save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": FORMAT})
+            with disk_full(tmp / STATE_JSON):
+                (tmp / STATE_JSON).write_text(json_text(meta, str(tmp / STATE_JSON), indent=1) + "\n")
+            sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+            record = {"format": FORMAT, **trainer_state, "sha256": sums}
+            with disk_full(tmp / TRAINER_STATE):
+                (tmp / TRAINER_STATE).write_text(json_text(record, str(tmp / TRAINER_STATE), indent=1) + "\n")
+        except BaseException:  # non-finite weights, a full disk, a kill: no half checkpoint is left
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
@@ -167,14 +191,15 @@ def read_trainer_state(path: Path) -> dict:
     return st
 
 
-def load_checkpoint(dist, path: Path, seed: int) -> tuple[dict, str]:
+def load_checkpoint(dist, path: Path, seed: int, verify: bool = True) -> tuple[dict, str]:
     """Restore optimizer, scheduler, engine counters and RNG from `path` (collective); returns (trainer_state, RNG
     note).
 
-    Reads only trainer_state.json, state.json and state.safetensors; every problem is a CheckpointError naming the file.
+    Reads only trainer_state.json, state.json and state.safetensors, each file checked against its sha256 first
+    (verify=False: choose_resume has just done it); every problem is a CheckpointError naming the file.
     """
     path = Path(path)
-    st = read_trainer_state(path)
+    st = verify_checkpoint(path) if verify else read_trainer_state(path)
     meta = read_json(path / STATE_JSON)
     tensors = StateTensors(path / STATE_TENSORS)
     try:

@@ -19,7 +19,6 @@ after the backward has freed the activations, so the peak holds the larger of th
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,6 +26,7 @@ import torch
 from eagle3ft.config import resolve_path
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.model_mla import new_drafter
+from eagle3ft.files import json_text
 from eagle3ft.train.losses import HEAD_CHUNK_BYTES
 
 GIB = 2**30
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> Estimate:
         a.ttt_steps,
         compiled=not a.eager,
     )
-    print(json.dumps(asdict(e), indent=1) if a.json else report(e))
+    print(json_text(asdict(e), "estimate", indent=1) if a.json else report(e))
     return e
 
 

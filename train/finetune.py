@@ -4,9 +4,12 @@
         --config configs/smollm2-135m.yaml --run-dir runs/smol [--resume auto | --overwrite] [--set train.max_steps=100]
 
 Reads DIR/features and DIR/vocab.safetensors; writes DIR/ckpt/step-N, DIR/export, DIR/train/metrics.jsonl.
-A folder whose training has started is continued (--resume auto) or started over (--overwrite), never both at once.
-An input error is one line from rank 0, whatever the number of processes; its traceback is in
-DIR/logs/train-error.log.
+A folder whose training has started is continued (--resume auto) or started over (--overwrite), never both at once;
+--overwrite removes only what the trainer wrote, and refuses a folder that is no run (train/outputs.py). On a resume
+this config's rates, schedule and batch apply from the next step (train/loop.py's resume names each that differs
+from the checkpoint's). Nothing is removed or recorded in DIR/config.yaml until every check has passed, so a refused
+start changes nothing. An input error or refusal is one line from rank 0, whatever the number of processes; its
+traceback is in DIR/logs/train-error.log.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from eagle3ft.data.store import StoreError
 from eagle3ft.runlock import RunLocked, run_lock
 from eagle3ft.train.launcher import end_launch, launch_args
 from eagle3ft.train.loop import NonFiniteLoss, OutOfMemoryHint, main
-from eagle3ft.train.outputs import refusal, remove_training_outputs, stale_derived, training_outputs
+from eagle3ft.train.outputs import (
+    not_a_run,
+    refusal,
+    remove_training_outputs,
+    run_markers,
+    stale_derived,
+    training_outputs,
+)
 
 DESCRIPTION = "Fine-tune an EAGLE-3 drafter on a run's feature store."
 
@@ -38,7 +48,7 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="start over: remove the folder's training outputs (ckpt/, export/, export-best/, train/) first",
+        help="start over: remove what the trainer wrote in the run folder (checkpoints, exports, train/ logs) first",
     )
     with rank0_voice(end_launch):
         cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
@@ -48,20 +58,27 @@ def cli(argv: list[str] | None = None) -> int:
     errors = (StoreError, NonFiniteLoss, OutOfMemoryHint, RunLocked)
     with cli_errors("finetune", *errors, log=error_log(run_dir, "train"), end_launch=end_launch):  # one line
         with run_lock(run_dir, "train") if rank0 else nullcontext():
-            check_start(parser, run_dir, cfg.train.resume, args.overwrite, rank0)  # a folder in use is named first
-            if rank0:
+            with rank0_voice(end_launch):  # a folder in use is named first
+                check_start(parser, run_dir, cfg.train.resume, args.overwrite, rank0)
+
+            def start(resumed: dict | None) -> None:
+                """Rank 0, once every check of the run has passed and before it writes anything."""
                 if args.overwrite:
                     overwrite(run_dir)
-                save_resolved(cfg, run_dir, "train")
-            main(cfg, run_dir)
+                save_resolved(cfg, run_dir, "train", {"resumed": resumed} if resumed else None)
+
+            main(cfg, run_dir, on_start=start)
     return 0
 
 
 def check_start(parser, run_dir, resume: str | None, overwrite: bool, rank0: bool) -> None:
-    """Exit 2 (one line, from rank 0) before anything loads: a started run folder needs --resume or --overwrite."""
+    """Exit 2 (one line, from rank 0) before anything loads: a started run folder needs --resume or --overwrite, and
+    --overwrite needs a run folder."""
     message = None
     if overwrite and resume is not None:
         message = "--overwrite starts over, --resume (train.resume) continues: give one of them"
+    elif overwrite and not run_markers(run_dir):
+        message = not_a_run(run_dir)
     elif not overwrite and resume is None and (found := training_outputs(run_dir)):
         message = refusal(run_dir, found)
     if message is not None:
@@ -69,7 +86,8 @@ def check_start(parser, run_dir, resume: str | None, overwrite: bool, rank0: boo
 
 
 def overwrite(run_dir) -> None:
-    """--overwrite, under the run lock: the old run's training outputs go before anything is written."""
+    """--overwrite, under the run lock, once the run's checks have passed: the old run's training outputs go before
+    anything is written."""
     if removed := remove_training_outputs(run_dir):
         print(f"--overwrite: removed {', '.join(removed)} of {run_dir}", file=sys.stderr, flush=True)
     if stale := stale_derived(run_dir):

@@ -10,14 +10,13 @@ train/validate.py; each export's card.json says which step it is) and `run_dir/t
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -27,11 +26,21 @@ from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
 from eagle3ft.data.store import _write_atomic
 from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
+from eagle3ft.files import NonFinite, json_text
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
-from eagle3ft.train.checkpoint import choose_resume, load_checkpoint, resume_position, save_checkpoint, truncate_metrics
+from eagle3ft.train.checkpoint import (
+    CheckpointError,
+    checkpoints,
+    choose_resume,
+    load_checkpoint,
+    read_trainer_state,
+    resume_position,
+    save_checkpoint,
+    truncate_metrics,
+)
 from eagle3ft.train.data import TrainData
-from eagle3ft.train.metrics import Meter, PhaseClock, SetupTimes, log_record, metrics_record, open_wandb
+from eagle3ft.train.metrics import Meter, PhaseClock, SetupTimes, diverged, log_record, metrics_record, open_wandb
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
 
@@ -40,7 +49,8 @@ if TYPE_CHECKING:
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or inf; names the step and the samples of the batch."""
+    """The loss (or the weights) became NaN or inf; names the step, the samples of the batch and the last good
+    checkpoint to resume from."""
 
 
 class OutOfMemoryHint(RuntimeError):
@@ -109,6 +119,8 @@ class Run:
     batch_in_epoch: int = 0  # micro-batches of this epoch this process has consumed
     start_step: int = 0  # the step this process started (or resumed) at
     last: dict = field(default_factory=dict)  # the last metrics record
+    first_loss: float | None = None  # the run's first logged loss (a resume keeps its checkpoint's)
+    warned: bool = False  # the divergence warning was given
     started: float = field(default_factory=time.perf_counter)  # when setup began (the records' elapsed_s)
 
     @property
@@ -131,19 +143,45 @@ class Run:
             "total_steps": self.total,
             "config": to_dict(self.cfg),
             "last": self.last,
+            "first_loss": self.first_loss,
         }
+
+    def last_good(self) -> Path | None:
+        """The newest checkpoint whose last logged loss had not diverged from the run's first (checkpoints hold finite
+        weights only: eagle3ft/drafter/export.py's write_drafter refuses others)."""
+        for ckpt in reversed(checkpoints(self.run_dir)):
+            try:
+                loss = (read_trainer_state(ckpt).get("last") or {}).get("loss")
+            except CheckpointError:
+                continue
+            if not isinstance(loss, (int, float)) or not diverged(loss, self.first_loss):
+                return ckpt
+        return None
+
+    def resume_hint(self) -> str:
+        ckpt = self.last_good()
+        if ckpt is None:
+            return "no checkpoint before it to resume from: start over with --overwrite and a lower train.lr"
+        return f"the last good checkpoint is {ckpt}: resume from it with --resume {ckpt} and a lower train.lr"
 
 
 # --------------------------------------------------------------------------- setup -> fit -> export
 
 
-def main(cfg: Config, run_dir: str | Path) -> dict:
+def main(cfg: Config, run_dir: str | Path, on_start: Callable[[dict | None], None] | None = None) -> dict:
     """Fine-tune the drafter on run_dir's features (or the target's, online: train/data.py).
 
+    `on_start(resumed)` runs on the main process once every check has passed, before the run writes anything
+    (train/finetune.py: --overwrite's removal, the config.yaml record); `resumed` says where a resume started.
     Returns the last metrics record."""
-    run = setup(cfg, Path(run_dir))
-    fit(run)
-    export(run)
+    run = setup(cfg, Path(run_dir), on_start)
+    try:
+        fit(run)
+        export(run)
+    except NonFinite as e:  # a checkpoint, export or best export of weights no longer finite: none is written
+        raise NonFiniteLoss(
+            f"non-finite weights after step {run.step} ({e}), not written; {run.resume_hint()}"
+        ) from None
     if run.wandb_run is not None:
         run.wandb_run.finish()
     if run.lock is not None:
@@ -154,8 +192,9 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
     return last
 
 
-def setup(cfg: Config, run_dir: Path) -> Run:
-    """Data, drafter, processes, optimizer; the resumed position; the logs. Every check runs before any compute."""
+def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | None = None) -> Run:
+    """Data, drafter, processes, optimizer; the resumed position; the logs. Every check runs before any compute, and
+    before anything is written (a refused start leaves the folder as it was)."""
     from eagle3ft.train.dist import Dist
 
     started = time.perf_counter()
@@ -173,13 +212,9 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     )
     took.mark("drafter")
 
-    # 2. processes and the run lock; a warm start's vocab becomes the run's
+    # 2. processes and the run lock
     dist = Dist(tcfg)
     lock = dist.lock_run(run_dir)
-    if cfg.drafter.init and dist.is_main:
-        note = adopt_drafter_vocab(run_dir, model.d2t, model.t2d, resolve_path(cfg.drafter.init))
-        if note:
-            dist.print(note)
     took.mark("processes")
 
     # 3. optimizer and LR schedule over the run's optimizer steps
@@ -195,29 +230,66 @@ def setup(cfg: Config, run_dir: Path) -> Run:
     took.mark("engine")
     run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock, started=started)
 
-    # 4. resume: weights, optimizer, RNG, data position; held-out τ
+    # 4. resume: weights, optimizer, RNG, data position
     resumed = resume(run)
     took.mark("resume")
-    run.heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed=resumed)
+
+    # 5. every check has passed: the run starts writing; a warm start's vocab becomes the run's; held-out τ
+    if dist.is_main:
+        if on_start is not None:
+            on_start(resumed)
+        if cfg.drafter.init:
+            note = adopt_drafter_vocab(run_dir, model.d2t, model.t2d, resolve_path(cfg.drafter.init))
+            if note:
+                dist.print(note)
+    run.heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed=resumed is not None)
     took.mark("held-out set")
 
-    # 5. logs: metrics.jsonl (cut back to the resumed step), the summary line, wandb
+    # 6. logs: metrics.jsonl (cut back to the resumed step), the summary line, wandb
     if dist.is_main:
         open_logs(run, sum(p.numel() for p in trainable))
     dist.print(f"start-up: {took}")
     return run
 
 
-def resume(run: Run) -> bool:
-    """Load train.resume's checkpoint (if any) into the prepared engine and move `run` to its step and data position."""
+# train.* keys that a checkpoint's optimizer and scheduler state also hold, or that shape the LR schedule and the
+# batch: on a resume this invocation's values run from the next step (apply_rates), and resume() names each that
+# differs from the checkpoint's
+RESUME_APPLIES = (
+    "lr",
+    "weight_decay",
+    "warmup_steps",
+    "min_lr_ratio",
+    "max_steps",
+    "epochs",
+    "micro_batch_size",
+    "grad_accum",
+)
+
+
+def apply_rates(run: Run) -> None:
+    """After a checkpoint's optimizer and scheduler state are loaded (they hold the rate and weight decay it ran
+    with): this config's train.lr and train.weight_decay, and its schedule's rate for the next step."""
+    tcfg, sched = run.cfg.train, run.scheduler.scheduler  # the LambdaLR inside accelerate's wrapper
+    factor = lr_lambda(tcfg, run.total)(sched.last_epoch)  # last_epoch: optimizer steps taken
+    sched.base_lrs = [tcfg.lr for _ in sched.base_lrs]
+    for group in sched.optimizer.param_groups:
+        group.update(initial_lr=tcfg.lr, lr=tcfg.lr * factor, weight_decay=tcfg.weight_decay)
+    sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
+
+
+def resume(run: Run) -> dict | None:
+    """Load train.resume's checkpoint (if any) into the prepared engine and move `run` to its step and data position;
+    this config's rates, schedule and batch apply from the next step. Returns where it resumed (the checkpoint, its
+    step, the train.* values that differ from the checkpoint's as [checkpoint's, now]), or None."""
     ckpt, refused = choose_resume(run.run_dir, run.cfg.train.resume)
     for why in refused:
         run.dist.print(f"--resume auto: passed over a damaged checkpoint: {why}")
     if ckpt is None and run.cfg.train.resume == "auto":
         run.dist.print(f"--resume auto: no checkpoint in {RunDir(run.run_dir).ckpt}; starting at step 0")
     if ckpt is not None:
-        st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed)
-        run.step = st["step"]
+        st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed, verify=run.cfg.train.resume != "auto")
+        run.step, run.first_loss = st["step"], st.get("first_loss")
         run.epoch, run.batch_in_epoch = resume_position(
             st, ckpt, run.data.order_len(st.get("data", {}).get("epoch", 0)), run.data.per_micro_batch, run.dist.world
         )
@@ -231,7 +303,15 @@ def resume(run: Run) -> bool:
                 "(set train.max_steps to keep the LR schedule)"
             )
     run.start_step = run.step
-    return ckpt is not None
+    if ckpt is None:
+        return None
+    apply_rates(run)
+    before, now = (st.get("config") or {}).get("train") or {}, to_dict(run.cfg.train)
+    changed = {f"train.{k}": [before[k], now[k]] for k in RESUME_APPLIES if k in before and before[k] != now[k]}
+    if changed:
+        what = ", ".join(f"{k} {new!r} (the checkpoint ran {old!r})" for k, (old, new) in changed.items())
+        run.dist.print(f"resume: this config's {what} apply from step {run.step + 1}")
+    return {"from": str(ckpt), "step": run.step, "changed": changed}
 
 
 def open_logs(run: Run, n_train: int) -> None:
@@ -253,7 +333,7 @@ def open_logs(run: Run, n_train: int) -> None:
         f"({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); "
         f"{run.total} optimizer steps"
     )
-    what = json.dumps(  # what the run trains on: benchmarks/tau_curve.py reads the answer tokens from here
+    what = json_text(  # what the run trains on: benchmarks/tau_curve.py reads the answer tokens from here
         {
             "where": data.where,
             "samples": len(data),
@@ -265,6 +345,7 @@ def open_logs(run: Run, n_train: int) -> None:
             "epochs": tcfg.epochs,
             "optimizer_steps": run.total,
         },
+        str(log_dir / "data.json"),
         indent=1,
     )
     _write_atomic(log_dir / "data.json", what.encode())
@@ -293,7 +374,7 @@ def fit(run: Run) -> None:
                     bad = dist.gather_ints(sample_ids if not torch.isfinite(out.loss) else [])
                     raise NonFiniteLoss(
                         f"non-finite loss at step {run.step + 1} (epoch {run.epoch}, micro-batch "
-                        f"{run.batch_in_epoch}); sample ids per rank: {bad}"
+                        f"{run.batch_in_epoch}); sample ids per rank: {bad}; {run.resume_hint()}"
                     )
                 lr = run.scheduler.get_last_lr()[0]  # the rate this step applies
                 dist.backward(out.loss, between=lambda: clock.mark("backward"))
@@ -315,6 +396,7 @@ def fit(run: Run) -> None:
             eval_now = run.heldout.due(run.step, run.total)
             if run.step % tcfg.log_every == 0 or run.step == run.total or eval_now:
                 run.last = metrics_record(meter, dist, tcfg, run.step, run.epoch, lr, samples, run.started)
+                warn_if_diverging(run)
                 run.last["phase_s"] = clock.take()  # this rank's seconds per step in each phase
                 if data.online is not None:  # this rank's share of the step that the target's prefill takes
                     run.last["online_prefill_s"] = data.online.take_seconds()
@@ -344,6 +426,20 @@ def fit(run: Run) -> None:
         else:
             run.epoch, run.batch_in_epoch = run.epoch + 1, 0
     bar.close()
+
+
+def warn_if_diverging(run: Run) -> None:
+    """Once per run: a console warning when the logged loss has risen DIVERGED times above the first logged loss
+    (eval/report.py says it again from train/metrics.jsonl)."""
+    loss = run.last["loss"]
+    if run.first_loss is None:
+        run.first_loss = loss
+    elif not run.warned and diverged(loss, run.first_loss):
+        run.warned = True
+        run.dist.print(
+            f"warning: the loss {loss:.4g} at step {run.step} is {loss / run.first_loss:.0f}x the first logged "
+            f"loss {run.first_loss:.4g}: the training is diverging; {run.resume_hint()}"
+        )
 
 
 def export(run: Run) -> None:

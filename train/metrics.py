@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.config import Config, TrainConfig, to_dict
+from eagle3ft.files import disk_full, json_text
 
 if TYPE_CHECKING:
     from eagle3ft.train.dist import Dist
@@ -138,6 +138,31 @@ def metrics_record(
     }
 
 
+DIVERGED = 100.0  # a logged loss this many times the run's first logged loss: the training is diverging
+
+
+def diverged(loss: float, first: float | None) -> bool:
+    """True when `loss` has risen DIVERGED times above the run's first logged loss `first` (when that is positive),
+    or is not finite."""
+    if not math.isfinite(loss):
+        return True
+    return first is not None and math.isfinite(first) and first > 0 and loss > DIVERGED * first
+
+
+def divergence(records: list[dict]) -> dict | None:
+    """The first training record (train/metrics.jsonl, in step order) whose loss diverged from the first record's:
+    {step, loss, first_step, first_loss, ratio}; None when none did."""
+    losses = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+    if not losses:
+        return None
+    (first_step, first), *_ = losses
+    for step, loss in losses[1:]:
+        if diverged(loss, first):
+            ratio = loss / first if math.isfinite(loss) else None
+            return {"step": step, "loss": loss, "first_step": first_step, "first_loss": first, "ratio": ratio}
+    return None
+
+
 def open_wandb(cfg: Config, log_dir: Path) -> Any:
     """Main process: the run's wandb run (train.wandb_mode, train.wandb_project), None when disabled."""
     tcfg = cfg.train
@@ -157,8 +182,9 @@ def open_wandb(cfg: Config, log_dir: Path) -> Any:
 
 def log_record(record: dict, metrics_file: Path, wandb_run: Any, bar: tqdm) -> None:
     """Main process: append the record to metrics.jsonl, send it to wandb, show it on the progress bar."""
-    with open(metrics_file, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    line = json_text(record, str(metrics_file)) + "\n"
+    with disk_full(metrics_file), open(metrics_file, "a") as f:  # a line cut short is dropped on resume
+        f.write(line)
     if wandb_run is not None:
         flat = {k: v for k, v in record.items() if not isinstance(v, list)}
         flat.update(

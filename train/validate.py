@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from eagle3ft.data.store import collate
-from eagle3ft.files import write_atomic
+from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 
 
@@ -130,7 +130,7 @@ def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, d
                 "heldout_tokens": result.heldout_tokens,
             }
         )
-    write_atomic(Path(folder) / CARD, json.dumps(card, indent=2) + "\n")
+    write_json(Path(folder) / CARD, card, indent=2, newline=True)
 
 
 class HeldoutTracker:
@@ -226,10 +226,7 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     )
     out = RunDir(run_dir).eval
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(
-        out / "heldout_tau.json",
-        json.dumps({**asdict(result), "depth": depth, "checkpoint": str(ckpt)}, indent=2) + "\n",
-    )
+    write_json(out / "heldout_tau.json", {**asdict(result), "depth": depth, "checkpoint": str(ckpt)}, 2, newline=True)
     return result
 
 

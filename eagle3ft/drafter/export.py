@@ -7,7 +7,6 @@ against the parameters and shards SGLang's load_weights fills (`check_keys`).
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ from safetensors.torch import save_file
 from eagle3ft.drafter.config import LLAMA_EAGLE3, MLA_EAGLE3, DrafterConfig
 from eagle3ft.drafter.model import Eagle3Drafter, export_keys
 from eagle3ft.drafter.model_mla import mla_export_keys, new_drafter
+from eagle3ft.files import check_finite, disk_full, json_text
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 IGNORED_KEYS = ("embed_tokens.weight",)  # filled from the target by SGLang and by `load_drafter`
@@ -219,9 +219,13 @@ def atomic_dir(final: Path):
 
 
 def write_drafter(folder: Path, cfg: DrafterConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """config.json and model.safetensors into `folder`; NonFinite (nothing written) when a tensor holds NaN or inf."""
     check_keys(tensors, str(folder), cfg.fc_norm, cfg.architecture, cfg.num_hidden_layers)
-    (folder / CONFIG).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    check_finite(tensors, str(folder))
+    with disk_full(folder / CONFIG):
+        (folder / CONFIG).write_text(json_text(cfg.to_hf_dict(), str(folder / CONFIG), indent=2) + "\n")
+    with disk_full(folder / WEIGHTS):
+        save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
 
 
 def export_drafter(model: Eagle3Drafter, folder: str | Path) -> Path:
@@ -245,6 +249,32 @@ def read_drafter_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if k not in IGNORED_KEYS}
 
 
+def check_weight_shapes(folder: str | Path, cfg: DrafterConfig | None = None) -> None:
+    """ValueError naming the file and the tensor when a weight's shape is not the one the folder's config.json gives
+    it (torch and SGLang would stop with a size-mismatch traceback). Reads the files' headers only, the model is
+    built on the meta device; a layout model.py cannot build (SGLang may still serve it) is not checked."""
+    folder = Path(folder)
+    cfg = cfg or DrafterConfig.from_json(folder / CONFIG)
+    try:
+        cfg.check_supported()
+    except ValueError:
+        return
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in new_drafter(cfg).state_dict().items()}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as h:
+            for key in h.keys():
+                name = key.removeprefix("model.")
+                if cfg.architecture == MLA_EAGLE3:
+                    name = re.sub(r"^layers\.0\.", "midlayer.", name)
+                shape = tuple(h.get_slice(key).get_shape())
+                if name in expected and shape != expected[name]:
+                    raise ValueError(
+                        f"{f}: tensor {key} has shape {list(shape)}, {folder / CONFIG} gives it {list(expected[name])}: "
+                        "the config and the weights are not of one drafter"
+                    )
+
+
 def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
     """A drafter from SGLang's form (either layout: model_mla.py's new_drafter); `embedding` (V, H) is the
     target's input embedding."""
@@ -252,6 +282,7 @@ def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> E
     if not (folder / CONFIG).is_file():
         raise FileNotFoundError(f"{folder}: no {CONFIG} (expected a drafter in SGLang's form)")
     cfg = DrafterConfig.from_json(folder / CONFIG)
+    check_weight_shapes(folder, cfg)
     tensors = read_drafter_tensors(folder)
     if cfg.architecture == MLA_EAGLE3:  # SGLang's MLA loader reads checkpoints that name the midlayer layers.0
         tensors = {re.sub(r"^layers\.0\.", "midlayer.", k): v for k, v in tensors.items()}
