@@ -166,6 +166,7 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         dedupe=h.dedupe,
         skips=prompt_skips,
         check=prompt_fits,
+        heldout_sets=h.magpie.heldout,
     )
     if not convs:
         raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")
