@@ -68,7 +68,7 @@ class EpochOrder(torch.utils.data.Dataset):
         self.order = order
 
     def __len__(self) -> int:
-        return len(self.ds)
+        return len(self.order)
 
     def __getitem__(self, i: int) -> dict:
         return self.ds[self.order[i]]
@@ -437,22 +437,27 @@ class TrainData:
         return answer_token_counts(self.counted, vocab_size)
 
     def heldout(self, device: torch.device):
-        """(held-out items, where they are, features): the feature store's held-out split offline (features None);
-        online, the held-out token samples and the function that adds the target's features to a collated batch."""
+        """(held-out items, where they are, features, each item's source name): the feature store's held-out split
+        offline (features None); online, the held-out token samples and the function that adds the target's features
+        to a collated batch. The names are those the store recorded; train.best_on also finds them from the sample
+        ids in a feature store written before they were recorded (data/harvest.py sample_sources)."""
         if self.online is None:
-            return (
-                (self.store.dataset("heldout") if self.store is not None else []),
-                str(RunDir(self.run_dir).features),
-                None,
-            )
-        ds, where, _ = token_dataset(self.run_dir, self.store, "heldout")
+            if self.store is None:
+                return [], str(RunDir(self.run_dir).features), None, []
+            names = self.store.sources("heldout")
+            if self.cfg.train.best_on and None in names:
+                from eagle3ft.data.harvest import sample_sources
+
+                names = sample_sources(self.store, self.cfg.harvest, "heldout")
+            return self.store.dataset("heldout"), str(RunDir(self.run_dir).features), None, names
+        ds, where, names = token_dataset(self.run_dir, self.store, "heldout")
 
         def features(batch: dict) -> dict:
             if self.online.target.device != device:
                 self.online.to(device)
             return {**batch, **self.online.features(batch, device)}
 
-        return ds, where, features
+        return ds, where, features, names
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's draws of sample indices (epoch_order, weighted by the sources' weights)."""

@@ -396,12 +396,16 @@ def export(run: Run) -> None:
     if dist.is_main:
         with atomic_dir(out.export) as tmp:
             write_drafter(tmp, run.model.config, drafter_tensors(state, prefix="drafter."))
-            write_card(tmp, "last", step, heldout.latest, heldout.depth)
+            write_card(tmp, "last", step, heldout.latest, heldout.depth, heldout.latest_sets)
         dist.print(f"exported the drafter to {out.export} (SGLang: --speculative-draft-model-path {out.export})")
         if heldout.latest is not None:
             best = read_card(out.export_best) or {}
+            sets = heldout.latest_sets["heldout_sets"]
+            taus = ", ".join(f"{name} {v['tau']:.3f}" for name, v in sets.items())
+            per_set = f" ({taus})" if len(sets) > 1 else ""
+            on = f", chosen on {heldout.best_on}" if heldout.best_on else ""
             dist.print(
-                f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}; "
-                f"best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {out.export_best}"
+                f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}{per_set}; "
+                f"best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f}{on} in {out.export_best}"
             )
     dist.barrier()
