@@ -34,6 +34,7 @@ from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
 from eagle3ft.data.aux_rows import row_checker
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.checks import HarvestRefused, argmax_check, check_argmax_rate, check_aux_rows
+from eagle3ft.data.contamination import heldout_filter
 from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity, source_name
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
@@ -292,7 +293,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         dedupe=h.dedupe,
         skips=prompt_skips,
         check=prompt_fits,
-        heldout_sets=h.magpie.heldout,
+        heldout=heldout_filter(h.sources, h.magpie.heldout),
     )
     if not convs:
         raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")

@@ -363,22 +363,19 @@ def collect(
     dedupe: bool,
     skips: Counter,
     check: Callable[[list[dict]], str | None] = lambda m: None,
-    heldout_sets: Iterable[SourceConfig] = (),
+    heldout: Callable[[list[dict]], bool] | None = None,
 ) -> list[Conversation]:
     """All sources' conversations in a deterministic order, each source cut at its `limit` after filtering.
 
     `check(messages)` returns a skip reason (e.g. too many tokens) or None. A source with `exclude_heldout` skips, as
-    "heldout_ngram", every conversation whose user turns share an 8-gram with the sources of split heldout or with
-    `heldout_sets` (data/contamination.py), before its limit applies.
+    "heldout_ngram", every conversation for which `heldout(messages)` is true (data/contamination.py's
+    `heldout_filter`: a user turn shares an 8-gram with a held-out set), before its limit applies.
     """
     sources = list(sources)
+    if heldout is None and any(s.exclude_heldout for s in sources):
+        raise ValueError("a source sets exclude_heldout, but no held-out sets were given to check it against")
     seen: set[str] = set()
     out: list[Conversation] = []
-    grams = None
-    if any(s.exclude_heldout for s in sources):
-        from eagle3ft.data.contamination import HeldoutGrams  # it reads sources through this module
-
-        grams = HeldoutGrams([s for s in sources if s.split == "heldout"] + list(heldout_sets))
     for src in sources:
         if src.kind == "tokens":  # fixed ids: no normalization, no prompt check (harvest.max_total_tokens applies)
             for c in iter_token_store(src, src.limit):
@@ -403,9 +400,8 @@ def collect(
                 skips["duplicate"] += 1
                 continue
             reason = check(messages)
-            if not reason and grams is not None and src.exclude_heldout:
-                turns = (m["content"] for m in messages if m["role"] == "user")
-                reason = "heldout_ngram" if any(grams.hits(t) for t in turns) else None
+            if not reason and src.exclude_heldout and heldout(messages):
+                reason = "heldout_ngram"
             if reason:
                 skips[reason] += 1
                 continue

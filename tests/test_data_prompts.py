@@ -156,6 +156,7 @@ def test_json_and_parquet_files(tmp_path):
 
 
 def test_a_replay_source_with_exclude_heldout_drops_what_shares_an_8gram_with_a_heldout_set(tmp_path):
+    from eagle3ft.data.contamination import heldout_filter
     from eagle3ft.data.prompts import iter_records, raw_messages
 
     question = raw_messages(next(iter_records(SourceConfig(kind="mtbench"), Counter())))[0][1]
@@ -180,7 +181,7 @@ def test_a_replay_source_with_exclude_heldout_drops_what_shares_an_8gram_with_a_
             heldout_fraction=0.0,
             dedupe=True,
             skips=skips,
-            heldout_sets=extra,
+            heldout=heldout_filter([heldout, src], extra),
         )
         return [c.messages[0]["content"] for c in convs if c.split == "train"], skips
 
@@ -198,3 +199,9 @@ def test_source_identity_keeps_earlier_fingerprints_and_ignores_the_training_wei
     assert "weight" not in plain[0] and "exclude_heldout" not in plain[0]
     assert source_identity([SourceConfig(kind="sharegpt", limit=4, weight=0.25, name="general")]) == plain
     assert source_identity([SourceConfig(kind="sharegpt", limit=4, exclude_heldout=True)]) != plain
+
+
+def test_exclude_heldout_without_heldout_sets_to_check_is_refused():
+    src = SourceConfig(kind="mtbench", exclude_heldout=True)
+    with pytest.raises(ValueError, match="no held-out sets were given to check it against"):
+        collect([src], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
