@@ -18,7 +18,7 @@ and by how much. Writes the figures to RUN/eval/compare.json (or --out) and prin
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -154,9 +154,9 @@ def compare(
     return {"before": labels[0], "after": labels[1], "setting": setting, "sets": sets, "verdict": verdict_line(sets)}
 
 
-def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None) -> dict:
-    """Both drafters' walks on every held-out set of RUN; the comparison, written and returned."""
-    from eagle3ft.config import resolve_path
+def drafter_walks(cfg, run_dir: Path, folders: dict[str, Path]) -> dict[str, dict[str, SetTotals]]:
+    """label -> held-out set -> the walk of that drafter folder on RUN's held-out features, each drafter in the
+    target's dtype (every folder is checked against the features before any is loaded)."""
     from eagle3ft.data.harvest import sample_sources
     from eagle3ft.data.store import MANIFEST, FeatureStore
     from eagle3ft.drafter.config import check_drafter_folder
@@ -164,36 +164,41 @@ def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None)
     from eagle3ft.eval.demo_summary import group_heldout
     from eagle3ft.targets.hf import load_input_embedding, pick_device
 
-    if before is None and not cfg.drafter.init:
-        raise ValueError("--before: no drafter to compare against (drafter.init is not set)")
-    folders = {
-        "before": resolve_path(before) if before else resolve_path(cfg.drafter.init),
-        "after": resolve_path(after) if after else resolve_path(cfg.eval.checkpoint, base=run_dir),
-    }
     store = FeatureStore(RunDir(run_dir).features)
-    for which, folder in folders.items():
-        check_drafter_folder(folder, store.target, f"--{which}", str(store.dir / MANIFEST))  # before any compute
+    for label, folder in folders.items():
+        check_drafter_folder(folder, store.target, label, str(store.dir / MANIFEST))
     ds = store.dataset("heldout")
     groups = group_heldout(sample_sources(store, cfg.harvest, "heldout"))
     if not groups:
         raise ValueError(f"{store.dir} has no held-out samples (harvest.sources with split heldout)")
     device = pick_device(cfg.target)
     emb = load_input_embedding(cfg.target)
-    steps = cfg.eval.steps
     walks = {}
-    for which, folder in folders.items():
+    for label, folder in folders.items():
         drafter = load_drafter(folder, embedding=emb.float()).to(device=device, dtype=emb.dtype).eval()
         with torch.no_grad():
-            walks[which] = {name: measure(drafter, [ds[i] for i in idx], steps, device) for name, idx in groups.items()}
-    setting = f"{steps}/1/{steps + 1}"
-    result = compare(
-        walks["before"],
-        walks["after"],
-        (str(folders["before"]), str(folders["after"])),
-        setting,
-        break_even(run_dir, setting, cfg.eval.checkpoint),
-    )
-    result["per_sample"] = {w: {n: asdict(t)["per_sample"] for n, t in sets.items()} for w, sets in walks.items()}
+            walks[label] = {
+                name: measure(drafter, [ds[i] for i in idx], cfg.eval.steps, device) for name, idx in groups.items()
+            }
+    return walks
+
+
+def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None) -> dict:
+    """Both drafters' walks on every held-out set of RUN; the comparison (with each conversation's counts)."""
+    from eagle3ft.config import resolve_path
+
+    if before is None and not cfg.drafter.init:
+        raise ValueError("--before: no drafter to compare against (drafter.init is not set)")
+    folders = {
+        "--before": resolve_path(before) if before else resolve_path(cfg.drafter.init),
+        "--after": resolve_path(after) if after else resolve_path(cfg.eval.checkpoint, base=run_dir),
+    }
+    walks = drafter_walks(cfg, run_dir, folders)
+    setting = f"{cfg.eval.steps}/1/{cfg.eval.steps + 1}"
+    costs = break_even(run_dir, setting, cfg.eval.checkpoint)
+    labels = (str(folders["--before"]), str(folders["--after"]))
+    result = compare(walks["--before"], walks["--after"], labels, setting, costs)
+    result["per_sample"] = {w.lstrip("-"): {n: t.per_sample for n, t in sets.items()} for w, sets in walks.items()}
     return result
 
 
