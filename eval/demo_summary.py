@@ -183,6 +183,9 @@ def _training(run_dir: Path) -> dict:
     card = RunDir(run_dir).export / "card.json"
     if card.is_file():
         out["export_card"] = json.loads(card.read_text())
+    data = metrics.parent / "data.json"
+    if data.is_file():
+        out["sources"] = json.loads(data.read_text()).get("sources")  # each source's weight and share of the draws
     return out
 
 
@@ -242,7 +245,7 @@ def build(cfg, run_dir: Path, before: str, after: str) -> dict:
         "after": after,
         "setting": setting,
         "domain": domain,
-        "training": _training(run_dir),
+        "training": {**_training(run_dir), "l2sp": cfg.train.l2sp},
         "sets": sets,
         "environment": (bench or {}).get("environment"),
     }
@@ -258,6 +261,13 @@ def format_headline(h: dict) -> str:
         f"{_f(t.get('train_s'), '.0f')} s; {tr.get('samples', '?')} conversations, {tr.get('loss_tokens', '?')} answer "
         f"tokens), setting {h['setting']} (steps/topk/draft tokens)"
     ]
+    mix = t.get("sources") or {}
+    recipe = [f"L2-SP toward the {h['before']} weights (λ {t['l2sp']:g})"] if t.get("l2sp") else []
+    if len(mix) > 1:
+        shares = ", ".join(f"{n} {m['share']:.0%}" for n, m in mix.items())
+        recipe.append(f"answer tokens drawn per source: {shares}")
+    if recipe:
+        lines.append("recipe: " + "; ".join(recipe))
     for s in h["sets"]:
         lines.append(f"{s['role']} ({s['kind']}):")
         off = s.get("offline")
@@ -290,9 +300,11 @@ def format_headline(h: dict) -> str:
                     )
                 )
     if card.get("heldout_tau") is not None:
+        sets = card.get("heldout_sets") or {}
+        per_set = ", ".join(f"{n} {v['tau']:.3f}" for n, v in sets.items()) if len(sets) > 1 else ""
         lines.append(
             f"trainer's held-out tau at the export (depth {card.get('heldout_depth')}, all held-out sets): "
-            f"{card['heldout_tau']:.3f}"
+            f"{card['heldout_tau']:.3f}" + (f" ({per_set})" if per_set else "")
         )
     return "\n".join(lines)
 

@@ -19,6 +19,11 @@ from __future__ import annotations
 import torch
 
 
+def sq_sum(x: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
+    """Σ x² in float64, a chunk at a time (a partition of a 1B-parameter drafter is never copied whole in float64)."""
+    return sum((c.double().square().sum() for c in x.flatten().split(chunk)), torch.zeros((), dtype=torch.float64))
+
+
 class L2SP:
     """The penalty on one rank's master partitions; `attach` hooks it to the optimizer that steps them."""
 
@@ -30,7 +35,7 @@ class L2SP:
 
     def local_w0_sq(self) -> torch.Tensor:
         """Σ w0² over this rank's partitions (float64); summed over the ranks it fingerprints w0."""
-        return sum((w.double().square().sum() for w in self.w0.values()), torch.zeros((), dtype=torch.float64))
+        return sum((sq_sum(w) for w in self.w0.values()), torch.zeros((), dtype=torch.float64))
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Every step of `optimizer` first adds 2λ(w − w0) to the gradient of each partition it steps."""
@@ -49,7 +54,7 @@ class L2SP:
                     )
                 d = p.detach() - w0
                 p.grad.add_(d, alpha=2 * self.lam)
-                self._step_sq.append(d.double().square().sum())
+                self._step_sq.append(sq_sum(d))
 
     def end_step(self) -> None:
         """After each optimizer step: `sq` becomes Σ‖w − w0‖² of this rank's partitions before that step's update."""
