@@ -196,7 +196,7 @@ def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None)
     walks = drafter_walks(cfg, run_dir, folders)
     setting = f"{cfg.eval.steps}/1/{cfg.eval.steps + 1}"
     costs = break_even(run_dir, setting, cfg.eval.checkpoint)
-    labels = (str(folders["--before"]), str(folders["--after"]))
+    labels = (before or cfg.drafter.init, after or str(Path(run_dir) / cfg.eval.checkpoint))  # as the user named them
     result = compare(walks["--before"], walks["--after"], labels, setting, costs)
     result["per_sample"] = {w.lstrip("-"): {n: t.per_sample for n, t in sets.items()} for w, sets in walks.items()}
     return result
