@@ -259,7 +259,7 @@ class TrainConfig:
     lk_eta: float = 3.0  # η of lk_hybrid
     # held-out greedy chain τ (depth eval.steps) every this many optimizer steps and at the end; 0 = at the end only
     eval_every: int = 200
-    eval_samples: int = 256  # the first this many held-out samples form the fixed held-out set (train/validate.py)
+    eval_samples: int = 256  # the first this many samples of each held-out set form it (train/validate.py)
     # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
     features: Literal["offline", "online"] = "offline"
     # online: more token stores (tokens/ folders of data/regen.py runs of the same target and chat template, e.g. a

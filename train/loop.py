@@ -281,7 +281,7 @@ def open_logs(run: Run, n_train: int) -> None:
         f"{data.answer_tokens:,} answer tokens{subset}{loops} "
         f"({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); "
         f"{run.total} optimizer steps"
-        + (f"; L2-SP toward the starting weights, λ {tcfg.l2sp:g}" if run.l2sp is not None else "")
+        + (f"; L2-SP toward the starting weights, λ {tcfg.l2sp:g}" if tcfg.l2sp > 0 else "")
     )
     if data.weights is not None:
         dist.print(
