@@ -68,6 +68,16 @@ class HeldoutGrams:
         return {self.grams[g] for g in ngrams(text) if g in self.grams}
 
 
+def heldout_filter(sources: Iterable[SourceConfig], more: Iterable[SourceConfig] = ()):
+    """For prompts.collect: whether a conversation's user turns share an 8-gram with the sources of split heldout
+    among `sources` or with `more` (harvest.magpie.heldout); None when no source sets exclude_heldout."""
+    sources = list(sources)
+    if not any(s.exclude_heldout for s in sources):
+        return None
+    grams = HeldoutGrams([s for s in sources if s.split == "heldout"] + list(more))
+    return lambda messages: any(grams.hits(m["content"]) for m in messages if m["role"] == "user")
+
+
 def contaminated(grams: HeldoutGrams, sources: Iterable[SourceConfig]) -> dict[str, dict[str, int]]:
     """Per training source, per held-out set: how many of its user turns share an 8-gram with that set."""
     out = {}

@@ -17,6 +17,7 @@ import os
 # Spinning OpenMP threads slow torch on a busy CPU (shared CI, 2 cores) by 10-25x; set before torch loads.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -33,7 +34,8 @@ from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
 from eagle3ft.data.aux_rows import row_checker
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.checks import HarvestRefused, argmax_check, check_argmax_rate, check_aux_rows
-from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
+from eagle3ft.data.contamination import heldout_filter
+from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity, source_name
 from eagle3ft.data.readers import Skips
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
 from eagle3ft.data.tokens import check_tokenizer
@@ -61,6 +63,30 @@ def sample_id(key: str) -> int:
     return int(key[:15], 16)  # 60 bits: a positive int64
 
 
+def sample_sources(store: FeatureStore, h: HarvestConfig, split: str) -> list[str | None]:
+    """The source name (data/prompts.py source_name) of each sample of a feature store's `split`, in dataset order:
+    as the harvest recorded it, else (a store written before it recorded them) found again from the sample ids of
+    every record of `h.sources` that can reach the split, keyed as the harvest keys them; None where neither has it.
+    """
+    names = store.sources(split)
+    if all(n is not None for n in names):
+        return names
+    by_id: dict[int, str] = {}
+    for src in h.sources:
+        if src.kind == "tokens" or src.split not in ("auto", split):
+            continue
+        if split == "heldout" and src.split == "auto" and h.heldout_fraction <= 0:
+            continue
+        every = dataclasses.replace(src, limit=None, split=split, exclude_heldout=False)
+        convs = collect(
+            [every], max_turns=h.max_turns, regenerate=h.regenerate, heldout_fraction=0.0, dedupe=False, skips=Counter()
+        )
+        for c in convs:
+            by_id.setdefault(sample_id(c.key), source_name(src))
+    ids = [row[3] for row in store.dataset(split, keys=("input_ids",)).index]
+    return [n if n is not None else by_id.get(i) for n, i in zip(names, ids)]
+
+
 def request_seed(base: int, key: str, turn: int) -> int:
     return int(hashlib.sha256(f"{base}:{key}:{turn}".encode()).hexdigest()[:8], 16)
 
@@ -80,6 +106,7 @@ def make_sample(conv: Conversation, ids: list[int], mask: list[int], result) -> 
         topk_ids=f.topk_ids,
         topk_logprobs=f.topk_logprobs,
         last_hidden=f.last_hidden,
+        source=conv.source,
     )
 
 
@@ -267,6 +294,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         dedupe=h.dedupe,
         skips=prompt_skips,
         check=prompt_fits,
+        heldout=heldout_filter(h.sources, h.magpie.heldout),
     )
     if not convs:
         raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")

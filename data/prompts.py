@@ -270,7 +270,7 @@ def iter_token_store(src: SourceConfig, limit: int | None) -> Iterator[Conversat
                 return
             ids = item["input_ids"].to(torch.int32)
             key = f"{item['sample_id']:015x}" + hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:49]
-            yield Conversation([], f"tokens:{src.path}", key, split, ids=ids, loss_mask=item["loss_mask"].to(ids.dtype))
+            yield Conversation([], source_name(src), key, split, ids=ids, loss_mask=item["loss_mask"].to(ids.dtype))
             n += 1
 
 
@@ -335,8 +335,21 @@ def content_key(messages: list[dict], regenerate: bool) -> str:
 
 
 def source_identity(sources: Iterable[SourceConfig]) -> list[dict]:
-    """The sources as a resume fingerprint sees them: what they read, not the names they are recorded under."""
-    return [{k: v for k, v in dataclasses.asdict(s).items() if k != "name"} for s in sources]
+    """The sources as a resume fingerprint sees them: what they read, not the names they are recorded under nor the
+    weight training gives them (exclude_heldout only when set: the fingerprints of earlier harvests stay)."""
+    return [
+        {
+            k: v
+            for k, v in dataclasses.asdict(s).items()
+            if k not in ("name", "weight") and (k != "exclude_heldout" or v)
+        }
+        for s in sources
+    ]
+
+
+def source_name(src: SourceConfig) -> str:
+    """What a harvest records a source's samples under: its name, else the kind (file:PATH, tokens:PATH)."""
+    return src.name or (f"{src.kind}:{src.path}" if src.kind in ("file", "tokens") else src.kind)
 
 
 def split_of(key: str, heldout_fraction: float) -> str:
@@ -353,11 +366,17 @@ def collect(
     dedupe: bool,
     skips: Counter,
     check: Callable[[list[dict]], str | None] = lambda m: None,
+    heldout: Callable[[list[dict]], bool] | None = None,
 ) -> list[Conversation]:
     """All sources' conversations in a deterministic order, each source cut at its `limit` after filtering.
 
-    `check(messages)` returns a skip reason (e.g. too many tokens) or None.
+    `check(messages)` returns a skip reason (e.g. too many tokens) or None. A source with `exclude_heldout` skips, as
+    "heldout_ngram", every conversation for which `heldout(messages)` is true (data/contamination.py's
+    `heldout_filter`: a user turn shares an 8-gram with a held-out set), before its limit applies.
     """
+    sources = list(sources)
+    if heldout is None and any(s.exclude_heldout for s in sources):
+        raise ValueError("a source sets exclude_heldout, but no held-out sets were given to check it against")
     seen: set[str] = set()
     out: list[Conversation] = []
     for src in sources:
@@ -369,7 +388,7 @@ def collect(
                 seen.add(c.key)
                 out.append(c)
             continue
-        name = src.name or (src.kind if src.kind != "file" else f"file:{src.path}")
+        name = source_name(src)
         kept = 0
         for record in iter_records(src, skips):
             if src.limit is not None and kept >= src.limit:
@@ -384,6 +403,8 @@ def collect(
                 skip(skips, "duplicate")
                 continue
             reason = check(messages)
+            if not reason and src.exclude_heldout and heldout(messages):
+                reason = "heldout_ngram"
             if reason:
                 skip(skips, reason)
                 continue

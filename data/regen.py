@@ -69,6 +69,7 @@ from tqdm import tqdm
 from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
 from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.contamination import heldout_filter
 from eagle3ft.data.harvest import check_harvest_config
 from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
 from eagle3ft.data.readers import Skips
@@ -167,6 +168,7 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         dedupe=h.dedupe,
         skips=prompt_skips,
         check=prompt_fits,
+        heldout=heldout_filter(h.sources, h.magpie.heldout),
     )
     if not convs:
         raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")

@@ -13,6 +13,9 @@ Each shard concatenates its samples along the token axis:
     last_hidden    bf16    [N_tok, Ht]    optional, final-norm output
     offsets        int64   [N+1]          sample i = rows offsets[i]:offsets[i+1]
     sample_ids     int64   [N]
+    source_ids     int32   [N]            index into the shard's manifest entry ``sources`` (the names of
+                                          harvest.sources, data/prompts.py source_name); a store written
+                                          without it has no names
 
 Writes are atomic (tmp file, fsync, os.replace, then the manifest), and a
 chunk is recorded as done only with its shard, so a killed harvest resumes
@@ -112,6 +115,7 @@ class Sample:
     topk_ids: torch.Tensor
     topk_logprobs: torch.Tensor
     last_hidden: torch.Tensor | None = None
+    source: str | None = None  # the prompt source it came from (data/prompts.py source_name)
 
 
 def shard_name(split: str, chunk: int) -> str:
@@ -260,9 +264,14 @@ class FeatureWriter:
         if samples:
             fp8 = m["aux_dtype"] == "fp8"
             tensors = pack(samples, m["has_last_hidden"], m["aux_dtype"], m["target"]["hidden_size"] if fp8 else None)
+            names = source_names(samples)
+            if names is not None:
+                tensors["source_ids"] = torch.tensor([names.index(s.source) for s in samples], dtype=torch.int32)
             write_shard(self.dir, m, split, chunk, tensors, len(samples))
             m["shards"][-1].update(skips=dict(skips), counts=counts or {})  # taken back if the shard is dropped
             shard = self.dir / m["shards"][-1]["file"]
+            if names is not None:
+                m["shards"][-1]["sources"] = names
         for reason, n in skips.items():
             m["chunk_skips"][reason] = m["chunk_skips"].get(reason, 0) + n
         for group, kv in (counts or {}).items():
@@ -303,6 +312,13 @@ def pack(
     out["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     out["sample_ids"] = torch.tensor([s.sample_id for s in samples], dtype=torch.int64)
     return out
+
+
+def source_names(samples: list[Sample]) -> list[str] | None:
+    """The sorted source names a shard's source_ids index, or None when a sample has no source."""
+    if any(s.source is None for s in samples):
+        return None
+    return sorted({s.source for s in samples})
 
 
 class FeatureStore:
@@ -356,6 +372,19 @@ class FeatureStore:
         if "token_counts" not in safetensors_keys(path, "the token counts"):
             raise StoreError(f"{path}: holds no token_counts tensor")
         return load_file(path)["token_counts"]
+
+    def sources(self, split: str) -> list[str | None]:
+        """The source name of each sample of `split`, in dataset order (None where the harvest recorded none)."""
+        out: list[str | None] = []
+        for s in self.manifest["shards"]:
+            if s["split"] != split:
+                continue
+            if "sources" not in s:
+                out += [None] * s["samples"]
+                continue
+            with safe_open(self.dir / s["file"], framework="pt") as f:
+                out += [s["sources"][i] for i in f.get_tensor("source_ids").tolist()]
+        return out
 
     def dataset(self, split: str = "train", keys: tuple[str, ...] | None = None) -> "FeatureDataset":
         """Samples of `split`; `keys` reads only those (e.g. input_ids and loss_mask for online training)."""

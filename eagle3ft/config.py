@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eagle3ft.config_build import (  # noqa: F401  (apply_override, ConfigError: part of this module's interface)
+    BoundError,
     ConfigError,
     apply_override,
     at_most,
@@ -116,10 +117,16 @@ class SourceConfig:
     # and fourth question of each category)
     skip: int = 0
     name: str | None = None  # what the token store records as this source (None: the kind; kind=file: file:PATH)
+    # training: how often each of this source's train samples is drawn per epoch, in expectation (train/data.py): 1
+    # once, 0.25 a seeded quarter of them each epoch, 2 each twice; e.g. general conversations replayed beside a domain
+    weight: float = 1.0
+    # drop this source's conversations whose user turns share an 8-gram with the harvest's held-out sources or with
+    # harvest.magpie.heldout (data/contamination.py): a replay source never holds a held-out prompt
+    exclude_heldout: bool = False
 
     def __post_init__(self) -> None:
         positive(self, "limit", "per_category")
-        non_negative(self, "skip")
+        non_negative(self, "skip", "weight")
 
 
 @dataclass
@@ -252,7 +259,7 @@ class TrainConfig:
     lk_eta: float = 3.0  # η of lk_hybrid
     # held-out greedy chain τ (depth eval.steps) every this many optimizer steps and at the end; 0 = at the end only
     eval_every: int = 200
-    eval_samples: int = 256  # the first this many held-out samples form the fixed held-out set (train/validate.py)
+    eval_samples: int = 256  # the first this many samples of each held-out set form it (train/validate.py)
     # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
     features: Literal["offline", "online"] = "offline"
     # online: more token stores (tokens/ folders of data/regen.py runs of the same target and chat template, e.g. a
@@ -270,6 +277,12 @@ class TrainConfig:
     # the loss weight of the answers' loop tokens (data/loops.py: runs of >= 8 tokens whose 8-gram occurred earlier
     # in the same answer): 1 as every token, 0 cut (loss_mask 0), between a weighted mean over the positions
     loop_weight: float = 1.0
+    # L2-SP: λ of the penalty λ·Σ‖w − w0‖² over every trained tensor, w0 the weights the run started from (the warm
+    # start's); 0 = off (train/l2sp.py)
+    l2sp: float = 0.0
+    # the held-out sets (source names: SourceConfig.name, else the kind, file:PATH) whose τ, weighted so, choose
+    # RUN/export-best; empty: every held-out sample as one set (train/validate.py)
+    best_on: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         positive(self, "ttt_steps", "step_decay", "lr", "micro_batch_size", "grad_accum", "max_len", "epochs")
@@ -283,6 +296,9 @@ class TrainConfig:
         at_most(self, 1, "loop_weight")
         # Adam moves each weight by about lr a step: no drafter trains above 10, and near 1e38 fp32 overflows
         at_most(self, 10, "lr")
+        non_negative(self, "l2sp")
+        if any(w < 0 for w in self.best_on.values()) or (self.best_on and not sum(self.best_on.values()) > 0):
+            raise BoundError(self, "best_on", f"must hold weights >= 0 with a positive sum, got {self.best_on}")
 
 
 @dataclass

@@ -108,7 +108,8 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return {str(k): str(v) for k, v in value.items()}
+        _, item = typing.get_args(tp)  # str values as written (env, labels), others coerced as their type
+        return {str(k): str(v) if item is str else coerce(item, v, f"{where}.{k}") for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {value!r}")

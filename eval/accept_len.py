@@ -189,6 +189,16 @@ def evaluate(
     return rep
 
 
+def walk_totals(drafter: Eagle3Drafter, item: dict, steps: int, device="cpu") -> tuple[int, int, float, float]:
+    """One sample's greedy cycle walk at steps/1/steps+1, as `evaluate` counts it: (tokens, cycles, loop-free tokens,
+    loop-free cycles)."""
+    s = SampleInputs.of(item, device)
+    if s.input_ids.shape[0] < 2:
+        return 0, 0, 0.0, 0.0
+    res = chain_acceptance(drafter, s, steps)
+    return _totals(cycle_walk_rows(*chain_accept_lengths(res, steps)), answer_loops(s))
+
+
 def answer_loops(s: SampleInputs) -> list[bool]:
     """Per position: whether the token sits in a repetition loop of its own answer turn (data/loops.py)."""
     return loop_of_answers(s.input_ids.tolist(), s.loss_mask.tolist())

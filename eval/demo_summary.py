@@ -11,7 +11,7 @@ The drafters are the bench's: `eval.checkpoint` (the run's fine-tuned export, la
 live bench (eval/harness.py on the embedded backend) with the drafters already loaded.
 
 `offline` measures each drafter's offline tau on RUN's held-out features, one figure per held-out
-source kind (HumanEval apart from MT-Bench: a sample's source is found again from its sample id), and
+source (HumanEval apart from MT-Bench: the source each sample was harvested from, data/harvest.py sample_sources), and
 writes RUN/demo/offline-<label>.json. Each drafter runs in the target's dtype, as the bench runs it.
 
 `headline` joins those files with RUN/bench/summary.json (plain decoding and both drafters timed in one
@@ -26,9 +26,7 @@ Speculation beats plain decoding when tau exceeds the break-even tau, cycle time
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -39,33 +37,12 @@ from eagle3ft.run_dir import RunDir
 # --------------------------------------------------------------------------- held-out samples by source
 
 
-def heldout_kinds(cfg) -> dict[int, str]:
-    """sample id -> source kind, for every record of each source that can hold held-out samples.
-
-    Keys are computed as the harvest computes them (harvest.max_turns, harvest.regenerate), over all of a
-    source's records (its limit and the harvest's length checks only decide which of them were kept)."""
-    from eagle3ft.data.harvest import sample_id
-    from eagle3ft.data.prompts import collect
-
-    h = cfg.harvest
-    out: dict[int, str] = {}
-    for src in h.sources:
-        if src.kind == "tokens" or (src.split == "train") or (src.split == "auto" and h.heldout_fraction <= 0):
-            continue
-        every = dataclasses.replace(src, limit=None, split="heldout")
-        convs = collect(
-            [every], max_turns=h.max_turns, regenerate=h.regenerate, heldout_fraction=0.0, dedupe=False, skips=Counter()
-        )
-        for c in convs:
-            out.setdefault(sample_id(c.key), src.kind)
-    return out
-
-
-def group_heldout(ds, kinds: dict[int, str]) -> dict[str, list[int]]:
-    """Indices of the held-out dataset per source kind ("other" when a sample's source is not found)."""
+def group_heldout(names: list[str | None]) -> dict[str, list[int]]:
+    """Indices of the held-out dataset per source name ("other" where a sample's source is not known), given each
+    sample's source in dataset order (data/harvest.py sample_sources)."""
     groups: dict[str, list[int]] = {}
-    for i in range(len(ds)):
-        groups.setdefault(kinds.get(int(ds[i]["sample_id"]), "other"), []).append(i)
+    for i, name in enumerate(names):
+        groups.setdefault(name or "other", []).append(i)
     return groups
 
 
@@ -97,19 +74,25 @@ def drafter_folders(cfg, run_dir: Path) -> dict[str, Path]:
 
 
 def _check_drafters(cfg, run_dir: Path, folders: dict[str, Path]):
-    """Every folder against the run's features, before anything is loaded; returns the held-out dataset."""
+    """Every folder against the run's features, before anything is loaded; returns (the held-out dataset, each of its
+    samples' source)."""
+    from eagle3ft.data.harvest import sample_sources
     from eagle3ft.data.store import MANIFEST, FeatureStore
     from eagle3ft.drafter.config import check_drafter_folder
 
     store = FeatureStore(RunDir(run_dir).features)
     for label, folder in folders.items():
         check_drafter_folder(folder, store.target, label, str(store.dir / MANIFEST))
-    return store.dataset("heldout")
+    return store.dataset("heldout"), sample_sources(store, cfg.harvest, "heldout")
 
 
-def offline_all(cfg, run_dir: Path, drafters: dict, folders: dict[str, Path], ds, device, log=print) -> dict[str, dict]:
-    """Offline tau per held-out source for each loaded drafter; writes RUN/demo/offline-<label>.json."""
-    groups = group_heldout(ds, heldout_kinds(cfg))
+def offline_all(
+    cfg, run_dir: Path, drafters: dict, folders: dict[str, Path], held, device, log=print
+) -> dict[str, dict]:
+    """Offline tau per held-out source for each loaded drafter; writes RUN/demo/offline-<label>.json. `held` is
+    _check_drafters' (dataset, sources)."""
+    ds, names = held
+    groups = group_heldout(names)
     if not groups:
         raise ValueError(f"{RunDir(run_dir).features} has no held-out samples (harvest.sources with split heldout)")
     out_dir = RunDir(run_dir).demo
@@ -145,13 +128,13 @@ def run_offline(cfg, run_dir: Path, only: list[str] | None = None, log=print) ->
     from eagle3ft.targets.hf import load_input_embedding, pick_device
 
     folders = _pick(drafter_folders(cfg, run_dir), only)
-    ds = _check_drafters(cfg, run_dir, folders)
+    held = _check_drafters(cfg, run_dir, folders)
     device = pick_device(cfg.target)
     emb = load_input_embedding(cfg.target)
     drafters = {
         k: load_drafter(f, embedding=emb.float()).to(device=device, dtype=emb.dtype).eval() for k, f in folders.items()
     }
-    return offline_all(cfg, run_dir, drafters, folders, ds, device, log)
+    return offline_all(cfg, run_dir, drafters, folders, held, device, log)
 
 
 def run_measure(cfg, run_dir: Path, log=print) -> dict:
@@ -163,9 +146,9 @@ def run_measure(cfg, run_dir: Path, log=print) -> dict:
     if cfg.bench.backend != "embedded":
         raise ValueError(f"bench.backend {cfg.bench.backend!r}: the demo measures with the embedded backend")
     folders = drafter_folders(cfg, run_dir)
-    ds = _check_drafters(cfg, run_dir, folders)
+    held = _check_drafters(cfg, run_dir, folders)
     backend = EmbeddedBackend(cfg, run_dir)
-    offline_all(cfg, run_dir, backend.drafters, folders, ds, backend.device, log)
+    offline_all(cfg, run_dir, backend.drafters, folders, held, backend.device, log)
     summary = harness.run(cfg, run_dir, backend, log)
     log(harness.format_summary(summary))
     return summary
@@ -200,6 +183,9 @@ def _training(run_dir: Path) -> dict:
     card = RunDir(run_dir).export / "card.json"
     if card.is_file():
         out["export_card"] = json.loads(card.read_text())
+    data = metrics.parent / "data.json"
+    if data.is_file():
+        out["sources"] = json.loads(data.read_text()).get("sources")  # each source's weight and share of the draws
     return out
 
 
@@ -259,7 +245,7 @@ def build(cfg, run_dir: Path, before: str, after: str) -> dict:
         "after": after,
         "setting": setting,
         "domain": domain,
-        "training": _training(run_dir),
+        "training": {**_training(run_dir), "l2sp": cfg.train.l2sp},
         "sets": sets,
         "environment": (bench or {}).get("environment"),
     }
@@ -275,6 +261,13 @@ def format_headline(h: dict) -> str:
         f"{_f(t.get('train_s'), '.0f')} s; {tr.get('samples', '?')} conversations, {tr.get('loss_tokens', '?')} answer "
         f"tokens), setting {h['setting']} (steps/topk/draft tokens)"
     ]
+    mix = t.get("sources") or {}
+    recipe = [f"L2-SP toward the {h['before']} weights (λ {t['l2sp']:g})"] if t.get("l2sp") else []
+    if len(mix) > 1:
+        shares = ", ".join(f"{n} {m['share']:.0%}" for n, m in mix.items())
+        recipe.append(f"answer tokens drawn per source: {shares}")
+    if recipe:
+        lines.append("recipe: " + "; ".join(recipe))
     for s in h["sets"]:
         lines.append(f"{s['role']} ({s['kind']}):")
         off = s.get("offline")
@@ -307,9 +300,11 @@ def format_headline(h: dict) -> str:
                     )
                 )
     if card.get("heldout_tau") is not None:
+        sets = card.get("heldout_sets") or {}
+        per_set = ", ".join(f"{n} {v['tau']:.3f}" for n, v in sets.items()) if len(sets) > 1 else ""
         lines.append(
             f"trainer's held-out tau at the export (depth {card.get('heldout_depth')}, all held-out sets): "
-            f"{card['heldout_tau']:.3f}"
+            f"{card['heldout_tau']:.3f}" + (f" ({per_set})" if per_set else "")
         )
     return "\n".join(lines)
 

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The product's story on SmolLM2-135M on this CPU: the shipped EAGLE-3 drafter (drafters/smollm2-135m),
-# measured on a domain it never saw (HumanEval code prompts) and on general prompts (MT-Bench), fine-tuned
-# on the domain for a few minutes, measured again; the headline prints before -> after.
+# measured on a domain it never saw (HumanEval code prompts) and on general prompts (MT-Bench, the everyday set),
+# fine-tuned on the domain for a few minutes without losing the rest, measured again; the headline prints
+# before -> after, and the verdict which sets gained and which lost.
 #   bash launch/demo.sh [RUN_DIR]        (make demo; default runs/demo)
 # Stages: harvest (the target regenerates the answers of HumanEval problems: a training part, and a held-out
-# part of other problems, plus MT-Bench questions held out as the general set) -> warm-started fine-tune
-# (accelerate, 2 processes) -> measure, in one process with one target load: both drafters' offline tau per
-# held-out set, then one live bench, plain, shipped and fine-tuned interleaved on both prompt sets -> report
-# -> headline. Small sizes come from --set overrides on configs/smollm2-135m.yaml, whose drafter.init and
+# part of other problems, plus MT-Bench questions and everyday prompts held out as the general sets, plus ShareGPT
+# conversations replayed beside the domain in training, none sharing an 8-gram with a held-out set) -> warm-started
+# fine-tune (accelerate, 2 processes; L2-SP toward the shipped weights, the replay a third of the conversations)
+# -> measure, in one process with one target load: both drafters' offline tau per held-out set, then one live
+# bench, plain, shipped and fine-tuned interleaved on the HumanEval and MT-Bench prompts -> report -> headline ->
+# verdict (eagle3ft-compare: per held-out set, tau before -> after with its interval). The recipe is the one
+# benchmarks/forgetting.py found best of plain, L2-SP, replay and both; DEMO_L2SP=0 and DEMO_REPLAY_WEIGHT=0 give
+# the plain fine-tune. Small sizes come from --set overrides on configs/smollm2-135m.yaml, whose drafter.init and
 # bench.drafters name the shipped drafter. Rerunning resumes: the harvest keeps its finished shards, training
 # resumes from its newest checkpoint (and is skipped once the drafter is exported), and each measuring stage
 # is skipped when its output is newer than the drafter it measured.
@@ -19,9 +24,12 @@ cd "$(dirname "$0")/.."
 RUN=${1:-runs/demo}
 CONFIG=${DEMO_CONFIG:-configs/smollm2-135m.yaml}
 SHIPPED=${DEMO_SHIPPED:-drafters/smollm2-135m}
+# The fine-tune keeps the rest with the recipe benchmarks/forgetting.py found best: L2-SP toward the shipped weights
+# (its λ, from that benchmark's plain fine-tune alone) and general conversations replayed as a third of the training
+# conversations (12 beside 24)
 SETS=(
   --set drafter.init="$SHIPPED"
-  --set 'harvest.sources=[{kind: humaneval, limit: 6, split: heldout}, {kind: humaneval, limit: 24, split: train}, {kind: mtbench, limit: 4, split: heldout}]'
+  --set "harvest.sources=[{kind: humaneval, limit: 6, split: heldout}, {kind: humaneval, limit: 24, split: train}, {kind: mtbench, limit: 4, split: heldout}, {kind: file, path: data/sets/everyday-v1.jsonl, limit: 6, split: heldout, name: everyday}, {kind: sharegpt, limit: 12, split: train, name: replay, exclude_heldout: true, weight: ${DEMO_REPLAY_WEIGHT:-1}}]"
   --set harvest.max_turns=1
   --set harvest.max_prompt_tokens=320
   --set harvest.max_total_tokens=448
@@ -31,6 +39,7 @@ SETS=(
   --set train.max_steps=${DEMO_TRAIN_STEPS:-64}
   --set train.ttt_steps=3
   --set train.lr=${DEMO_TRAIN_LR:-3e-4}
+  --set train.l2sp=${DEMO_L2SP:-4e-3}
   --set train.warmup_steps=4
   --set train.save_every=32
   --set train.max_len=448
@@ -49,10 +58,10 @@ t_start=$SECONDS
 stage() { printf '\n== %s (%ds elapsed)\n' "$1" $((SECONDS - t_start)); }
 newer() { [[ -f "$1" && "$1" -nt "$2" ]]; } # $1 exists and was written after $2
 
-stage "harvest: the target answers HumanEval problems (training part; other problems held out) and MT-Bench questions (held out)"
+stage "harvest: the target answers HumanEval problems (training part; other problems held out), MT-Bench questions and everyday prompts (held out), and ShareGPT conversations (replayed in training)"
 python data/harvest.py --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
 
-stage "fine-tune: TTT from the shipped drafter on the HumanEval training part (resumes from the newest checkpoint)"
+stage "fine-tune: TTT from the shipped drafter on the HumanEval training part and the replay, L2-SP toward the shipped weights (resumes from the newest checkpoint)"
 python - "$SHIPPED" <<'CARD' || true
 import json, sys
 card = json.load(open(sys.argv[1] + "/card.json"))
@@ -79,4 +88,7 @@ echo "wrote $RUN/eval/report.md"
 
 stage "headline ($RUN/demo/summary.md)"
 python eval/demo_summary.py headline --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
+
+stage "verdict: the shipped drafter against the fine-tuned one on every held-out set ($RUN/eval/compare.json)"
+eagle3ft-compare --config "$CONFIG" --run-dir "$RUN" --before "$SHIPPED" "${SETS[@]}"
 printf '\ndemo finished in %ds\n' $((SECONDS - t_start))

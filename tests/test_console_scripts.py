@@ -9,7 +9,7 @@ import pytest
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ["regen", "harvest", "magpie", "train", "eval", "bench", "report", "economics"]
+COMMANDS = ["regen", "harvest", "magpie", "train", "eval", "bench", "report", "economics", "compare"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from eagle3ft.config import SourceConfig
+from eagle3ft.config import REPO_ROOT, SourceConfig
 from eagle3ft.data.prompts import Skip, collect, content_key, normalize, sharegpt_path, split_of
 from eagle3ft.data.readers import iter_json_items
 
@@ -153,3 +153,55 @@ def test_json_and_parquet_files(tmp_path):
             dedupe=True,
             skips=Counter(),
         )
+
+
+def test_a_replay_source_with_exclude_heldout_drops_what_shares_an_8gram_with_a_heldout_set(tmp_path):
+    from eagle3ft.data.contamination import heldout_filter
+    from eagle3ft.data.prompts import iter_records, raw_messages
+
+    question = raw_messages(next(iter_records(SourceConfig(kind="mtbench"), Counter())))[0][1]
+    everyday = json.loads((REPO_ROOT / "data/sets/everyday-v1.jsonl").read_text().splitlines()[3])
+    planted = [
+        f"Before anything else: {' '.join(question.split()[:9])}",  # the first 9 words of MT-Bench's first question
+        everyday["messages"][0]["content"].upper(),  # an everyday prompt (words are matched lowercased)
+        "Give three tips for keeping basil alive on a windowsill.",
+        "What is the capital of Australia, and why is it not Sydney?",
+    ]
+    train = tmp_path / "general.jsonl"
+    train.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in planted))
+    heldout = SourceConfig(kind="mtbench", limit=1, split="heldout")
+
+    def kept(exclude: bool, extra=()) -> tuple[list[str], Counter]:
+        skips = Counter()
+        src = SourceConfig(kind="file", path=str(train), split="train", exclude_heldout=exclude, limit=3)
+        convs = collect(
+            [heldout, src],
+            max_turns=1,
+            regenerate=True,
+            heldout_fraction=0.0,
+            dedupe=True,
+            skips=skips,
+            heldout=heldout_filter([heldout, src], extra),
+        )
+        return [c.messages[0]["content"] for c in convs if c.split == "train"], skips
+
+    assert kept(False) == (planted[:3], Counter())  # without the flag the planted prompts are trained on
+    got, skips = kept(True)  # against the harvest's held-out source
+    assert got == planted[1:4] and skips == Counter(heldout_ngram=1)  # the limit applies after the drop
+    everyday_set = [SourceConfig(kind="file", path="data/sets/everyday-v1.jsonl")]
+    assert kept(True, everyday_set) == (planted[2:4], Counter(heldout_ngram=2))
+
+
+def test_source_identity_keeps_earlier_fingerprints_and_ignores_the_training_weight():
+    from eagle3ft.data.prompts import source_identity
+
+    plain = source_identity([SourceConfig(kind="sharegpt", limit=4)])
+    assert "weight" not in plain[0] and "exclude_heldout" not in plain[0]
+    assert source_identity([SourceConfig(kind="sharegpt", limit=4, weight=0.25, name="general")]) == plain
+    assert source_identity([SourceConfig(kind="sharegpt", limit=4, exclude_heldout=True)]) != plain
+
+
+def test_exclude_heldout_without_heldout_sets_to_check_is_refused():
+    src = SourceConfig(kind="mtbench", exclude_heldout=True)
+    with pytest.raises(ValueError, match="no held-out sets were given to check it against"):
+        collect([src], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3ft.config import REPO_ROOT, load_config
-from eagle3ft.data.harvest import run_harvest
+from eagle3ft.data.harvest import run_harvest, sample_sources
 from eagle3ft.data.store import FeatureStore
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter, load_drafter
@@ -61,8 +61,23 @@ def test_humaneval_train_and_heldout_problems_are_disjoint(demo_run):
     train_ids = {int(train[i]["sample_id"]) for i in range(len(train))}
     held_ids = {int(held[i]["sample_id"]) for i in range(len(held))}
     assert len(train_ids) == 3 and len(held_ids) == 4 and not train_ids & held_ids
-    groups = demo_summary.group_heldout(held, demo_summary.heldout_kinds(cfg))
+    groups = demo_summary.group_heldout(store.sources("heldout"))
     assert {k: len(v) for k, v in groups.items()} == {"humaneval": 2, "mtbench": 2}
+    assert sample_sources(store, cfg.harvest, "train") == ["humaneval"] * 3
+
+
+def test_a_store_without_recorded_sources_finds_them_from_the_sample_ids(demo_run, tmp_path):
+    import shutil
+
+    cfg, run = demo_run
+    old = shutil.copytree(run / "features", tmp_path / "features")
+    manifest = json.loads((old / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        del shard["sources"]  # as a harvest wrote it before the names were recorded
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    store = FeatureStore(old, verify=False)
+    assert store.sources("heldout") == [None] * 4
+    assert sample_sources(store, cfg.harvest, "heldout") == FeatureStore(run / "features").sources("heldout")
 
 
 def test_offline_per_set_adds_up_to_the_whole_heldout_split(demo_run):

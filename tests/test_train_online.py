@@ -324,7 +324,7 @@ def test_online_heldout_tau_equals_the_offline_one(harvested):
     for mode in ("offline", "online"):
         cfg = tiny_cfg(f"train.features={mode}", "train.micro_batch_size=2")
         data = TrainData(cfg, harvested)
-        ds, _, features = data.heldout(torch.device("cpu"))
+        ds, _, features, _ = data.heldout(torch.device("cpu"))
         assert len(ds) == 2 and (features is None) == (mode == "offline")
         torch.manual_seed(0)
         objective = TTTObjective(build_drafter(cfg, harvested, data.target), 3, 0.8)

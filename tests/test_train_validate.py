@@ -9,7 +9,7 @@ from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.accept_len import evaluate
 from eagle3ft.train.ttt import TTTObjective
-from eagle3ft.train.validate import heldout_batches, heldout_tau, heldout_view, tau_from_counts
+from eagle3ft.train.validate import group_by_source, heldout_batches, heldout_tau, heldout_view, tau_from_counts
 
 DEPTH = 4
 
@@ -125,7 +125,7 @@ def test_loop_logs_heldout_tau_and_keeps_the_best_export(tmp_path):
     assert (
         last_card["which"] == "last" and last_card["step"] == 5 and last_card["heldout_tau"] == held[-1]["heldout_tau"]
     )
-    assert [x["heldout_best"] for x in held].count(True) >= 1 and held[-1]["heldout_best_tau"] == best["heldout_tau"]
+    assert [x["heldout_best"] for x in held].count(True) >= 1 and held[-1]["heldout_best_score"] == best["heldout_tau"]
     cfg = json.loads((tmp_path / "export" / "config.json").read_text())
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True
     assert set(load_file(tmp_path / "export-best" / "model.safetensors")) == set(export_keys(fc_norm=True))
@@ -183,3 +183,57 @@ def test_warm_start_keeps_its_layout(tmp_path):
     cfg = load_config(REPO / "configs/tiny.yaml", [f"drafter.init={tmp_path / 'init'}", "drafter.norm_output=true"])
     with pytest.raises(ValueError, match="drafter.norm_output True != warm-start drafter's False"):
         build_drafter(cfg, tmp_path, TINY_TARGET)
+
+
+def test_heldout_sets_are_the_first_samples_of_each_source():
+    names = ["code", "chat", "code", None, "chat", "code", "chat"]
+    assert group_by_source(names, 2) == {"code": [0, 2], "chat": [1, 4], "heldout": [3]}
+    assert group_by_source([None, None], 5) == {"heldout": [0, 1]}
+
+
+@pytest.mark.slow
+def test_loop_gives_tau_per_heldout_set_and_keeps_the_best_by_the_named_mix(tmp_path):
+    """Two held-out sets (the sources the store recorded) and a replay mix: τ per set and over both (counts summed)
+    at every evaluation; export-best is the step of the best τ of the set train.best_on names; the data summary
+    gives the mix."""
+    import json
+
+    from train_fixtures import REPO, launch, write_store
+
+    from eagle3ft.config import load_config
+    from eagle3ft.train.data import TrainData
+
+    SOURCES = "[{kind: humaneval, name: code}, {kind: sharegpt, name: chat, weight: 0.5}]"
+    write_store(tmp_path, n_train=12, n_heldout=6, sources={"train": ("code", "chat"), "heldout": ("code", "chat")})
+    r = launch(
+        tmp_path,
+        f"harvest.sources={SOURCES}",
+        "train.max_steps=6",
+        "train.eval_every=2",
+        "train.save_every=10",
+        "train.warmup_steps=1",
+        "train.eval_samples=2",
+        "train.best_on={chat: 1}",
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "chosen on {'chat': 1.0}" in r.stdout
+    rows = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    held = [x for x in rows if "heldout_sets" in x]
+    assert [x["step"] for x in held] == [2, 4, 6]
+    for x in held:
+        sets = x["heldout_sets"]
+        assert list(sets) == ["code", "chat"] and x["heldout_score"] == sets["chat"]["tau"]
+        assert x["heldout_tokens"] == sets["code"]["tokens"] + sets["chat"]["tokens"]
+        assert min(s["tau"] for s in sets.values()) <= x["heldout_tau"] <= max(s["tau"] for s in sets.values())
+    best = max(held, key=lambda x: x["heldout_sets"]["chat"]["tau"])
+    card = json.loads((tmp_path / "export-best" / "card.json").read_text())
+    assert card["step"] == best["step"] and card["heldout_score"] == best["heldout_sets"]["chat"]["tau"]
+    assert card["best_on"] == {"chat": 1.0} and card["heldout_sets"] == best["heldout_sets"]
+    data = json.loads((tmp_path / "train" / "data.json").read_text())
+    assert {n: (m["samples"], m["weight"]) for n, m in data["sources"].items()} == {"code": (6, 1.0), "chat": (6, 0.5)}
+    cfg = load_config(REPO / "configs/tiny.yaml", [f"harvest.sources={SOURCES}"])
+    order = TrainData(cfg, tmp_path).order(0)  # every code sample once, each chat sample with probability 1/2
+    drawn = [s for x in rows if x["epoch"] == 0 for rank in x["samples"] for s in rank]
+    assert drawn[: len(order)] == order  # rank 0 and rank 1 take the weighted order's draws in turn
+    code = [i for i in order if i % 2 == 0]  # the store records sample i under code, chat, code, ...
+    assert sorted(code) == list(range(0, 12, 2)) and len(order) - len(code) < 6

@@ -36,8 +36,10 @@ def write_store(
     draft_vocab: int = 512,
     seed: int = 0,
     target: dict | None = None,
+    sources: dict[str, tuple[str, ...]] | None = None,
 ) -> Path:
-    """run_dir/features (+ vocab.safetensors) with `n_train` + `n_heldout` samples of length ~seq."""
+    """run_dir/features (+ vocab.safetensors) with `n_train` + `n_heldout` samples of length ~seq; with `sources`
+    (split -> names), sample i of a split is recorded as coming from names[i % len(names)]."""
     target = target or TINY_TARGET
     g = torch.Generator().manual_seed(seed)
     H, V = target["hidden_size"], target["vocab_size"]
@@ -48,7 +50,8 @@ def write_store(
     sid = 0
     for split, n in (("train", n_train), ("heldout", n_heldout)):
         samples = []
-        for _ in range(n):
+        names = (sources or {}).get(split)
+        for i in range(n):
             T = seq + int(torch.randint(-4, 5, (1,), generator=g))
             aux = torch.randn(T, 3 * H, generator=g)
             logits = 4 * aux @ proj  # (T, draft_vocab)
@@ -58,7 +61,8 @@ def write_store(
             mask = torch.zeros(T, dtype=torch.uint8)
             mask[T // 3 :] = 1
             counts.index_add_(0, ids[mask.bool()], torch.ones(int(mask.sum()), dtype=torch.int64))
-            samples.append(Sample(sid, ids, mask, aux.bfloat16(), hot[idx], lp))
+            source = names[i % len(names)] if names else None
+            samples.append(Sample(sid, ids, mask, aux.bfloat16(), hot[idx], lp, source=source))
             sid += 1
         writer.commit(split, 0, samples, {})
     writer.finish(counts)

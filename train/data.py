@@ -35,6 +35,7 @@ import torch
 
 from eagle3ft.config import Config, resolve_path
 from eagle3ft.data.loops import answer_loops
+from eagle3ft.data.prompts import source_name
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate, dequantize_aux, quantize_aux
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
@@ -44,20 +45,30 @@ from eagle3ft.train.metrics import elapsed, timestamp
 TOKEN_KEYS = ("input_ids", "loss_mask")
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The seeded per-epoch sample order (the same on every rank)."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+def epoch_order(n: int, seed: int, epoch: int, weights: list[float] | None = None) -> list[int]:
+    """The seeded per-epoch sample order (the same on every rank).
+
+    With per-sample `weights` (their sources' SourceConfig.weight), sample i is drawn floor(w_i) times, and once more
+    with probability w_i - floor(w_i), from the seed and the epoch; the draws then in a seeded order. None: each
+    sample once (the plain order)."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    if weights is None:
+        return torch.randperm(n, generator=g).tolist()
+    w = torch.tensor(weights, dtype=torch.float64)  # (n,)
+    copies = w.floor().long() + (torch.rand(n, generator=g, dtype=torch.float64) < w - w.floor()).long()
+    draws = torch.repeat_interleave(torch.arange(n), copies)
+    return draws[torch.randperm(len(draws), generator=g)].tolist()
 
 
 class EpochOrder(torch.utils.data.Dataset):
-    """The dataset in a seeded per-epoch order (the same on every rank)."""
+    """The dataset in a given per-epoch order (epoch_order: the same on every rank)."""
 
-    def __init__(self, ds, seed: int, epoch: int) -> None:
+    def __init__(self, ds, order: list[int]) -> None:
         self.ds = ds
-        self.order = epoch_order(len(ds), seed, epoch)
+        self.order = order
 
     def __len__(self) -> int:
-        return len(self.ds)
+        return len(self.order)
 
     def __getitem__(self, i: int) -> dict:
         return self.ds[self.order[i]]
@@ -99,15 +110,18 @@ class LoopWeighted(torch.utils.data.Dataset):
 # --------------------------------------------------------------------------- packing
 
 
-def pack_bins(lengths: list[int], budget: int, seed: int, epoch: int) -> list[list[int]]:
+def pack_bins(
+    lengths: list[int], budget: int, seed: int, epoch: int, order: list[int] | None = None
+) -> list[list[int]]:
     """Sample indices per bin, each bin at most `budget` tokens (lengths must be <= budget).
 
-    First-fit decreasing: samples by length, longest first (ties in the seeded epoch order), each into the
-    first bin with room, found in O(log n) through a max-tree of the bins' free space. The bins come out in a
-    seeded order, so long and short samples mix over the epoch.
+    First-fit decreasing: the epoch's draws (`order`, default epoch_order's plain order) by length, longest first
+    (ties in the seeded epoch order), each into the first bin with room, found in O(log n) through a max-tree of
+    the bins' free space. The bins come out in a seeded order, so long and short samples mix over the epoch.
     """
-    n = len(lengths)
-    order = sorted(epoch_order(n, seed, epoch), key=lambda i: -lengths[i])  # stable: ties keep the seeded order
+    order = epoch_order(len(lengths), seed, epoch) if order is None else order
+    n = len(order)
+    order = sorted(order, key=lambda i: -lengths[i])  # stable: ties keep the seeded order
     size = 1
     while size < max(n, 1):
         size *= 2
@@ -249,10 +263,10 @@ def token_dataset(
     more: tuple[str, ...] = (),
     drop: tuple[str, ...] = (),
 ):
-    """(RUN/tokens' split, else the token ids of the feature store's; where it is) for online training. The train
-    split also takes the samples of the token stores `more` (train.more_tokens), which must have RUN/tokens'
-    identity (target, tokenizer, chat template), and leaves out the samples of the sources `drop`
-    (train.drop_sources)."""
+    """(RUN/tokens' split, else the token ids of the feature store's; where it is; each sample's source name, None
+    where the store recorded none) for online training. The train split also takes the samples of the token stores
+    `more` (train.more_tokens), which must have RUN/tokens' identity (target, tokenizer, chat template), and leaves
+    out the samples of the sources `drop` (train.drop_sources)."""
     from eagle3ft.data.tokens import TokenDataset, TokenStore
 
     tokens = RunDir(run_dir).tokens
@@ -267,16 +281,17 @@ def token_dataset(
                 )
         shards = first.shards(split) + [f for other in others for f in other.shards(split)]
         dataset = TokenDataset(shards)
+        names = [n for st in [first, *others] for n in st.sources(split)]
         if drop and split == "train":
-            names = [n for st in [first, *others] for n in st.sources(split)]
-            dataset = dataset.subset([i for i, n in enumerate(names) if n not in drop])
-        return dataset, " + ".join(str(s.dir) for s in [first, *others])
+            keep = [i for i, n in enumerate(names) if n not in drop]
+            dataset, names = dataset.subset(keep), [names[i] for i in keep]
+        return dataset, " + ".join(str(s.dir) for s in [first, *others]), names
     if drop:
         raise StoreError(f"train.drop_sources needs a token store at {tokens} (it records each sample's source)")
     if more:
         raise StoreError(f"train.more_tokens needs a token store at {tokens} to train beside")
     if store is not None:
-        return store.dataset(split, keys=TOKEN_KEYS), str(store.dir)
+        return store.dataset(split, keys=TOKEN_KEYS), str(store.dir), store.sources(split)
     raise StoreError(
         f"train.features is online but {run_dir} has neither a token store (tokens/) nor a feature store (features/)"
     )
@@ -327,8 +342,43 @@ def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
         )
 
 
+def weighted(cfg: Config) -> bool:
+    """Whether a source of harvest.sources weighs other than 1 in training."""
+    return any(s.weight != 1 for s in cfg.harvest.sources)
+
+
+def source_weights(
+    cfg: Config, names: list[str | None], answer_tokens: list[int], where: str
+) -> tuple[list[float] | None, dict]:
+    """(each training sample's weight, None when every source weighs 1; per source: samples, answer tokens, weight
+    and its share of the answer tokens an epoch draws). A sample weighs as the source of harvest.sources it was
+    recorded under (data/prompts.py source_name); one of no source there weighs 1. A source that weighs other than 1
+    must have samples, or its weight would be silently lost."""
+    weight_of = {source_name(s): s.weight for s in cfg.harvest.sources}
+    mix: dict[str, dict] = {}
+    for name, n in zip(names, answer_tokens):
+        m = mix.setdefault(name or "unrecorded", {"samples": 0, "answer_tokens": 0, "weight": weight_of.get(name, 1.0)})
+        m["samples"] += 1
+        m["answer_tokens"] += n
+    drawn = sum(m["answer_tokens"] * m["weight"] for m in mix.values())
+    for m in mix.values():
+        m["share"] = m["answer_tokens"] * m["weight"] / drawn if drawn > 0 else 0.0
+    if not weighted(cfg):
+        return None, mix
+    lost = [n for n, w in weight_of.items() if w != 1 and n not in mix]
+    if lost:
+        raise StoreError(
+            f"{where}: harvest.sources give {', '.join(lost)} a weight, but no training sample is recorded under "
+            f"{'that name' if len(lost) == 1 else 'those names'} (sources recorded: {', '.join(sorted(mix))})"
+        )
+    if drawn <= 0:
+        raise StoreError(f"{where}: every training sample's source weighs 0 (harvest.sources weight)")
+    return [weight_of.get(n, 1.0) for n in names], mix
+
+
 class TrainData:
-    """The training split and how it becomes micro-batches: offline or online, padded or packed."""
+    """The training split and how it becomes micro-batches: offline or online, padded or packed, each source drawn as
+    often as its weight says (epoch_order)."""
 
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         tcfg = cfg.train
@@ -338,7 +388,7 @@ class TrainData:
             raise ValueError("train.drop_sources is read by online training only (train.features: online)")
         if tcfg.more_tokens and tcfg.features != "online":
             raise ValueError("train.more_tokens is read by online training only (train.features: online)")
-        self.cfg, self.online, self._bins = cfg, None, {}
+        self.cfg, self.online, self._bins, self._orders = cfg, None, {}, {}
         features = RunDir(run_dir).features
         self.store = (
             FeatureStore(features) if tcfg.features == "offline" or (features / MANIFEST).is_file() else None
@@ -346,16 +396,26 @@ class TrainData:
         if tcfg.features == "offline":
             self.dataset, self.where = self.store.dataset("train"), str(self.store.dir)
             self.target, self.has_last_hidden = self.store.target, self.store.manifest.get("has_last_hidden", False)
+            if weighted(cfg):  # a store harvested before the sources were recorded: found from the sample ids
+                from eagle3ft.data.harvest import sample_sources
+
+                names = sample_sources(self.store, cfg.harvest, "train")
+            else:
+                names = self.store.sources("train")
         else:
-            self.dataset, self.where = token_dataset(
+            self.dataset, self.where, names = token_dataset(
                 run_dir, self.store, more=tuple(tcfg.more_tokens), drop=tuple(tcfg.drop_sources)
             )
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
         per_sample = self.dataset.loss_tokens()
         self.answer_tokens = self.all_answer_tokens = sum(per_sample)
+        of_row = dict(zip(self.dataset.index, zip(names, per_sample)))  # a sample's place in its shard -> both
         if tcfg.max_answer_tokens is not None:
             self.dataset, self.answer_tokens = answer_subset(self.dataset, per_sample, tcfg.max_answer_tokens, cfg.seed)
+        kept = [of_row[row] for row in self.dataset.index]
+        self.sources = [name for name, _ in kept]  # per training sample, its source (None where none is recorded)
+        self.weights, self.mix = source_weights(cfg, self.sources, [n for _, n in kept], self.where)
         if tcfg.features == "online":
             ensure_vocab(cfg, run_dir, self.dataset, self.where)
             self.online = OnlineTarget(cfg)
@@ -377,26 +437,38 @@ class TrainData:
         return answer_token_counts(self.counted, vocab_size)
 
     def heldout(self, device: torch.device):
-        """(held-out items, where they are, features): the feature store's held-out split offline (features None);
-        online, the held-out token samples and the function that adds the target's features to a collated batch."""
+        """(held-out items, where they are, features, each item's source name): the feature store's held-out split
+        offline (features None); online, the held-out token samples and the function that adds the target's features
+        to a collated batch. The names are those the store recorded; train.best_on also finds them from the sample
+        ids in a feature store written before they were recorded (data/harvest.py sample_sources)."""
         if self.online is None:
-            return (
-                (self.store.dataset("heldout") if self.store is not None else []),
-                str(RunDir(self.run_dir).features),
-                None,
-            )
-        ds, where = token_dataset(self.run_dir, self.store, "heldout")
+            if self.store is None:
+                return [], str(RunDir(self.run_dir).features), None, []
+            names = self.store.sources("heldout")
+            if self.cfg.train.best_on and None in names:
+                from eagle3ft.data.harvest import sample_sources
+
+                names = sample_sources(self.store, self.cfg.harvest, "heldout")
+            return self.store.dataset("heldout"), str(RunDir(self.run_dir).features), None, names
+        ds, where, names = token_dataset(self.run_dir, self.store, "heldout")
 
         def features(batch: dict) -> dict:
             if self.online.target.device != device:
                 self.online.to(device)
             return {**batch, **self.online.features(batch, device)}
 
-        return ds, where, features
+        return ds, where, features, names
+
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's draws of sample indices (epoch_order, weighted by the sources' weights)."""
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(len(self.dataset), self.cfg.seed, epoch, self.weights)}
+        return self._orders[epoch]
 
     def bins(self, epoch: int) -> list[list[int]]:
         if epoch not in self._bins:
-            self._bins = {epoch: pack_bins(self.lengths, self.cfg.train.pack_tokens, self.cfg.seed, epoch)}
+            tcfg = self.cfg.train
+            self._bins = {epoch: pack_bins(self.lengths, tcfg.pack_tokens, self.cfg.seed, epoch, self.order(epoch))}
         return self._bins[epoch]
 
     @property
@@ -406,7 +478,7 @@ class TrainData:
 
     def order_len(self, epoch: int) -> int:
         """Entries in the epoch's order: samples, or bins when packed (the data position counts these)."""
-        return len(self.bins(epoch)) if self.lengths is not None else len(self.dataset)
+        return len(self.bins(epoch)) if self.lengths is not None else len(self.order(epoch))
 
     def micro_batches(self, epoch: int) -> int:
         """Micro-batches of one epoch over all ranks."""
@@ -428,7 +500,7 @@ class TrainData:
                 **common,
             )
         return torch.utils.data.DataLoader(
-            EpochOrder(self.dataset, self.cfg.seed, epoch),
+            EpochOrder(self.dataset, self.order(epoch)),
             batch_size=tcfg.micro_batch_size,
             shuffle=False,
             collate_fn=partial(collate, max_len=tcfg.max_len),

@@ -255,6 +255,12 @@ class Dist:
         flats = zopt.fp32_partitioned_groups_flat if self.zero_stage == 3 else zopt.single_partition_of_fp32_groups
         return zopt, flats
 
+    def master_partitions(self) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+        """(the torch optimizer DeepSpeed steps, this rank's fp32 master partitions that it steps): one flat partition
+        per parameter group under ZeRO 1/2, the sub-group partitions under ZeRO-3 (train/l2sp.py)."""
+        zopt, flats = self._zero()
+        return zopt.optimizer, list(flats)
+
     def trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
 

@@ -40,6 +40,7 @@ from eagle3ft.train.checkpoint import (
     truncate_metrics,
 )
 from eagle3ft.train.data import TrainData
+from eagle3ft.train.l2sp import L2SP
 from eagle3ft.train.metrics import Meter, PhaseClock, SetupTimes, diverged, log_record, metrics_record, open_wandb
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
@@ -113,6 +114,8 @@ class Run:
     total: int  # optimizer steps of the whole run
     lock: Any  # the run folder's lock (dist.lock_run), released at the end
     heldout: HeldoutTracker | None = None
+    l2sp: L2SP | None = None  # train.l2sp's penalty on this rank's master partitions
+    w0_fingerprint: float | None = None  # Σ w0² over every rank (train/l2sp.py), recorded in each checkpoint
     wandb_run: Any = None
     step: int = 0
     epoch: int = 0
@@ -144,6 +147,7 @@ class Run:
             "config": to_dict(self.cfg),
             "last": self.last,
             "first_loss": self.first_loss,
+            **({"l2sp": {"lambda": tcfg.l2sp, "w0_sq": self.w0_fingerprint}} if self.l2sp is not None else {}),
         }
 
     def last_good(self) -> Path | None:
@@ -229,6 +233,11 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
     engine, optimizer, scheduler = dist.prepare(objective, optimizer, scheduler)
     took.mark("engine")
     run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock, started=started)
+    if tcfg.l2sp > 0:  # w0: the masters before any step or resume, as the build gives them (train/l2sp.py)
+        inner, partitions = dist.master_partitions()
+        run.l2sp = L2SP(tcfg.l2sp, partitions)
+        run.l2sp.attach(inner)
+        run.w0_fingerprint = float(dist.reduce_sum(run.l2sp.local_w0_sq().to(dist.device)))
 
     # 4. resume: weights, optimizer, RNG, data position
     resumed = resume(run)
@@ -289,6 +298,7 @@ def resume(run: Run) -> dict | None:
         run.dist.print(f"--resume auto: no checkpoint in {RunDir(run.run_dir).ckpt}; starting at step 0")
     if ckpt is not None:
         st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed, verify=run.cfg.train.resume != "auto")
+        check_w0(run, st, ckpt)
         run.step, run.first_loss = st["step"], st.get("first_loss")
         run.epoch, run.batch_in_epoch = resume_position(
             st, ckpt, run.data.order_len(st.get("data", {}).get("epoch", 0)), run.data.per_micro_batch, run.dist.world
@@ -314,6 +324,18 @@ def resume(run: Run) -> dict | None:
     return {"from": str(ckpt), "step": run.step, "changed": changed}
 
 
+def check_w0(run: Run, st: dict, ckpt: Path) -> None:
+    """L2-SP's w0 built for this resume must be the one the checkpoint's run pulled toward (the same drafter.init
+    and seed): CheckpointError naming both otherwise."""
+    saved = (st.get("l2sp") or {}).get("w0_sq")
+    if run.l2sp is None or saved is None or math.isclose(saved, run.w0_fingerprint, rel_tol=1e-9):
+        return
+    raise CheckpointError(
+        f"{ckpt}: train.l2sp pulls toward the starting weights, but those built now (Σw0² {run.w0_fingerprint!r}) are "
+        f"not the ones this checkpoint's run started from (Σw0² {saved!r}): drafter.init or the seed changed"
+    )
+
+
 def open_logs(run: Run, n_train: int) -> None:
     """Main process: the metrics file cut back to the current step, the run's summary line, the wandb run."""
     cfg, tcfg, dist, log_dir = run.cfg, run.cfg.train, run.dist, run.metrics_file.parent
@@ -332,7 +354,13 @@ def open_logs(run: Run, n_train: int) -> None:
         f"{data.answer_tokens:,} answer tokens{subset}{loops} "
         f"({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); "
         f"{run.total} optimizer steps"
+        + (f"; L2-SP toward the starting weights, λ {tcfg.l2sp:g}" if tcfg.l2sp > 0 else "")
     )
+    if data.weights is not None:
+        dist.print(
+            "sources, weight and share of the answer tokens an epoch draws: "
+            + "; ".join(f"{n} x{m['weight']:g} {m['share']:.1%}" for n, m in data.mix.items())
+        )
     what = json_text(  # what the run trains on: benchmarks/tau_curve.py reads the answer tokens from here
         {
             "where": data.where,
@@ -344,6 +372,7 @@ def open_logs(run: Run, n_train: int) -> None:
             "loop_tokens": data.loop_tokens,  # answer tokens in loops, weighted loop_weight; null at loop_weight 1
             "epochs": tcfg.epochs,
             "optimizer_steps": run.total,
+            "sources": data.mix,  # per source: samples, answer tokens, weight, share of the answer tokens drawn
         },
         str(log_dir / "data.json"),
         indent=1,
@@ -386,6 +415,8 @@ def fit(run: Run) -> None:
             run.batch_in_epoch += 1
             if not dist.sync_gradients:
                 continue
+            if run.l2sp is not None:
+                run.l2sp.end_step()
             run.step += 1
             clock.step()
             if run.step == run.start_step + 1:  # the first step carries the warm-up: torch.compile's when on
@@ -398,6 +429,9 @@ def fit(run: Run) -> None:
                 run.last = metrics_record(meter, dist, tcfg, run.step, run.epoch, lr, samples, run.started)
                 warn_if_diverging(run)
                 run.last["phase_s"] = clock.take()  # this rank's seconds per step in each phase
+                if run.l2sp is not None:  # Σ‖w − w0‖² before this step's update, and the penalty λ times it
+                    run.last["l2sp_sq"] = float(dist.reduce_sum(run.l2sp.sq.to(dist.device)))
+                    run.last["l2sp"] = tcfg.l2sp * run.last["l2sp_sq"]
                 if data.online is not None:  # this rank's share of the step that the target's prefill takes
                     run.last["online_prefill_s"] = data.online.take_seconds()
                     run.last["online_share"] = run.last["online_prefill_s"] / (run.last["s_per_step"] * tcfg.log_every)
@@ -451,12 +485,16 @@ def export(run: Run) -> None:
     if dist.is_main:
         with atomic_dir(out.export) as tmp:
             write_drafter(tmp, run.model.config, drafter_tensors(state, prefix="drafter."))
-            write_card(tmp, "last", step, heldout.latest, heldout.depth)
+            write_card(tmp, "last", step, heldout.latest, heldout.depth, heldout.latest_sets)
         dist.print(f"exported the drafter to {out.export} (SGLang: --speculative-draft-model-path {out.export})")
         if heldout.latest is not None:
             best = read_card(out.export_best) or {}
+            sets = heldout.latest_sets["heldout_sets"]
+            taus = ", ".join(f"{name} {v['tau']:.3f}" for name, v in sets.items())
+            per_set = f" ({taus})" if len(sets) > 1 else ""
+            on = f", chosen on {heldout.best_on}" if heldout.best_on else ""
             dist.print(
-                f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}; "
-                f"best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f} in {out.export_best}"
+                f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}{per_set}; "
+                f"best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f}{on} in {out.export_best}"
             )
     dist.barrier()

@@ -118,8 +118,9 @@ def read_card(folder: Path) -> dict | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, depth: int) -> None:
-    """card.json beside config.json: which export this is ("last" or "best"), its step and held-out τ."""
+def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, depth: int, sets: dict | None = None):
+    """card.json beside config.json: which export this is ("last" or "best"), its step and held-out τ, and with
+    `sets` (HeldoutTracker.latest_sets) the τ of each held-out set and the score the best export is chosen on."""
     card = {"which": which, "step": step, "heldout_depth": depth}
     if result is not None:
         card.update(
@@ -130,31 +131,68 @@ def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, d
                 "heldout_tokens": result.heldout_tokens,
             }
         )
+    card.update(sets or {})
     write_json(Path(folder) / CARD, card, indent=2, newline=True)
+
+
+def group_by_source(names: list[str | None], n: int) -> dict[str, list[int]]:
+    """The first `n` indices of each held-out set, the sets by source name in order of first appearance; samples of
+    no recorded source form one set, "heldout"."""
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        group = groups.setdefault(name or "heldout", [])
+        if len(group) < n:
+            group.append(i)
+    return groups
+
+
+class Subset:
+    """The items of `ds` at `idx`, as a dataset (heldout_batches reads len and [i])."""
+
+    def __init__(self, ds, idx: list[int]) -> None:
+        self.ds, self.idx = ds, idx
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+    def __getitem__(self, i: int):
+        return self.ds[self.idx[i]]
 
 
 class HeldoutTracker:
     """The training loop's held-out τ: every `train.eval_every` steps and at the end, on the first
-    `train.eval_samples` held-out samples, at the eval setting's depth (`eval.steps`); the best step by
-    held-out τ is exported to RUN/export-best/ (RUN/export/ stays the last, the one SGLang is pointed at).
+    `train.eval_samples` samples of each held-out set (the sources the harvest recorded), at the eval setting's
+    depth (`eval.steps`); τ per set, and over every set (their counts summed). The best step is exported to
+    RUN/export-best/ (RUN/export/ stays the last, the one SGLang is pointed at): best by the mean τ of the sets that
+    `train.best_on` names, weighted as it says, else by the τ over every set.
 
     `evaluate` and `keep_if_best` are collective: every rank calls them (the counts are summed over ranks,
     and a sharded engine gathers the weights on all of them).
     """
 
     def __init__(self, run_dir: Path, heldout, cfg, dist, resumed: bool) -> None:
-        """heldout: (items, where, features) as train/data.py's TrainData.heldout gives them."""
+        """heldout: (items, where, features, each item's source name) as train/data.py's TrainData.heldout gives
+        them."""
         tcfg = cfg.train
-        self.dist, self.depth, self.every = dist, cfg.eval.steps, tcfg.eval_every
+        self.dist, self.depth, self.every, self.best_on = dist, cfg.eval.steps, tcfg.eval_every, tcfg.best_on
         self.best_dir = RunDir(run_dir).export_best
-        ds, where, self.features = heldout
-        self.batches = heldout_batches(
-            ds, tcfg.eval_samples, dist.rank, dist.world, tcfg.micro_batch_size, tcfg.max_len
-        )
-        self.enabled = bool(self.batches)
+        ds, where, self.features, names = heldout
+        groups = group_by_source(names, tcfg.eval_samples)
+        unknown = sorted(set(self.best_on) - set(groups))
+        if unknown:
+            raise ValueError(
+                f"train.best_on names {', '.join(unknown)}, which {where} holds no held-out sample of "
+                f"(held-out sets: {', '.join(groups) or 'none'})"
+            )
+        self.sets = {
+            name: heldout_batches(Subset(ds, idx), len(idx), dist.rank, dist.world, tcfg.micro_batch_size, tcfg.max_len)
+            for name, idx in groups.items()
+        }
+        self.enabled = any(self.sets.values())
         card = read_card(self.best_dir) if resumed else None
-        self.best_tau = card["heldout_tau"] if card and "heldout_tau" in card else -math.inf
+        self.best_score = (card.get("heldout_score", card.get("heldout_tau")) if card else None) or -math.inf
         self.latest: HeldoutTau | None = None
+        self.latest_sets: dict = {}  # the sets' τ and the score of the latest evaluation (the cards' fields)
         if not resumed and dist.is_main and self.best_dir.exists():
             import shutil
 
@@ -166,29 +204,45 @@ class HeldoutTracker:
         return self.enabled and (step >= total or (self.every > 0 and step % self.every == 0))
 
     def evaluate(self, engine, step: int) -> HeldoutTau:
-        self.latest = heldout_tau(
-            lambda b: engine(b, steps=self.depth),
-            self.batches,
-            self.depth,
-            step,
-            self.dist.reduce_sum,
-            self.dist.device,
-            self.features,
-        )
+        """τ of each held-out set and over all of them (`latest`, `latest_sets`)."""
+        per_set = {
+            name: heldout_tau(
+                lambda b: engine(b, steps=self.depth),
+                batches,
+                self.depth,
+                step,
+                self.dist.reduce_sum,
+                self.dist.device,
+                self.features,
+            )
+            for name, batches in self.sets.items()
+        }
+        correct = [sum(r.chain_correct[k] for r in per_set.values()) for k in range(self.depth)]
+        valid = [sum(r.chain_valid[k] for r in per_set.values()) for k in range(self.depth)]
+        tau, cond = tau_from_counts(correct, valid)
+        self.latest = HeldoutTau(step, tau, cond, sum(r.heldout_tokens for r in per_set.values()), correct, valid)
+        sets = {name: {"tau": r.heldout_tau, "tokens": r.heldout_tokens} for name, r in per_set.items()}
+        if self.best_on:
+            weights = sum(self.best_on.values())
+            score = sum(w * sets[name]["tau"] for name, w in self.best_on.items()) / weights
+        else:
+            score = tau
+        self.latest_sets = {"heldout_sets": sets, "heldout_score": score, "best_on": dict(self.best_on)}
         return self.latest
 
     def keep_if_best(self, engine, drafter_config, result: HeldoutTau) -> bool:
-        """Export the current weights to RUN/export-best when `result` beats every earlier held-out τ."""
+        """Export the current weights to RUN/export-best when the latest score beats every earlier one."""
         from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
 
-        if not result.heldout_tau > self.best_tau:
+        score = self.latest_sets["heldout_score"]
+        if not score > self.best_score:
             return False
-        self.best_tau = result.heldout_tau
+        self.best_score = score
         state = self.dist.full_state_dict(engine)
         if self.dist.is_main:
             with atomic_dir(self.best_dir) as tmp:
                 write_drafter(tmp, drafter_config, drafter_tensors(state, prefix="drafter."))
-                write_card(tmp, "best", result.step, result, self.depth)
+                write_card(tmp, "best", result.step, result, self.depth, self.latest_sets)
         self.dist.barrier()
         return True
 
@@ -196,7 +250,14 @@ class HeldoutTracker:
         """Evaluate, keep the best; the fields for this step's metrics record."""
         result = self.evaluate(engine, step)
         best = self.keep_if_best(engine, drafter_config, result)
-        return {**result.record(), "heldout_depth": self.depth, "heldout_best": best, "heldout_best_tau": self.best_tau}
+        return {
+            **result.record(),
+            "heldout_depth": self.depth,
+            "heldout_sets": self.latest_sets["heldout_sets"],
+            "heldout_score": self.latest_sets["heldout_score"],
+            "heldout_best": best,
+            "heldout_best_score": self.best_score,
+        }
 
 
 # --------------------------------------------------------------------------- standalone
