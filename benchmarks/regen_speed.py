@@ -21,7 +21,7 @@ from pathlib import Path
 import requests
 
 from eagle3ft.config import load_config
-from eagle3ft.data.regen import main as regen
+from eagle3ft.data.regen import run_regen as regen
 
 
 def parse_settings(text: str) -> list[tuple[int, int, bool]]:

@@ -87,7 +87,7 @@ def contaminated(grams: HeldoutGrams, sources: Iterable[SourceConfig]) -> dict[s
     return out
 
 
-def cli(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Refuse training prompts that share an 8-gram with a held-out set.")
     ap.add_argument("train", nargs="+", help="training sources: sharegpt, chitchat or a json/jsonl/parquet file")
     ap.add_argument("--heldout", nargs="+", default=list(HELDOUT_SETS))
@@ -100,4 +100,4 @@ def cli(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    main()

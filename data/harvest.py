@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
+from eagle3ft.cli import run_stage, save_resolved
 from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
 from eagle3ft.data.aux_rows import row_checker
 from eagle3ft.data.chat import ChatFormat
@@ -41,9 +41,8 @@ from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter,
 from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
-from eagle3ft.files import json_text, write_json
+from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
-from eagle3ft.runlock import holding
 from eagle3ft.targets import open_target
 from eagle3ft.targets.base import Request, Sampling, Target
 from eagle3ft.targets.hf import load_tokenizer
@@ -416,15 +415,11 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.targets.sglang_http import SGLangError
 
-    cfg, run_dir, _ = parse_cli(
-        "Harvest target features for EAGLE-3 training.", stage="harvest", argv=argv, record=False
-    )
-    with (
-        holding(run_dir, "harvest"),
-        cli_errors("harvest", StoreError, SGLangError, HarvestRefused, log=error_log(run_dir, "harvest")),
-    ):
-        summary = run_harvest(cfg, run_dir, record=True)
-    print(json_text(summary, "harvest summary", indent=1))
+    def work(cfg: Config, run_dir: Path) -> dict:
+        return run_harvest(cfg, run_dir, record=True)
+
+    errors = (StoreError, SGLangError, HarvestRefused)
+    run_stage("Harvest target features for EAGLE-3 training.", "harvest", work, *errors, argv=argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Prompts written by the target itself (Magpie): the chat template up to the user turn's header, then the target
 samples the user turn until its end-of-turn id.
 
-    python data/magpie.py --config CFG --run-dir RUN
+    eagle3ft magpie --config CFG --run-dir RUN
 
 writes ``RUN/magpie/prompts.jsonl`` (one ``{"id", "messages": [user turn]}`` per line), which regeneration reads
 as any other source: ``harvest.sources: [{kind: file, path: RUN/magpie/prompts.jsonl}]``. Settings:
@@ -33,14 +33,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle3ft.cli import cli_errors, parse_cli
+from eagle3ft.cli import run_stage
 from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.contamination import HeldoutGrams, words
 from eagle3ft.data.regen_backends import Gen, RegenError, open_backend
 from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
-from eagle3ft.runlock import holding
 from eagle3ft.targets.base import Sampling
 from eagle3ft.targets.hf import load_tokenizer
 
@@ -132,7 +131,7 @@ def _generate(backend, gens: list[Gen]) -> list:
         return [a for part in parts for a in part]
 
 
-def main(cfg: Config, run_dir: str | Path) -> dict:
+def run_magpie(cfg: Config, run_dir: str | Path) -> dict:
     """Draw prompts until `magpie.count` are kept (or `max_draws` are made); returns the summary."""
     m = cfg.harvest.magpie
     folder = RunDir(run_dir).magpie
@@ -189,14 +188,11 @@ def main(cfg: Config, run_dir: str | Path) -> dict:
     return summary
 
 
-def cli(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     from eagle3ft.targets.sglang import SGLangError
 
-    cfg, run_dir, _ = parse_cli("Prompts written by the target (Magpie).", stage="magpie", argv=argv, record=False)
-    with holding(run_dir, "magpie"), cli_errors("magpie", RegenError, SGLangError):
-        summary = main(cfg, run_dir)
-    print(json_text(summary, "magpie summary", indent=1))
+    run_stage("Prompts written by the target (Magpie).", "magpie", run_magpie, RegenError, SGLangError, argv=argv)
 
 
 if __name__ == "__main__":
-    cli()
+    main()

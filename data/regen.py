@@ -1,6 +1,6 @@
 """Regeneration: prompts -> the target writes every assistant turn -> the token store ``RUN/tokens/``.
 
-    python data/regen.py --config CFG --run-dir RUN
+    eagle3ft regen --config CFG --run-dir RUN
 
 The conversations (``harvest.sources``) are put in a fixed order (most user turns first) and cut into
 chunks of ``harvest.shard_samples`` per split; a chunk is committed whole as one
@@ -66,7 +66,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from eagle3ft.cli import cli_errors, error_log, parse_cli, save_resolved
+from eagle3ft.cli import run_stage, save_resolved
 from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.contamination import heldout_filter
@@ -77,9 +77,8 @@ from eagle3ft.data.regen_backends import RegenError, open_backend
 from eagle3ft.data.regen_turns import ReadyTurns, Regenerator  # noqa: F401  (ReadyTurns: part of this interface)
 from eagle3ft.data.store import SPLITS, StoreError
 from eagle3ft.data.tokens import TokenWriter, tokenizer_digest
-from eagle3ft.files import json_text, write_json
+from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
-from eagle3ft.runlock import holding
 from eagle3ft.targets.base import Sampling
 from eagle3ft.targets.hf import load_tokenizer
 
@@ -139,7 +138,7 @@ def stop_on_signals(regen: Regenerator):
             signal.signal(sig, h)
 
 
-def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
+def run_regen(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     """The whole regeneration; returns the summary. Inputs are checked before the target is reached. With `record`
     the config goes into run_dir/config.yaml once the token store has accepted this regeneration."""
     t0 = time.time()
@@ -244,19 +243,15 @@ def main(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     return summary
 
 
-def cli(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     from eagle3ft.targets.sglang import SGLangError
 
-    cfg, run_dir, _ = parse_cli(
-        "Regenerate every assistant turn with the target into a token store.", stage="regen", argv=argv, record=False
-    )
-    with (
-        holding(run_dir, "regen"),
-        cli_errors("regen", RegenError, SGLangError, StoreError, log=error_log(run_dir, "regen")),
-    ):
-        summary = main(cfg, run_dir, record=True)
-    print(json_text(summary, "regen summary", indent=1))
+    def work(cfg: Config, run_dir: Path) -> dict:
+        return run_regen(cfg, run_dir, record=True)
+
+    description = "Regenerate every assistant turn with the target into a token store."
+    run_stage(description, "regen", work, RegenError, SGLangError, StoreError, argv=argv)
 
 
 if __name__ == "__main__":
-    cli()
+    main()

@@ -2,6 +2,7 @@
 into the run folder with the code version, and errors in the input as one line instead of a traceback.
 
     cfg, run_dir, args = parse_cli(description, stage="harvest", parser=optional_extended_parser)
+    run_stage(description, "regen", run_regen, RegenError, argv=argv)  # a stage that writes one summary
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Callable
 import yaml
 
 from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, to_dict
-from eagle3ft.files import FULL, DiskFull, disk_full_error, write_atomic
+from eagle3ft.files import FULL, DiskFull, disk_full_error, json_text, write_atomic
 from eagle3ft.run_dir import RunDir
 
 
@@ -199,3 +200,21 @@ def parse_cli(
         with holding(run_dir, stage, ap.prog):  # a folder in use by another stage is not written to
             save_resolved(cfg, run_dir, stage)
     return cfg, run_dir, args
+
+
+def run_stage(
+    description: str,
+    stage: str,
+    work: Callable[[Config, Path], dict],
+    *errors: type[BaseException],
+    argv: list[str] | None = None,
+) -> None:
+    """A stage's console entry: parse (parse_cli, the config recorded by `work` itself once its inputs are accepted),
+    hold the run folder, run `work(cfg, run_dir)` with an input error (USER_ERRORS, plus `errors`) as one line, and
+    print the summary it returns."""
+    from eagle3ft.runlock import holding
+
+    cfg, run_dir, _ = parse_cli(description, stage=stage, argv=argv, record=False)
+    with holding(run_dir, stage), cli_errors(stage, *errors, log=error_log(run_dir, stage)):
+        summary = work(cfg, run_dir)
+    print(json_text(summary, f"{stage} summary", indent=1))

@@ -123,10 +123,10 @@ def test_bounds_hold_for_a_config_built_in_code_and_after_replace():
 
 
 def test_finetune_refuses_a_negative_max_steps_in_one_line_before_anything_runs(tmp_path, capsys):
-    from eagle3ft.train.finetune import cli
+    from eagle3ft.train.finetune import main
 
     with pytest.raises(SystemExit) as e:
-        cli(
+        main(
             [
                 "--config",
                 str(REPO_ROOT / "configs/tiny.yaml"),

@@ -1,5 +1,6 @@
-"""The console commands `pip install -e .` puts beside the interpreter ([project.scripts]): each answers --help, and
-eagle3ft-train is `accelerate launch ... train/finetune.py` (docs/pipeline.md) with no path into the tree."""
+"""The console commands `pip install -e .` puts beside the interpreter ([project.scripts]): `eagle3ft` lists every
+stage and each `eagle3ft STAGE` (and `eagle3ft-STAGE`) answers --help with that stage's own options; eagle3ft-train is
+`accelerate launch ... train/finetune.py` (docs/pipeline.md) with no path into the tree."""
 
 import subprocess
 import sys
@@ -19,6 +20,19 @@ def test_each_command_is_installed_and_answers_help(name):
     r = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--config" in r.stdout and "--run-dir" in r.stdout
+
+
+def test_eagle3ft_lists_every_stage_and_each_answers_its_own_help():
+    from eagle3ft.commands import COMMANDS as STAGES
+
+    assert set(STAGES) == set(COMMANDS)  # every eagle3ft-STAGE script is a subcommand
+    r = subprocess.run([str(BIN / "eagle3ft"), "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and all(f"  {name} " in r.stdout for name in STAGES), r.stdout
+    for name in STAGES:
+        r = subprocess.run([str(BIN / "eagle3ft"), name, "--help"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: eagle3ft {name} "), (name, r.stdout, r.stderr[-2000:])
+    r = subprocess.run([str(BIN / "eagle3ft"), "nope"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "eagle3ft: error: unknown stage 'nope'" in r.stderr
 
 
 def test_eagle3ft_train_launches_two_ranks_and_stops_on_an_empty_run_folder_in_one_line(tmp_path):

@@ -13,9 +13,9 @@ import pytest
 from eagle3ft.config import REPO_ROOT, SourceConfig, load_config
 from eagle3ft.data import magpie
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.contamination import HeldoutGrams, cli
+from eagle3ft.data.contamination import HeldoutGrams, main
 from eagle3ft.data.prompts import mtbench_path
-from eagle3ft.data.regen import main as regen_main
+from eagle3ft.data.regen import run_regen
 from eagle3ft.data.tokens import TokenStore
 from eagle3ft.targets import hf
 from eagle3ft.train.data import TrainData
@@ -55,7 +55,7 @@ def test_header_is_chatml_up_to_user(ending_model):
 def test_magpie_prompts_resume_and_regen(ending_model, monkeypatch, tmp_path):
     monkeypatch.setattr(hf, "load_target", lambda cfg: ending_model)
     cfg = load_config(TINY, SETS)
-    straight = magpie.main(cfg, tmp_path / "a")
+    straight = magpie.run_magpie(cfg, tmp_path / "a")
     kept = lines(tmp_path / "a")
     texts = [r["messages"][0]["content"] for r in kept]
     assert straight["kept"] == len(kept) == 6 and len(set(texts)) == 6
@@ -74,17 +74,17 @@ def test_magpie_prompts_resume_and_regen(ending_model, monkeypatch, tmp_path):
 
     monkeypatch.setattr(regen_backends.HFBackend, "generate", dies_second_call)
     with pytest.raises(KeyboardInterrupt):
-        magpie.main(cfg, tmp_path / "b")
+        magpie.run_magpie(cfg, tmp_path / "b")
     with open(tmp_path / "b" / "magpie" / "prompts.jsonl", "a") as f:
         f.write('{"id": "half a li')  # a kill in the middle of an append
     monkeypatch.setattr(regen_backends.HFBackend, "generate", real)
-    resumed = magpie.main(cfg, tmp_path / "b")
+    resumed = magpie.run_magpie(cfg, tmp_path / "b")
     assert lines(tmp_path / "b") == kept and resumed["filtered"] == straight["filtered"]
 
     path = tmp_path / "a" / "magpie" / "prompts.jsonl"
     sources = f"harvest.sources=[{{kind: sharegpt, limit: 3}}, {{kind: file, path: {path}, name: magpie}}]"
     rcfg = load_config(TINY, [sources])
-    summary = regen_main(rcfg, tmp_path / "a")
+    summary = run_regen(rcfg, tmp_path / "a")
     assert summary["counts"]["train"]["samples"] == 9
     store = TokenStore(tmp_path / "a" / "tokens")
     assert Counter(store.sources("train")) == {"sharegpt": 3, "magpie": 6}
@@ -109,7 +109,7 @@ def test_magpie_through_sglang_servers(ending_model, tmp_path):
     try:
         urls = ", ".join(d.url for d in ds)
         sets = ["harvest.backend=sglang", f"harvest.sglang.urls=[{urls}]", "harvest.sglang.prompts_per_request=2"]
-        summary = magpie.main(load_config(TINY, SETS + sets), tmp_path)
+        summary = magpie.run_magpie(load_config(TINY, SETS + sets), tmp_path)
     finally:
         for d in ds:
             d.stop()
@@ -136,7 +136,7 @@ def test_contamination_drops_planted_heldout(ending_model, tmp_path, capsys):
         + "\n"
     )
     with pytest.raises(SystemExit) as e:
-        cli([str(train), "--heldout", "mtbench"])
+        main([str(train), "--heldout", "mtbench"])
     assert e.value.code == 1
     assert json.loads(capsys.readouterr().out)["contaminated_user_turns"] == {str(train): {"mtbench": 1}}
 
@@ -149,7 +149,7 @@ def test_sampled_answers_beside_greedy(ending_model, monkeypatch, tmp_path):
     base = ["harvest.sources=[{kind: sharegpt, limit: 8}]", "harvest.max_turns=1"]
 
     def answers(run, *sets):
-        regen_main(load_config(TINY, base + list(sets)), tmp_path / run)
+        run_regen(load_config(TINY, base + list(sets)), tmp_path / run)
         return {x["sample_id"]: x["input_ids"].tolist() for x in TokenStore(tmp_path / run / "tokens").dataset("train")}
 
     greedy, sampled = answers("t0"), answers("t1", "harvest.temperature=1.0")

@@ -15,7 +15,7 @@ import torch
 from eagle3ft.config import REPO_ROOT, SourceConfig, load_config
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import collect, merge_split_parts
-from eagle3ft.data.regen import RegenError, cli, longest_first, main
+from eagle3ft.data.regen import RegenError, longest_first, main, run_regen
 from eagle3ft.data.tokens import TokenStore
 from eagle3ft.targets.hf import load_target
 
@@ -87,7 +87,7 @@ def doubles(stopping_model):
 @pytest.fixture(scope="module")
 def reference(doubles, tmp_path_factory):
     run = tmp_path_factory.mktemp("ref")
-    summary = main(sglang_cfg([doubles[0].url]), run)
+    summary = run_regen(sglang_cfg([doubles[0].url]), run)
     return run, summary
 
 
@@ -137,7 +137,7 @@ def test_multi_turn_prompts_carry_the_targets_own_answer_ids(reference, doubles)
 
 def test_two_servers_share_the_work_and_give_the_same_store(reference, doubles, tmp_path):
     before = [d.requests for d in doubles]
-    summary = main(sglang_cfg([d.url for d in doubles]), tmp_path)
+    summary = run_regen(sglang_cfg([d.url for d in doubles]), tmp_path)
     assert all(d.requests > b for d, b in zip(doubles, before))
     assert items(tmp_path) == items(reference[0]) and summary["counts"] == reference[1]["counts"]
 
@@ -146,7 +146,7 @@ def test_a_conversation_stays_on_one_server_and_its_turns_carry_the_turns_left(r
     model, tok = stopping_model
     ds = [SGLangDouble(Recorder(model, tok), version="0.5.17").start() for _ in range(2)]
     try:
-        main(sglang_cfg([d.url for d in ds], "harvest.sglang.prompts_per_request=1"), tmp_path)
+        run_regen(sglang_cfg([d.url for d in ds], "harvest.sglang.prompts_per_request=1"), tmp_path)
     finally:
         for d in ds:
             d.stop()
@@ -179,7 +179,7 @@ def test_first_come_first_served_sends_no_priority_and_makes_the_same_store(refe
         regen_speed.parse_settings("8x1:lifo")
     model, tok = stopping_model
     with SGLangDouble(Recorder(model, tok), version="0.5.17") as d:
-        summary = main(sglang_cfg([d.url], "harvest.sglang.priority=false"), tmp_path)
+        summary = run_regen(sglang_cfg([d.url], "harvest.sglang.priority=false"), tmp_path)
         assert set(d.engine.priorities.values()) == {None}
     assert summary["generation"]["priority"] is False and items(tmp_path) == items(reference[0])
 
@@ -199,24 +199,24 @@ def test_a_server_dying_mid_run_stops_with_its_name_and_a_rerun_completes_equal(
     model, tok = stopping_model
     one_at_a_time = ("harvest.sglang.concurrency=1",)  # the same calls in the same order on every run
     with SGLangDouble(DoubleEngine(model, tok), version="0.5.17") as counting:
-        main(sglang_cfg([counting.url], *one_at_a_time), tmp_path / "count")
+        run_regen(sglang_cfg([counting.url], *one_at_a_time), tmp_path / "count")
         calls = counting.requests
     dying = SGLangDouble(DoubleEngine(model, tok), version="0.5.17").start()
     dying.die_after = calls - 1  # the server dies at the last call, after the chunks finished before it were committed
     with pytest.raises(RegenError, match=f"127.0.0.1:{dying.port}"):
-        main(sglang_cfg([dying.url], *one_at_a_time), tmp_path)
+        run_regen(sglang_cfg([dying.url], *one_at_a_time), tmp_path)
     dying.kill()
     partial = TokenStore(tmp_path / "tokens")
     assert not partial.complete and sum(len(v) for v in partial.manifest["chunks_done"].values()) > 0
     with SGLangDouble(DoubleEngine(model, tok), version="0.5.17") as fresh:
-        summary = main(sglang_cfg([fresh.url]), tmp_path)
+        summary = run_regen(sglang_cfg([fresh.url]), tmp_path)
     assert summary["chunks_resumed"] == sum(len(v) for v in partial.manifest["chunks_done"].values())
     assert items(tmp_path) == items(reference[0])
 
 
 def test_cli_error_is_one_line_when_no_server_answers(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        cli(
+        main(
             [
                 "--config",
                 str(TINY),
@@ -238,7 +238,7 @@ def test_embedded_backend_through_the_entry_point(stopping_model, tmp_path, monk
     import eagle3ft.targets.hf as hf
 
     monkeypatch.setattr(hf, "load_target", lambda cfg: stopping_model)
-    cli(
+    main(
         [
             "--config",
             str(TINY),
@@ -254,7 +254,7 @@ def test_embedded_backend_through_the_entry_point(stopping_model, tmp_path, monk
     for split, rows in items(tmp_path).items():
         for _, ids, mask in rows:
             assert len(ids) == len(mask) and 0 < sum(mask) < len(ids)
-    again = main(load_config(TINY, BASE), tmp_path)  # everything committed: a rerun only resumes
+    again = run_regen(load_config(TINY, BASE), tmp_path)  # everything committed: a rerun only resumes
     assert again["chunks_resumed"] == again["chunks"] and again["answer_tokens"] == 0
 
 

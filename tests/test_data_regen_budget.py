@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 import eagle3ft.data.regen_turns as regen_turns
 from eagle3ft.config import load_config
-from eagle3ft.data.regen import main
+from eagle3ft.data.regen import run_regen
 from eagle3ft.data.regen_backends import HFBackend
 from eagle3ft.data.tokens import TokenStore
 
@@ -122,14 +122,14 @@ def reference(stopping_model, tmp_path_factory):
     model, tok = stopping_model
     run = tmp_path_factory.mktemp("ref")
     with SGLangDouble(DoubleEngine(model, tok), version="0.5.17") as d:
-        main(sglang_cfg([d.url], *ONE_AT_A_TIME), run)
+        run_regen(sglang_cfg([d.url], *ONE_AT_A_TIME), run)
     return run
 
 
 def stopped_run(stopping_model, run: Path, gate: Gate, *sets: str) -> dict:
     model, tok = stopping_model
     with SGLangDouble(GatedEngine(gate, model, tok), version="0.5.17") as d:
-        return main(sglang_cfg([d.url], *ONE_AT_A_TIME, *sets), run)
+        return run_regen(sglang_cfg([d.url], *ONE_AT_A_TIME, *sets), run)
 
 
 def test_a_budget_keeps_exactly_the_finished_turns(stopping_model, reference, tmp_path):
@@ -154,7 +154,7 @@ def test_sigint_stops_the_same_way_and_a_rerun_completes_the_rest_once(stopping_
     stopped, cut = chunks(tmp_path), done_chunks(tmp_path, "chunks_cut")
 
     with SGLangDouble(DoubleEngine(*stopping_model), version="0.5.17") as d:
-        again = main(sglang_cfg([d.url], *ONE_AT_A_TIME), tmp_path)
+        again = run_regen(sglang_cfg([d.url], *ONE_AT_A_TIME), tmp_path)
     assert again["stopped"] is None and again["chunks_resumed"] == len(done_chunks(reference)) - st["chunks_left"]
     assert TokenStore(tmp_path / "tokens").complete and done_chunks(tmp_path) == done_chunks(reference)
     final, want = chunks(tmp_path), chunks(reference)
@@ -179,7 +179,7 @@ def test_embedded_backend_a_turn_in_flight_past_the_wait_is_dropped(stopping_mod
 
     monkeypatch.setattr(hf, "load_target", lambda cfg: stopping_model)
     sets = [*BASE, "harvest.batch_size=1"]
-    main(load_config(TINY, sets), tmp_path / "ref")
+    run_regen(load_config(TINY, sets), tmp_path / "ref")
 
     gate = Gate(3, sleep_until(4.0))  # stop at 2 s, give up on the 3rd turn at 2.3 s: it comes back at 4 s
     plain = HFBackend.generate
@@ -191,13 +191,13 @@ def test_embedded_backend_a_turn_in_flight_past_the_wait_is_dropped(stopping_mod
     monkeypatch.setattr(HFBackend, "generate", gated)
     monkeypatch.setattr(regen_turns, "DRAIN_S", 0.3)
     run = tmp_path / "run"
-    summary = main(load_config(TINY, [*sets, "harvest.max_seconds=2"]), run)
+    summary = run_regen(load_config(TINY, [*sets, "harvest.max_seconds=2"]), run)
     gate.released.wait(10)  # the dropped turn's thread ends before the model is used again
     st = summary["stopped"]
     assert st["reason"] == "max_seconds" and st["turns_dropped_in_flight"] == 1 and summary["answers"] == 2
     assert summary["generation"]["backend"] == "hf"
     check_cut_prefixes(run, tmp_path / "ref", summary)
-    again = main(load_config(TINY, sets), run)
+    again = run_regen(load_config(TINY, sets), run)
     assert again["chunks_resumed"] == len(done_chunks(run)) - st["chunks_left"] and TokenStore(run / "tokens").complete
     ids = [sid for rows in chunks(run).values() for sid in rows]
     assert len(ids) == len(set(ids))

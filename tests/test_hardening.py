@@ -151,7 +151,7 @@ def test_the_benches_refuse_a_drafter_that_disagrees_with_the_features_before_co
     ],
 )
 def test_train_refuses_a_bad_warm_start_drafter_in_one_line_before_compute(run, damage, message, monkeypatch, capsys):
-    from eagle3ft.train.finetune import cli
+    from eagle3ft.train.finetune import main
 
     tensors = write_k2_like(run / "k2")
     weights = run / "k2" / "model.safetensors"
@@ -165,7 +165,7 @@ def test_train_refuses_a_bad_warm_start_drafter_in_one_line_before_compute(run, 
         weights.write_bytes(weights.read_bytes()[: len(weights.read_bytes()) // 2])
     no_compute(monkeypatch)
     with pytest.raises(SystemExit) as e:
-        cli(
+        main(
             [
                 "--config",
                 str(TINY),

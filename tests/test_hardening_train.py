@@ -27,25 +27,25 @@ def tree(folder: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
 
 
-def started_main(calls: list):
-    """A stand-in for train/loop.py's main that passes every check at once: on_start runs, nothing trains."""
+def started_training(calls: list):
+    """A stand-in for train/loop.py's run_training that passes every check at once: on_start runs, nothing trains."""
 
-    def main(cfg, run_dir, on_start=None):
+    def run_training(cfg, run_dir, on_start=None):
         calls.append(run_dir)
         if on_start is not None:
             on_start(None)
         return {}
 
-    return main
+    return run_training
 
 
 def finetune_cli(run_dir: Path, *extra: str) -> None:
-    finetune.cli(["--config", str(TINY), "--run-dir", str(run_dir), "--set", "train.wandb_mode=disabled", *extra])
+    finetune.main(["--config", str(TINY), "--run-dir", str(run_dir), "--set", "train.wandb_mode=disabled", *extra])
 
 
 def test_overwrite_refuses_a_folder_that_is_no_run_and_removes_nothing(tmp_path, monkeypatch, capsys):
     calls: list = []
-    monkeypatch.setattr(finetune, "main", started_main(calls))
+    monkeypatch.setattr(finetune, "run_training", started_training(calls))
     checkout = tmp_path / "checkout"  # what a checkout looks like: the train/ package, a user's export/
     for name, text in {
         "pyproject.toml": "[project]\n",
@@ -77,7 +77,7 @@ def test_overwrite_refuses_a_folder_that_is_no_run_and_removes_nothing(tmp_path,
 
 def test_overwrite_removes_only_what_the_trainer_wrote(tmp_path, monkeypatch, capsys):
     calls: list = []
-    monkeypatch.setattr(finetune, "main", started_main(calls))
+    monkeypatch.setattr(finetune, "run_training", started_training(calls))
     run = tmp_path / "run"
     write_store(run, n_train=2, n_heldout=1)
     trainer = {

@@ -12,7 +12,7 @@ from train_fixtures import REPO, TINY_TARGET, launch, write_store
 from eagle3ft.config import load_config
 from eagle3ft.data.store import FeatureStore, FeatureWriter, StoreError
 from eagle3ft.drafter.model import export_keys
-from eagle3ft.train.loop import OutOfMemoryHint, main, oom_hint
+from eagle3ft.train.loop import OutOfMemoryHint, oom_hint, run_training
 
 TINY = REPO / "configs/tiny.yaml"
 COMMON = (
@@ -39,28 +39,28 @@ def ok(r) -> None:
 def test_missing_and_empty_store_are_refused(tmp_path):
     cfg = load_config(TINY)
     with pytest.raises(StoreError, match="no feature store"):
-        main(cfg, tmp_path)
+        run_training(cfg, tmp_path)
     FeatureWriter(tmp_path / "features", TINY_TARGET, 4, False, "x").finish(torch.zeros(49152, dtype=torch.int64))
     with pytest.raises(StoreError, match="has no shards"):
-        main(cfg, tmp_path)
+        run_training(cfg, tmp_path)
 
 
 def test_schema_mismatch_and_empty_train_split_are_refused(tmp_path):
     write_store(tmp_path, n_train=0, n_heldout=2)
     with pytest.raises(StoreError, match="train split is empty"):
-        main(load_config(TINY), tmp_path)
+        run_training(load_config(TINY), tmp_path)
     manifest = tmp_path / "features" / "manifest.json"
     m = json.loads(manifest.read_text())
     manifest.write_text(json.dumps({**m, "schema_version": 99}))
     with pytest.raises(StoreError, match="schema_version 99"):
-        main(load_config(TINY), tmp_path)
+        run_training(load_config(TINY), tmp_path)
 
 
 def test_missing_vocab_names_the_harvest(tmp_path):
     write_store(tmp_path, n_train=2, n_heldout=0)
     (tmp_path / "vocab.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="harvest"):
-        main(load_config(TINY), tmp_path)
+        run_training(load_config(TINY), tmp_path)
 
 
 def test_out_of_memory_gets_a_hint():
@@ -202,20 +202,20 @@ def test_non_finite_loss_stops_naming_step_and_sample(tmp_path):
 
 
 def test_ranks_leave_together_through_the_store(monkeypatch):
-    """finetune's os._exit waits (dist.leave_together) until every rank has ended its process group; a peer that never
-    arrives costs the timeout, not a hang (issue 41 item 10)."""
+    """exit_rank's os._exit waits (launcher.leave_together) until every rank has ended its process group; a peer that
+    never arrives costs the timeout, not a hang."""
     import time
 
-    from eagle3ft.train import dist as dist_mod
+    from eagle3ft.train import launcher
 
-    dist_mod.leave_together()  # no Dist.end of several processes: nothing to wait for
+    launcher.leave_together()  # no Dist.end of several processes: nothing to wait for
     store = torch.distributed.HashStore()
     store.set("eagle3ft/ended/1", "1")  # rank 1 already left
-    monkeypatch.setattr(dist_mod, "_exit_store", (store, 0, 2))
+    monkeypatch.setattr(launcher, "_peers", (store, 0, 2))
     t = time.monotonic()
-    dist_mod.leave_together(timeout_s=5)
+    launcher.leave_together(timeout_s=5)
     assert time.monotonic() - t < 2 and store.get("eagle3ft/ended/0") == b"1"
-    monkeypatch.setattr(dist_mod, "_exit_store", (store, 0, 3))  # rank 2 never comes
+    monkeypatch.setattr(launcher, "_peers", (store, 0, 3))  # rank 2 never comes
     t = time.monotonic()
-    dist_mod.leave_together(timeout_s=0.5)
+    launcher.leave_together(timeout_s=0.5)
     assert 0.4 < time.monotonic() - t < 5

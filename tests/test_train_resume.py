@@ -137,7 +137,7 @@ def test_a_started_run_folder_is_refused_without_resume_or_overwrite_before_anyt
     def boom(*a, **k):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(finetune, "main", boom)
+    monkeypatch.setattr(finetune, "run_training", boom)
     write_store(tmp_path, n_train=2, n_heldout=1)
     (tmp_path / "ckpt" / "step-40").mkdir(parents=True)
     (tmp_path / "ckpt" / "step-40" / "trainer_state.json").write_text(json.dumps({"format": FORMAT, "step": 40}))
@@ -154,7 +154,7 @@ def test_a_started_run_folder_is_refused_without_resume_or_overwrite_before_anyt
         (["--overwrite", "--resume", "auto"], "--overwrite starts over, --resume (train.resume) continues"),
     ):
         with pytest.raises(SystemExit) as e:
-            finetune.cli(argv + extra)
+            finetune.main(argv + extra)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith(f"finetune.py: error: {message}"), err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, no lock left

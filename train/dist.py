@@ -24,7 +24,6 @@ import json
 import os
 import random
 import socket
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,7 @@ from accelerate.utils import InitProcessGroupKwargs
 
 from eagle3ft.config import TrainConfig, resolve_path
 from eagle3ft.runlock import RunLocked, check_owner, run_lock
-from eagle3ft.train.launcher import clear_stale_build_locks, loopback_only, watch_launcher
+from eagle3ft.train.launcher import clear_stale_build_locks, loopback_only, wait_for_peers_at_exit, watch_launcher
 
 
 def deepspeed_config(tcfg: TrainConfig, cuda: bool) -> dict:
@@ -394,39 +393,21 @@ class Dist:
         return sd if self.is_main else None
 
     def end(self) -> None:
-        """Tear down in an order that leaves nothing running when a rank exits (train/finetune.py then os._exits).
+        """Tear down in an order that leaves nothing running when a rank exits (train/launcher.py's exit_rank then
+        os._exits).
 
         1. DeepSpeed's engine (its hooks, ZeRO-3's parameter coordinator and in-flight gathers) and the accelerator's
            references go and are collected while every peer is still up: none of it is freed after the process group.
         2. A barrier: gloo's waits for every earlier collective of this rank, so no gloo work is pending.
         3. The process groups go (gloo's worker threads joined, its pairs closed) on every rank.
-        4. A launch of several processes records that this rank got here (`leave_together` waits for all of them
-           through the launcher's TCPStore). Before, the rank done first os._exited (closing its gloo sockets) while
-           its peer could still be destroying its process group or freeing the engine, the race we blame for the
-           rare C++ abort of rank 1 of the ZeRO-3 CPU launch at exit ("terminate called without an active
-           exception", issue 41 item 10; benchmarks/exit_abort_loop.sh counts it)."""
-        global _exit_store
+        4. A launch of several processes keeps the launcher's store, through which exit_rank waits for every rank to
+           get here: a rank that os._exits while its peer still destroys its process group or frees the engine closes
+           sockets the peer uses, and can make it abort in C++ ("terminate called without an active exception" from
+           rank 1 of the ZeRO-3 CPU launch; benchmarks/exit_abort_loop.sh counts it)."""
         self.acc.free_memory()
         gc.collect()
         self.acc.wait_for_everyone()
         store = torch.distributed.distributed_c10d._get_default_store() if self.world > 1 else None
         self.acc.end_training()
         if store is not None:
-            _exit_store = (store, self.rank, self.world)
-
-
-_exit_store = None  # (the launch's store, rank, world), kept by Dist.end past destroy_process_group
-
-
-def leave_together(timeout_s: float = 60.0) -> None:
-    """After Dist.end: wait until every rank of the launch has ended its process group, through the launcher's TCPStore
-    (no gloo left to use). The ranks then os._exit at the same point, so no rank's exit closes the sockets of a
-    process group its peer is still tearing down. A peer that never arrives (it died) costs `timeout_s`, not a hang."""
-    if _exit_store is None:
-        return
-    store, rank, world = _exit_store
-    store.set(f"eagle3ft/ended/{rank}", "1")
-    try:
-        store.wait([f"eagle3ft/ended/{r}" for r in range(world)], timedelta(seconds=timeout_s))
-    except Exception:  # a peer died or the launcher went: exit anyway
-        pass
+            wait_for_peers_at_exit(store, self.rank, self.world)

@@ -1,5 +1,8 @@
 """A launched rank and its launcher (torchrun's elastic agent, which `accelerate launch` runs in its own process).
 
+- `main`: `eagle3ft train` (and `eagle3ft-train`), the `accelerate launch` of train/finetune.py from an installed
+  package; `train_parser` is the trainer's command line, which both show in their help.
+- `exit_rank`: how a rank of a launch of several processes exits (no C++ teardown, every rank at the same point).
 - `watch_launcher`: a rank exits when its launcher dies (torchrun starts the ranks in their own session, so a
   `kill -9` of the launcher's process group would otherwise leave them running).
 - `loopback_only`: on one machine the ranks' own sockets (gloo's pairs, NCCL's bootstrap) listen on the loopback
@@ -24,6 +27,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
 import signal
@@ -40,6 +44,7 @@ PR_SET_PDEATHSIG = 1
 AGENTS = ("accelerate", "torchrun", "torch.distributed.run", "torch/distributed/run.py")
 LOOPBACK = "127.0.0.1"
 LOOPBACK_RDZV = "eagle3ft-loopback"
+DESCRIPTION = "Fine-tune an EAGLE-3 drafter on a run's feature store."
 STALE_LOCK_S = 600.0  # DeepSpeed's CPU op builds in about a minute on 2 cores: a lock this old is a killed build's
 
 
@@ -218,3 +223,93 @@ def end_launch(is_main: bool, wait_s: float = 10.0) -> bool:
     while os.getppid() == agent and time.monotonic() < deadline:
         time.sleep(0.05)
     return os.getppid() != agent
+
+
+_peers = None  # (the launch's store, rank, world): kept by Dist.end past destroy_process_group, for leave_together
+
+
+def wait_for_peers_at_exit(store, rank: int, world: int) -> None:
+    """Dist.end, once this rank's process group is gone: `leave_together` waits for the peers through `store`."""
+    global _peers
+    _peers = (store, rank, world)
+
+
+def leave_together(timeout_s: float = 60.0) -> None:
+    """After Dist.end: wait until every rank of the launch has ended its process group, through the launcher's
+    TCPStore (no gloo left to use), so the ranks os._exit at the same point. A peer that never arrives (it died)
+    costs `timeout_s`, not a hang."""
+    if _peers is None:
+        return
+    store, rank, world = _peers
+    store.set(f"eagle3ft/ended/{rank}", "1")
+    try:
+        store.wait([f"eagle3ft/ended/{r}" for r in range(world)], timedelta(seconds=timeout_s))
+    except Exception:  # a peer died or the launcher went: exit anyway
+        pass
+
+
+def train_parser(prog: str) -> argparse.ArgumentParser:
+    """The trainer's command line: the shared options (eagle3ft/cli.py) plus --resume and --overwrite."""
+    from eagle3ft.cli import build_parser
+
+    parser = build_parser(DESCRIPTION)
+    parser.prog = prog
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|CKPT",
+        help="continue from the newest checkpoint (auto) or a ckpt/step-N folder; sets train.resume",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over: remove what the trainer wrote in the run folder (checkpoints, exports, train/ logs) first",
+    )
+    return parser
+
+
+def exit_rank(code: int) -> None:
+    """End this process with `code`. One process exits as usual. A rank of a launch of several processes first waits
+    for its peers (`leave_together`, through the launcher's store, once Dist.end has torn down its engine and
+    process group), then flushes logging and stdio and leaves through os._exit: a rank that exits while a peer
+    still tears down closes the gloo sockets that peer uses, and C++ static destruction can abort a ZeRO-3 CPU rank
+    on a joinable gloo thread ("terminate called without an active exception", pytorch#179291).
+    benchmarks/exit_abort_loop.sh counts those aborts. atexit handlers do not run: the trainer's files, wandb and
+    the run lock are closed before."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        sys.exit(code)
+    import logging
+
+    leave_together()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`eagle3ft train`: `accelerate launch --config_file ACCEL -m eagle3ft.train.finetune ARGS`, the same command line
+    from an installed package (--accelerate-config, default 1gpu.yaml with CUDA, else cpu-2proc.yaml); on one
+    machine, with the rendezvous whose store listens on loopback only (`launch_args`). The arguments are checked
+    here first, so a wrong one is one line before any process starts."""
+    from eagle3ft.config import resolve_path
+
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--accelerate-config", default=None)
+    known, rest = ap.parse_known_args(argv)
+    parser = train_parser("eagle3ft train")
+    parser.add_argument(
+        "--accelerate-config",
+        default=None,
+        metavar="configs/accelerate/NAME.yaml",
+        help="the processes to launch (default: 1gpu.yaml with CUDA, else cpu-2proc.yaml)",
+    )
+    parser.parse_args(argv)  # --help, or exit 2 on a wrong argument
+    accel = known.accelerate_config
+    if accel is None:
+        import torch
+
+        accel = "configs/accelerate/" + ("1gpu.yaml" if torch.cuda.is_available() else "cpu-2proc.yaml")
+    accel = resolve_path(accel)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel), *launch_args(accel)]
+    os.execv(sys.executable, cmd + ["-m", "eagle3ft.train.finetune", *rest])

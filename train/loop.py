@@ -1,6 +1,6 @@
 """The fine-tuning loop: feature store -> TTT unroll -> checkpoints, export and metrics.
 
-`main(cfg, run_dir)` is what `train/finetune.py` calls under `accelerate launch`; every rank runs it:
+`run_training(cfg, run_dir)` is what `train/finetune.py` calls under `accelerate launch`; every rank runs it:
 setup (data, drafter, optimizer, resume, logs) -> fit (the steps) -> export, over one `Run` that holds the state.
 Reads `run_dir/features` and `run_dir/vocab.safetensors` (or the warm-start drafter's own vocab); with
 `train.features: online`, `run_dir/tokens` and the target's own prefill instead (batches: train/data.py);
@@ -172,7 +172,7 @@ class Run:
 # --------------------------------------------------------------------------- setup -> fit -> export
 
 
-def main(cfg: Config, run_dir: str | Path, on_start: Callable[[dict | None], None] | None = None) -> dict:
+def run_training(cfg: Config, run_dir: str | Path, on_start: Callable[[dict | None], None] | None = None) -> dict:
     """Fine-tune the drafter on run_dir's features (or the target's, online: train/data.py).
 
     `on_start(resumed)` runs on the main process once every check has passed, before the run writes anything

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import yaml
@@ -126,3 +127,28 @@ def remove_training_outputs(run_dir: Path) -> list[str]:
 def stale_derived(run_dir: Path) -> list[str]:
     """The later stages' outputs that describe the drafter of an earlier run."""
     return [p.name for p in RunDir(run_dir).derived if p.exists()]
+
+
+def start_refusal(run_dir: Path, resume: str | None, overwrite: bool) -> str | None:
+    """Why training may not start in `run_dir` (None: it may): a started run folder needs --resume or --overwrite,
+    and --overwrite needs a run folder."""
+    if overwrite and resume is not None:
+        return "--overwrite starts over, --resume (train.resume) continues: give one of them"
+    if overwrite and not run_markers(run_dir):
+        return not_a_run(run_dir)
+    if not overwrite and resume is None and (found := training_outputs(run_dir)):
+        return refusal(run_dir, found)
+    return None
+
+
+def start_over(run_dir: Path) -> None:
+    """--overwrite, under the run lock, once the run's checks have passed: the old run's training outputs go before
+    anything is written, one stderr line each for what was removed and what now describes the old drafter."""
+    if removed := remove_training_outputs(run_dir):
+        print(f"--overwrite: removed {', '.join(removed)} of {run_dir}", file=sys.stderr, flush=True)
+    if stale := stale_derived(run_dir):
+        print(
+            f"note: {', '.join(f'{run_dir}/{n}' for n in stale)} describe the old run's drafter; rerun those stages",
+            file=sys.stderr,
+            flush=True,
+        )
