@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from eagle3ft.config_build import (  # noqa: F401  (apply_override, ConfigError: part of this module's interface)
-    BoundError,
+from eagle3ft.config_build import (
     ConfigError,
     apply_override,
     at_most,
@@ -31,6 +30,7 @@ from eagle3ft.config_build import (  # noqa: F401  (apply_override, ConfigError:
     parse_yaml,
     positive,
 )
+from eagle3ft.config_train import TrainConfig
 from eagle3ft.setting import Setting
 
 _CHECKOUT = Path(__file__).resolve().parent.parent
@@ -222,86 +222,6 @@ class HarvestConfig:
 
 
 @dataclass
-class TrainConfig:
-    """train/finetune.py: TTT fine-tuning of the drafter under accelerate + DeepSpeed."""
-
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.5
-    micro_batch_size: int = 1
-    grad_accum: int = 1
-    max_len: int = 2048  # tokens per sample (longer samples are truncated)
-    epochs: int = 1
-    max_steps: int | None = None  # optimizer steps; None = epochs over the train split
-    save_every: int = 200
-    keep_checkpoints: int = 2
-    log_every: int = 1
-    resume: str | None = None  # None | auto | a ckpt/step-N folder
-    num_workers: int | None = None  # DataLoader workers; None: 2 on CUDA (loading overlaps the step), 0 on the CPU
-    wandb_project: str = "eagle3ft"
-    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
-    deepspeed: str = "configs/deepspeed/zero2.json"  # ZeRO stage + precision; configs/deepspeed/zero3.json for stage 3
-    # auto: bf16 on CUDA, fp32 on CPU; fills the DeepSpeed json's "auto"
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
-    target_source: Literal["auto", "topk", "last_hidden"] = "auto"  # auto: last_hidden when stored, else top-k
-    # torch.compile the drafter's norms, q/k/v + rope and MLP; None: on with CUDA (it computes what eager does at K2
-    # dims and is ~10% faster there, RESULTS §11), off on the CPU (its compile takes longer than a short run)
-    compile: bool | None = None
-    stop_after: int | None = (
-        None  # end this invocation after this many optimizer steps (a job time limit); resume continues
-    )
-    # ce | tv (1 - Σ min(p, q)) | lk (-log Σ min(p, q)) | lk_hybrid (exp(-η·α)·KL + (1 - exp(-η·α))·TV): train/ttt.py
-    loss: Literal["ce", "tv", "lk", "lk_hybrid"] = "ce"
-    lk_eta: float = 3.0  # η of lk_hybrid
-    # held-out greedy chain τ (depth eval.steps) every this many optimizer steps and at the end; 0 = at the end only
-    eval_every: int = 200
-    eval_samples: int = 256  # the first this many samples of each held-out set form it (train/validate.py)
-    # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
-    features: Literal["offline", "online"] = "offline"
-    # online: more token stores (tokens/ folders of data/regen.py runs of the same target and chat template, e.g. a
-    # sampled second pass over the same prompts) whose train splits are trained on after RUN/tokens'
-    more_tokens: list[str] = field(default_factory=list)
-    drop_sources: list[str] = field(
-        default_factory=list
-    )  # online: leave out these sources' samples (SourceConfig.name)
-    pack_tokens: int | None = (
-        None  # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
-    )
-    # train on a seeded subset of the train split: whole samples in a fixed random order (the same for every limit,
-    # so smaller subsets lie inside larger ones) until their answer (loss-masked) tokens reach this; None: all of it
-    max_answer_tokens: int | None = None
-    # the loss weight of the answers' loop tokens (data/loops.py: runs of >= 8 tokens whose 8-gram occurred earlier
-    # in the same answer): 1 as every token, 0 cut (loss_mask 0), between a weighted mean over the positions
-    loop_weight: float = 1.0
-    # L2-SP: λ of the penalty λ·Σ‖w − w0‖² over every trained tensor, w0 the weights the run started from (the warm
-    # start's); 0 = off (train/l2sp.py)
-    l2sp: float = 0.0
-    # the held-out sets (source names: SourceConfig.name, else the kind, file:PATH) whose τ, weighted so, choose
-    # RUN/export-best; empty: every held-out sample as one set (train/validate.py)
-    best_on: dict[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        positive(self, "ttt_steps", "step_decay", "lr", "micro_batch_size", "grad_accum", "max_len", "epochs")
-        positive(self, "max_steps", "save_every", "log_every", "stop_after", "lk_eta", "eval_samples")
-        positive(self, "pack_tokens", "max_answer_tokens")
-        # 0: no warm-up, no decay, no clipping, every checkpoint kept, no loader workers, held-out τ at the end only
-        non_negative(self, "warmup_steps", "weight_decay", "max_grad_norm", "keep_checkpoints", "num_workers")
-        non_negative(self, "eval_every", "min_lr_ratio")
-        at_most(self, 1, "min_lr_ratio")
-        non_negative(self, "loop_weight")
-        at_most(self, 1, "loop_weight")
-        # Adam moves each weight by about lr a step: no drafter trains above 10, and near 1e38 fp32 overflows
-        at_most(self, 10, "lr")
-        non_negative(self, "l2sp")
-        if any(w < 0 for w in self.best_on.values()) or (self.best_on and not sum(self.best_on.values()) > 0):
-            raise BoundError(self, "best_on", f"must hold weights >= 0 with a positive sum, got {self.best_on}")
-
-
-@dataclass
 class EvalConfig:
     """eval/accept_len.py: offline accept length on held-out features."""
 
@@ -434,8 +354,22 @@ class Config:
 
 
 def to_dict(cfg: Any) -> Any:
-    """A dataclass tree as plain data (for YAML/JSON)."""
-    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+    """A dataclass tree as plain data (for YAML/JSON), in the form a config file takes: a GROUPED section's groups
+    written flat (eagle3ft/config_train.py)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        out = {}
+        for f in dataclasses.fields(cfg):
+            value = to_dict(getattr(cfg, f.name))
+            if getattr(cfg, "GROUPED", False):
+                out.update(value)
+            else:
+                out[f.name] = value
+        return out
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:

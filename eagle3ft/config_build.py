@@ -82,6 +82,8 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
             return value
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        if getattr(tp, "GROUPED", False):
+            return _coerce_grouped(tp, value, where)
         hints = typing.get_type_hints(tp)
         names = {f.name for f in dataclasses.fields(tp)}
         unknown = sorted(set(value) - names)
@@ -128,6 +130,23 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
     if tp is Any:
         return value
     raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _coerce_grouped(tp: Any, value: dict, where: str) -> Any:
+    """A GROUPED section (eagle3ft/config_train.py): its fields are groups, each a dataclass, whose keys are written
+    flat at the section's level; each key goes to the group that has it, and is named in errors as written."""
+    hints = typing.get_type_hints(tp)
+    groups = [f.name for f in dataclasses.fields(tp)]
+    owner = {f.name: g for g in groups for f in dataclasses.fields(_strip_optional(hints[g]))}
+    unknown = sorted(set(value) - set(owner))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key '{where + '.' if where else ''}{unknown[0]}' (known: {', '.join(sorted(owner))})"
+        )
+    parts: dict[str, dict] = {g: {} for g in groups}
+    for key, v in value.items():
+        parts[owner[key]][key] = v
+    return tp(**{g: coerce(hints[g], parts[g], where) for g in groups})
 
 
 def apply_override(data: dict, assignment: str) -> None:

@@ -245,7 +245,7 @@ def build(cfg, run_dir: Path, before: str, after: str) -> dict:
         "after": after,
         "setting": setting,
         "domain": domain,
-        "training": {**_training(run_dir), "l2sp": cfg.train.l2sp},
+        "training": {**_training(run_dir), "l2sp": cfg.train.objective.l2sp},
         "sets": sets,
         "environment": (bench or {}).get("environment"),
     }

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from eagle3ft.cli import parse_cli
-from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config
+from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, to_dict
+from eagle3ft.config_build import coerce
 
 SHIPPED = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 
@@ -21,8 +22,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults_and_file_values(tmp_path):
     cfg = load_config(write(tmp_path, "run_name: x\ntrain:\n  lr: 3.0e-4\n  ttt_steps: 5\n"))
     assert isinstance(cfg, Config)
-    assert cfg.run_name == "x" and cfg.train.lr == 3e-4 and cfg.train.ttt_steps == 5
-    assert cfg.train.step_decay == 0.8  # untouched default
+    assert cfg.run_name == "x" and cfg.train.optimizer.lr == 3e-4 and cfg.train.objective.ttt_steps == 5
+    assert cfg.train.objective.step_decay == 0.8  # untouched default
 
 
 def test_unknown_key_is_named(tmp_path):
@@ -42,7 +43,9 @@ def test_dotted_overrides_parse_yaml_values(tmp_path):
     cfg = load_config(
         p, ["train.lr=2e-3", "train.max_steps=7", "harvest.sources=[{kind: mtbench, limit: 2}]", "train.resume=auto"]
     )
-    assert cfg.train.lr == 2e-3 and cfg.train.max_steps == 7 and cfg.train.resume == "auto"
+    assert (
+        cfg.train.optimizer.lr == 2e-3 and cfg.train.schedule.max_steps == 7 and cfg.train.checkpoint.resume == "auto"
+    )
     assert cfg.harvest.sources[0].kind == "mtbench" and cfg.harvest.sources[0].limit == 2
     with pytest.raises(ConfigError, match=r"train\.nope"):
         load_config(p, ["train.nope=1"])
@@ -65,7 +68,11 @@ def test_enumerated_values_are_checked_at_load(tmp_path):
     with pytest.raises(ConfigError, match=r"eval\.tree_context: 'tree' is not one of slots, ancestors"):
         load_config(None, ["eval.tree_context=tree"])
     cfg = load_config(None, ["eval.tree_context=ancestors", "train.loss=lk_hybrid", "serve.harvest_capture=aux_flag"])
-    assert (cfg.eval.tree_context, cfg.train.loss, cfg.serve.harvest_capture) == ("ancestors", "lk_hybrid", "aux_flag")
+    assert (cfg.eval.tree_context, cfg.train.objective.loss, cfg.serve.harvest_capture) == (
+        "ancestors",
+        "lk_hybrid",
+        "aux_flag",
+    )
 
 
 @pytest.mark.parametrize(
@@ -109,17 +116,19 @@ def test_counts_and_rates_outside_their_bounds_are_refused_at_load_naming_the_ke
 def test_bounds_hold_for_a_config_built_in_code_and_after_replace():
     import dataclasses
 
-    from eagle3ft.config import BenchConfig, TrainConfig
+    from eagle3ft.config import BenchConfig
+    from eagle3ft.config_train import BatchConfig
 
     cfg = Config()
-    with pytest.raises(ConfigError, match=r"^TrainConfig\.max_steps must be positive or null, got -5$"):
-        dataclasses.replace(cfg.train, max_steps=-5)
-    with pytest.raises(ConfigError, match=r"^TrainConfig\.micro_batch_size must be positive, got 0$"):
-        TrainConfig(micro_batch_size=0)
+    with pytest.raises(ConfigError, match=r"^ScheduleConfig\.max_steps must be positive or null, got -5$"):
+        dataclasses.replace(cfg.train.schedule, max_steps=-5)
+    with pytest.raises(ConfigError, match=r"^BatchConfig\.micro_batch_size must be positive, got 0$"):
+        BatchConfig(micro_batch_size=0)
     with pytest.raises(ConfigError, match=r"^BenchConfig\.repetitions must be positive, got 0$"):
         BenchConfig(repetitions=0)
     ok = load_config(None, ["train.max_steps=null", "train.eval_every=0", "train.keep_checkpoints=0"])
-    assert (ok.train.max_steps, ok.train.eval_every, ok.train.keep_checkpoints) == (None, 0, 0)
+    t = ok.train
+    assert (t.schedule.max_steps, t.heldout.eval_every, t.checkpoint.keep_checkpoints) == (None, 0, 0)
 
 
 def test_finetune_refuses_a_negative_max_steps_in_one_line_before_anything_runs(tmp_path, capsys):
@@ -190,11 +199,11 @@ def test_an_empty_value_is_refused_for_required_keys_and_means_none_for_optional
     p = write(tmp_path, "run_name: x\n")
     with pytest.raises(ConfigError, match=r"harvest\.sources: a value is required"):
         load_config(p, ["harvest.sources="])
-    assert load_config(p, ["train.max_steps="]).train.max_steps is None
+    assert load_config(p, ["train.max_steps="]).train.schedule.max_steps is None
     with pytest.raises(ConfigError, match=r"train\.lr: a value is required"):
         load_config(write(tmp_path, "train:\n  lr:\n"))
     cfg = load_config(write(tmp_path, "harvest:\n  # every key commented out\ntrain:\n"))
-    assert cfg.harvest.topk == Config().harvest.topk and cfg.train.lr == Config().train.lr
+    assert cfg.harvest.topk == Config().harvest.topk and cfg.train.optimizer.lr == Config().train.optimizer.lr
 
 
 def test_not_utf8_config_is_named(tmp_path):
@@ -241,3 +250,26 @@ def test_debug_flag_sets_the_env_for_cli_errors(tmp_path, monkeypatch):
         record=False,
     )
     assert os.environ[DEBUG_ENV] == "1"
+
+
+def test_train_keys_are_written_flat_and_land_in_their_group():
+    """train: groups its fields by concern in code (eagle3ft/config_train.py), and a file or --set writes them flat:
+    each name is in one group only, a resolved config is written flat and loads back to the same config."""
+    import dataclasses
+    import typing
+
+    from eagle3ft.config_train import TrainConfig
+
+    hints = typing.get_type_hints(TrainConfig)
+    names = [f.name for g in dataclasses.fields(TrainConfig) for f in dataclasses.fields(hints[g.name])]
+    assert len(names) == len(set(names))
+    cfg = load_config(None, ["train.lr=2e-3", "train.save_every=7", "train.best_on={mtbench: 1}"])
+    t = cfg.train
+    assert (t.optimizer.lr, t.checkpoint.save_every, t.heldout.best_on) == (2e-3, 7, {"mtbench": 1.0})
+    flat = to_dict(cfg)["train"]
+    assert sorted(flat) == sorted(names) and flat["lr"] == 2e-3
+    assert coerce(Config, to_dict(cfg), "") == cfg
+    with pytest.raises(ConfigError, match=r"^unknown config key 'train\.optimizer' \(known: best_on, "):
+        load_config(None, ["train.optimizer.lr=1"])  # one spelling: the flat one
+    with pytest.raises(ConfigError, match=r"^train\.lr must be positive, got -1\.0$"):
+        load_config(None, ["train.lr=-1"])

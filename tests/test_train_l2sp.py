@@ -93,19 +93,21 @@ def reference(run: Path, lam: float, world: int = 2) -> tuple[dict[str, torch.Te
     tcfg = cfg.train
     data = TrainData(cfg, run)
     seed_all(cfg.seed)
-    obj = TTTObjective(build_drafter(cfg, run, data.target, data.token_counts), tcfg.ttt_steps, tcfg.step_decay)
+    obj = TTTObjective(
+        build_drafter(cfg, run, data.target, data.token_counts), tcfg.objective.ttt_steps, tcfg.objective.step_decay
+    )
     params = [p for p in obj.parameters() if p.requires_grad]
     w0 = [p.detach().clone() for p in params]
-    opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg, tcfg.max_steps))
+    opt = torch.optim.AdamW(params, lr=tcfg.optimizer.lr, weight_decay=tcfg.optimizer.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tcfg, tcfg.schedule.max_steps))
     order, sq = data.order(0), []
-    for step in range(tcfg.max_steps):
+    for step in range(tcfg.schedule.max_steps):
         opt.zero_grad()
         for r in range(world):
-            batch = collate([data.dataset[order[world * step + r]]], max_len=tcfg.max_len)
+            batch = collate([data.dataset[order[world * step + r]]], max_len=tcfg.batch.max_len)
             batch.pop("sample_id")
             (obj(batch).loss / world).backward()
-        torch.nn.utils.clip_grad_norm_(params, tcfg.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(params, tcfg.optimizer.max_grad_norm)
         penalty = sum(((p - w) ** 2).sum() for p, w in zip(params, w0))
         sq.append(float(penalty.detach()))
         (lam * penalty).backward()

@@ -150,7 +150,7 @@ def adopt_drafter_vocab(run_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, fol
 
 def target_head(cfg: Config, data: TrainData, model: Eagle3Drafter) -> torch.Tensor | None:
     """The target lm_head rows of the draft vocab when p comes from last_hidden, else None."""
-    source = cfg.train.target_source
+    source = cfg.train.objective.target_source
     if source not in ("auto", "topk", "last_hidden"):
         raise ValueError(f"train.target_source '{source}' is not one of auto, topk, last_hidden")
     has = data.has_last_hidden

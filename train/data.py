@@ -382,18 +382,18 @@ class TrainData:
 
     def __init__(self, cfg: Config, run_dir: Path) -> None:
         tcfg = cfg.train
-        if tcfg.features not in ("offline", "online"):
-            raise ValueError(f"train.features '{tcfg.features}' is not one of offline, online")
-        if tcfg.drop_sources and tcfg.features != "online":
+        if tcfg.data.features not in ("offline", "online"):
+            raise ValueError(f"train.features '{tcfg.data.features}' is not one of offline, online")
+        if tcfg.data.drop_sources and tcfg.data.features != "online":
             raise ValueError("train.drop_sources is read by online training only (train.features: online)")
-        if tcfg.more_tokens and tcfg.features != "online":
+        if tcfg.data.more_tokens and tcfg.data.features != "online":
             raise ValueError("train.more_tokens is read by online training only (train.features: online)")
         self.cfg, self.online, self._bins, self._orders = cfg, None, {}, {}
         features = RunDir(run_dir).features
         self.store = (
-            FeatureStore(features) if tcfg.features == "offline" or (features / MANIFEST).is_file() else None
+            FeatureStore(features) if tcfg.data.features == "offline" or (features / MANIFEST).is_file() else None
         )  # also the held-out split
-        if tcfg.features == "offline":
+        if tcfg.data.features == "offline":
             self.dataset, self.where = self.store.dataset("train"), str(self.store.dir)
             self.target, self.has_last_hidden = self.store.target, self.store.manifest.get("has_last_hidden", False)
             if weighted(cfg):  # a store harvested before the sources were recorded: found from the sample ids
@@ -404,30 +404,32 @@ class TrainData:
                 names = self.store.sources("train")
         else:
             self.dataset, self.where, names = token_dataset(
-                run_dir, self.store, more=tuple(tcfg.more_tokens), drop=tuple(tcfg.drop_sources)
+                run_dir, self.store, more=tuple(tcfg.data.more_tokens), drop=tuple(tcfg.data.drop_sources)
             )
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
         per_sample = self.dataset.loss_tokens()
         self.answer_tokens = self.all_answer_tokens = sum(per_sample)
         of_row = dict(zip(self.dataset.index, zip(names, per_sample)))  # a sample's place in its shard -> both
-        if tcfg.max_answer_tokens is not None:
-            self.dataset, self.answer_tokens = answer_subset(self.dataset, per_sample, tcfg.max_answer_tokens, cfg.seed)
+        if tcfg.data.max_answer_tokens is not None:
+            self.dataset, self.answer_tokens = answer_subset(
+                self.dataset, per_sample, tcfg.data.max_answer_tokens, cfg.seed
+            )
         kept = [of_row[row] for row in self.dataset.index]
         self.sources = [name for name, _ in kept]  # per training sample, its source (None where none is recorded)
         self.weights, self.mix = source_weights(cfg, self.sources, [n for _, n in kept], self.where)
-        if tcfg.features == "online":
+        if tcfg.data.features == "online":
             ensure_vocab(cfg, run_dir, self.dataset, self.where)
             self.online = OnlineTarget(cfg)
             self.target, self.has_last_hidden = self.online.identity, cfg.harvest.store_last_hidden
         self.counted = self.dataset  # the samples trained on, before any weighting wraps them
         self.loop_tokens = None  # answer tokens that train.loop_weight weights (None: every token weighs 1)
-        if tcfg.loop_weight < 1:  # after the subset and the vocab, so that they do not depend on it
-            self.dataset = LoopWeighted(self.dataset, tcfg.loop_weight)
+        if tcfg.objective.loop_weight < 1:  # after the subset and the vocab, so that they do not depend on it
+            self.dataset = LoopWeighted(self.dataset, tcfg.objective.loop_weight)
             self.loop_tokens = self.dataset.loop_tokens
         self.run_dir = run_dir
-        self.cap = min(tcfg.max_len, tcfg.pack_tokens or tcfg.max_len)  # tokens kept per sample
-        self.lengths = [min(n, self.cap) for n in self.dataset.lengths()] if tcfg.pack_tokens else None
+        self.cap = min(tcfg.batch.max_len, tcfg.batch.pack_tokens or tcfg.batch.max_len)  # tokens kept per sample
+        self.lengths = [min(n, self.cap) for n in self.dataset.lengths()] if tcfg.batch.pack_tokens else None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -445,7 +447,7 @@ class TrainData:
             if self.store is None:
                 return [], str(RunDir(self.run_dir).features), None, []
             names = self.store.sources("heldout")
-            if self.cfg.train.best_on and None in names:
+            if self.cfg.train.heldout.best_on and None in names:
                 from eagle3ft.data.harvest import sample_sources
 
                 names = sample_sources(self.store, self.cfg.harvest, "heldout")
@@ -468,13 +470,15 @@ class TrainData:
     def bins(self, epoch: int) -> list[list[int]]:
         if epoch not in self._bins:
             tcfg = self.cfg.train
-            self._bins = {epoch: pack_bins(self.lengths, tcfg.pack_tokens, self.cfg.seed, epoch, self.order(epoch))}
+            self._bins = {
+                epoch: pack_bins(self.lengths, tcfg.batch.pack_tokens, self.cfg.seed, epoch, self.order(epoch))
+            }
         return self._bins[epoch]
 
     @property
     def per_micro_batch(self) -> int:
         """Entries of the epoch's order per micro-batch: samples, or one bin when packed."""
-        return 1 if self.lengths is not None else self.cfg.train.micro_batch_size
+        return 1 if self.lengths is not None else self.cfg.train.batch.micro_batch_size
 
     def order_len(self, epoch: int) -> int:
         """Entries in the epoch's order: samples, or bins when packed (the data position counts these)."""
@@ -487,7 +491,7 @@ class TrainData:
     def loader(self, epoch: int) -> torch.utils.data.DataLoader:
         tcfg = self.cfg.train
         cuda = torch.cuda.is_available()
-        workers = tcfg.num_workers if tcfg.num_workers is not None else (2 if cuda else 0)
+        workers = tcfg.data.num_workers if tcfg.data.num_workers is not None else (2 if cuda else 0)
         # its own generator: an iterator draws its workers' base seed from it, not from the global RNG (which the
         # checkpoints save and restore, so a resumed run must draw from it exactly as a straight one)
         generator = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch + 104_729)
@@ -496,14 +500,14 @@ class TrainData:
             return torch.utils.data.DataLoader(
                 self.dataset,
                 batch_sampler=self.bins(epoch),
-                collate_fn=partial(collate_packed, budget=tcfg.pack_tokens, cap=self.cap),
+                collate_fn=partial(collate_packed, budget=tcfg.batch.pack_tokens, cap=self.cap),
                 **common,
             )
         return torch.utils.data.DataLoader(
             EpochOrder(self.dataset, self.order(epoch)),
-            batch_size=tcfg.micro_batch_size,
+            batch_size=tcfg.batch.micro_batch_size,
             shuffle=False,
-            collate_fn=partial(collate, max_len=tcfg.max_len),
+            collate_fn=partial(collate, max_len=tcfg.batch.max_len),
             **common,
         )
 

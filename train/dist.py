@@ -32,27 +32,28 @@ from accelerate import Accelerator, DeepSpeedPlugin
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import InitProcessGroupKwargs
 
-from eagle3ft.config import TrainConfig, resolve_path
+from eagle3ft.config import resolve_path
+from eagle3ft.config_train import TrainConfig
 from eagle3ft.runlock import RunLocked, check_owner, run_lock
 from eagle3ft.train.launcher import clear_stale_build_locks, loopback_only, wait_for_peers_at_exit, watch_launcher
 
 
 def deepspeed_config(tcfg: TrainConfig, cuda: bool) -> dict:
     """The DeepSpeed json with its precision "auto" resolved from train.precision."""
-    path = resolve_path(tcfg.deepspeed)
+    path = resolve_path(tcfg.engine.deepspeed)
     if not path.is_file():
         raise FileNotFoundError(f"train.deepspeed: no DeepSpeed config at {path}")
     ds = json.loads(path.read_text())
-    precision = tcfg.precision if tcfg.precision != "auto" else ("bf16" if cuda else "fp32")
+    precision = tcfg.engine.precision if tcfg.engine.precision != "auto" else ("bf16" if cuda else "fp32")
     if precision not in ("bf16", "fp32"):
-        raise ValueError(f"train.precision '{tcfg.precision}' is not one of auto, bf16, fp32")
+        raise ValueError(f"train.precision '{tcfg.engine.precision}' is not one of auto, bf16, fp32")
     bf16 = ds.setdefault("bf16", {"enabled": "auto"})
     if bf16.get("enabled") == "auto":
         bf16["enabled"] = precision == "bf16"
     fill = {
-        "train_micro_batch_size_per_gpu": tcfg.micro_batch_size,
-        "gradient_accumulation_steps": tcfg.grad_accum,
-        "gradient_clipping": tcfg.max_grad_norm,
+        "train_micro_batch_size_per_gpu": tcfg.batch.micro_batch_size,
+        "gradient_accumulation_steps": tcfg.batch.grad_accum,
+        "gradient_clipping": tcfg.optimizer.max_grad_norm,
     }
     for key, value in fill.items():
         if ds.get(key, "auto") == "auto":
@@ -122,16 +123,16 @@ class Dist:
         self.zero_stage = int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
         plugin = DeepSpeedPlugin(
             hf_ds_config=self.ds_config,
-            gradient_accumulation_steps=tcfg.grad_accum,
-            gradient_clipping=tcfg.max_grad_norm,
+            gradient_accumulation_steps=tcfg.batch.grad_accum,
+            gradient_clipping=tcfg.optimizer.max_grad_norm,
         )
         handlers = [] if cuda else [InitProcessGroupKwargs(backend="gloo")]
         self.acc = Accelerator(
-            deepspeed_plugin=plugin, gradient_accumulation_steps=tcfg.grad_accum, kwargs_handlers=handlers
+            deepspeed_plugin=plugin, gradient_accumulation_steps=tcfg.batch.grad_accum, kwargs_handlers=handlers
         )
         self.dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
         self.print(
-            f"distributed: DeepSpeed ZeRO-{self.zero_stage} ({resolve_path(tcfg.deepspeed).name}), {self.world} "
+            f"distributed: DeepSpeed ZeRO-{self.zero_stage} ({resolve_path(tcfg.engine.deepspeed).name}), {self.world} "
             "process(es) on "
             f"{self.device.type}, {str(self.dtype).removeprefix('torch.')}, backend "
             f"{torch.distributed.get_backend() if self.world > 1 else 'none'}"

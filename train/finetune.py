@@ -31,13 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     with rank0_voice(end_launch):
         cfg, run_dir, args = parse_cli(DESCRIPTION, "train", argv, parser, record=False)
     if args.resume is not None:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=args.resume))
+        checkpoint = dataclasses.replace(cfg.train.checkpoint, resume=args.resume)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, checkpoint=checkpoint))
     rank0 = is_rank0()  # rank 0 holds the run folder's lock and records run_dir/config.yaml
     errors = (StoreError, NonFiniteLoss, OutOfMemoryHint, RunLocked)
     with cli_errors("finetune", *errors, log=error_log(run_dir, "train"), end_launch=end_launch):  # one line
         with run_lock(run_dir, "train") if rank0 else nullcontext():
             with rank0_voice(end_launch):  # a folder in use is named first; then exit 2 before anything loads
-                if refused := start_refusal(run_dir, cfg.train.resume, args.overwrite):
+                if refused := start_refusal(run_dir, cfg.train.checkpoint.resume, args.overwrite):
                     parser.exit(2, f"{parser.prog}: error: {refused}\n" if rank0 else None)
 
             def start(resumed: dict | None) -> None:

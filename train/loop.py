@@ -22,11 +22,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from eagle3ft.config import Config, TrainConfig, resolve_path, to_dict
-from eagle3ft.data.store import _write_atomic
+from eagle3ft.config import Config, resolve_path, to_dict
+from eagle3ft.config_train import TrainConfig
 from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
-from eagle3ft.files import NonFinite, json_text
+from eagle3ft.files import NonFinite, json_text, write_atomic
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
 from eagle3ft.train.checkpoint import (
@@ -81,10 +81,10 @@ def lr_lambda(tcfg: TrainConfig, total: int):
     """Linear warm-up, then cosine down to min_lr_ratio at `total` steps."""
 
     def f(step: int) -> float:
-        if step < tcfg.warmup_steps:
-            return (step + 1) / tcfg.warmup_steps
-        frac = min(1.0, (step - tcfg.warmup_steps) / max(1, total - tcfg.warmup_steps))
-        return tcfg.min_lr_ratio + (1 - tcfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+        if step < tcfg.schedule.warmup_steps:
+            return (step + 1) / tcfg.schedule.warmup_steps
+        frac = min(1.0, (step - tcfg.schedule.warmup_steps) / max(1, total - tcfg.schedule.warmup_steps))
+        return tcfg.schedule.min_lr_ratio + (1 - tcfg.schedule.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
 
     return f
 
@@ -141,13 +141,15 @@ class Run:
             "step": self.step,
             "data": {"epoch": self.epoch, "samples_in_epoch": consumed, "n_train": n_order},
             "world_size": self.dist.world,
-            "micro_batch_size": tcfg.micro_batch_size,
-            "grad_accum": tcfg.grad_accum,
+            "micro_batch_size": tcfg.batch.micro_batch_size,
+            "grad_accum": tcfg.batch.grad_accum,
             "total_steps": self.total,
             "config": to_dict(self.cfg),
             "last": self.last,
             "first_loss": self.first_loss,
-            **({"l2sp": {"lambda": tcfg.l2sp, "w0_sq": self.w0_fingerprint}} if self.l2sp is not None else {}),
+            **(
+                {"l2sp": {"lambda": tcfg.objective.l2sp, "w0_sq": self.w0_fingerprint}} if self.l2sp is not None else {}
+            ),
         }
 
     def last_good(self) -> Path | None:
@@ -209,10 +211,15 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
     took.mark("data")
     seed_all(cfg.seed)
     model = build_drafter(cfg, run_dir, data.target, data.token_counts)
-    if torch.cuda.is_available() if tcfg.compile is None else tcfg.compile:  # null: on with CUDA
+    if torch.cuda.is_available() if tcfg.engine.compile is None else tcfg.engine.compile:  # null: on with CUDA
         model.compile_blocks()
     objective = TTTObjective(
-        model, tcfg.ttt_steps, tcfg.step_decay, target_head(cfg, data, model), tcfg.loss, tcfg.lk_eta
+        model,
+        tcfg.objective.ttt_steps,
+        tcfg.objective.step_decay,
+        target_head(cfg, data, model),
+        tcfg.objective.loss,
+        tcfg.objective.lk_eta,
     )
     took.mark("drafter")
 
@@ -222,20 +229,25 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
     took.mark("processes")
 
     # 3. optimizer and LR schedule over the run's optimizer steps
-    total = tcfg.max_steps or sum(
-        math.ceil(math.ceil(data.micro_batches(e) / dist.world) / tcfg.grad_accum) for e in range(tcfg.epochs)
+    total = tcfg.schedule.max_steps or sum(
+        math.ceil(math.ceil(data.micro_batches(e) / dist.world) / tcfg.batch.grad_accum)
+        for e in range(tcfg.schedule.epochs)
     )
     trainable = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(  # fused on CUDA: one kernel over DeepSpeed's flat fp32 partition
-        trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=(0.9, 0.95), fused=dist.device.type == "cuda"
+        trainable,
+        lr=tcfg.optimizer.lr,
+        weight_decay=tcfg.optimizer.weight_decay,
+        betas=(0.9, 0.95),
+        fused=dist.device.type == "cuda",
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(tcfg, total))
     engine, optimizer, scheduler = dist.prepare(objective, optimizer, scheduler)
     took.mark("engine")
     run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock, started=started)
-    if tcfg.l2sp > 0:  # w0: the masters before any step or resume, as the build gives them (train/l2sp.py)
+    if tcfg.objective.l2sp > 0:  # w0: the masters before any step or resume, as the build gives them (train/l2sp.py)
         inner, partitions = dist.master_partitions()
-        run.l2sp = L2SP(tcfg.l2sp, partitions)
+        run.l2sp = L2SP(tcfg.objective.l2sp, partitions)
         run.l2sp.attach(inner)
         run.w0_fingerprint = float(dist.reduce_sum(run.l2sp.local_w0_sq().to(dist.device)))
 
@@ -281,9 +293,11 @@ def apply_rates(run: Run) -> None:
     with): this config's train.lr and train.weight_decay, and its schedule's rate for the next step."""
     tcfg, sched = run.cfg.train, run.scheduler.scheduler  # the LambdaLR inside accelerate's wrapper
     factor = lr_lambda(tcfg, run.total)(sched.last_epoch)  # last_epoch: optimizer steps taken
-    sched.base_lrs = [tcfg.lr for _ in sched.base_lrs]
+    sched.base_lrs = [tcfg.optimizer.lr for _ in sched.base_lrs]
     for group in sched.optimizer.param_groups:
-        group.update(initial_lr=tcfg.lr, lr=tcfg.lr * factor, weight_decay=tcfg.weight_decay)
+        group.update(
+            initial_lr=tcfg.optimizer.lr, lr=tcfg.optimizer.lr * factor, weight_decay=tcfg.optimizer.weight_decay
+        )
     sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
 
 
@@ -291,13 +305,13 @@ def resume(run: Run) -> dict | None:
     """Load train.resume's checkpoint (if any) into the prepared engine and move `run` to its step and data position;
     this config's rates, schedule and batch apply from the next step. Returns where it resumed (the checkpoint, its
     step, the train.* values that differ from the checkpoint's as [checkpoint's, now]), or None."""
-    ckpt, refused = choose_resume(run.run_dir, run.cfg.train.resume)
+    ckpt, refused = choose_resume(run.run_dir, run.cfg.train.checkpoint.resume)
     for why in refused:
         run.dist.print(f"--resume auto: passed over a damaged checkpoint: {why}")
-    if ckpt is None and run.cfg.train.resume == "auto":
+    if ckpt is None and run.cfg.train.checkpoint.resume == "auto":
         run.dist.print(f"--resume auto: no checkpoint in {RunDir(run.run_dir).ckpt}; starting at step 0")
     if ckpt is not None:
-        st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed, verify=run.cfg.train.resume != "auto")
+        st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed, verify=run.cfg.train.checkpoint.resume != "auto")
         check_w0(run, st, ckpt)
         run.step, run.first_loss = st["step"], st.get("first_loss")
         run.epoch, run.batch_in_epoch = resume_position(
@@ -348,13 +362,13 @@ def open_logs(run: Run, n_train: int) -> None:
     loops = ""
     if data.loop_tokens is not None:
         share = data.loop_tokens / max(data.answer_tokens, 1)
-        loops = f", {data.loop_tokens:,} of them ({share:.1%}) in loops weighted {tcfg.loop_weight:g}"
+        loops = f", {data.loop_tokens:,} of them ({share:.1%}) in loops weighted {tcfg.objective.loop_weight:g}"
     dist.print(
         f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(data)} training samples, "
         f"{data.answer_tokens:,} answer tokens{subset}{loops} "
-        f"({tcfg.features}{f', packed in {tcfg.pack_tokens}-token rows' if tcfg.pack_tokens else ''}); "
+        f"({tcfg.data.features}{f', packed in {tcfg.batch.pack_tokens}-token rows' if tcfg.batch.pack_tokens else ''}); "
         f"{run.total} optimizer steps"
-        + (f"; L2-SP toward the starting weights, λ {tcfg.l2sp:g}" if tcfg.l2sp > 0 else "")
+        + (f"; L2-SP toward the starting weights, λ {tcfg.objective.l2sp:g}" if tcfg.objective.l2sp > 0 else "")
     )
     if data.weights is not None:
         dist.print(
@@ -367,24 +381,24 @@ def open_logs(run: Run, n_train: int) -> None:
             "samples": len(data),
             "answer_tokens": data.answer_tokens,
             "all_answer_tokens": data.all_answer_tokens,
-            "max_answer_tokens": tcfg.max_answer_tokens,
-            "loop_weight": tcfg.loop_weight,
+            "max_answer_tokens": tcfg.data.max_answer_tokens,
+            "loop_weight": tcfg.objective.loop_weight,
             "loop_tokens": data.loop_tokens,  # answer tokens in loops, weighted loop_weight; null at loop_weight 1
-            "epochs": tcfg.epochs,
+            "epochs": tcfg.schedule.epochs,
             "optimizer_steps": run.total,
             "sources": data.mix,  # per source: samples, answer tokens, weight, share of the answer tokens drawn
         },
         str(log_dir / "data.json"),
         indent=1,
     )
-    _write_atomic(log_dir / "data.json", what.encode())
+    write_atomic(log_dir / "data.json", what.encode())
     run.wandb_run = open_wandb(cfg, log_dir)
 
 
 def fit(run: Run) -> None:
     """Optimizer steps until train.max_steps (or the epochs) or train.stop_after: log, held-out τ, checkpoints."""
     tcfg, dist, data, engine = run.cfg.train, run.dist, run.data, run.engine
-    meter = Meter(tcfg.ttt_steps, dist.device)
+    meter = Meter(tcfg.objective.ttt_steps, dist.device)
     clock = PhaseClock(dist.device)
     step_samples = []
     bar = tqdm(
@@ -425,16 +439,18 @@ def fit(run: Run) -> None:
             samples = dist.gather_ints(step_samples)  # every rank's samples of this optimizer step
             step_samples = []
             eval_now = run.heldout.due(run.step, run.total)
-            if run.step % tcfg.log_every == 0 or run.step == run.total or eval_now:
+            if run.step % tcfg.logging.log_every == 0 or run.step == run.total or eval_now:
                 run.last = metrics_record(meter, dist, tcfg, run.step, run.epoch, lr, samples, run.started)
                 warn_if_diverging(run)
                 run.last["phase_s"] = clock.take()  # this rank's seconds per step in each phase
                 if run.l2sp is not None:  # Σ‖w − w0‖² before this step's update, and the penalty λ times it
                     run.last["l2sp_sq"] = float(dist.reduce_sum(run.l2sp.sq.to(dist.device)))
-                    run.last["l2sp"] = tcfg.l2sp * run.last["l2sp_sq"]
+                    run.last["l2sp"] = tcfg.objective.l2sp * run.last["l2sp_sq"]
                 if data.online is not None:  # this rank's share of the step that the target's prefill takes
                     run.last["online_prefill_s"] = data.online.take_seconds()
-                    run.last["online_share"] = run.last["online_prefill_s"] / (run.last["s_per_step"] * tcfg.log_every)
+                    run.last["online_share"] = run.last["online_prefill_s"] / (
+                        run.last["s_per_step"] * tcfg.logging.log_every
+                    )
                 if eval_now:
                     t_eval = time.perf_counter()
                     run.last.update(run.heldout.run(engine, run.model.config, run.step))
@@ -447,11 +463,17 @@ def fit(run: Run) -> None:
                 meter.reset()
             bar.update(1)
             done = run.step >= run.total or (
-                tcfg.stop_after is not None and run.step - run.start_step >= tcfg.stop_after
+                tcfg.schedule.stop_after is not None and run.step - run.start_step >= tcfg.schedule.stop_after
             )
-            if run.step % tcfg.save_every == 0 or done:
+            if run.step % tcfg.checkpoint.save_every == 0 or done:
                 save_checkpoint(
-                    dist, engine, run.model.config, run.run_dir, run.step, run.trainer_state(), tcfg.keep_checkpoints
+                    dist,
+                    engine,
+                    run.model.config,
+                    run.run_dir,
+                    run.step,
+                    run.trainer_state(),
+                    tcfg.checkpoint.keep_checkpoints,
                 )
                 clock.pause()
             if done:

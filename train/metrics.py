@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from eagle3ft.config import Config, TrainConfig, to_dict
+from eagle3ft.config import Config, to_dict
+from eagle3ft.config_train import TrainConfig
 from eagle3ft.files import disk_full, json_text
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 
 class SetupTimes:
-    """Seconds per start-up section, printed once: where a slow start goes (RESULTS §9)."""
+    """Seconds per start-up section, printed once: where a slow start goes."""
 
     def __init__(self, started: float) -> None:
         self.last, self.parts = started, {}
@@ -112,7 +113,7 @@ def metrics_record(
     """The metrics of the steps since the last record, summed over the processes (a collective: every rank calls it).
 
     `started` is when setup began (perf_counter): the record's elapsed_s counts start-up, held-out τ and saves."""
-    K = tcfg.ttt_steps
+    K = tcfg.objective.ttt_steps
     s = dist.reduce_sum(meter.stats)
     n_tok = int(dist.reduce_sum(torch.tensor(float(meter.tokens), device=dist.device)))
     n_micro = int(dist.reduce_sum(torch.tensor(float(meter.micro), device=dist.device)))
@@ -123,7 +124,7 @@ def metrics_record(
     return {
         "step": step,
         "epoch": epoch,
-        "loss": sum(tcfg.step_decay**k * step_loss[k] for k in range(K)),
+        "loss": sum(tcfg.objective.step_decay**k * step_loss[k] for k in range(K)),
         "step_loss": step_loss,
         "acc": acc,
         "cond_acc": cond,
@@ -132,7 +133,7 @@ def metrics_record(
         "samples": samples,
         "tokens": n_tok,
         "tokens_per_s": n_tok / dt,
-        "s_per_step": dt / tcfg.log_every,
+        "s_per_step": dt / tcfg.logging.log_every,
         "max_mem_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None,
         "elapsed_s": time.perf_counter() - started,  # since setup began: start-up, held-out τ and saves included
     }
@@ -166,14 +167,14 @@ def divergence(records: list[dict]) -> dict | None:
 def open_wandb(cfg: Config, log_dir: Path) -> Any:
     """Main process: the run's wandb run (train.wandb_mode, train.wandb_project), None when disabled."""
     tcfg = cfg.train
-    if tcfg.wandb_mode == "disabled":
+    if tcfg.logging.wandb_mode == "disabled":
         return None
     import wandb
 
     return wandb.init(
-        project=tcfg.wandb_project,
+        project=tcfg.logging.wandb_project,
         name=cfg.run_name,
-        mode=tcfg.wandb_mode,
+        mode=tcfg.logging.wandb_mode,
         dir=str(log_dir),
         config=to_dict(cfg),
         resume="allow",

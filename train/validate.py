@@ -174,10 +174,15 @@ class HeldoutTracker:
         """heldout: (items, where, features, each item's source name) as train/data.py's TrainData.heldout gives
         them."""
         tcfg = cfg.train
-        self.dist, self.depth, self.every, self.best_on = dist, cfg.eval.steps, tcfg.eval_every, tcfg.best_on
+        self.dist, self.depth, self.every, self.best_on = (
+            dist,
+            cfg.eval.steps,
+            tcfg.heldout.eval_every,
+            tcfg.heldout.best_on,
+        )
         self.best_dir = RunDir(run_dir).export_best
         ds, where, self.features, names = heldout
-        groups = group_by_source(names, tcfg.eval_samples)
+        groups = group_by_source(names, tcfg.heldout.eval_samples)
         unknown = sorted(set(self.best_on) - set(groups))
         if unknown:
             raise ValueError(
@@ -185,7 +190,9 @@ class HeldoutTracker:
                 f"(held-out sets: {', '.join(groups) or 'none'})"
             )
         self.sets = {
-            name: heldout_batches(Subset(ds, idx), len(idx), dist.rank, dist.world, tcfg.micro_batch_size, tcfg.max_len)
+            name: heldout_batches(
+                Subset(ds, idx), len(idx), dist.rank, dist.world, tcfg.batch.micro_batch_size, tcfg.batch.max_len
+            )
             for name, idx in groups.items()
         }
         self.enabled = any(self.sets.values())
@@ -279,11 +286,11 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     check_drafter_folder(ckpt, store.target, "checkpoint", str(store.dir / MANIFEST))  # before any compute
     device = pick_device(cfg.target)
     drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
-    objective = TTTObjective(drafter, depth, tcfg.step_decay)
+    objective = TTTObjective(drafter, depth, tcfg.objective.step_decay)
     ds = store.dataset("heldout")
     n = len(ds) if cfg.eval.max_samples is None else min(len(ds), cfg.eval.max_samples)
     result = heldout_tau(
-        objective, heldout_batches(ds, n, 0, 1, tcfg.micro_batch_size, tcfg.max_len), depth, device=device
+        objective, heldout_batches(ds, n, 0, 1, tcfg.batch.micro_batch_size, tcfg.batch.max_len), depth, device=device
     )
     out = RunDir(run_dir).eval
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,174 @@
+"""The trainer's config section (`train:`), its fields grouped by concern.
+
+In a file and in `--set`, every key is written flat under `train:` (`train.lr`, `train.save_every`); in code each
+lives in its group (`cfg.train.optimizer.lr`, `cfg.train.checkpoint.save_every`). A resolved config is written flat
+again (eagle3ft/config.py's to_dict), so a run's config.yaml reads as the file that made it. Field names are unique
+across the groups, which is what lets them be written flat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from eagle3ft.config_build import BoundError, at_most, non_negative, positive
+
+
+@dataclass
+class ObjectiveConfig:
+    """What the drafter is trained to match: the TTT unroll and its loss (train/ttt.py, train/losses.py)."""
+
+    ttt_steps: int = 7
+    step_decay: float = 0.8  # the loss weight of unroll step k is step_decay**k
+    # ce | tv (1 - Σ min(p, q)) | lk (-log Σ min(p, q)) | lk_hybrid (exp(-η·α)·KL + (1 - exp(-η·α))·TV)
+    loss: Literal["ce", "tv", "lk", "lk_hybrid"] = "ce"
+    lk_eta: float = 3.0  # η of lk_hybrid
+    target_source: Literal["auto", "topk", "last_hidden"] = "auto"  # auto: last_hidden when stored, else top-k
+    # the loss weight of the answers' loop tokens (data/loops.py: runs of >= 8 tokens whose 8-gram occurred earlier
+    # in the same answer): 1 as every token, 0 cut (loss_mask 0), between a weighted mean over the positions
+    loop_weight: float = 1.0
+    # L2-SP: λ of the penalty λ·Σ‖w − w0‖² over every trained tensor, w0 the weights the run started from (the warm
+    # start's); 0 = off (train/l2sp.py)
+    l2sp: float = 0.0
+
+    def __post_init__(self) -> None:
+        positive(self, "ttt_steps", "step_decay", "lk_eta")
+        non_negative(self, "loop_weight", "l2sp")
+        at_most(self, 1, "loop_weight")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and gradient clipping."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.5  # 0: no clipping
+
+    def __post_init__(self) -> None:
+        positive(self, "lr")
+        non_negative(self, "weight_decay", "max_grad_norm")
+        # Adam moves each weight by about lr a step: no drafter trains above 10, and near 1e38 fp32 overflows
+        at_most(self, 10, "lr")
+
+
+@dataclass
+class ScheduleConfig:
+    """How long the run is, and the learning rate over it: linear warm-up, then cosine down to min_lr_ratio·lr."""
+
+    warmup_steps: int = 20  # 0: none
+    min_lr_ratio: float = 0.1  # 1: no decay
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; None = epochs over the train split
+    # end this invocation after this many optimizer steps (a job time limit); resume continues
+    stop_after: int | None = None
+
+    def __post_init__(self) -> None:
+        positive(self, "epochs", "max_steps", "stop_after")
+        non_negative(self, "warmup_steps", "min_lr_ratio")
+        at_most(self, 1, "min_lr_ratio")
+
+
+@dataclass
+class BatchConfig:
+    """What one optimizer step sees: micro-batches per process, accumulated."""
+
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    max_len: int = 2048  # tokens per sample (longer samples are truncated)
+    # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
+    pack_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        positive(self, "micro_batch_size", "grad_accum", "max_len", "pack_tokens")
+
+
+@dataclass
+class TrainDataConfig:
+    """Where the training samples come from and which of them are used (train/data.py)."""
+
+    # offline: RUN/features | online: the target's prefill per batch on RUN/tokens (else the features' tokens)
+    features: Literal["offline", "online"] = "offline"
+    # online: more token stores (tokens/ folders of data/regen.py runs of the same target and chat template, e.g. a
+    # sampled second pass over the same prompts) whose train splits are trained on after RUN/tokens'
+    more_tokens: list[str] = field(default_factory=list)
+    drop_sources: list[str] = field(default_factory=list)  # online: leave out these sources' samples (their names)
+    # train on a seeded subset of the train split: whole samples in a fixed random order (the same for every limit,
+    # so smaller subsets lie inside larger ones) until their answer (loss-masked) tokens reach this; None: all of it
+    max_answer_tokens: int | None = None
+    num_workers: int | None = None  # DataLoader workers; None: 2 on CUDA (loading overlaps the step), 0 on the CPU
+
+    def __post_init__(self) -> None:
+        positive(self, "max_answer_tokens")
+        non_negative(self, "num_workers")
+
+
+@dataclass
+class CheckpointConfig:
+    """RUN/ckpt/step-N: how often, how many kept, where a run continues from (train/checkpoint.py)."""
+
+    save_every: int = 200
+    keep_checkpoints: int = 2  # 0: every checkpoint kept
+    resume: str | None = None  # None | auto | a ckpt/step-N folder
+
+    def __post_init__(self) -> None:
+        positive(self, "save_every")
+        non_negative(self, "keep_checkpoints")
+
+
+@dataclass
+class HeldoutConfig:
+    """Held-out τ during training, and the best checkpoint it chooses (train/validate.py)."""
+
+    # held-out greedy chain τ (depth eval.steps) every this many optimizer steps and at the end; 0 = at the end only
+    eval_every: int = 200
+    eval_samples: int = 256  # the first this many samples of each held-out set form it
+    # the held-out sets (source names: SourceConfig.name, else the kind, file:PATH) whose τ, weighted so, choose
+    # RUN/export-best; empty: every held-out sample as one set
+    best_on: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive(self, "eval_samples")
+        non_negative(self, "eval_every")
+        if any(w < 0 for w in self.best_on.values()) or (self.best_on and not sum(self.best_on.values()) > 0):
+            raise BoundError(self, "best_on", f"must hold weights >= 0 with a positive sum, got {self.best_on}")
+
+
+@dataclass
+class LoggingConfig:
+    """RUN/train/metrics.jsonl and wandb (train/metrics.py)."""
+
+    log_every: int = 1
+    wandb_project: str = "eagle3ft"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+
+    def __post_init__(self) -> None:
+        positive(self, "log_every")
+
+
+@dataclass
+class EngineConfig:
+    """How the step runs: DeepSpeed's ZeRO stage, precision, compilation (train/dist.py)."""
+
+    deepspeed: str = "configs/deepspeed/zero2.json"  # ZeRO stage + precision; configs/deepspeed/zero3.json for stage 3
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 on CUDA, fp32 on CPU; fills the json's "auto"
+    # torch.compile the drafter's norms, q/k/v + rope and MLP; None: on with CUDA (at K2 dims it computes what eager
+    # does and its step is ~10% faster), off on the CPU (its compile takes longer than a short run)
+    compile: bool | None = None
+
+
+@dataclass
+class TrainConfig:
+    """train/finetune.py: TTT fine-tuning of the drafter under accelerate + DeepSpeed."""
+
+    GROUPED: ClassVar[bool] = True  # the groups' fields are written flat under `train:` (eagle3ft/config_build.py)
+
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    heldout: HeldoutConfig = field(default_factory=HeldoutConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
