@@ -5,7 +5,7 @@ their count kept and the top-k rows in place, pass it and every shape check, and
 the wrong token's features. The logit lens of the deepest aux layer tells them apart: norm(h_t) · W (the target's
 final norm and lm_head) ranks the target's own top-1 of row t above the neighbours' top-1s, of rows t-1 and t+1, on
 most rows; rows moved by one hand the win to that neighbour instead (SmolLM2-135M, layer 26 of 30, 10,320 rows of 48
-ShareGPT conversations: 75% at the row itself as stored, 73-78% at the neighbour when moved by one; RESULTS §34).
+ShareGPT conversations: 75% at the row itself as stored, 73-78% at the neighbour when moved by one).
 Only the three candidates' head rows are read per row, so the check costs 3·H multiply-adds a row.
 
 A chunk is refused only when a neighbour wins more than half of the rows counted so far and at least twice as many as

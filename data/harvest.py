@@ -23,6 +23,7 @@ import json
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,6 +243,27 @@ def check_harvest_config(h: HarvestConfig) -> None:
         raise ValueError(f"harvest.aux_dtype {h.aux_dtype!r} is not one of {', '.join(AUX_DTYPES)}")
 
 
+def conversations(
+    h: HarvestConfig, prompt_fits: Callable[[list[dict]], str | None], regenerate: bool
+) -> tuple[list[Conversation], Skips]:
+    """harvest.sources' conversations (split, deduped, none sharing an 8-gram with a held-out set) whose prompts
+    pass `prompt_fits`, and the skips by reason; ValueError when none is left."""
+    prompt_skips = Skips()  # by reason, and where the first few of each are
+    convs = collect(
+        h.sources,
+        max_turns=h.max_turns,
+        regenerate=regenerate,
+        heldout_fraction=h.heldout_fraction,
+        dedupe=h.dedupe,
+        skips=prompt_skips,
+        check=prompt_fits,
+        heldout=heldout_filter(h.sources, h.magpie.heldout),
+    )
+    if not convs:
+        raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")
+    return convs, prompt_skips
+
+
 def masked_token_counts(features_dir: Path, vocab_size: int) -> torch.Tensor:
     """Counts of target tokens under loss_mask == 1 in the train split."""
     from safetensors import safe_open
@@ -284,19 +306,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             "too_long_prompt" if len(chat.encode(prompt, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
         )
 
-    prompt_skips = Skips()  # by reason, and where the first few of each are
-    convs = collect(
-        h.sources,
-        max_turns=h.max_turns,
-        regenerate=h.regenerate,
-        heldout_fraction=h.heldout_fraction,
-        dedupe=h.dedupe,
-        skips=prompt_skips,
-        check=prompt_fits,
-        heldout=heldout_filter(h.sources, h.magpie.heldout),
-    )
-    if not convs:
-        raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")
+    convs, prompt_skips = conversations(h, prompt_fits, h.regenerate)
 
     identity = {
         "name": info.name,

@@ -69,12 +69,10 @@ from tqdm import tqdm
 from eagle3ft.cli import run_stage, save_resolved
 from eagle3ft.config import Config, to_dict
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.contamination import heldout_filter
-from eagle3ft.data.harvest import check_harvest_config
-from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
-from eagle3ft.data.readers import Skips
+from eagle3ft.data.harvest import check_harvest_config, conversations
+from eagle3ft.data.prompts import Conversation, check_source, source_identity
 from eagle3ft.data.regen_backends import RegenError, open_backend
-from eagle3ft.data.regen_turns import ReadyTurns, Regenerator  # noqa: F401  (ReadyTurns: part of this interface)
+from eagle3ft.data.regen_turns import Regenerator
 from eagle3ft.data.store import SPLITS, StoreError
 from eagle3ft.data.tokens import TokenWriter, tokenizer_digest
 from eagle3ft.files import write_json
@@ -87,7 +85,7 @@ from eagle3ft.targets.hf import load_tokenizer
 
 def longest_first(convs: list[Conversation]) -> list[Conversation]:
     """The conversations with the most user turns first (stable): their turns run one after another, so opened
-    last they would leave the servers a long tail of few requests in flight (RESULTS §7a)."""
+    last they would leave the servers a long tail of few requests in flight."""
     return sorted(convs, key=lambda c: -sum(m["role"] == "user" for m in c.messages))
 
 
@@ -158,19 +156,7 @@ def run_regen(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             "too_long_prompt" if len(chat.encode(first, add_generation_prompt=True)[0]) > h.max_prompt_tokens else None
         )
 
-    prompt_skips = Skips()  # by reason, and where the first few of each are
-    convs = collect(
-        h.sources,
-        max_turns=h.max_turns,
-        regenerate=True,
-        heldout_fraction=h.heldout_fraction,
-        dedupe=h.dedupe,
-        skips=prompt_skips,
-        check=prompt_fits,
-        heldout=heldout_filter(h.sources, h.magpie.heldout),
-    )
-    if not convs:
-        raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")
+    convs, prompt_skips = conversations(h, prompt_fits, regenerate=True)
 
     identity = {
         "target": cfg.target.name,

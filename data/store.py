@@ -36,9 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from eagle3ft.files import read_json, safetensors_keys, write_json
-from eagle3ft.files import sha256_file as _sha256  # tests and data/tokens.py import it here
-from eagle3ft.files import write_atomic as _write_atomic  # train/loop.py and eval/same_prompts.py import it here
+from eagle3ft.files import read_json, safetensors_keys, sha256_file, write_atomic, write_json
 
 SCHEMA_VERSION = 1
 SPLITS = ("train", "heldout")
@@ -96,7 +94,7 @@ def shard_problem(features_dir: Path, shard: dict, manifest: Path) -> str | None
     f = member(features_dir, shard.get("file"), manifest)
     if not f.is_file():
         return "missing"
-    return "fails its sha256 check" if _sha256(f) != shard.get("sha256") else None
+    return "fails its sha256 check" if sha256_file(f) != shard.get("sha256") else None
 
 
 def damaged_shards(features_dir: Path, shards: list[dict], manifest: Path) -> list[str]:
@@ -151,7 +149,7 @@ def write_shard(
     """Write one chunk's shard atomically and enter it in the manifest (not yet saved); returns the split's counts."""
     data = save(tensors, metadata={"schema_version": str(schema_version)})  # one key: the header is byte-stable
     name = shard_name(split, chunk)
-    _write_atomic(folder / name, data)
+    write_atomic(folder / name, data)
     n_tok, n_loss = int(tensors["input_ids"].numel()), int(tensors["loss_mask"].sum())
     manifest["shards"].append(
         {
@@ -287,7 +285,7 @@ class FeatureWriter:
             raise
 
     def finish(self, token_counts: torch.Tensor, extra: dict | None = None) -> None:
-        _write_atomic(self.dir / TOKEN_COUNTS, save({"token_counts": token_counts.to(torch.int64)}))
+        write_atomic(self.dir / TOKEN_COUNTS, save({"token_counts": token_counts.to(torch.int64)}))
         self.manifest["token_counts"] = TOKEN_COUNTS
         self.manifest["complete"] = True
         self.manifest.update(extra or {})
@@ -321,6 +319,21 @@ def source_names(samples: list[Sample]) -> list[str] | None:
     return sorted({s.source for s in samples})
 
 
+def shard_sources(folder: Path, manifest: dict, split: str) -> list[str | None]:
+    """The source name of each sample of `split` in a store's shards (features or tokens), in dataset order; None
+    where the store recorded none."""
+    out: list[str | None] = []
+    for s in manifest["shards"]:
+        if s["split"] != split:
+            continue
+        if "sources" not in s:
+            out += [None] * s["samples"]
+            continue
+        with safe_open(folder / s["file"], framework="pt") as f:
+            out += [s["sources"][i] for i in f.get_tensor("source_ids").tolist()]
+    return out
+
+
 class FeatureStore:
     """Reader. Checks schema and checksums on open (verify=False skips the hashing)."""
 
@@ -348,7 +361,7 @@ class FeatureStore:
             f = member(self.dir, s.get("file"), path)
             if not f.is_file():
                 raise StoreError(f"{self.dir}: shard {s['file']} is missing")
-            if verify and _sha256(f) != s.get("sha256"):
+            if verify and sha256_file(f) != s.get("sha256"):
                 raise StoreError(f"{self.dir}: shard {s['file']} fails its sha256 check")
         if self.manifest.get("token_counts") is not None:
             member(self.dir, self.manifest["token_counts"], path)
@@ -375,16 +388,7 @@ class FeatureStore:
 
     def sources(self, split: str) -> list[str | None]:
         """The source name of each sample of `split`, in dataset order (None where the harvest recorded none)."""
-        out: list[str | None] = []
-        for s in self.manifest["shards"]:
-            if s["split"] != split:
-                continue
-            if "sources" not in s:
-                out += [None] * s["samples"]
-                continue
-            with safe_open(self.dir / s["file"], framework="pt") as f:
-                out += [s["sources"][i] for i in f.get_tensor("source_ids").tolist()]
-        return out
+        return shard_sources(self.dir, self.manifest, split)
 
     def dataset(self, split: str = "train", keys: tuple[str, ...] | None = None) -> "FeatureDataset":
         """Samples of `split`; `keys` reads only those (e.g. input_ids and loss_mask for online training)."""

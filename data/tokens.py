@@ -28,18 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from eagle3ft.data.store import (
     MANIFEST,
     SPLITS,
     ShardDataset,
     StoreError,
-    _sha256,
     open_manifest,
+    shard_sources,
     write_shard,
 )
-from eagle3ft.files import read_json, write_json
+from eagle3ft.files import read_json, sha256_file, write_json
 
 SCHEMA_VERSION = 1
 KIND = "tokens"
@@ -176,7 +175,7 @@ class TokenStore:
             f = self.dir / s["file"]
             if not f.is_file():
                 raise StoreError(f"{self.dir}: shard {s['file']} is missing")
-            if verify and _sha256(f) != s["sha256"]:
+            if verify and sha256_file(f) != s["sha256"]:
                 raise StoreError(f"{self.dir}: shard {s['file']} fails its sha256 check")
 
     @property
@@ -195,16 +194,7 @@ class TokenStore:
 
     def sources(self, split: str) -> list[str | None]:
         """The source name of each sample of `split`, in dataset order (None where the store recorded none)."""
-        out: list[str | None] = []
-        for s in self.manifest["shards"]:
-            if s["split"] != split:
-                continue
-            if "sources" not in s:
-                out += [None] * s["samples"]
-                continue
-            with safe_open(self.dir / s["file"], framework="pt") as f:
-                out += [s["sources"][i] for i in f.get_tensor("source_ids").tolist()]
-        return out
+        return shard_sources(self.dir, self.manifest, split)
 
     def dataset(self, split: str = "train") -> "TokenDataset":
         if split not in SPLITS:

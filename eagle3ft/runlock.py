@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from eagle3ft.files import json_text
-from eagle3ft.run_dir import LOCK_NAME, RunDir  # noqa: F401  (LOCK_NAME: part of this module's interface)
+from eagle3ft.run_dir import RunDir
 
 UNREADABLE_GRACE_S = 5.0  # an owner writes its record at once: a lock unreadable for this long has no writer
 _held: dict[Path, list] = {}  # lock path -> [nesting depth, owner record], for this process

@@ -185,8 +185,8 @@ def test_first_come_first_served_sends_no_priority_and_makes_the_same_store(refe
 
 
 def test_ready_turns_come_out_highest_priority_first_and_in_order_among_equals():
-    from eagle3ft.data.regen import ReadyTurns
     from eagle3ft.data.regen_backends import Gen
+    from eagle3ft.data.regen_turns import ReadyTurns
 
     q = ReadyTurns()
     for name, prio in [("a", 1), ("b", 3), ("c", 2), ("d", 3), ("e", 1)]:

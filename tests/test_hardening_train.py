@@ -249,8 +249,8 @@ def test_a_refused_resume_changes_nothing_the_record_included(trained, tmp_path)
 
 @pytest.mark.slow
 def test_a_diverging_loss_is_named_and_a_non_finite_one_names_the_last_good_checkpoint(trained, tmp_path, capsys):
-    from eagle3ft.data.store import _sha256
     from eagle3ft.eval.report import main as report_main
+    from eagle3ft.files import sha256_file as _sha256
 
     order = [m["samples"][0][0] for m in metrics(trained)]  # the sample of each step: the same seeded order here
     run = tmp_path / "run"

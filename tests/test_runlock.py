@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from eagle3ft.runlock import LOCK_NAME, RunLocked, check_owner, run_lock
+from eagle3ft.run_dir import LOCK_NAME
+from eagle3ft.runlock import RunLocked, check_owner, run_lock
 
 
 @pytest.fixture
@@ -112,7 +113,7 @@ def test_a_lock_left_by_a_stage_that_raised_is_removed_at_exit(tmp_path):
     "module, entry",
     [
         ("eagle3ft.data.harvest", "main"),
-        ("eagle3ft.data.regen", "cli"),
+        ("eagle3ft.data.regen", "main"),
         ("eagle3ft.eval.accept_len", "main"),
         ("eagle3ft.eval.bench", "main"),
         ("eagle3ft.eval.economics", "main"),

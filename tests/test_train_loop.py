@@ -190,7 +190,7 @@ def test_non_finite_loss_stops_naming_step_and_sample(tmp_path):
     t["aux_hidden"][t["offsets"][2] : t["offsets"][3]] = float("nan")  # sample id 2
     from safetensors.torch import save_file
 
-    from eagle3ft.data.store import _sha256
+    from eagle3ft.files import sha256_file as _sha256
 
     save_file(t, str(shard))
     manifest = json.loads((tmp_path / "features" / "manifest.json").read_text())

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from train_fixtures import REPO, launch, launch_cmd, write_store
 
-from eagle3ft.runlock import LOCK_NAME
+from eagle3ft.run_dir import LOCK_NAME
 from eagle3ft.train.checkpoint import (
     FORMAT,
     CheckpointError,
