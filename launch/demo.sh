@@ -10,7 +10,7 @@
 # fine-tune (accelerate, 2 processes; L2-SP toward the shipped weights, the replay a third of the conversations)
 # -> measure, in one process with one target load: both drafters' offline tau per held-out set, then one live
 # bench, plain, shipped and fine-tuned interleaved on the HumanEval and MT-Bench prompts -> report -> headline ->
-# verdict (eagle3ft-compare: per held-out set, tau before -> after with its interval). The recipe is the one
+# verdict (eagle3ft compare: per held-out set, tau before -> after with its interval). The recipe is the one
 # benchmarks/forgetting.py found best of plain, L2-SP, replay and both; DEMO_L2SP=0 and DEMO_REPLAY_WEIGHT=0 give
 # the plain fine-tune. Small sizes come from --set overrides on configs/smollm2-135m.yaml, whose drafter.init and
 # bench.drafters name the shipped drafter. Rerunning resumes: the harvest keeps its finished shards, training
@@ -59,7 +59,7 @@ stage() { printf '\n== %s (%ds elapsed)\n' "$1" $((SECONDS - t_start)); }
 newer() { [[ -f "$1" && "$1" -nt "$2" ]]; } # $1 exists and was written after $2
 
 stage "harvest: the target answers HumanEval problems (training part; other problems held out), MT-Bench questions and everyday prompts (held out), and ShareGPT conversations (replayed in training)"
-python data/harvest.py --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
+eagle3ft harvest --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
 
 stage "fine-tune: TTT from the shipped drafter on the HumanEval training part and the replay, L2-SP toward the shipped weights (resumes from the newest checkpoint)"
 python - "$SHIPPED" <<'CARD' || true
@@ -70,7 +70,7 @@ CARD
 if [[ -f "$RUN/export/model.safetensors" ]]; then
   echo "done: $RUN/export (delete it to train again)"
 else
-  eagle3ft-train --accelerate-config configs/accelerate/cpu-2proc.yaml \
+  eagle3ft train --accelerate-config configs/accelerate/cpu-2proc.yaml \
     --config "$CONFIG" --run-dir "$RUN" --resume auto "${SETS[@]}"
 fi
 
@@ -83,12 +83,12 @@ else
 fi
 
 stage "report (the fine-tuned drafter alone: $RUN/eval/report.md)"
-python eval/report.py --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}" >/dev/null
+eagle3ft report --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}" >/dev/null
 echo "wrote $RUN/eval/report.md"
 
 stage "headline ($RUN/demo/summary.md)"
 python eval/demo_summary.py headline --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
 
 stage "verdict: the shipped drafter against the fine-tuned one on every held-out set ($RUN/eval/compare.json)"
-eagle3ft-compare --config "$CONFIG" --run-dir "$RUN" --before "$SHIPPED" "${SETS[@]}"
+eagle3ft compare --config "$CONFIG" --run-dir "$RUN" --before "$SHIPPED" "${SETS[@]}"
 printf '\ndemo finished in %ds\n' $((SECONDS - t_start))
