@@ -11,8 +11,8 @@
 #   capture  answers regenerated and captured by the harvest server in one request and in two passes, compared
 #   train    the K2-layout drafter (draft vocab 32,000 of 163,840) from scratch on the SGLang store, then warm-started
 #            from that export (d2t kept, as from AQ-MedAI's), DeepSpeed ZeRO-2 on one GPU; the MLA drafter likewise
-#   serve    plain and EAGLE-3 3/1/4 with each export, eval/bench_sglang.py interleaved per prompt, then the export's
-#            offline tau on its server's own answers (eval/same_prompts.py) beside the server's spec_accept_length
+#   serve    plain and EAGLE-3 3/1/4 with each export, eval/bench/sglang_backend.py interleaved per prompt, then the export's
+#            offline tau on its server's own answers (eval/offline/same_prompts.py) beside the server's spec_accept_length
 # Every step logs its seconds and the GPU's memory (nvidia-smi) to $L/log; a failed step does not stop the later ones
 # that do not need it.
 # Usage, from this machine (device calls back to back: a machine idle for 30 s is given back):
@@ -161,18 +161,18 @@ bench_one() {  # bench_one NAME PORT: plain (:30100) against EAGLE-3 3/1/4 with 
   ex=$(export_of "$1")
   up "$2" || return 1
   say "bench $1 ($ex on :$2) against plain (:30100)"
-  timeout 600 $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$S/bench-$1" "${K2[@]}" --set bench.launch=false \
+  timeout 600 $PY eval/bench/sglang_backend.py --config "$CONFIG" --run-dir "$S/bench-$1" "${K2[@]}" --set bench.launch=false \
     --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[http://127.0.0.1:$2]" \
     --set "drafter.config=$ex/config.json" --set "eval.checkpoint=$ex" --set 'bench.drafters={}' \
     --set bench.interleave=prompt --set bench.sglang_same_prompts=false > "$L/bench-$1.txt" 2>&1
   echo "bench exit $?"; tail -12 "$L/bench-$1.txt"
 }
-offline_one() {  # offline_one NAME: the export's offline tau on its server's own answers (eval/same_prompts.py)
+offline_one() {  # offline_one NAME: the export's offline tau on its server's own answers (eval/offline/same_prompts.py)
   local ex
   ex=$(export_of "$1")
   [[ -d $S/bench-$1 ]] || return 1
   say "offline tau of $1 on its 3/1/4 answers"
-  $PY eval/same_prompts.py --config "$CONFIG" --run-dir "$S/own-$1" "${K2[@]}" --set "drafter.config=$ex/config.json" \
+  $PY eval/offline/same_prompts.py --config "$CONFIG" --run-dir "$S/own-$1" "${K2[@]}" --set "drafter.config=$ex/config.json" \
     --set "eval.checkpoint=$ex" --answers-from "$S/bench-$1" --answers-of 3/1/4 > "$L/own-$1.txt" 2>&1
   echo "offline exit $?"; tail -4 "$L/own-$1.txt"
   mkdir -p "$L/bench-$1"; cp "$S/bench-$1"/bench/{summary.json,runs.jsonl} "$S/own-$1"/eval/accept_len.json "$L/bench-$1/" 2> /dev/null

@@ -101,7 +101,7 @@ bench() {
   local BENCH_SRC=${BENCH_MTBENCH:+, path: $BENCH_MTBENCH}
   BENCH_SRC=${BENCH_SRC:-$MTBENCH}
   rm -rf "$OUT/bench"
-  $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$OUT/bench" "${COMMON[@]}" \
+  $PY eval/bench/sglang_backend.py --config "$CONFIG" --run-dir "$OUT/bench" "${COMMON[@]}" \
     --set bench.backend=sglang --set bench.launch=true --set serve.max_servers=0 \
     --set "bench.prompts={kind: mtbench, limit: ${BENCH_PROMPTS:-8}$BENCH_SRC}" \
     --set "bench.max_new_tokens=${BENCH_TOKENS:-256}" --set bench.repetitions=3 --set serve.mem_fraction_static=0.2 \

@@ -11,7 +11,7 @@ emit 1, 2, .. steps+1 tokens, of the two walks and the live pass.
     python benchmarks/tau_per_prompt.py --config configs/smollm2-135m.yaml --run RUN --setting 8/4/32 \
         --set eval.checkpoint=DRAFTER --set "bench.prompts={...}" [--set target.path=HF_DIR ...]
 
-RUN holds bench/runs.jsonl and bench/summary.json (eval/bench.py or bench_sglang.py); bench.prompts must be the
+RUN holds bench/runs.jsonl and bench/summary.json (eval/bench/live.py or bench_sglang.py); bench.prompts must be the
 source that run used. Prints one JSON line per prompt, then the totals.
 """
 
@@ -24,9 +24,15 @@ from pathlib import Path
 import torch
 
 from eagle3ft.config import load_config, resolve_path
-from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
-from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target, load_prompts, prompt_sets
-from eagle3ft.eval.same_prompts import bench_answers, features
+from eagle3ft.eval.bench.schedule import check_drafter_for_run, drafter_on_target, load_prompts, prompt_sets
+from eagle3ft.eval.offline.acceptance import (
+    SampleInputs,
+    chain_accept_lengths,
+    chain_acceptance,
+    cycle_walk,
+    tree_accept,
+)
+from eagle3ft.eval.offline.same_prompts import bench_answers, features
 from eagle3ft.setting import Setting
 from eagle3ft.targets.hf import load_target
 
@@ -43,7 +49,7 @@ def repeated_share(ids: list[int], n: int = 8) -> float:
 
 @torch.no_grad()
 def walk(drafter, item: dict, st: Setting, device, tree_context: str, roots: str = "every") -> list[int]:
-    """The tokens each cycle of the cycle walk of one answer emits at setting `st` (eval/accept_len.py's walk).
+    """The tokens each cycle of the cycle walk of one answer emits at setting `st` (eval/offline/accept_len.py's walk).
     roots "complete": a tree's walk over the roots with every depth in the data only (the rule up to 62dbbde)."""
     s = SampleInputs.of(item, device)
     if st.topk > 1:
@@ -74,7 +80,7 @@ def main() -> None:
         "--roots",
         choices=("every", "complete"),
         default="every",
-        help="a tree's walk: over every root (eval/accept_len.py), or only the roots with every depth in the data "
+        help="a tree's walk: over every root (eval/offline/accept_len.py), or only the roots with every depth in the data "
         "(its rule up to 62dbbde, RESULTS §21b)",
     )
     args = ap.parse_args()

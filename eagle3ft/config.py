@@ -303,7 +303,7 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """eval/accept_len.py: offline accept length on held-out features."""
+    """eval/offline/accept_len.py: offline accept length on held-out features."""
 
     checkpoint: str = "export"  # relative to the run folder, or absolute
     steps: int = 3  # chain depth K
@@ -311,7 +311,7 @@ class EvalConfig:
     num_draft_tokens: int = 4  # SGLang's --speculative-num-draft-tokens
     max_samples: int | None = None
     temperature: float = 0.0  # 0 = greedy acceptance; >0 = sampled (min(1, p/q))
-    # a tree's draft context (eval/acceptance.py's tree_accept): "slots" as SGLang drafts (each of the topk frontier
+    # a tree's draft context (eval/offline/acceptance.py's tree_accept): "slots" as SGLang drafts (each of the topk frontier
     # slots attends to its own earlier nodes), "ancestors" the exact tree (each node attends to its ancestors)
     tree_context: Literal["slots", "ancestors"] = "slots"
 
@@ -322,7 +322,7 @@ class EvalConfig:
 
 @dataclass
 class BenchConfig:
-    """eval/bench.py: live baseline vs speculation, interleaved repetitions."""
+    """eval/bench/live.py: live baseline vs speculation, interleaved repetitions."""
 
     backend: Literal["embedded", "sglang"] = "embedded"
     prompts: SourceConfig = field(default_factory=lambda: SourceConfig(kind="mtbench", limit=8))
@@ -340,10 +340,10 @@ class BenchConfig:
     concurrency: list[int] = field(default_factory=lambda: [1])
     settings: list[Setting] = field(default_factory=lambda: [Setting()])
     threads: int | None = None  # embedded: torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
-    # embedded: the target's attention, "sdpa" (transformers') or "chain" (eval/chain_attention.py: batch 1, no mask
+    # embedded: the target's attention, "sdpa" (transformers') or "chain" (eval/decode/chain_attention.py: batch 1, no mask
     # tensors, so a verify makes ~550-900 fewer aten ops; on the H200 a verify then costs a plain step, RESULTS §18a)
     attention: Literal["sdpa", "chain"] = "sdpa"
-    # embedded: how a cycle drafts, "graph" (eval/draft_graph.py: the chain on the device with no host round trip, one
+    # embedded: how a cycle drafts, "graph" (eval/decode/draft_graph.py: the chain on the device with no host round trip, one
     # CUDA graph replay on a GPU; greedy only), "eager" (a drafter forward at a time), "auto" (graph when greedy)
     drafting: Literal["auto", "graph", "eager"] = "auto"
     # embedded, drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); its
@@ -364,7 +364,7 @@ class BenchConfig:
         None  # another run's bench/calibration.json: predict this run's tok/s from its offline tau
     )
     # earlier runs' calibration.json files: each setting's cycle in plain steps pooled with bench.calibration's,
-    # priced at bench.calibration's plain step (eval/calibration.py)
+    # priced at bench.calibration's plain step (eval/economics/calibration.py)
     calibration_pool: list[str] = field(default_factory=list)
     # embedded: more drafters in the same interleaved run, label -> folder (repo-relative); summary.json's prompt_sets
     drafters: dict[str, str] = field(default_factory=dict)

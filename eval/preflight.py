@@ -80,7 +80,7 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
     for key, path in calibrations:
         if stage in ("bench", "economics") and not resolve_path(path).is_file():
             return (
-                f"no calibration file {resolve_path(path)} ({key}): every eval/bench.py run writes "
+                f"no calibration file {resolve_path(path)} ({key}): every eval/bench/live.py run writes "
                 "RUN/bench/calibration.json"
             )
     if stage == "bench":  # running SGLang servers given by URL hold their drafter: nothing to check here
@@ -88,14 +88,16 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
     if stage == "economics":
         if summary.is_file() or (cfg.bench.calibration and offline.is_file()):
             return None
-        need, script = (offline, "eval/accept_len.py") if cfg.bench.calibration else (summary, "eval/bench.py")
+        need, script = (
+            (offline, "eval/offline/accept_len.py") if cfg.bench.calibration else (summary, "eval/bench/live.py")
+        )
         return drafter() or f"no {need}: run {stage_command(script, config, run_dir)}"
     if metrics.is_file() or offline.is_file() or summary.is_file():
         return None
     return (
         drafter()
         or f"nothing to report in {run_dir} (no {offline}, no {summary}): run "
-        f"{stage_command('eval/accept_len.py', config, run_dir)}"
+        f"{stage_command('eval/offline/accept_len.py', config, run_dir)}"
     )
 
 

@@ -23,10 +23,10 @@ stage "train: TTT fine-tuning from the AQ-MedAI drafter on 8 GPUs"
 eagle3ft-train --accelerate-config configs/accelerate/8gpu.yaml --config "$CONFIG" --run-dir "$RUN" --resume auto "$@"
 
 stage "offline accept length"
-python eval/accept_len.py --config "$CONFIG" --run-dir "$RUN" "$@"
+python eval/offline/accept_len.py --config "$CONFIG" --run-dir "$RUN" "$@"
 
 stage "live benchmark on SGLang (servers started one at a time: serve.max_servers)"
 bash launch/sglang_bench.sh "$CONFIG" "$RUN" "$@"
 
 stage "report"
-python eval/report.py --config "$CONFIG" --run-dir "$RUN" "$@"
+python eval/report/build.py --config "$CONFIG" --run-dir "$RUN" "$@"

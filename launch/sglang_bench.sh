@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=$1 RUN=$2
 shift 2
-exec python eval/bench_sglang.py --config "$CONFIG" --run-dir "$RUN" "$@"
+exec python eval/bench/sglang_backend.py --config "$CONFIG" --run-dir "$RUN" "$@"

@@ -1,4 +1,4 @@
-"""bench.drafting graph (eval/draft_graph.py): the draft chain on the device over a static cache drafts what the
+"""bench.drafting graph (eval/decode/draft_graph.py): the draft chain on the device over a static cache drafts what the
 eager chain drafts, cycle by cycle, through the decoder and the real bench; its cache grows for longer requests;
 bad settings are refused. The CUDA capture itself: tests/test_gpu.py."""
 
@@ -9,9 +9,9 @@ import torch
 from _eval_tiny import AUX, prompts, tiny_config_bench, tiny_pair
 
 from eagle3ft.drafter.model import DraftCache, StaticDraftCache
-from eagle3ft.eval.bench_embedded import drafting_for
-from eagle3ft.eval.draft_graph import DraftGraph, chain_drafts
-from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+from eagle3ft.eval.bench.embedded_backend import drafting_for
+from eagle3ft.eval.decode.draft_graph import DraftGraph, chain_drafts
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode
 
 
 class Recording(SpeculativeDecoder):
@@ -126,7 +126,7 @@ def test_the_graph_grows_for_a_longer_request_and_refuses_sampling():
 
 
 def test_the_embedded_bench_drafts_the_same_with_the_graphed_chain(tmp_path):
-    """bench.drafting graph and eager through eval/bench.py's embedded backend on the tiny config: the same output
+    """bench.drafting graph and eager through eval/bench/live.py's embedded backend on the tiny config: the same output
     ids and accept lengths per prompt and pass, the environment names the drafting, every forward is timed."""
     outputs = {}
     for label, drafting, extend in (("eager", "eager", False), ("graph", "graph", False), ("extend", "graph", True)):

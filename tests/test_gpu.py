@@ -393,7 +393,7 @@ def test_chain_attention_on_cuda_matches_sdpa_and_dispatches_to_a_fused_kernel(d
     from torch.profiler import ProfilerActivity, profile
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from eagle3ft.eval import chain_attention
+    from eagle3ft.eval.decode import chain_attention
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=576, num_hidden_layers=4, num_attention_heads=9,
@@ -426,7 +426,7 @@ def test_the_draft_chain_as_a_cuda_graph_drafts_what_the_eager_chain_drafts(grap
     plain decoding's."""
     from _eval_tiny import AUX, prompts, tiny_pair
 
-    from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+    from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode
 
     target, drafter = (m.to("cuda") for m in tiny_pair())
     for p in prompts(3):

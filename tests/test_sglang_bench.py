@@ -15,11 +15,12 @@ from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
-from eagle3ft.eval import harness, same_prompts
-from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
-from eagle3ft.eval.economics import offline_tau_by_setting
-from eagle3ft.eval.same_prompts import offline_tau
-from eagle3ft.eval.speculate import SpeculativeDecoder
+from eagle3ft.eval.bench import schedule
+from eagle3ft.eval.bench.sglang_backend import SGLangBackend, accept_lengths_from, run_concurrency
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder
+from eagle3ft.eval.economics.analysis import offline_tau_by_setting
+from eagle3ft.eval.offline import same_prompts
+from eagle3ft.eval.offline.same_prompts import offline_tau
 from eagle3ft.setting import Setting
 from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang_http import SGLangError
@@ -89,10 +90,10 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
         ],
     )
     backend = SGLangBackend(cfg, tmp_path)
-    summary = harness.run(cfg, tmp_path, backend, log=lambda *_: None)
-    prompts = harness.load_prompts(cfg)
+    summary = schedule.run(cfg, tmp_path, backend, log=lambda *_: None)
+    prompts = schedule.load_prompts(cfg)
 
-    # offline tau on the plain server's own answers: what eval/same_prompts.py gives for those tokens in-process
+    # offline tau on the plain server's own answers: what eval/offline/same_prompts.py gives for those tokens in-process
     answers = [r["output_ids"] for r in runs_of(tmp_path) if r["mode"] == "baseline" and r["repetition"] == 0]
     want = offline_tau(model, drafter, drafter.config.aux_layer_ids, prompts, answers, [Setting(3, 1, 4)])
     got = summary["offline_same_prompts"]
@@ -245,7 +246,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         SGLangBackend(cfg, tmp_path)  # one server at a time, interleaved per prompt
     cfg.bench.interleave = "pass"
     backend = SGLangBackend(cfg, tmp_path)
-    prompt = harness.load_prompts(cfg)[:1]
+    prompt = schedule.load_prompts(cfg)[:1]
     (b,) = backend.run_baseline(prompt, 8)
     baseline = backend.launched["baseline"]
     (r,) = backend.run_speculative(prompt, Setting(3, 1, 4), 8)

@@ -12,7 +12,7 @@
 #      setting (SGL_REPS (3) repetitions, batch 1, the shipped drafter); then the measurement on SGL_PER_CAT (2)
 #      MT-Bench questions of each of its eight categories (16; §18c's first 8 were all writing), its economics
 #      predicting each setting's tok/s and speed-up from the calibration's cycles and offline tau on this run's plain
-#      answers (eval/same_prompts.py): no speculative figure of this run is an input; then offline tau on each
+#      answers (eval/offline/same_prompts.py): no speculative figure of this run is an input; then offline tau on each
 #      speculative server's own answers (live against offline). The servers are stopped after it.
 #   3. the embedded bench alone on the machine: benchmarks/calibrated_prediction.sh with the shipped drafter as §18a
 #      (bench.attention chain, the graphed chain; costs calibrated on EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW

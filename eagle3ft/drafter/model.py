@@ -3,7 +3,7 @@
 Parameter names are SGLang's checkpoint keys (``fc.weight``, ``midlayer.*``, ``norm.weight``,
 ``lm_head.weight``, buffers ``d2t``/``t2d``; a deeper drafter's layers 1.. as ``layers.{i}.*``), so ``state_dict()``
 minus ``embed_tokens`` is the exported checkpoint. No I/O, no distributed code: training (train/ttt.py) and inference
-(eval/speculate.py) both drive the same pieces. Its config.json is config.py's
+(eval/decode/speculate.py) both drive the same pieces. Its config.json is config.py's
 DrafterConfig; building the model refuses a layout it cannot build (DrafterConfig.check_supported).
 
 Shapes: B batch, T new tokens, S cached tokens, H drafter hidden, Ht target hidden,
@@ -244,7 +244,7 @@ class DraftCache:
 
 class StaticDraftCache:
     """DraftCache in buffers of a fixed `capacity` (B, nkv, capacity, hd), written in place, so that a CUDA graph can
-    read and write them (eval/draft_graph.py). The same `length`, `append`, `crop` and `layer` as DraftCache; a deeper
+    read and write them (eval/decode/draft_graph.py). The same `length`, `append`, `crop` and `layer` as DraftCache; a deeper
     drafter's layers 1.. have theirs in `above`, and setting `length` sets theirs too."""
 
     def __init__(

@@ -1,6 +1,6 @@
 """The drafter's part of a greedy cycle with no host round trip, replayed as CUDA graphs (`bench.drafting`).
 
-eval/speculate.py drafts a chain one drafter forward at a time: each draft token goes to the host (`int`) and back
+eval/decode/speculate.py drafts a chain one drafter forward at a time: each draft token goes to the host (`int`) and back
 as the next forward's input, and each forward launches ~110 small ops. Where launches bound a forward (a 1-layer
 drafter at batch 1 on a GPU: 1.1-1.3 ms a forward on the H200, RESULTS §17b, §18a) that is most of a draft step.
 Here the chain after the extend stays on the device, draft ids included, so it can be captured once as a CUDA graph

@@ -1,4 +1,4 @@
-"""report.md from the report dict that eval/report.py builds: the headline, the verdict, the terms, then Training,
+"""report.md from the report dict that eval/report/build.py builds: the headline, the verdict, the terms, then Training,
 Offline accept length, Live benchmark and Economics, in that order.
 """
 
@@ -231,7 +231,7 @@ def _md_bench(s: dict | None, e: dict | None, a: dict | None) -> list[str]:
             f"τ offline, same prompts: the drafter scored offline on {same['source']} ({same['samples']} sequences, "
             f"{same['roots']} roots), "
             "the same tokens the live runs decoded. Every root: the mean over every answer token, as published tables "
-            "count; cycle walk: cycles start where the last one ended, as a live decoder's do (eval/acceptance.py), "
+            "count; cycle walk: cycles start where the last one ended, as a live decoder's do (eval/offline/acceptance.py), "
             "so it is the offline figure for τ live.",
             "",
         ]

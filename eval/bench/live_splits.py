@@ -15,7 +15,7 @@ figure again on the loop-free tokens and on the answers that finished before the
 - **loop_free_answers**: the same over the answers with no loop at all; exact without spans, so it is what a
   non-streamed run gives in place of `loop_free`.
 
-`python -m eagle3ft.eval.live_splits RUN/bench/runs.jsonl [--cap N]` prints these figures for every arm of a bench's
+`python -m eagle3ft.eval.bench.live_splits RUN/bench/runs.jsonl [--cap N]` prints these figures for every arm of a bench's
 raw runs; with `--cap`, of its streamed requests cut at N new tokens (`cut_at`): what a shorter cap would have given on
 the same answers, read off one run rather than measured by a second.
 """
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     import gzip
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m eagle3ft.eval.live_splits", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eagle3ft.eval.bench.live_splits", description=__doc__.split("\n")[0])
     ap.add_argument("runs", help="a bench's runs.jsonl (or .jsonl.gz)")
     ap.add_argument("--cap", type=int, help="cut the streamed requests at this many new tokens (cut_at)")
     args = ap.parse_args(argv)

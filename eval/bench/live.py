@@ -1,11 +1,11 @@
 """Live benchmark: plain decoding against speculative decoding on the same prompts.
 
-    python eval/bench.py --config CFG --run-dir RUN [--set bench.repetitions=5]
+    python eval/bench/live.py --config CFG --run-dir RUN [--set bench.repetitions=5]
 
-The harness (eval/harness.py: prompts, A B A B repetitions, runs.jsonl, summary.json,
+The harness (eval/bench/schedule.py: prompts, A B A B repetitions, runs.jsonl, summary.json,
 economics.json, calibration.json) on the backend `bench.backend` selects: `embedded`
-(eval/bench_embedded.py: transformers target + eval/speculate.py, batch 1, chain drafting: topk 1)
-or `sglang` (eval/bench_sglang.py: live SGLang servers). With the embedded backend, `bench.drafters`
+(eval/bench/embedded_backend.py: transformers target + eval/decode/speculate.py, batch 1, chain drafting: topk 1)
+or `sglang` (eval/bench/sglang_backend.py: live SGLang servers). With the embedded backend, `bench.drafters`
 and `bench.more_prompts` bench more drafters and prompt sets in the same interleaved run.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3ft.eval import harness
-from eagle3ft.eval.bench_embedded import EmbeddedBackend
-from eagle3ft.eval.bench_sglang import SGLangBackend
-from eagle3ft.eval.harness import BenchBackend
+from eagle3ft.eval.bench import schedule
+from eagle3ft.eval.bench.embedded_backend import EmbeddedBackend
+from eagle3ft.eval.bench.schedule import BenchBackend
+from eagle3ft.eval.bench.sglang_backend import SGLangBackend
 
 
 def make_backend(cfg, run_dir: Path) -> BenchBackend:
@@ -33,7 +33,7 @@ def run(cfg, run_dir: Path, log=print) -> dict:
     """The benchmark on the configured backend, which is closed (servers stopped) at the end."""
     backend = make_backend(cfg, run_dir)
     try:
-        return harness.run(cfg, run_dir, backend, log)
+        return schedule.run(cfg, run_dir, backend, log)
     finally:
         if hasattr(backend, "close"):
             backend.close()
@@ -46,14 +46,14 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3ft.targets.sglang_http import SGLangError
 
     cfg, run_dir, args = parse_cli("Live benchmark: plain against speculative decoding.", stage="bench", argv=argv)
-    check_or_exit("bench.py", "bench", cfg, run_dir, args.config)
+    check_or_exit("live.py", "bench", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
     with (
-        holding(run_dir, "bench", "bench.py"),
-        cli_errors("bench.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
+        holding(run_dir, "bench", "live.py"),
+        cli_errors("live.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
     ):
-        print(harness.format_summary(run(cfg, run_dir)))
+        print(schedule.format_summary(run(cfg, run_dir)))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The live benchmark's harness: plain decoding against speculative decoding on the same prompts,
-whatever decodes them. eval/bench.py picks the backend; eval/bench_embedded.py and eval/bench_sglang.py
+whatever decodes them. eval/bench/live.py picks the backend; eval/bench/embedded_backend.py and eval/bench/sglang_backend.py
 are the two backends.
 
 Prompts come from `bench.prompts` (MT-Bench by default): the first user turn, rendered with the
@@ -10,7 +10,7 @@ setting ("pass"); either way a repetition's results per arm make one pass. `benc
 untimed warm-up (`bench.warmup`). Writes
 RUN/bench/runs.jsonl (one line per request and pass), RUN/bench/summary.json (median and
 min-max tok/s per pass kind, tau, seconds per verify / draft forward / cycle, the measured cost
-model, the environment), RUN/bench/economics.json (eval/economics.py on the summary) and
+model, the environment), RUN/bench/economics.json (eval/economics/analysis.py on the summary) and
 RUN/bench/calibration.json (these costs, for predicting a later drafter's tok/s: bench.calibration).
 
 Several drafters and prompt sets in one run (embedded backend): `bench.drafters` (label -> folder) are
@@ -55,11 +55,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from eagle3ft.eval import economics
-from eagle3ft.eval.bench_format import format_summary  # noqa: F401 (the entry points print it)
-from eagle3ft.eval.economics import format_table
-from eagle3ft.eval.environment import base_environment, cpu_model, gpu_clocks  # noqa: F401 (the backends')
-from eagle3ft.eval.live_splits import arm_figures
+from eagle3ft.eval.bench.environment import base_environment, cpu_model, gpu_clocks  # noqa: F401 (the backends')
+from eagle3ft.eval.bench.format import format_summary  # noqa: F401 (the entry points print it)
+from eagle3ft.eval.bench.live_splits import arm_figures
+from eagle3ft.eval.economics import analysis
+from eagle3ft.eval.economics.analysis import format_table
 from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -420,6 +420,6 @@ def run(cfg, run_dir: Path, backend: BenchBackend, log=print) -> dict:
         "prompt_sets": by_set,
     }
     write_json(paths.bench_summary, summary, indent=2)
-    ec, _ = economics.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
+    ec, _ = analysis.run(run_dir, cfg)  # economics.json, calibration.json, and the prediction with bench.calibration
     log(format_table(ec))
     return summary

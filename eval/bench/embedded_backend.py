@@ -1,12 +1,12 @@
 """The `embedded` backend of the live benchmark: a transformers target and the drafter in this process
-(eval/speculate.py), batch 1, chain drafting (topk 1). Several drafters (eval.checkpoint and
+(eval/decode/speculate.py), batch 1, chain drafting (topk 1). Several drafters (eval.checkpoint and
 bench.drafters) share the target; `use_drafter(label)` picks the one the next passes use.
 
-The decoders of eval/speculate.py time nothing; the timed subclasses here time around their phases,
+The decoders of eval/decode/speculate.py time nothing; the timed subclasses here time around their phases,
 the device synchronised on both sides of each: the prefill (through the first new token), every
 target verify, every drafter forward (the extends and the draft steps), every whole cycle (draft +
 verify + accept + extend), and the decode (after the first new token until the last). A graphed draft chain
-(`bench.drafting`, eval/draft_graph.py) is timed as one, and each of its forwards counts as its mean.
+(`bench.drafting`, eval/decode/draft_graph.py) is timed as one, and each of its forwards counts as its mean.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.eval import chain_attention
-from eagle3ft.eval.harness import RequestResult, base_environment, check_drafter_for_run, drafter_on_target
-from eagle3ft.eval.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
+from eagle3ft.eval.bench.schedule import RequestResult, base_environment, check_drafter_for_run, drafter_on_target
+from eagle3ft.eval.decode import chain_attention
+from eagle3ft.eval.decode.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
 from eagle3ft.setting import Setting
 
 
@@ -108,7 +108,7 @@ def drafting_for(drafting: str, temperature: float) -> str:
 
 
 class EmbeddedBackend:
-    """transformers target + drafter in this process (eval/speculate.py), batch 1."""
+    """transformers target + drafter in this process (eval/decode/speculate.py), batch 1."""
 
     name = "embedded"
 
@@ -207,8 +207,8 @@ class EmbeddedBackend:
         return out
 
     def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
-        """The drafter's offline tau on these prompts and the plain pass's answers (eval/same_prompts.py)."""
-        from eagle3ft.eval.same_prompts import offline_tau
+        """The drafter's offline tau on these prompts and the plain pass's answers (eval/offline/same_prompts.py)."""
+        from eagle3ft.eval.offline.same_prompts import offline_tau
 
         return offline_tau(self.model, self.drafter, self.aux_layer_ids, prompts, answers, settings)
 

@@ -1,5 +1,5 @@
 """Acceptance of a drafter on one sample of held-out target features, per root and depth: the chain (greedy and
-sampled) and the tree. eval/accept_len.py sums it over the set into tau.
+sampled) and the tree. eval/offline/accept_len.py sums it over the set into tau.
 
 Terms. A *root* is a response token the target has just emitted (position r); the drafter then
 proposes tokens for positions r+1 .. r+K (depth 1..K). Drafter cache entry t holds the fused aux

@@ -1,4 +1,4 @@
-"""The `sglang` backend of the live benchmark (eval/harness.py): live SGLang servers, baseline against EAGLE3.
+"""The `sglang` backend of the live benchmark (eval/bench/schedule.py): live SGLang servers, baseline against EAGLE3.
 
 Servers come from the config: ``bench.baseline_url`` / ``bench.speculative_url`` and
 ``bench.speculative_urls`` (already running; each speculative one serves the one setting it was started with,
@@ -13,7 +13,7 @@ non-streamed ``POST /generate`` timed from sending it to holding the answer (the
 prefill and transport included), and ``stream``, the same with ``"stream": true``: the first event with a token ends
 the prefill; decode_s runs from it to the last event, so tok/s = (new_tokens - 1) / decode_s as for the embedded
 backend, and each event's arrival is kept (SGLang 0.5.17 sends one per verify at batch 1: the spans
-eval/live_splits.py splits loops off by). With ``whole`` alone, its wall time stands for the decode too. The last event's
+eval/bench/live_splits.py splits loops off by). With ``whole`` alone, its wall time stands for the decode too. The last event's
 ``spec_verify_ct`` and ``spec_accept_histogram`` (verify steps by drafts accepted) give the
 verify count and the tokens per verify (bonus included); without a histogram the tokens after
 the first are spread over the verifies. Every request's ``meta_info`` spec fields go to
@@ -26,7 +26,7 @@ Throughput at concurrency (``bench.concurrency`` levels above 1): ``run_concurre
 the prompts with that many requests in flight, baseline and each setting interleaved per
 repetition, and writes RUN/bench/concurrency.json (output tok/s = all new tokens / wall time).
 
-    python eval/bench_sglang.py --config CFG --run-dir RUN   # eval/harness.py's run(), then the concurrency sweep
+    python eval/bench/sglang_backend.py --config CFG --run-dir RUN   # eval/bench/schedule.py's run(), then the concurrency sweep
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 import requests
 
 from eagle3ft.config import resolve_path
-from eagle3ft.eval.harness import (
+from eagle3ft.eval.bench.schedule import (
     RequestResult,
     base_environment,
     check_drafter_for_run,
@@ -53,7 +53,7 @@ from eagle3ft.eval.harness import (
     run,
     spread,
 )
-from eagle3ft.eval.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
+from eagle3ft.eval.bench.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
 from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -324,10 +324,10 @@ class SGLangBackend:
 
     def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
         """With bench.sglang_same_prompts: the drafter's offline tau on the plain server's answers (the tokens the live
-        runs decoded), the target's features from a copy of the target in this process (eval/same_prompts.py)."""
+        runs decoded), the target's features from a copy of the target in this process (eval/offline/same_prompts.py)."""
         if not self.cfg.bench.sglang_same_prompts:
             return None
-        from eagle3ft.eval.same_prompts import checkpoint_offline_tau
+        from eagle3ft.eval.offline.same_prompts import checkpoint_offline_tau
 
         return checkpoint_offline_tau(self.cfg, self.run_dir, prompts, answers, settings)
 
@@ -388,18 +388,18 @@ def main(argv: list[str] | None = None) -> None:
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(
-        "Live benchmark on SGLang servers: batch 1 (eval/bench.py), then the concurrency levels.",
+        "Live benchmark on SGLang servers: batch 1 (eval/bench/live.py), then the concurrency levels.",
         stage="bench",
         argv=argv,
     )
-    check_or_exit("bench_sglang.py", "bench", cfg, run_dir, args.config)
+    check_or_exit("sglang_backend.py", "bench", cfg, run_dir, args.config)
     if cfg.bench.backend != "sglang":
         raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
     from eagle3ft.runlock import holding
 
     with (
-        holding(run_dir, "bench", "bench_sglang.py"),
-        cli_errors("bench_sglang.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
+        holding(run_dir, "bench", "sglang_backend.py"),
+        cli_errors("sglang_backend.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
     ):
         backend = SGLangBackend(cfg, run_dir)
         try:

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from eagle3ft.config import resolve_path
-from eagle3ft.eval.costs import cost_model_from_summary, fmt, max_tau
+from eagle3ft.eval.economics.cost_model import cost_model_from_summary, fmt, max_tau
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -81,7 +81,7 @@ def load_calibration(path: str | Path) -> dict:
         cal = json.loads(path.read_text())
     except FileNotFoundError:
         raise CalibrationError(
-            f"{path}: no such calibration file (bench.calibration; every eval/bench.py run writes "
+            f"{path}: no such calibration file (bench.calibration; every eval/bench/live.py run writes "
             "RUN/bench/calibration.json)"
         ) from None
     except (OSError, json.JSONDecodeError) as e:

@@ -9,8 +9,8 @@ materialising it (the CPU materialises it per layer), and grouped heads go to SD
 GPU path is checked by tests/test_gpu.py. On the H200 a 6-token SmolLM2 verify then took 22.1 ms against 21.6 ms for a
 plain step (RESULTS §18a; 25.8 against 21.5 ms with sdpa in §17b, another lease).
 
-Valid only for one sequence without padding, which is what eval/speculate.py's decoders run (prompt prefill, plain
-steps, verifies) and eval/same_prompts.py's features (one sequence, no cache). Batched, padded forwards (the harvest)
+Valid only for one sequence without padding, which is what eval/decode/speculate.py's decoders run (prompt prefill, plain
+steps, verifies) and eval/offline/same_prompts.py's features (one sequence, no cache). Batched, padded forwards (the harvest)
 must keep the default attention.
 """
 
