@@ -1,10 +1,10 @@
-"""The repetition-loop definition (eval/loops.py) and the live split built on it (eval/bench/live_splits.py), on hand-made
+"""The repetition-loop definition (data/loops.py) and the live split built on it (eval/bench/live_splits.py), on hand-made
 answers whose loops are known."""
 
 import pytest
 
-from eagle3ft.eval.bench.live_splits import arm_figures, cut_at, spans_of
-from eagle3ft.eval.loops import MIN_RUN, NGRAM, loop_mask, repeated, split_spans
+from eagle3ft.data.loops import MIN_RUN, NGRAM, loop_mask, repeated
+from eagle3ft.eval.bench.live_splits import arm_figures, cut_at, spans_of, split_spans
 
 
 def _answer() -> tuple[list[int], int, int]:

@@ -1,5 +1,7 @@
 """What a live bench's passes give beyond the decode-only tok/s: the end-to-end figure a user's client sees, and every
-figure again on the loop-free tokens and on the answers that finished before the cap (eval/loops.py).
+figure again on the loop-free tokens and on the answers that finished before the cap. What a loop is, is
+data/loops.py's (a token is repeated when the 8-gram ending at it occurred earlier in the same answer; a loop is a run
+of >= 8 repeated tokens); a tiny target at T=0 falls into them, and a user's traffic does not loop like that.
 
 - **e2e**: answer tokens over the wall time of the requests (the prompt's prefill and the transport included):
   SGLang's non-streamed requests (`bench.sglang_requests` "whole"), else its streamed ones' wall time, else the
@@ -23,9 +25,48 @@ the same answers, read off one run rather than measured by a second.
 from __future__ import annotations
 
 import statistics
+from dataclasses import astuple, dataclass
 
-from eagle3ft.eval.loops import Split, loop_mask, split_spans
+from eagle3ft.data.loops import loop_mask
 from eagle3ft.files import json_text
+
+
+@dataclass
+class Split:
+    """Tokens, verifies and seconds of one part of the answers (verifies and seconds may be fractional: shared)."""
+
+    tokens: float = 0.0
+    verifies: float = 0.0
+    seconds: float = 0.0
+    verified: float = 0.0  # the tokens of spans a verify emitted (not the prefill's first token)
+
+    def __add__(self, o: "Split") -> "Split":
+        return Split(*(a + b for a, b in zip(astuple(self), astuple(o))))
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens per verify, the bonus token included (SGLang's spec_accept_length without the prefill's token)."""
+        return self.verified / self.verifies if self.verifies > 0 else None
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+def split_spans(loop: list[bool], spans: list[tuple[int, float, float]]) -> tuple[Split, Split]:
+    """(loop-free, loop) totals of an answer emitted in `spans`, each (tokens, verifies, seconds) in order: a verify's
+    accepted tokens or a streamed chunk. Each span's verifies and seconds are shared out between its loop and
+    loop-free tokens in proportion to their counts, exact for a span that lies wholly on one side; tokens past the
+    mask's end count as loop-free."""
+    free, looped, pos = Split(), Split(), 0
+    for n, v, s in spans:
+        k = sum(loop[pos : pos + n])
+        if n > 0:
+            by_verify = 1.0 if v > 0 else 0.0
+            looped += Split(k, v * k / n, s * k / n, by_verify * k)
+            free += Split(n - k, v * (n - k) / n, s * (n - k) / n, by_verify * (n - k))
+        pos += n
+    return free, looped
 
 
 def e2e_of(r: dict) -> tuple[int, float]:

@@ -39,7 +39,7 @@ class SettingEconomics:
     tau_offline: float | None = None
     predicted_tok_s_live_tau: float | None = None
     predicted_tok_s_offline_tau: float | None = None
-    # on the tokens outside repetition loops (eval/loops.py): the live split where the bench has one (streamed or
+    # on the tokens outside repetition loops (data/loops.py): the live split where the bench has one (streamed or
     # embedded spans; else over the answers with no loop), else the offline walk's; what the pick is made on
     tau_loop_free: float | None = None
     predicted_tok_s_loop_free_tau: float | None = None
