@@ -46,12 +46,12 @@ def dataset(args) -> None:
     """The prompts as rendered text. Not through bench_serving's --apply-chat-template: its custom dataset then strips
     every bos_token from the rendered text, and SmolLM2's bos_token is <|im_start|>, ChatML's turn marker."""
     from eagle3ft.config import load_config
-    from eagle3ft.eval.bench.schedule import load_prompts
+    from eagle3ft.eval.bench.prompts import load_prompts
     from eagle3ft.targets.hf import load_tokenizer
 
     cfg = load_config(args.config, args.set)
-    ours = load_prompts(cfg)
     tok = load_tokenizer(cfg.target)
+    ours = load_prompts(cfg, tok, cfg.bench.prompts)
     texts = [tok.decode(ids) for ids in ours]
     same = sum(tok(t)["input_ids"] == ids for t, ids in zip(texts, ours))  # as the server tokenizes a text prompt
     with open(args.out, "w") as f:
@@ -251,12 +251,12 @@ def prompts(a) -> None:
     """bench.prompts as the alternation sends them: the token ids, their text, and the bench's stop ids."""
     from eagle3ft.config import load_config
     from eagle3ft.data.chat import ChatFormat
-    from eagle3ft.eval.bench.schedule import load_prompts
+    from eagle3ft.eval.bench.prompts import load_prompts
     from eagle3ft.targets.hf import load_tokenizer
 
     cfg = load_config(a.config, a.set)
-    ids = load_prompts(cfg)[: a.num_prompts or None]
     tok = load_tokenizer(cfg.target)
+    ids = load_prompts(cfg, tok, cfg.bench.prompts)[: a.num_prompts or None]
     texts = [tok.decode(p) for p in ids]
     if any(tok(t)["input_ids"] != p for t, p in zip(texts, ids)):
         raise SystemExit("outside_client.py: error: a text prompt would tokenize to other ids than the bench sends")

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from eagle3ft.config import load_config, resolve_path
-from eagle3ft.eval.bench.schedule import check_drafter_for_run, drafter_on_target, load_prompts, prompt_sets
+from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
+from eagle3ft.eval.bench.prompts import load_prompts, set_labels
 from eagle3ft.eval.offline.acceptance import (
     SampleInputs,
     chain_accept_lengths,
@@ -86,8 +87,9 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
     st = Setting.parse(args.setting)
-    label, src = prompt_sets(cfg)[0]
-    prompts = load_prompts(cfg, src)
+    model, tok = load_target(cfg.target)
+    label, src = set_labels(cfg)[0]
+    prompts = load_prompts(cfg, tok, src)
     plain, _ = bench_answers(args.run, label, len(prompts))
     own, _ = bench_answers(args.run, label, len(prompts), st.key)
     runs = [json.loads(line) for line in (args.run / "bench" / "runs.jsonl").read_text().splitlines() if line.strip()]
@@ -96,7 +98,6 @@ def main() -> None:
         for r in runs
         if r["mode"] == "speculative" and r["setting"] == st.key and r["repetition"] == 0 and r["prompts"] == label
     }
-    model, _ = load_target(cfg.target)
     folder = resolve_path(cfg.eval.checkpoint)
     drafter, aux_ids = drafter_on_target(model, folder, check_drafter_for_run(folder, args.run, "eval.checkpoint"))
     device = next(model.parameters()).device

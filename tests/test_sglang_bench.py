@@ -16,9 +16,11 @@ from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.bench import schedule
-from eagle3ft.eval.bench.sglang_backend import SGLangBackend, accept_lengths_from, run_concurrency
+from eagle3ft.eval.bench.prompts import load_prompt_sets
+from eagle3ft.eval.bench.sglang_backend import SGLangBackend, run_concurrency
+from eagle3ft.eval.bench.sglang_requests import accept_lengths_from
 from eagle3ft.eval.decode.speculate import SpeculativeDecoder
-from eagle3ft.eval.economics.analysis import offline_tau_by_setting
+from eagle3ft.eval.economics.analysis import after_bench, offline_tau_by_setting
 from eagle3ft.eval.offline import same_prompts
 from eagle3ft.eval.offline.same_prompts import offline_tau
 from eagle3ft.setting import Setting
@@ -90,8 +92,10 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
         ],
     )
     backend = SGLangBackend(cfg, tmp_path)
-    summary = schedule.run(cfg, tmp_path, backend, log=lambda *_: None)
-    prompts = schedule.load_prompts(cfg)
+    sets = load_prompt_sets(cfg, backend.tokenizer)
+    prompts = sets[0].prompts
+    summary = schedule.run(cfg, tmp_path, backend, sets, log=lambda *_: None)
+    after_bench(tmp_path, cfg, log=lambda *_: None)
 
     # offline tau on the plain server's own answers: what eval/offline/same_prompts.py gives for those tokens in-process
     answers = [r["output_ids"] for r in runs_of(tmp_path) if r["mode"] == "baseline" and r["repetition"] == 0]
@@ -246,7 +250,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         SGLangBackend(cfg, tmp_path)  # one server at a time, interleaved per prompt
     cfg.bench.interleave = "pass"
     backend = SGLangBackend(cfg, tmp_path)
-    prompt = schedule.load_prompts(cfg)[:1]
+    prompt = load_prompt_sets(cfg, backend.tokenizer)[0].prompts[:1]
     (b,) = backend.run_baseline(prompt, 8)
     baseline = backend.launched["baseline"]
     (r,) = backend.run_speculative(prompt, Setting(3, 1, 4), 8)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.eval.bench.schedule import RequestResult, base_environment, check_drafter_for_run, drafter_on_target
+from eagle3ft.eval.bench.backend import RequestResult, check_drafter_for_run, drafter_on_target
+from eagle3ft.eval.bench.environment import base_environment
 from eagle3ft.eval.decode import chain_attention
 from eagle3ft.eval.decode.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
 from eagle3ft.setting import Setting

@@ -157,14 +157,14 @@ def arm_figures(rows: list[dict], plain: list[dict] | None) -> dict:
     for r in rows:
         by_rep.setdefault(r["repetition"], []).append(r)
     e2e = {rep: _pooled_tok_s([e2e_of(r) for r in rs]) for rep, rs in sorted(by_rep.items())}
-    out: dict = {"e2e": {"tok_s": _spread(list(e2e.values())), "timing": _timing(rows)}}
+    out: dict = {"e2e": {"tok_s": spread(list(e2e.values())), "timing": _timing(rows)}}
     streamed = {  # beside a non-streamed e2e: the streamed requests' own wall time
         rep: _pooled_tok_s([(int(r["new_tokens"]), float(r["wall_s"])) for r in rs])
         for rep, rs in sorted(by_rep.items())
         if all(r.get("whole") and r.get("events") and r.get("wall_s") for r in rs)
     }
     if streamed:
-        out["stream_wall"] = {"tok_s": _spread(list(streamed.values()))}
+        out["stream_wall"] = {"tok_s": spread(list(streamed.values()))}
     free, looped, unresolved, looping = Split(), Split(), 0, 0
     for r in rows:
         got = _row_splits(r)
@@ -192,7 +192,7 @@ def arm_figures(rows: list[dict], plain: list[dict] | None) -> dict:
         base = {rep: _pooled_tok_s([e2e_of(r) for r in rs]) for rep, rs in _by_rep(plain).items()}
         paired = [t / base[rep] for rep, t in e2e.items() if rep in base]
         out["e2e"]["speedup_median"] = statistics.median(e2e.values()) / statistics.median(base.values())
-        out["e2e"]["speedup_paired"] = _spread(paired) if paired else None
+        out["e2e"]["speedup_paired"] = spread(paired) if paired else None
         pw = arm_figures(plain, None).get("stream_wall")
         if streamed and pw:
             out["stream_wall"]["speedup_median"] = out["stream_wall"]["tok_s"]["median"] / pw["tok_s"]["median"]
@@ -243,7 +243,8 @@ def _pooled_tok_s(pairs: list[tuple[int, float]]) -> float:
     return sum(n for n, _ in pairs) / secs if secs > 0 else 0.0
 
 
-def _spread(xs: list[float]) -> dict:
+def spread(xs: list[float]) -> dict:
+    """Median, min and max over the repetitions, and the values per repetition."""
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "per_repetition": xs}
 
 

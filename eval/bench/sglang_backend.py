@@ -8,7 +8,7 @@ read from its ``/server_info`` once, and each setting runs on the one that serve
 ``serve.max_servers`` at once, the least recently used stopped first; all stopped by ``close()``
 or at exit).
 
-Per prompt and arm (batch 1, as the harness runs them), ``bench.sglang_requests`` in order: ``whole``, a
+Per prompt and arm (batch 1, as eval/bench/schedule.py runs them), ``bench.sglang_requests`` in order: ``whole``, a
 non-streamed ``POST /generate`` timed from sending it to holding the answer (the e2e figure a user's client sees,
 prefill and transport included), and ``stream``, the same with ``"stream": true``: the first event with a token ends
 the prefill; decode_s runs from it to the last event, so tok/s = (new_tokens - 1) / decode_s as for the embedded
@@ -26,7 +26,7 @@ Throughput at concurrency (``bench.concurrency`` levels above 1): ``run_concurre
 the prompts with that many requests in flight, baseline and each setting interleaved per
 repetition, and writes RUN/bench/concurrency.json (output tok/s = all new tokens / wall time).
 
-    python eval/bench/sglang_backend.py --config CFG --run-dir RUN   # eval/bench/schedule.py's run(), then the concurrency sweep
+    python eval/bench/sglang_backend.py --config CFG --run-dir RUN   # eval/bench/live.py's stage, then the concurrency sweep
 """
 
 from __future__ import annotations
@@ -43,16 +43,9 @@ from pathlib import Path
 import requests
 
 from eagle3ft.config import resolve_path
-from eagle3ft.eval.bench.schedule import (
-    RequestResult,
-    base_environment,
-    check_drafter_for_run,
-    format_summary,
-    gpu_clocks,
-    load_prompts,
-    run,
-    spread,
-)
+from eagle3ft.eval.bench.backend import RequestResult, check_drafter_for_run
+from eagle3ft.eval.bench.environment import base_environment, gpu_clocks
+from eagle3ft.eval.bench.live_splits import spread
 from eagle3ft.eval.bench.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
 from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
@@ -95,7 +88,8 @@ class SGLangBackend:
             check_drafter_for_run(resolve_path(cfg.eval.checkpoint, base=self.run_dir), self.run_dir, "eval.checkpoint")
         if not cfg.bench.sglang_requests:
             raise ValueError("bench.sglang_requests is empty: name whole, stream or both")
-        self.eos_ids = list(ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template).stop_ids)
+        self.tokenizer = load_tokenizer(cfg.target)  # the served target's: the caller renders the prompts with it
+        self.eos_ids = list(ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids)
         self.timeout_s = float(cfg.harvest.sglang.timeout_s)
         self.launched: dict[str, SGLangServer] = {}  # key -> server, least recently used first
         self._ports: dict[str, int] = {}
@@ -385,6 +379,10 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
+    from eagle3ft.eval.bench import schedule
+    from eagle3ft.eval.bench.format import format_summary
+    from eagle3ft.eval.bench.prompts import load_prompt_sets
+    from eagle3ft.eval.economics.analysis import after_bench
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(
@@ -403,8 +401,11 @@ def main(argv: list[str] | None = None) -> None:
     ):
         backend = SGLangBackend(cfg, run_dir)
         try:
-            print(format_summary(run(cfg, run_dir, backend)))
-            run_concurrency(cfg, run_dir, backend, load_prompts(cfg))
+            sets = load_prompt_sets(cfg, backend.tokenizer)
+            summary = schedule.run(cfg, run_dir, backend, sets)
+            after_bench(run_dir, cfg)
+            print(format_summary(summary))
+            run_concurrency(cfg, run_dir, backend, sets[0].prompts)
         finally:
             backend.close()
 

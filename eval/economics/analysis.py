@@ -242,6 +242,14 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
     return ec, pred
 
 
+def after_bench(run_dir: Path, cfg, log=print) -> Economics:
+    """A finished bench's economics.json and calibration.json (and the prediction with bench.calibration), its table
+    logged: what a bench's entry point runs once the bench is done."""
+    ec, _ = run(run_dir, cfg)
+    log(format_table(ec))
+    return ec
+
+
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import build_parser, parse_cli
     from eagle3ft.eval.preflight import check_or_exit

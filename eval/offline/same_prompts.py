@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle3ft.eval.bench.schedule import first_answers
+from eagle3ft.eval.bench.summary import first_answers
 from eagle3ft.eval.decode.speculate import aux_from_hidden_states
 from eagle3ft.eval.offline.accept_len import evaluate
 from eagle3ft.files import json_text, read_json, write_json
@@ -102,7 +102,7 @@ def checkpoint_offline_tau(
     copy of `cfg.target` loaded here: what a bench backend without the target in this process (SGLang) uses. With
     `keep`, also on the answers it marks, as `rep["kept"]` (None when it marks none)."""
     from eagle3ft.config import resolve_path
-    from eagle3ft.eval.bench.schedule import check_drafter_for_run, drafter_on_target
+    from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
     from eagle3ft.targets.hf import load_target
 
     folder = resolve_path(cfg.eval.checkpoint, base=run_dir)
@@ -140,8 +140,9 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
     from eagle3ft.config import resolve_path
-    from eagle3ft.eval.bench.schedule import load_prompts, prompt_sets
+    from eagle3ft.eval.bench.prompts import load_prompts, set_labels
     from eagle3ft.runlock import holding
+    from eagle3ft.targets.hf import load_tokenizer
 
     desc = "Offline tau of eval.checkpoint on another bench run's greedy answers (RUN/eval/accept_len.json)."
     parser = build_parser(desc)
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py", log=error_log(run_dir, "eval")):
         if not cfg.eval.checkpoint:
             raise ValueError("eval.checkpoint: name the drafter folder to evaluate")
-        label, src = prompt_sets(cfg)[0]
-        prompts = load_prompts(cfg, src)
+        label, src = set_labels(cfg)[0]
+        prompts = load_prompts(cfg, load_tokenizer(cfg.target), src)
         source = Path(args.answers_from)
         answers, finished = bench_answers(source, label, len(prompts), args.answers_of)
         # also on the answers that finished: a cap cut none of them, so no loop ran them long

@@ -139,9 +139,13 @@ def run_offline(cfg, run_dir: Path, only: list[str] | None = None, log=print) ->
 
 def run_measure(cfg, run_dir: Path, log=print) -> dict:
     """One process, one target load: every drafter's offline tau per held-out set, then the live bench (plain
-    against eval.checkpoint and bench.drafters, interleaved, every prompt set) with the drafters the bench loaded."""
+    against eval.checkpoint and bench.drafters, interleaved, every prompt set) with the drafters the bench loaded, then
+    the bench's economics."""
     from eagle3ft.eval.bench import schedule
     from eagle3ft.eval.bench.embedded_backend import EmbeddedBackend
+    from eagle3ft.eval.bench.format import format_summary
+    from eagle3ft.eval.bench.prompts import load_prompt_sets
+    from eagle3ft.eval.economics.analysis import after_bench
 
     if cfg.bench.backend != "embedded":
         raise ValueError(f"bench.backend {cfg.bench.backend!r}: the demo measures with the embedded backend")
@@ -149,8 +153,9 @@ def run_measure(cfg, run_dir: Path, log=print) -> dict:
     held = _check_drafters(cfg, run_dir, folders)
     backend = EmbeddedBackend(cfg, run_dir)
     offline_all(cfg, run_dir, backend.drafters, folders, held, backend.device, log)
-    summary = schedule.run(cfg, run_dir, backend, log)
-    log(schedule.format_summary(summary))
+    summary = schedule.run(cfg, run_dir, backend, load_prompt_sets(cfg, backend.tokenizer), log)
+    after_bench(run_dir, cfg, log)
+    log(format_summary(summary))
     return summary
 
 
