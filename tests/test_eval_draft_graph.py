@@ -8,7 +8,7 @@ import pytest
 import torch
 from _eval_tiny import AUX, prompts, tiny_config_bench, tiny_pair
 
-from eagle3ft.drafter.model import DraftCache, StaticDraftCache
+from eagle3ft.drafter.model import DraftCache
 from eagle3ft.eval.bench.embedded_backend import drafting_for
 from eagle3ft.eval.decode.draft_graph import DraftGraph, chain_drafts
 from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode
@@ -48,7 +48,7 @@ def test_chain_drafts_writes_its_rows_and_reads_only_the_rows_so_far():
     cfg, H = drafter.config, drafter.config.hidden_size
     g = torch.Generator().manual_seed(3)
     ids, hid = torch.randint(0, cfg.vocab_size, (1, 9), generator=g), torch.randn(1, 9, H, generator=g).double()
-    static = StaticDraftCache(cfg, 32, torch.device("cpu"), torch.float64)
+    static = DraftCache.static(cfg, 32, torch.device("cpu"), torch.float64)
     static.k.normal_(generator=g)
     static.v.normal_(generator=g)  # stale rows: the mask must hide them
     eager = DraftCache()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from eagle3ft.drafter.config import capture_points
-from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, StaticDraftCache
+from eagle3ft.drafter.model import DraftCache, Eagle3Drafter
 from eagle3ft.eval.decode.draft_graph import DraftGraph
 
 
@@ -146,7 +146,7 @@ class DecodeState:
     is token length - 1), and the drafter's last pre-norm output h and logits (the first draft's inputs)."""
 
     tcache: DynamicCache
-    dcache: DraftCache | StaticDraftCache
+    dcache: DraftCache
     root: int
     length: int
     h: torch.Tensor  # (1, 1, H)
