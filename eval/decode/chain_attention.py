@@ -3,11 +3,12 @@
 A verify feeds K+1 new tokens after a cache. transformers' sdpa path then builds a boolean mask, and per layer
 repeats the grouped K/V heads and converts that mask for the kernel: ~900 more aten ops per SmolLM2 forward than a
 one-token step (6,595 against 7,510 on transformers 5.24), which is what a verify costs above a plain step where
-launches bound the forward (RESULTS §17b). Here every query sees the whole cache and the new tokens causally, the
+launches bound the forward. Here every query sees the whole cache and the new tokens causally, the
 lower-right causal pattern, which `torch.nn.attention.bias.causal_lower_right` hands to CUDA's flash kernel without
 materialising it (the CPU materialises it per layer), and grouped heads go to SDPA as they are (`enable_gqa`). The
 GPU path is checked by tests/test_gpu.py. On the H200 a 6-token SmolLM2 verify then took 22.1 ms against 21.6 ms for a
-plain step (RESULTS §18a; 25.8 against 21.5 ms with sdpa in §17b, another lease).
+plain step, where sdpa's took 25.8 against 21.5 ms on another lease (records, "The embedded bench at x2.03-x2.26:
+the draft chain as one CUDA graph, chain attention").
 
 Valid only for one sequence without padding, which is what eval/decode/speculate.py's decoders run (prompt prefill, plain
 steps, verifies) and eval/offline/same_prompts.py's features (one sequence, no cache). Batched, padded forwards (the harvest)
