@@ -161,10 +161,10 @@ bench_one() {  # bench_one NAME PORT: plain (:30100) against EAGLE-3 3/1/4 with 
   ex=$(export_of "$1")
   up "$2" || return 1
   say "bench $1 ($ex on :$2) against plain (:30100)"
-  timeout 600 $PY eval/bench/sglang_backend.py --config "$CONFIG" --run-dir "$S/bench-$1" "${K2[@]}" --set bench.launch=false \
-    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[http://127.0.0.1:$2]" \
+  timeout 600 $PY eval/bench/sglang_backend.py --config "$CONFIG" --run-dir "$S/bench-$1" "${K2[@]}" --set bench.sglang.launch=false \
+    --set bench.sglang.baseline_url=http://127.0.0.1:30100 --set "bench.sglang.speculative_urls=[http://127.0.0.1:$2]" \
     --set "drafter.config=$ex/config.json" --set "eval.checkpoint=$ex" --set 'bench.drafters={}' \
-    --set bench.interleave=prompt --set bench.sglang_same_prompts=false > "$L/bench-$1.txt" 2>&1
+    --set bench.interleave=prompt --set bench.sglang.same_prompts=false > "$L/bench-$1.txt" 2>&1
   echo "bench exit $?"; tail -12 "$L/bench-$1.txt"
 }
 offline_one() {  # offline_one NAME: the export's offline tau on its server's own answers (eval/offline/same_prompts.py)

@@ -18,7 +18,7 @@ against the same servers and prompts as `eval/bench/sglang_backend.py`, batch 1,
         per prompt of bench.prompts and per arm, one non-streamed request from each client, in an order that rotates
         with the prompt, each after a cache flush so that all see the server in one state: `bench_serving` (its own
         request function, async_request_sglang_generate, with the namespace its parser builds from the `run` flags),
-        `ours` (eval/sglang_requests.whole_generate with the bench's payload: input_ids and stop_token_ids) and
+        `ours` (eval/bench/sglang_requests.py's whole_generate with the bench's payload: input_ids and stop_token_ids) and
         `ours-text` (our client with bench_serving's payload: text, no stop ids), so that a gap splits into client
         and payload; `bench_serving-stream` and `ours-stream` (--clients) are the two clients streamed, their time
         to the first token kept apart (ttft_s). DIR/alternate.jsonl (a row per request) and DIR/alternate.json (`summarize`). With `--clients

@@ -6,7 +6,7 @@ is loaded. What each stage needs:
 
     eval       the drafter (eval.checkpoint, default RUN/export) and RUN/features
     bench      the drafter, unless SGLang servers already running serve it (bench.backend sglang
-               without bench.launch); the bench.calibration (and calibration_pool) files when set
+               without bench.sglang.launch); the bench.calibration (and calibration_pool) files when set
     economics  RUN/bench/summary.json, or with bench.calibration (a file) RUN/eval/accept_len.json
     report     something to report: train/metrics.jsonl, eval/accept_len.json or bench/summary.json
 
@@ -84,7 +84,7 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
                 "RUN/bench/calibration.json"
             )
     if stage == "bench":  # running SGLang servers given by URL hold their drafter: nothing to check here
-        return None if cfg.bench.backend == "sglang" and not cfg.bench.launch else drafter()
+        return None if cfg.bench.backend == "sglang" and not cfg.bench.sglang.launch else drafter()
     if stage == "economics":
         if summary.is_file() or (cfg.bench.calibration and offline.is_file()):
             return None

@@ -1,4 +1,4 @@
-"""bench.drafting graph (eval/decode/draft_graph.py): the draft chain on the device over a static cache drafts what the
+"""bench.embedded.drafting graph (eval/decode/draft_graph.py): the draft chain on the device over a static cache drafts what the
 eager chain drafts, cycle by cycle, through the decoder and the real bench; its cache grows for longer requests;
 bad settings are refused. The CUDA capture itself: tests/test_gpu.py."""
 
@@ -126,12 +126,12 @@ def test_the_graph_grows_for_a_longer_request_and_refuses_sampling():
 
 
 def test_the_embedded_bench_drafts_the_same_with_the_graphed_chain(tmp_path):
-    """bench.drafting graph and eager through eval/bench/live.py's embedded backend on the tiny config: the same output
+    """bench.embedded.drafting graph and eager through eval/bench/live.py's embedded backend on the tiny config: the same output
     ids and accept lengths per prompt and pass, the environment names the drafting, every forward is timed."""
     outputs = {}
     for label, drafting, extend in (("eager", "eager", False), ("graph", "graph", False), ("extend", "graph", True)):
-        sets = ["bench.prompts.limit=2", "bench.max_new_tokens=6", "bench.repetitions=2", f"bench.drafting={drafting}",
-                f"bench.draft_graph_extend={extend}", "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"]  # fmt: skip
+        sets = ["bench.prompts.limit=2", "bench.max_new_tokens=6", "bench.repetitions=2", f"bench.embedded.drafting={drafting}",
+                f"bench.embedded.draft_graph_extend={extend}", "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"]  # fmt: skip
         summary, rows = tiny_config_bench(tmp_path, label, sets)
         assert summary["environment"]["drafting"] == drafting
         assert summary["environment"]["draft_graph_extend"] is extend

@@ -75,9 +75,9 @@ def test_bench_needs_a_drafter(tmp_path, capsys, main):
 
 
 def test_running_sglang_servers_need_no_local_drafter(tmp_path):
-    cfg = load_config(CONFIG, ["bench.backend=sglang", "bench.speculative_url=http://127.0.0.1:1"])
+    cfg = load_config(CONFIG, ["bench.backend=sglang", "bench.sglang.speculative_url=http://127.0.0.1:1"])
     assert preflight.check("bench", cfg, tmp_path, CONFIG) is None
-    cfg.bench.launch = True  # the launcher starts the EAGLE3 servers with eval.checkpoint
+    cfg.bench.sglang.launch = True  # the launcher starts the EAGLE3 servers with eval.checkpoint
     assert "no drafter at" in preflight.check("bench", cfg, tmp_path, CONFIG)
 
 

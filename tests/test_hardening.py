@@ -134,7 +134,7 @@ def test_the_benches_refuse_a_drafter_that_disagrees_with_the_features_before_co
         and err.startswith("live.py: error: eval.checkpoint ")
         and "drafter aux layer ids [0, 1, 3] != features' aux layer ids [0, 1, 2]" in err
     )
-    cfg = load_config(TINY, ["bench.backend=sglang", "bench.launch=true"])
+    cfg = load_config(TINY, ["bench.backend=sglang", "bench.sglang.launch=true"])
     with pytest.raises(DrafterMismatch, match=r"aux layer ids \[0, 1, 3\]"):  # before any server is started
         SGLangBackend(cfg, run)
 

@@ -329,7 +329,7 @@ def test_a_drafter_whose_config_disagrees_with_its_weights_is_one_line_naming_th
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 1 and len(err) == 1 and re.fullmatch(f"{prog}: error: {line}", err[0]), err
     with pytest.raises(ValueError, match=line):
-        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.launch=true"]), tmp_path)
+        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.sglang.launch=true"]), tmp_path)
 
 
 def test_divergence_is_a_loss_100x_the_first_positive_one():

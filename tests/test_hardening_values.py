@@ -101,7 +101,7 @@ def test_eval_report_and_both_benches_refuse_a_drafter_with_a_nan_weight_in_one_
         assert e.value.code == 1 and len(err) == 1 and err[0].startswith(f"{prog}: error: "), (prog, err)
         assert re.search(line, err[0]), err
     with pytest.raises(NonFinite, match=line):  # before any server is started
-        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.launch=true"]), tmp_path)
+        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.sglang.launch=true"]), tmp_path)
     assert not (tmp_path / "eval").exists() and not (tmp_path / "bench").exists()
 
 

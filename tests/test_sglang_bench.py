@@ -79,15 +79,15 @@ def runs_of(run: Path) -> list[dict]:
 def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, capsys):
     cfg0, model, tok, drafter = tiny
     base, spec = doubles
-    export_drafter(drafter, tmp_path / "export")  # the double's drafter: what bench.sglang_same_prompts evaluates
+    export_drafter(drafter, tmp_path / "export")  # the double's drafter: what bench.sglang.same_prompts evaluates
     cfg = load_config(
         REPO_ROOT / "configs/tiny.yaml",
         BENCH
         + [
-            f"bench.baseline_url={base.url}",
-            f"bench.speculative_url={spec.url}",
+            f"bench.sglang.baseline_url={base.url}",
+            f"bench.sglang.speculative_url={spec.url}",
             "bench.concurrency=[1, 2]",
-            "bench.sglang_same_prompts=true",
+            "bench.sglang.same_prompts=true",
             f"eval.checkpoint={tmp_path / 'export'}",
         ],
     )
@@ -188,12 +188,13 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
 def test_speculative_url_serves_only_its_setting(tiny, doubles, tmp_path):
     base, spec = doubles
     cfg = load_config(
-        REPO_ROOT / "configs/tiny.yaml", BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}"]
+        REPO_ROOT / "configs/tiny.yaml",
+        BENCH + [f"bench.sglang.baseline_url={base.url}", f"bench.sglang.speculative_url={spec.url}"],
     )
     backend = SGLangBackend(cfg, tmp_path)
     with pytest.raises(SGLangError, match=f"no server given for EAGLE3 2/1/3 \\({spec.url} serves EAGLE3 3/1/4\\)"):
         backend.url(Setting(2, 1, 3))
-    cfg.bench.baseline_url = spec.url
+    cfg.bench.sglang.baseline_url = spec.url
     with pytest.raises(SGLangError, match="the baseline must be plain"):
         backend.url(None)
     backend.close()
@@ -205,12 +206,12 @@ def test_each_setting_runs_on_the_listed_server_that_serves_it(tiny, doubles, tm
     engine = DoubleEngine(model, tok, drafter=drafter, spec_steps=2, spec_topk=1, spec_num_draft_tokens=3)
     spec2 = SGLangDouble(engine, version="0.5.17").start()
     try:
-        sets = [f"bench.baseline_url={base.url}", f"bench.speculative_urls=[{spec2.url}, {spec.url}]"]
+        sets = [f"bench.sglang.baseline_url={base.url}", f"bench.sglang.speculative_urls=[{spec2.url}, {spec.url}]"]
         backend = SGLangBackend(load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + sets), tmp_path)
         assert backend.url(Setting(3, 1, 4)) == spec.url and backend.url(Setting(2, 1, 3)) == spec2.url
         assert backend.url(None) == base.url
         assert backend.infos["2/1/3"]["speculative_num_steps"] == 2
-        with pytest.raises(SGLangError, match="add it to bench.speculative_urls"):
+        with pytest.raises(SGLangError, match="add it to bench.sglang.speculative_urls"):
             backend.url(Setting(5, 1, 6))
         backend.close()
     finally:
@@ -225,7 +226,7 @@ def test_accept_lengths_from_histogram_or_counts():
 
 @pytest.mark.slow
 def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
-    """bench.launch: baseline and EAGLE3 servers started from serve (the double as the server program), one at a
+    """bench.sglang.launch: baseline and EAGLE3 servers started from serve (the double as the server program), one at a
     time."""
     cfg0, model, tok, drafter = tiny
     export_drafter(drafter, tmp_path / "export")
@@ -236,7 +237,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         REPO_ROOT / "configs/tiny.yaml",
         BENCH
         + [
-            "bench.launch=true",
+            "bench.sglang.launch=true",
             f"serve.python={sys.executable}",
             f"serve.launch_cmd=[{Path(__file__).parent / 'sglang_double.py'}]",
             f"serve.model_path={tmp_path / 'model'}",

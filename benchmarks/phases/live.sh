@@ -49,7 +49,7 @@ sgl_set() {  # sgl_set SPEC: NAME, SRC and NEW of one SGL_SETS entry
 sgl_bench_one() {  # sgl_bench_one RUN SRC NEW SPEC_PORT [sets...]: plain (:30100) vs 3/1/4 interleaved, 3 repetitions
   local run=$1 src=$2 new=$3 port=$4; shift 4
   timeout 300 $PY eval/bench/sglang_backend.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
-    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_url=http://127.0.0.1:$port" \
+    --set bench.sglang.baseline_url=http://127.0.0.1:30100 --set "bench.sglang.speculative_url=http://127.0.0.1:$port" \
     --set "bench.prompts=$src" --set "bench.max_new_tokens=$new" --set bench.repetitions=3 \
     --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' --set 'bench.concurrency=[1]' --set 'bench.drafters={}' \
     "$@" > "$run.txt" 2>&1

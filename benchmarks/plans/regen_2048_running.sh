@@ -23,7 +23,7 @@ source benchmarks/run_phases.sh lib
 embedded_alone() {
   say "1. embedded: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench"
   local t=$SECONDS
-  CUDA_VISIBLE_DEVICES=0 EXTRA="${BASE[*]} --set bench.attention=${EMB_ATTENTION:-sdpa}" NEW=${EMB_NEW:-384} CAL_NEW=${EMB_CAL_NEW:-96} REPS=${EMB_REPS:-3} \
+  CUDA_VISIBLE_DEVICES=0 EXTRA="${BASE[*]} --set bench.embedded.attention=${EMB_ATTENTION:-sdpa}" NEW=${EMB_NEW:-384} CAL_NEW=${EMB_CAL_NEW:-96} REPS=${EMB_REPS:-3} \
     N_PROMPTS=${EMB_PROMPTS:-4} SETTINGS=${EMB_SETTINGS:-3/1/4,5/1/6} PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
     CAL_SOURCE="kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: ${EMB_CAL_PROMPTS:-4}" \
     timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$SHIPPED" "$SHIPPED" >> "$L/embedded.txt" 2>&1

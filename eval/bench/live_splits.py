@@ -4,7 +4,7 @@ data/loops.py's (a token is repeated when the 8-gram ending at it occurred earli
 of >= 8 repeated tokens); a tiny target at T=0 falls into them, and a user's traffic does not loop like that.
 
 - **e2e**: answer tokens over the wall time of the requests (the prompt's prefill and the transport included):
-  SGLang's non-streamed requests (`bench.sglang_requests` "whole"), else its streamed ones' wall time, else the
+  SGLang's non-streamed requests (`bench.sglang.requests` "whole"), else its streamed ones' wall time, else the
   embedded decoder's prefill + decode. Per repetition, pooled over the prompts; the speed-up against the same
   repetition's plain pass (`speedup_paired`) and of the medians.
 - **loop_free**: tau and decode tok/s on the tokens outside loops. An answer is cut into the spans it was emitted in,
@@ -107,7 +107,7 @@ def cut_at(r: dict, cap: int) -> dict:
     path whatever the cap, so it is this answer's first `cap` tokens, and the server stops after the event (plain: the
     token; speculative: the verify) that reaches the cap: its time since the first token, plus the prefill, is the
     wall time. The non-streamed twin (`whole`) cannot be cut and is dropped; an answer longer than the cap did not
-    finish. Needs the events (`bench.sglang_requests` "stream")."""
+    finish. Needs the events (`bench.sglang.requests` "stream")."""
     if not r.get("events"):
         raise ValueError(f"prompt {r.get('prompt_index')}: no streamed events to cut at {cap} tokens")
     n = int(r["new_tokens"])

@@ -1,4 +1,4 @@
-"""Batch-1 attention for the embedded decoders (`bench.attention: chain`): no mask tensor at all.
+"""Batch-1 attention for the embedded decoders (`bench.embedded.attention: chain`): no mask tensor at all.
 
 A verify feeds K+1 new tokens after a cache. transformers' sdpa path then builds a boolean mask, and per layer
 repeats the grouped K/V heads and converts that mask for the kernel: ~900 more aten ops per SmolLM2 forward than a
@@ -29,7 +29,7 @@ NAME = "eagle3ft_chain"
 def chain_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """query (1, H, q, D), key/value (1, Hkv, kv, D) with kv >= q -> (1, q, H, D), None. attention_mask is None."""
     if query.shape[0] != 1:
-        raise ValueError(f"bench.attention chain runs one sequence at a time, got a batch of {query.shape[0]}")
+        raise ValueError(f"bench.embedded.attention chain runs one sequence at a time, got a batch of {query.shape[0]}")
     q, kv = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
     if q == 1:  # a plain step: the one new token sees everything
@@ -55,6 +55,6 @@ AttentionMaskInterface.register(NAME, _no_mask)
 def use(model: torch.nn.Module, attention: str) -> None:
     """Switch a transformers causal LM to `attention`: "chain" (this module) or "sdpa" (as loaded)."""
     if attention not in ("chain", "sdpa"):
-        raise ValueError(f"bench.attention {attention!r}: expected sdpa or chain")
+        raise ValueError(f"bench.embedded.attention {attention!r}: expected sdpa or chain")
     if attention == "chain":
         model.set_attn_implementation(NAME)

@@ -1,4 +1,4 @@
-"""The drafter's part of a greedy cycle with no host round trip, replayed as CUDA graphs (`bench.drafting`).
+"""The drafter's part of a greedy cycle with no host round trip, replayed as CUDA graphs (`bench.embedded.drafting`).
 
 eval/decode/speculate.py drafts a chain one drafter forward at a time: each draft token goes to the host (`int`) and back
 as the next forward's input, and each forward launches ~110 small ops. Where launches bound a forward (a 1-layer
@@ -12,7 +12,7 @@ the H200 (records, "The embedded bench at x2.03-x2.26: the draft chain as one CU
                         d_j = argmax(logits)
   -> drafts (steps,)
 
-With `extend` (`bench.draft_graph_extend`), the extend after a verify (the drafter over the T = 1..steps+1
+With `extend` (`bench.embedded.draft_graph_extend`), the extend after a verify (the drafter over the T = 1..steps+1
 accepted tokens and their aux features) is captured too, one graph per T, and writes the chain's inputs in place;
 the prompt's extend stays eager. tests/test_gpu.py holds that capture to the eager extend; it passed on the H200,
 and its speed is not measured yet.
