@@ -2,7 +2,7 @@
 # Issue 14.6 on the embedded backend: the economics predict, not restate. One bench run with a calibration drafter
 # (any drafter) measures the cycle cost of each setting; the drafter under test then gets its live tok/s predicted
 # from its offline tau alone (RUN/bench/prediction.json, written before its own bench exists), and only then is it
-# benched on the same prompts and settings. eval/economics.py puts prediction and measurement side by side.
+# benched on the same prompts and settings. eval/economics/analysis.py puts prediction and measurement side by side.
 #   bash benchmarks/calibrated_prediction.sh OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]
 # Defaults: the calibration drafter is runs/demo-s5/export if present (a weak one: its tau does not matter, only its
 # costs), the drafter under test drafters/smollm2-135m. Prompts: MT-Bench questions, held out; sizes below.
@@ -60,9 +60,9 @@ if [[ $STEPS != test ]]; then
 
   say "calibration run: $CAL_DRAFTER, every setting, interleaved with plain decoding"
   CAL_SETS=(--set "bench.max_new_tokens=${CAL_NEW:-${NEW:-64}}" ${CAL_SOURCE:+--set "bench.prompts={$CAL_SOURCE}"})
-  $PY eval/bench.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$CAL_DRAFTER")" \
+  $PY eval/bench/live.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$CAL_DRAFTER")" \
     "${CAL_SETS[@]}"
-  $PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" "${CAL_SETS[@]}" > /dev/null
+  $PY eval/economics/analysis.py --config "$CONFIG" --run-dir "$OUT/calibrate" "${SETS[@]}" "${CAL_SETS[@]}" > /dev/null
 fi
 [[ $STEPS != cal ]] || exit 0
 
@@ -71,12 +71,12 @@ if [[ -n ${DRAFTER_READY:-} ]]; then
   end=$((SECONDS + 1200)); until [[ -f $DRAFTER_READY ]]; do (( SECONDS < end )) || { echo "no $DRAFTER_READY"; exit 1; }; sleep 5; done
 fi
 say "prediction for $DRAFTER from its offline tau alone (no bench of it exists yet)"
-$PY eval/accept_len.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
-$PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
+$PY eval/offline/accept_len.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
+$PY eval/economics/analysis.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
   --set "bench.calibration=$(realpath "$OUT/calibrate/bench/calibration.json")"
 test -f "$OUT/test/bench/prediction.json"
 
 say "the measurement: $DRAFTER on the same prompts and settings"
-$PY eval/bench.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
-$PY eval/economics.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
+$PY eval/bench/live.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")"
+$PY eval/economics/analysis.py --config "$CONFIG" --run-dir "$OUT/test" "${SETS[@]}" --set "eval.checkpoint=$(realpath "$DRAFTER")" \
   --set "bench.calibration=$(realpath "$OUT/calibrate/bench/calibration.json")"

@@ -13,7 +13,7 @@ On SmolLM2-135M-Instruct and the shipped drafter (configs/smollm2-135m.yaml), on
   of each epoch's answer tokens from it), both. λ comes from the plain fine-tune alone (`l2sp_lambda`), the replay
   weight from the store's answer tokens (`replay_weight`); OUT/params.json keeps both. Each arm's export is its
   last step: choosing a step on the held-out sets would tune on them;
-- compare (OUT/<arm>/compare.json): eval/compare.py, the shipped drafter against each arm's export on every
+- compare (OUT/<arm>/compare.json): eval/offline/compare.py, the shipped drafter against each arm's export on every
   held-out set: τ on all tokens and on the loop-free ones, the change and its 90% interval over the conversations;
   then the τ table per set and arm, and each arm against the goal (OUT/table.md, OUT/table.json), printed.
 Every stage resumes: the harvest keeps its shards, a finished fine-tune (its export/) and a measured drafter's walk
@@ -139,10 +139,10 @@ def train(out: Path, arm: str) -> None:
 
 
 def compare_arms(out: Path, arms: tuple[str, ...]) -> dict:
-    """Every arm's export against the shipped drafter on every held-out set (eval/compare.py), the shipped drafter's
+    """Every arm's export against the shipped drafter on every held-out set (eval/offline/compare.py), the shipped drafter's
     walk measured once; each drafter's walk kept in OUT/walks/<label>.json."""
     from eagle3ft.config import load_config
-    from eagle3ft.eval import compare
+    from eagle3ft.eval.offline import compare
 
     cfg = load_config(CONFIG, [sources(1.0), *HARVEST, *TRAIN])
     cache = out / "walks"

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from eagle3ft.config import load_config
-from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target
-from eagle3ft.eval.speculate import SpeculativeDecoder
+from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder
 from eagle3ft.targets.hf import load_target
 
 PROMPT = "Write a short story about a robot learning to paint."

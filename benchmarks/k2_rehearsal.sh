@@ -11,8 +11,8 @@
 #   capture  answers regenerated and captured by the harvest server in one request and in two passes, compared
 #   train    the K2-layout drafter (draft vocab 32,000 of 163,840) from scratch on the SGLang store, then warm-started
 #            from that export (d2t kept, as from AQ-MedAI's), DeepSpeed ZeRO-2 on one GPU; the MLA drafter likewise
-#   serve    plain and EAGLE-3 3/1/4 with each export, eval/bench_sglang.py interleaved per prompt, then the export's
-#            offline tau on its server's own answers (eval/same_prompts.py) beside the server's spec_accept_length
+#   serve    plain and EAGLE-3 3/1/4 with each export, eval/bench/sglang_backend.py interleaved per prompt, then the export's
+#            offline tau on its server's own answers (eval/offline/same_prompts.py) beside the server's spec_accept_length
 # Every step logs its seconds and the GPU's memory (nvidia-smi) to $L/log; a failed step does not stop the later ones
 # that do not need it.
 # Usage, from this machine (device calls back to back: a machine idle for 30 s is given back):
@@ -154,6 +154,9 @@ train() {  # the two scratch runs side by side (one launch's start-up less), the
   mla=$!
   PORT=$port train_one llama "$LLAMA" --set drafter.init=null
   wait "$mla"; cat "$L/train-mla.out"
+  # each scratch checkpoint is ~17 GB (fp32 Adam states at K2 widths): with the target's 11 GB, the third run filled
+  # the H100's 64 GB disk; the exports are all the later steps read
+  rm -rf "$S/llama/ckpt" "$S/mla/ckpt"
   PORT=$port train_one warm "$LLAMA" --set "drafter.init=$(export_of llama)"
 }
 bench_one() {  # bench_one NAME PORT: plain (:30100) against EAGLE-3 3/1/4 with NAME's export on PORT
@@ -161,40 +164,41 @@ bench_one() {  # bench_one NAME PORT: plain (:30100) against EAGLE-3 3/1/4 with 
   ex=$(export_of "$1")
   up "$2" || return 1
   say "bench $1 ($ex on :$2) against plain (:30100)"
-  timeout 600 $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$S/bench-$1" "${K2[@]}" --set bench.launch=false \
-    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[http://127.0.0.1:$2]" \
+  timeout 600 $PY eval/bench/sglang_backend.py --config "$CONFIG" --run-dir "$S/bench-$1" "${K2[@]}" --set bench.sglang.launch=false \
+    --set bench.sglang.baseline_url=http://127.0.0.1:30100 --set "bench.sglang.speculative_urls=[http://127.0.0.1:$2]" \
     --set "drafter.config=$ex/config.json" --set "eval.checkpoint=$ex" --set 'bench.drafters={}' \
-    --set bench.interleave=prompt --set bench.sglang_same_prompts=false > "$L/bench-$1.txt" 2>&1
+    --set bench.interleave=prompt --set bench.sglang.same_prompts=false > "$L/bench-$1.txt" 2>&1
   echo "bench exit $?"; tail -12 "$L/bench-$1.txt"
 }
-offline_one() {  # offline_one NAME: the export's offline tau on its server's own answers (eval/same_prompts.py)
+offline_one() {  # offline_one NAME: the export's offline tau on its server's own answers (eval/offline/same_prompts.py)
   local ex
   ex=$(export_of "$1")
   [[ -d $S/bench-$1 ]] || return 1
   say "offline tau of $1 on its 3/1/4 answers"
-  $PY eval/same_prompts.py --config "$CONFIG" --run-dir "$S/own-$1" "${K2[@]}" --set "drafter.config=$ex/config.json" \
+  $PY eval/offline/same_prompts.py --config "$CONFIG" --run-dir "$S/own-$1" "${K2[@]}" --set "drafter.config=$ex/config.json" \
     --set "eval.checkpoint=$ex" --answers-from "$S/bench-$1" --answers-of 3/1/4 > "$L/own-$1.txt" 2>&1
   echo "offline exit $?"; tail -4 "$L/own-$1.txt"
   mkdir -p "$L/bench-$1"; cp "$S/bench-$1"/bench/{summary.json,runs.jsonl} "$S/own-$1"/eval/accept_len.json "$L/bench-$1/" 2> /dev/null
 }
-serve() {  # the plain server (kept up from serve_harvest, else started) and one 3/1/4 server per export, side by side
-  local name port=30102 started=() pids=()
+serve() {  # the plain server (kept up from serve_harvest, else started), then one 3/1/4 server per export in turn
+  # one at a time: beside the plain one and a first drafter's server, an H100's 80 GB left the second too little
+  # (SGLang 0.5.17 sizes --mem-fraction-static against the memory free before its load, and asked for 0.387)
+  local name pids=() benched=()
   curl -sf http://127.0.0.1:30100/health > /dev/null || server 30100 0.2 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
+  up 30100 || { down; return 1; }
   for name in warm mla; do
     if [[ -f $(export_of $name)/config.json ]]; then
-      server $port 0.25 speculative --drafter "$(export_of $name)" --setting 3/1/4 \
+      server 30102 0.25 speculative --drafter "$(export_of $name)" --setting 3/1/4 \
         --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
-      started+=("$name:$port")
+      bench_one "$name" 30102 && benched+=("$name")
+      down 30102
     else
       echo "$name: no export"
     fi
-    port=$((port + 1))
   done
-  up 30100 || { down; return 1; }
-  for name in "${started[@]}"; do bench_one "${name%%:*}" "${name##*:}"; done
   down
   # not a bare `wait`: this shell's servers are its children too
-  for name in "${started[@]}"; do offline_one "${name%%:*}" > "$L/offline-${name%%:*}.out" & pids+=($!); done
+  for name in "${benched[@]}"; do offline_one "$name" > "$L/offline-$name.out" & pids+=($!); done
   (( ${#pids[@]} )) && wait "${pids[@]}"; cat "$L"/offline-*.out 2> /dev/null
 }
 

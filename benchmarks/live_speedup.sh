@@ -3,7 +3,7 @@
 # (sglang.bench_serving) agree? One `nvidia-h200` lease:
 #   servers  plain (:30100), EAGLE-3 3/1/4 (:30101) and 8/4/32 (:30102) with drafters/smollm2-135m, SGLang 0.5.17
 #   factors  MT-Bench's 8th-10th question per category (24 prompts), 512 new tokens, plain/3-1-4/8-4-32, per prompt a
-#            non-streamed and a streamed request (eval/bench_sglang.py, bench.sglang_requests [whole, stream]): e2e
+#            non-streamed and a streamed request (eval/bench/sglang_backend.py, bench.sglang.requests [whole, stream]): e2e
 #            non-streamed, e2e streamed, decode only; then the cache never flushed; then 256 new tokens
 #   outside  benchmarks/outside_client.py: bench_serving on the same servers and 24 prompts, streamed and not
 #   everyday data/sets/everyday-v1.jsonl (120 held-out prompts), 512 new tokens, non-streamed: the headline
@@ -80,16 +80,16 @@ servers() {
   grep -h '"eos_token_id"\|"bos_token_id"' "$MODEL/config.json" "$MODEL/generation_config.json" 2> /dev/null
   $PY -c "import json; t = json.load(open('$MODEL/tokenizer_config.json')); print('tokenizer eos', t.get('eos_token'), 'bos', t.get('bos_token'))"
 }
-bench() {  # bench NAME SRC SETTINGS [sets...]: eval/bench_sglang.py, plain against the servers of SETTINGS
+bench() {  # bench NAME SRC SETTINGS [sets...]: eval/bench/sglang_backend.py, plain against the servers of SETTINGS
   local urls="" s out=$S/$1
   for s in ${3//,/ }; do case $s in 3/1/4) urls+="${urls:+, }http://127.0.0.1:30101" ;; 8/4/32) urls+="${urls:+, }http://127.0.0.1:30102" ;; esac; done
   say "bench $1: $2, settings $3 ${*:4}"
   local yaml="" st tk nd
   for s in ${3//,/ }; do IFS=/ read -r st tk nd <<< "$s"; yaml+="${yaml:+, }{steps: $st, topk: $tk, num_draft_tokens: $nd}"; done
-  timeout 900 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$out" "${SGL[@]}" --set bench.backend=sglang \
-    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[$urls]" --set "bench.prompts=$2" \
+  timeout 900 $PY eval/bench/sglang_backend.py --config $CONFIG --run-dir "$out" "${SGL[@]}" --set bench.backend=sglang \
+    --set bench.sglang.baseline_url=http://127.0.0.1:30100 --set "bench.sglang.speculative_urls=[$urls]" --set "bench.prompts=$2" \
     --set bench.max_new_tokens=512 --set "bench.repetitions=${REPS:-3}" --set "bench.settings=[$yaml]" \
-    --set 'bench.concurrency=[1]' --set bench.warmup=first --set bench.sglang_same_prompts=false --set 'bench.drafters={}' \
+    --set 'bench.concurrency=[1]' --set bench.warmup=first --set bench.sglang.same_prompts=false --set 'bench.drafters={}' \
     "${@:4}" > "$L/$1.txt" 2>&1
   echo "exit $?"; tail -20 "$L/$1.txt"
   mkdir -p "$L/$1"; cp "$out"/bench/{summary.json,runs.jsonl,sglang_requests.jsonl} "$L/$1/" 2> /dev/null
@@ -372,9 +372,9 @@ plan() {
                  --set "bench.prompts=$MTB" --out "$S/bs-prompts.jsonl"
               paired ;;
       compare) $PY benchmarks/outside_client.py compare "$S/factors/bench/summary.json" "$L/outside/outside.json" | tee "$L/compare.json" ;;
-      everyday) bench everyday "$EVERYDAY" 3/1/4,8/4/32 --set 'bench.sglang_requests=[whole]' ;;
-      nocache) bench nocache "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never ;;
-      pass) bench pass "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.flush_cache=never --set bench.interleave=pass ;;
+      everyday) bench everyday "$EVERYDAY" 3/1/4,8/4/32 --set 'bench.sglang.requests=[whole]' ;;
+      nocache) bench nocache "$MTB" 8/4/32 --set 'bench.sglang.requests=[whole]' --set bench.sglang.flush_cache=never ;;
+      pass) bench pass "$MTB" 8/4/32 --set 'bench.sglang.requests=[whole]' --set bench.sglang.flush_cache=never --set bench.interleave=pass ;;
       datasets) datasets ;;
       alternate) alternate alternate bench_serving,ours,ours-text ;;
       altstream) alternate alternate-stream bench_serving-stream,ours-stream ;;
@@ -382,7 +382,7 @@ plan() {
       ship) ship ;;
       again) again ;;
       grown) grown ;;
-      short) bench short "$MTB" 8/4/32 --set 'bench.sglang_requests=[whole]' --set bench.max_new_tokens=256 ;;
+      short) bench short "$MTB" 8/4/32 --set 'bench.sglang.requests=[whole]' --set bench.max_new_tokens=256 ;;
     esac
   done
   xargs -r kill < "$L/sgl.pids" 2> /dev/null

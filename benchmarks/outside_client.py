@@ -1,5 +1,5 @@
 """Does our live bench agree with SGLang's own client? `sglang.bench_serving` (0.5.17: `sglang.benchmark.serving`)
-against the same servers and prompts as `eval/bench_sglang.py`, batch 1, streamed and not, then the two side by side.
+against the same servers and prompts as `eval/bench/sglang_backend.py`, batch 1, streamed and not, then the two side by side.
 
     python benchmarks/outside_client.py dataset --config CFG [--set k=v ...] --out PROMPTS.jsonl
         the bench prompts (bench.prompts) as bench_serving's custom dataset: each prompt as our bench renders it
@@ -18,7 +18,7 @@ against the same servers and prompts as `eval/bench_sglang.py`, batch 1, streame
         per prompt of bench.prompts and per arm, one non-streamed request from each client, in an order that rotates
         with the prompt, each after a cache flush so that all see the server in one state: `bench_serving` (its own
         request function, async_request_sglang_generate, with the namespace its parser builds from the `run` flags),
-        `ours` (eval/sglang_requests.whole_generate with the bench's payload: input_ids and stop_token_ids) and
+        `ours` (eval/bench/sglang_requests.py's whole_generate with the bench's payload: input_ids and stop_token_ids) and
         `ours-text` (our client with bench_serving's payload: text, no stop ids), so that a gap splits into client
         and payload; `bench_serving-stream` and `ours-stream` (--clients) are the two clients streamed, their time
         to the first token kept apart (ttft_s). DIR/alternate.jsonl (a row per request) and DIR/alternate.json (`summarize`). With `--clients
@@ -46,12 +46,12 @@ def dataset(args) -> None:
     """The prompts as rendered text. Not through bench_serving's --apply-chat-template: its custom dataset then strips
     every bos_token from the rendered text, and SmolLM2's bos_token is <|im_start|>, ChatML's turn marker."""
     from eagle3ft.config import load_config
-    from eagle3ft.eval.harness import load_prompts
+    from eagle3ft.eval.bench.prompts import load_prompts
     from eagle3ft.targets.hf import load_tokenizer
 
     cfg = load_config(args.config, args.set)
-    ours = load_prompts(cfg)
     tok = load_tokenizer(cfg.target)
+    ours = load_prompts(cfg, tok, cfg.bench.prompts)
     texts = [tok.decode(ids) for ids in ours]
     same = sum(tok(t)["input_ids"] == ids for t, ids in zip(texts, ours))  # as the server tokenizes a text prompt
     with open(args.out, "w") as f:
@@ -134,7 +134,7 @@ def _request_bench_serving(state, url: str, text: str, ids: list[int], max_new: 
 
 def _request_ours(eos_ids, url: str, text: str, ids: list[int], max_new: int, timeout_s: float = 600.0) -> dict:
     from eagle3ft.data.loops import loop_mask
-    from eagle3ft.eval.sglang_requests import whole_generate
+    from eagle3ft.eval.bench.sglang_requests import whole_generate
 
     sp = {"max_new_tokens": max_new, "temperature": 0.0, "stop_token_ids": list(eos_ids)}
     meta, out, wall = whole_generate(url, ids, sp, timeout_s)
@@ -144,7 +144,7 @@ def _request_ours(eos_ids, url: str, text: str, ids: list[int], max_new: int, ti
 
 def _request_ours_stream(eos_ids, url: str, text: str, ids: list[int], max_new: int, timeout_s: float = 600.0) -> dict:
     from eagle3ft.data.loops import loop_mask
-    from eagle3ft.eval.sglang_requests import stream_generate
+    from eagle3ft.eval.bench.sglang_requests import stream_generate
 
     sp = {"max_new_tokens": max_new, "temperature": 0.0, "stop_token_ids": list(eos_ids)}
     r = stream_generate(url, ids, sp, timeout_s)
@@ -251,12 +251,12 @@ def prompts(a) -> None:
     """bench.prompts as the alternation sends them: the token ids, their text, and the bench's stop ids."""
     from eagle3ft.config import load_config
     from eagle3ft.data.chat import ChatFormat
-    from eagle3ft.eval.harness import load_prompts
+    from eagle3ft.eval.bench.prompts import load_prompts
     from eagle3ft.targets.hf import load_tokenizer
 
     cfg = load_config(a.config, a.set)
-    ids = load_prompts(cfg)[: a.num_prompts or None]
     tok = load_tokenizer(cfg.target)
+    ids = load_prompts(cfg, tok, cfg.bench.prompts)[: a.num_prompts or None]
     texts = [tok.decode(p) for p in ids]
     if any(tok(t)["input_ids"] != p for t, p in zip(texts, ids)):
         raise SystemExit("outside_client.py: error: a text prompt would tokenize to other ids than the bench sends")

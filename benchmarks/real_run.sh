@@ -33,9 +33,9 @@ run_phase() {
     harvest) say harvest; $PY data/harvest.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;
     train) say train; accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" train/finetune.py \
              --config $CONFIG --run-dir "$RUN" --resume auto "${SETS[@]}" ;;
-    accept) say accept_len; $PY eval/accept_len.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;
-    bench) say bench; $PY eval/bench.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;
-    report) say report; $PY eval/report.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;
+    accept) say accept_len; $PY eval/offline/accept_len.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;
+    bench) say bench; $PY eval/bench/live.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;
+    report) say report; $PY eval/report/build.py --config $CONFIG --run-dir "$RUN" "${SETS[@]}" ;;
     *) echo "unknown phase $1" >&2; exit 2 ;;
   esac
 }

@@ -101,8 +101,8 @@ bench() {
   local BENCH_SRC=${BENCH_MTBENCH:+, path: $BENCH_MTBENCH}
   BENCH_SRC=${BENCH_SRC:-$MTBENCH}
   rm -rf "$OUT/bench"
-  $PY eval/bench_sglang.py --config "$CONFIG" --run-dir "$OUT/bench" "${COMMON[@]}" \
-    --set bench.backend=sglang --set bench.launch=true --set serve.max_servers=0 \
+  $PY eval/bench/sglang_backend.py --config "$CONFIG" --run-dir "$OUT/bench" "${COMMON[@]}" \
+    --set bench.backend=sglang --set bench.sglang.launch=true --set serve.max_servers=0 \
     --set "bench.prompts={kind: mtbench, limit: ${BENCH_PROMPTS:-8}$BENCH_SRC}" \
     --set "bench.max_new_tokens=${BENCH_TOKENS:-256}" --set bench.repetitions=3 --set serve.mem_fraction_static=0.2 \
     --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 2, topk: 1, num_draft_tokens: 3}, {steps: 1, topk: 1, num_draft_tokens: 2}]' \

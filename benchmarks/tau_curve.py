@@ -85,7 +85,7 @@ def run_points(run: Path) -> list[Point]:
     """One point per (set, setting) of RUN/eval/accept_len*.json."""
     files = sorted((run / "eval").glob("accept_len*.json"))
     if not files:
-        raise FileNotFoundError(f"{run}/eval: no accept_len*.json (python eval/accept_len.py --run-dir {run})")
+        raise FileNotFoundError(f"{run}/eval: no accept_len*.json (python eval/offline/accept_len.py --run-dir {run})")
     tokens, epochs = train_answer_tokens(run), trained_epochs(run)
     out = []
     for f in files:

@@ -11,7 +11,7 @@ emit 1, 2, .. steps+1 tokens, of the two walks and the live pass.
     python benchmarks/tau_per_prompt.py --config configs/smollm2-135m.yaml --run RUN --setting 8/4/32 \
         --set eval.checkpoint=DRAFTER --set "bench.prompts={...}" [--set target.path=HF_DIR ...]
 
-RUN holds bench/runs.jsonl and bench/summary.json (eval/bench.py or bench_sglang.py); bench.prompts must be the
+RUN holds bench/runs.jsonl and bench/summary.json (eval/bench/live.py or bench_sglang.py); bench.prompts must be the
 source that run used. Prints one JSON line per prompt, then the totals.
 """
 
@@ -24,9 +24,16 @@ from pathlib import Path
 import torch
 
 from eagle3ft.config import load_config, resolve_path
-from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
-from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target, load_prompts, prompt_sets
-from eagle3ft.eval.same_prompts import bench_answers, features
+from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
+from eagle3ft.eval.bench.prompts import load_prompts, set_labels
+from eagle3ft.eval.offline.acceptance import (
+    SampleInputs,
+    chain_accept_lengths,
+    chain_acceptance,
+    cycle_walk,
+    tree_accept,
+)
+from eagle3ft.eval.offline.same_prompts import bench_answers, features
 from eagle3ft.setting import Setting
 from eagle3ft.targets.hf import load_target
 
@@ -43,7 +50,7 @@ def repeated_share(ids: list[int], n: int = 8) -> float:
 
 @torch.no_grad()
 def walk(drafter, item: dict, st: Setting, device, tree_context: str, roots: str = "every") -> list[int]:
-    """The tokens each cycle of the cycle walk of one answer emits at setting `st` (eval/accept_len.py's walk).
+    """The tokens each cycle of the cycle walk of one answer emits at setting `st` (eval/offline/accept_len.py's walk).
     roots "complete": a tree's walk over the roots with every depth in the data only (the rule up to 62dbbde)."""
     s = SampleInputs.of(item, device)
     if st.topk > 1:
@@ -74,14 +81,15 @@ def main() -> None:
         "--roots",
         choices=("every", "complete"),
         default="every",
-        help="a tree's walk: over every root (eval/accept_len.py), or only the roots with every depth in the data "
+        help="a tree's walk: over every root (eval/offline/accept_len.py), or only the roots with every depth in the data "
         "(its rule up to 62dbbde, RESULTS §21b)",
     )
     args = ap.parse_args()
     cfg = load_config(args.config, args.overrides)
     st = Setting.parse(args.setting)
-    label, src = prompt_sets(cfg)[0]
-    prompts = load_prompts(cfg, src)
+    model, tok = load_target(cfg.target)
+    label, src = set_labels(cfg)[0]
+    prompts = load_prompts(cfg, tok, src)
     plain, _ = bench_answers(args.run, label, len(prompts))
     own, _ = bench_answers(args.run, label, len(prompts), st.key)
     runs = [json.loads(line) for line in (args.run / "bench" / "runs.jsonl").read_text().splitlines() if line.strip()]
@@ -90,7 +98,6 @@ def main() -> None:
         for r in runs
         if r["mode"] == "speculative" and r["setting"] == st.key and r["repetition"] == 0 and r["prompts"] == label
     }
-    model, _ = load_target(cfg.target)
     folder = resolve_path(cfg.eval.checkpoint)
     drafter, aux_ids = drafter_on_target(model, folder, check_drafter_for_run(folder, args.run, "eval.checkpoint"))
     device = next(model.parameters()).device

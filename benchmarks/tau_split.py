@@ -1,7 +1,7 @@
 """Offline τ split by what the drafted tokens are: is a drafter's τ earned on repetition?
 
 A 135M target at T=0 often loops, and a loop is easy to draft. This splits held-out roots two ways and gives the
-chain τ (greedy, as eval/accept_len.py counts it) of each part:
+chain τ (greedy, as eval/offline/accept_len.py counts it) of each part:
   - answer: roots inside an answer cut at `--cut` tokens (at T=0 nearly always a repetition loop) vs the rest;
   - copy: roots whose next token continues an n-gram (`--ngram` tokens ending at the root) seen earlier in the
     same conversation with the same next token (what an n-gram / prompt-lookup drafter gets for free) vs the rest.
@@ -23,8 +23,8 @@ import torch
 from eagle3ft.config import load_config
 from eagle3ft.data.store import FeatureStore
 from eagle3ft.drafter.export import load_drafter
-from eagle3ft.eval.accept_len import ChainCounts
-from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance
+from eagle3ft.eval.offline.accept_len import ChainCounts
+from eagle3ft.eval.offline.acceptance import SampleInputs, chain_acceptance
 from eagle3ft.targets.hf import load_input_embedding
 
 

@@ -11,9 +11,9 @@ baseline, the first repetition, one answer per prompt) and each vocabulary this 
 - ``unreachable``: the share of roots (answer positions after the first token, which comes from the prefill)
   whose next token lies outside it: no drafter with this vocabulary gets past that position at depth 1;
 - ``tau_ceiling_3_1_4``: the chain τ at 3/1/4 if every in-vocabulary token were accepted, computed exactly the way
-  eval/accept_len.py computes the offline chain τ (1 + Σ_k Π_{j≤k} a_j, counts summed over every root), on all
+  eval/offline/accept_len.py computes the offline chain τ (1 + Σ_k Π_{j≤k} a_j, counts summed over every root), on all
   roots and on the roots whose next token is loop-free; ``tau_walk_ceiling``: the same drafter's cycle walk
-  (tokens per verify, loop-free tokens weighted as eval/accept_len.py weights them).
+  (tokens per verify, loop-free tokens weighted as eval/offline/accept_len.py weights them).
 
 Vocabularies: the drafter's own, and ones of other sizes built the way data/ builds one (build_vocab: the most
 frequent loss-masked target tokens) from ``--counts``: a feature store's token_counts.safetensors of regenerated
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from eagle3ft.data.loops import loop_mask  # noqa: E402
 from eagle3ft.drafter.vocab import build_vocab, vocab_from_drafter  # noqa: E402
-from eagle3ft.eval.accept_len import ChainCounts  # noqa: E402
+from eagle3ft.eval.offline.accept_len import ChainCounts  # noqa: E402
 
 STEPS = 3  # 3/1/4: three draft steps, a chain
 LIMIT_BYTES = 20_000_000  # the shipped drafter folder's limit (issue 38: "its 20 MB limit stays")

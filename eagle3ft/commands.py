@@ -17,11 +17,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regen": ("eagle3ft.data.regen:main", "the target answers every prompt -> the token store RUN/tokens"),
     "harvest": ("eagle3ft.data.harvest:main", "prompts -> the target's features -> RUN/features, RUN/vocab"),
     "train": ("eagle3ft.train.launcher:main", "accelerate launch of train/finetune.py -> RUN/ckpt, RUN/export"),
-    "eval": ("eagle3ft.eval.accept_len:main", "offline accept length on held-out features -> RUN/eval"),
-    "bench": ("eagle3ft.eval.bench:main", "live baseline vs speculation, interleaved -> RUN/bench"),
-    "economics": ("eagle3ft.eval.economics:main", "break-even accept length and predicted tok/s"),
-    "report": ("eagle3ft.eval.report:main", "offline and live results joined -> RUN/report.md"),
-    "compare": ("eagle3ft.eval.compare:main", "two drafters' τ per held-out set, and a verdict"),
+    "eval": ("eagle3ft.eval.offline.accept_len:main", "offline accept length on held-out features -> RUN/eval"),
+    "bench": ("eagle3ft.eval.bench.live:main", "live baseline vs speculation, interleaved -> RUN/bench"),
+    "economics": ("eagle3ft.eval.economics.analysis:main", "break-even accept length and predicted tok/s"),
+    "report": ("eagle3ft.eval.report.build:main", "offline and live results joined -> RUN/report.md"),
+    "compare": ("eagle3ft.eval.offline.compare:main", "two drafters' τ per held-out set, and a verdict"),
 }
 
 

@@ -223,7 +223,7 @@ class HarvestConfig:
 
 @dataclass
 class EvalConfig:
-    """eval/accept_len.py: offline accept length on held-out features."""
+    """eval/offline/accept_len.py: offline accept length on held-out features."""
 
     checkpoint: str = "export"  # relative to the run folder, or absolute
     steps: int = 3  # chain depth K
@@ -231,7 +231,7 @@ class EvalConfig:
     num_draft_tokens: int = 4  # SGLang's --speculative-num-draft-tokens
     max_samples: int | None = None
     temperature: float = 0.0  # 0 = greedy acceptance; >0 = sampled (min(1, p/q))
-    # a tree's draft context (eval/acceptance.py's tree_accept): "slots" as SGLang drafts (each of the topk frontier
+    # a tree's draft context (eval/offline/acceptance.py's tree_accept): "slots" as SGLang drafts (each of the topk frontier
     # slots attends to its own earlier nodes), "ancestors" the exact tree (each node attends to its ancestors)
     tree_context: Literal["slots", "ancestors"] = "slots"
 
@@ -241,58 +241,77 @@ class EvalConfig:
 
 
 @dataclass
+class EmbeddedBenchConfig:
+    """bench.embedded: the embedded backend (eval/bench/embedded_backend.py), a transformers target in the process."""
+
+    threads: int | None = None  # torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
+    # the target's attention, "sdpa" (transformers') or "chain" (eval/decode/chain_attention.py: batch 1, no mask
+    # tensors, so a verify makes ~550-900 fewer aten ops; on the H200 a 6-token verify then took 22.1 ms against a
+    # 21.6 ms plain step)
+    attention: Literal["sdpa", "chain"] = "sdpa"
+    # how a cycle drafts, "graph" (eval/decode/draft_graph.py: the chain on the device with no host round trip, one
+    # CUDA graph replay on a GPU; greedy only), "eager" (a drafter forward at a time), "auto" (graph when greedy)
+    drafting: Literal["auto", "graph", "eager"] = "auto"
+    # drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); its capture
+    # passed tests/test_gpu.py on the H200, its speed is not measured yet
+    draft_graph_extend: bool = False
+
+    def __post_init__(self) -> None:
+        positive(self, "threads")
+
+
+@dataclass
+class SGLangBenchConfig:
+    """bench.sglang: the sglang backend (eval/bench/sglang_backend.py), live SGLang servers."""
+
+    # offline tau on the plain server's own answers, their features from a copy of the target loaded in the bench
+    # process (transformers, target.device) after the timed passes: only for a target that fits there
+    same_prompts: bool = False
+    # per prompt and arm in this order: "whole" (non-streamed, timed by wall with the prefill, as a user's client sees
+    # it: the e2e headline) and "stream" (streamed: the decode alone, and the spans for the loop split)
+    requests: list[Literal["whole", "stream"]] = field(default_factory=lambda: ["whole", "stream"])
+    flush_cache: Literal["pass", "never"] = "pass"  # /flush_cache before each pass of an arm, or never
+    baseline_url: str | None = None  # an already-running plain server
+    speculative_url: str | None = None  # an already-running EAGLE3 server
+    speculative_urls: list[str] = field(default_factory=list)  # more of them; a setting runs where it is served
+    launch: bool = False  # start/stop the servers with launch/ recipes (from `serve`)
+
+
+@dataclass
 class BenchConfig:
-    """eval/bench.py: live baseline vs speculation, interleaved repetitions."""
+    """eval/bench/live.py: live baseline vs speculation, interleaved repetitions; each backend's own fields in
+    bench.embedded and bench.sglang."""
 
     backend: Literal["embedded", "sglang"] = "embedded"
     prompts: SourceConfig = field(default_factory=lambda: SourceConfig(kind="mtbench", limit=8))
     max_new_tokens: int = 128
     repetitions: int = 3
     # untimed, before the repetitions: "all" runs every prompt once per arm (a whole pass), "first" only the first
-    # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm (RESULTS §17b), after "all"
-    # it did not (one lease, §18a)
+    # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm, after "all" it did not
     warmup: Literal["all", "first"] = "all"
     # "prompt": per repetition, each prompt goes through plain and then every setting before the next prompt, so the
-    # arms of a prompt run seconds apart and share the host's speed of the moment (on the H200 it changes 1.5-2x for
-    # seconds at a time, RESULTS §19); "pass": the plain pass over all prompts, then one pass per setting
+    # arms of a prompt run seconds apart and share the host's speed of the moment (on the H200 it changed 1.5-2x for
+    # seconds at a time); "pass": the plain pass over all prompts, then one pass per setting
     interleave: Literal["prompt", "pass"] = "prompt"
     temperature: float = 0.0
     concurrency: list[int] = field(default_factory=lambda: [1])
     settings: list[Setting] = field(default_factory=lambda: [Setting()])
-    threads: int | None = None  # embedded: torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
-    # embedded: the target's attention, "sdpa" (transformers') or "chain" (eval/chain_attention.py: batch 1, no mask
-    # tensors, so a verify makes ~550-900 fewer aten ops; on the H200 a verify then costs a plain step, RESULTS §18a)
-    attention: Literal["sdpa", "chain"] = "sdpa"
-    # embedded: how a cycle drafts, "graph" (eval/draft_graph.py: the chain on the device with no host round trip, one
-    # CUDA graph replay on a GPU; greedy only), "eager" (a drafter forward at a time), "auto" (graph when greedy)
-    drafting: Literal["auto", "graph", "eager"] = "auto"
-    # embedded, drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); its
-    # capture passed tests/test_gpu.py on the H200 (RESULTS §19), its speed is not measured yet
-    draft_graph_extend: bool = False
-    # sglang: offline tau on the plain server's own answers, their features from a copy of the target loaded in the
-    # bench process (transformers, target.device) after the timed passes: only for a target that fits there
-    sglang_same_prompts: bool = False
-    # sglang, per prompt and arm in this order: "whole" (non-streamed, timed by wall with the prefill, as a user's
-    # client sees it: the e2e headline) and "stream" (streamed: the decode alone, and the spans for the loop split)
-    sglang_requests: list[Literal["whole", "stream"]] = field(default_factory=lambda: ["whole", "stream"])
-    flush_cache: Literal["pass", "never"] = "pass"  # sglang: /flush_cache before each pass of an arm, or never
-    baseline_url: str | None = None  # sglang: an already-running plain server
-    speculative_url: str | None = None  # sglang: an already-running EAGLE3 server
-    speculative_urls: list[str] = field(default_factory=list)  # sglang: more of them; a setting runs where it is served
-    launch: bool = False  # sglang: start/stop the servers with launch/ recipes
     calibration: str | None = (
         None  # another run's bench/calibration.json: predict this run's tok/s from its offline tau
     )
     # earlier runs' calibration.json files: each setting's cycle in plain steps pooled with bench.calibration's,
-    # priced at bench.calibration's plain step (eval/calibration.py)
+    # priced at bench.calibration's plain step (eval/economics/calibration.py)
     calibration_pool: list[str] = field(default_factory=list)
-    # embedded: more drafters in the same interleaved run, label -> folder (repo-relative); summary.json's prompt_sets
+    # more drafters in the same interleaved run, label -> folder (repo-relative; the embedded backend only);
+    # summary.json's prompt_sets
     drafters: dict[str, str] = field(default_factory=dict)
     # more prompt sets in the same interleaved run (bench.prompts stays the summary's top level); labelled by kind
     more_prompts: list[SourceConfig] = field(default_factory=list)
+    embedded: EmbeddedBenchConfig = field(default_factory=EmbeddedBenchConfig)
+    sglang: SGLangBenchConfig = field(default_factory=SGLangBenchConfig)
 
     def __post_init__(self) -> None:
-        positive(self, "max_new_tokens", "repetitions", "concurrency", "threads")
+        positive(self, "max_new_tokens", "repetitions", "concurrency")
         non_negative(self, "temperature")
 
 
@@ -326,7 +345,7 @@ class ServeConfig:
     )  # logprobs before temperature, as the store wants
     log_dir: str | None = None  # server logs; default <run-dir>/serve
     stop_grace_s: float = 30.0  # SIGTERM, then SIGKILL after this long
-    max_servers: int = 0  # bench.launch: servers up at once (0 = all; 1 when one server fills the node)
+    max_servers: int = 0  # bench.sglang.launch: servers up at once (0 = all; 1 when one server fills the node)
 
     def __post_init__(self) -> None:
         positive(self, "tp", "port", "mem_fraction_static", "startup_timeout_s")

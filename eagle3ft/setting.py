@@ -1,6 +1,6 @@
 """One speculation setting: SGLang's --speculative-num-steps / -eagle-topk / -num-draft-tokens.
 
-The config's `bench.settings` and `serve.harvest_setting` hold it, the cost model prices it (eval/costs.py), and
+The config's `bench.settings` and `serve.harvest_setting` hold it, the cost model prices it (eval/economics/cost_model.py), and
 its `key` ("3/1/4") names it in every file the bench and the economics write.
 """
 

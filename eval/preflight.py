@@ -6,7 +6,7 @@ is loaded. What each stage needs:
 
     eval       the drafter (eval.checkpoint, default RUN/export) and RUN/features
     bench      the drafter, unless SGLang servers already running serve it (bench.backend sglang
-               without bench.launch); the bench.calibration (and calibration_pool) files when set
+               without bench.sglang.launch); the bench.calibration (and calibration_pool) files when set
     economics  RUN/bench/summary.json, or with bench.calibration (a file) RUN/eval/accept_len.json
     report     something to report: train/metrics.jsonl, eval/accept_len.json or bench/summary.json
 
@@ -80,22 +80,24 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
     for key, path in calibrations:
         if stage in ("bench", "economics") and not resolve_path(path).is_file():
             return (
-                f"no calibration file {resolve_path(path)} ({key}): every eval/bench.py run writes "
+                f"no calibration file {resolve_path(path)} ({key}): every eval/bench/live.py run writes "
                 "RUN/bench/calibration.json"
             )
     if stage == "bench":  # running SGLang servers given by URL hold their drafter: nothing to check here
-        return None if cfg.bench.backend == "sglang" and not cfg.bench.launch else drafter()
+        return None if cfg.bench.backend == "sglang" and not cfg.bench.sglang.launch else drafter()
     if stage == "economics":
         if summary.is_file() or (cfg.bench.calibration and offline.is_file()):
             return None
-        need, script = (offline, "eval/accept_len.py") if cfg.bench.calibration else (summary, "eval/bench.py")
+        need, script = (
+            (offline, "eval/offline/accept_len.py") if cfg.bench.calibration else (summary, "eval/bench/live.py")
+        )
         return drafter() or f"no {need}: run {stage_command(script, config, run_dir)}"
     if metrics.is_file() or offline.is_file() or summary.is_file():
         return None
     return (
         drafter()
         or f"nothing to report in {run_dir} (no {offline}, no {summary}): run "
-        f"{stage_command('eval/accept_len.py', config, run_dir)}"
+        f"{stage_command('eval/offline/accept_len.py', config, run_dir)}"
     )
 
 

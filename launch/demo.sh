@@ -79,7 +79,7 @@ if newer "$RUN/bench/summary.json" "$RUN/export/model.safetensors" && newer "$RU
   && newer "$RUN/demo/offline-export.json" "$RUN/export/model.safetensors"; then
   echo "up to date: $RUN/bench/summary.json, $RUN/demo/offline-*.json"
 else
-  python eval/demo_summary.py measure --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
+  python eval/report/demo_summary.py measure --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
 fi
 
 stage "report (the fine-tuned drafter alone: $RUN/eval/report.md)"
@@ -87,7 +87,7 @@ eagle3ft report --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}" >/dev/null
 echo "wrote $RUN/eval/report.md"
 
 stage "headline ($RUN/demo/summary.md)"
-python eval/demo_summary.py headline --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
+python eval/report/demo_summary.py headline --config "$CONFIG" --run-dir "$RUN" "${SETS[@]}"
 
 stage "verdict: the shipped drafter against the fine-tuned one on every held-out set ($RUN/eval/compare.json)"
 eagle3ft compare --config "$CONFIG" --run-dir "$RUN" --before "$SHIPPED" "${SETS[@]}"

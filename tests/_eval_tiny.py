@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.model import DraftCache, Eagle3Drafter
-from eagle3ft.eval.speculate import aux_from_hidden_states, greedy_decode
+from eagle3ft.eval.decode.speculate import aux_from_hidden_states, greedy_decode
 
 VOCAB, DRAFT_VOCAB, AUX = 320, 160, [0, 1, 2]
 
@@ -117,11 +117,12 @@ def tiny_pair() -> tuple[LlamaForCausalLM, Eagle3Drafter]:
 
 
 def tiny_config_bench(tmp_path: Path, label: str, sets: list[str]) -> tuple[dict, list[dict]]:
-    """eval/bench.py's harness on configs/tiny.yaml with `sets`, in the run folder tmp_path/label, whose export is a
+    """eval/bench/schedule.py's runs on configs/tiny.yaml with `sets`, in the run folder tmp_path/label, whose export is a
     random tiny drafter (d2t 0: draft id i is target id i) made once in tmp_path/export: (summary, runs.jsonl rows)."""
     from eagle3ft.config import load_config
     from eagle3ft.drafter.export import export_drafter
-    from eagle3ft.eval import bench, harness
+    from eagle3ft.eval.bench import live, schedule
+    from eagle3ft.eval.bench.prompts import load_prompt_sets
 
     if not (tmp_path / "export").exists():
         torch.manual_seed(0)
@@ -132,5 +133,6 @@ def tiny_config_bench(tmp_path: Path, label: str, sets: list[str]) -> tuple[dict
     run.mkdir()
     (run / "export").symlink_to(tmp_path / "export")
     cfg = load_config("configs/tiny.yaml", sets)
-    summary = harness.run(cfg, run, bench.make_backend(cfg, run), log=lambda *a: None)
+    backend = live.make_backend(cfg, run)
+    summary = schedule.run(cfg, run, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *a: None)
     return summary, [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]

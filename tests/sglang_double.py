@@ -3,7 +3,7 @@
 SGLang cannot serve on CPU, so the client and the bench are tested against this:
 a loopback HTTP server that answers the endpoints they call with the JSON shapes
 SGLang returns, computed with a transformers model (and, for an EAGLE3 server,
-the embedded speculative decoder of eval/speculate.py). The shapes mirror
+the embedded speculative decoder of eval/decode/speculate.py). The shapes mirror
 /work/shared/sglang-h200/README.md (measured on SGLang 0.5.17) and SGLang's
 sources (http_server.py, tokenizer_manager.py, scheduler output processing). The model side is
 tests/sglang_double_engine.py; this file is the HTTP side and the command line:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from eagle3ft.eval.speculate import aux_from_hidden_states
+from eagle3ft.eval.decode.speculate import aux_from_hidden_states
 
 
 def _bf16_rows(x: torch.Tensor) -> list:
@@ -68,7 +68,7 @@ class DoubleEngine:
         return self.drafter is not None
 
     def _generate(self, ids: list[int], sp: dict):
-        from eagle3ft.eval.bench_embedded import TimedPlainDecoder, TimedSpeculativeDecoder
+        from eagle3ft.eval.bench.embedded_backend import TimedPlainDecoder, TimedSpeculativeDecoder
 
         max_new = int(sp.get("max_new_tokens", 128))
         temperature = float(sp.get("temperature", 1.0))

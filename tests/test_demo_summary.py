@@ -12,8 +12,8 @@ from eagle3ft.data.store import FeatureStore
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter, load_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
-from eagle3ft.eval import demo_summary
-from eagle3ft.eval.accept_len import evaluate
+from eagle3ft.eval.offline.accept_len import evaluate
+from eagle3ft.eval.report import demo_summary
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"
 

@@ -57,17 +57,17 @@ def test_pipeline_end_to_end(tmp_path):
     assert steps == list(range(1, 9))
     assert (run / "export" / "model.safetensors").is_file()
 
-    out = _run([sys.executable, "eval/accept_len.py"], run)
+    out = _run([sys.executable, "eval/offline/accept_len.py"], run)
     acc = json.loads((run / "eval" / "accept_len.json").read_text())
     assert "tau =" in out and acc["roots"] > 0 and 1.0 <= acc["headline_tau"] <= acc["steps"] + 1
 
-    _run([sys.executable, "eval/bench.py", *BENCH], run)
+    _run([sys.executable, "eval/bench/live.py", *BENCH], run)
     summary = json.loads((run / "bench" / "summary.json").read_text())
     rows = (run / "bench" / "runs.jsonl").read_text().splitlines()
     assert len(rows) == 3 * 2 * summary["prompts"]["count"]
     assert summary["speculative"][0]["outputs_match_baseline"] == 1.0
 
-    out = _run([sys.executable, "eval/report.py"], run)
+    out = _run([sys.executable, "eval/report/build.py"], run)
     rep = json.loads((run / "eval" / "report.json").read_text())
     h = rep["headline"]
     assert h["tau_offline"] == acc["headline_tau"] and h["tau_live"] == summary["speculative"][0]["tau"]

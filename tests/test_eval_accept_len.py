@@ -5,9 +5,15 @@ import torch
 from _eval_tiny import AUX, greedy_items, prompts, tiny_pair
 
 from eagle3ft.drafter.model import DraftCache
-from eagle3ft.eval.accept_len import ChainCounts, evaluate, walk_interval
-from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk, tree_accept
-from eagle3ft.eval.speculate import SpeculativeDecoder
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder
+from eagle3ft.eval.offline.accept_len import ChainCounts, evaluate, walk_interval
+from eagle3ft.eval.offline.acceptance import (
+    SampleInputs,
+    chain_accept_lengths,
+    chain_acceptance,
+    cycle_walk,
+    tree_accept,
+)
 
 STEPS = 3
 
@@ -210,7 +216,7 @@ def test_slot_tree_equals_sglang_slots_one_at_a_time(setup):
 def test_tree_context_is_what_each_frontier_node_attends_to(setup, monkeypatch, context):
     """Each drafter forward of a frontier: "slots" attends to the entries its slot held at the earlier depths,
     "ancestors" to its parent's; the two differ where a frontier slot's node hangs from another slot's node."""
-    from eagle3ft.eval import acceptance
+    from eagle3ft.eval.offline import acceptance
 
     _, drafter, heldout = setup
     calls = []

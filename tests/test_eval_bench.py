@@ -9,7 +9,12 @@ from eagle3ft.config import load_config
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
-from eagle3ft.eval import bench, harness, report
+from eagle3ft.eval.bench import live, schedule
+from eagle3ft.eval.bench.backend import BenchBackend
+from eagle3ft.eval.bench.format import format_summary
+from eagle3ft.eval.bench.prompts import load_prompt_sets
+from eagle3ft.eval.bench.summary import summarize
+from eagle3ft.eval.report.build import build as build_report
 from eagle3ft.setting import Setting
 
 
@@ -31,14 +36,14 @@ def bench_run(tmp_path_factory):
             "bench.settings=[{steps: 1, topk: 1, num_draft_tokens: 2}, {steps: 3, topk: 1, num_draft_tokens: 4}]",
         ],
     )
-    backend = bench.make_backend(cfg, run)
-    summary = harness.run(cfg, run, backend, log=lambda *a: None)
+    backend = live.make_backend(cfg, run)
+    summary = schedule.run(cfg, run, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *a: None)
     return run, cfg, backend, summary
 
 
 def test_runs_are_interleaved_and_complete(bench_run):
     run, _, backend, _ = bench_run
-    assert isinstance(backend, harness.BenchBackend)
+    assert isinstance(backend, BenchBackend)
     rows = [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 3 * 2  # repetitions x (baseline + 2 settings) x prompts
     order = [(r["repetition"], r["mode"], r["setting"]) for r in rows[::2]]
@@ -98,7 +103,7 @@ def test_summarize_without_verify_curve_uses_cycles():
         row(1, "baseline", None, 2.0, None),
         row(1, "speculative", "3/1/4", 0.4, [2, 3, 2, 3]),
     ]
-    s = harness.summarize(runs, [Setting(3, 1, 4)], None)
+    s = summarize(runs, [Setting(3, 1, 4)], None)
     assert s["baseline"]["tok_s"]["per_repetition"] == [10.0, 5.0]
     assert s["costs"]["baseline_s_per_token"] == pytest.approx(0.15)  # median of 0.1 and 0.2
     sp = s["speculative"][0]
@@ -108,7 +113,7 @@ def test_summarize_without_verify_curve_uses_cycles():
 
 def test_report_joins_everything(bench_run):
     run, _, _, _ = bench_run
-    rep = report.build(run)
+    rep = build_report(run)
     assert set(rep["plots"]) == {"tau_offline_vs_live", "tok_s_vs_draft_tokens"}
     for name in rep["plots"].values():
         assert (run / "eval" / name).stat().st_size > 10_000
@@ -145,12 +150,12 @@ def test_costs_are_medians_so_a_slow_pass_does_not_move_them():
     timed += [row(0, "speculative", st.key, 0.8, cycle=0.05, verifies=16)] + [
         row(r, "speculative", st.key, 0.16, cycle=0.01, verifies=16) for r in (1, 2)
     ]
-    s = harness.summarize(timed, [st], None)
+    s = summarize(timed, [st], None)
     assert s["speculative"][0]["cycle_s"] == pytest.approx(0.01) and s["costs"]["verify_s"]["4"] == pytest.approx(0.008)
     whole_cycle = [
         {**r, "verify_s": None, "draft_forward_s": None, "cycle_s": None} for r in timed
     ]  # what SGLang gives
-    s = harness.summarize(whole_cycle, [st], None)
+    s = summarize(whole_cycle, [st], None)
     assert s["speculative"][0]["cycle_s"] == pytest.approx(0.16 / 16) and s["costs"]["verify_s"]["4"] == pytest.approx(
         0.01
     )
@@ -174,7 +179,8 @@ def test_several_drafters_and_prompt_sets_in_one_interleaved_run(tmp_path):
             "bench.repetitions=2",
         ],
     )
-    s = harness.run(cfg, tmp_path, bench.make_backend(cfg, tmp_path), log=lambda *a: None)
+    backend = live.make_backend(cfg, tmp_path)
+    s = schedule.run(cfg, tmp_path, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *a: None)
     rows = [json.loads(x) for x in (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()]
     sets = ["mtbench", "humaneval", "mtbench-2"]
     assert [(r["repetition"], r["prompts"], r["drafter"]) for r in rows] == [
@@ -189,10 +195,10 @@ def test_several_drafters_and_prompt_sets_in_one_interleaved_run(tmp_path):
         assert p["drafters"]["other"]["checkpoint"] == str(tmp_path / "other")
         for d in p["drafters"].values():
             assert d["speculative"][0]["outputs_match_baseline"] == 1.0 and d["offline_same_prompts"]["samples"] == 1
-    assert "drafter other" in harness.format_summary(s)
+    assert "drafter other" in format_summary(s)
 
 
 def test_sglang_backend_refuses_more_drafters(tmp_path):
     cfg = load_config("configs/tiny.yaml", ["bench.backend=sglang", f"bench.drafters={{other: '{tmp_path}'}}"])
     with pytest.raises(ValueError, match="benches one drafter"):
-        bench.make_backend(cfg, tmp_path)
+        live.make_backend(cfg, tmp_path)

@@ -1,4 +1,4 @@
-"""bench.attention: chain (eval/chain_attention.py): the same logits as transformers' sdpa for every forward the
+"""bench.embedded.attention: chain (eval/decode/chain_attention.py): the same logits as transformers' sdpa for every forward the
 embedded decoders make, the same greedy speculative output, and fewer aten ops per verify."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from _eval_tiny import AUX, prompts, tiny_config_bench, tiny_pair
 from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
-from eagle3ft.eval import chain_attention
-from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+from eagle3ft.eval.decode import chain_attention
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode
 
 
 def _forwards(model, prompt, steps):
@@ -63,12 +63,12 @@ def test_chain_attention_refuses_batches_and_unknown_names():
     chain_attention.use(chained, "chain")
     with pytest.raises(ValueError, match="one sequence at a time"):
         chained(input_ids=torch.zeros(2, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="bench.attention 'flash'"):
+    with pytest.raises(ValueError, match="bench.embedded.attention 'flash'"):
         chain_attention.use(target, "flash")
 
 
 def test_the_embedded_bench_with_chain_attention_decodes_what_sdpa_decodes(tmp_path):
-    """bench.attention chain through the embedded backend of eval/bench.py on the tiny config: the same output ids
+    """bench.embedded.attention chain through the embedded backend of eval/bench/live.py on the tiny config: the same output ids
     per prompt and pass as with sdpa, and the summary names the attention."""
     outputs = {}
     for attention in ("sdpa", "chain"):
@@ -76,7 +76,7 @@ def test_the_embedded_bench_with_chain_attention_decodes_what_sdpa_decodes(tmp_p
             "bench.prompts.limit=2",
             "bench.max_new_tokens=6",
             "bench.repetitions=1",
-            f"bench.attention={attention}",
+            f"bench.embedded.attention={attention}",
         ]
         summary, rows = tiny_config_bench(tmp_path, attention, sets)
         assert summary["environment"]["attention"] == {"sdpa": "sdpa", "chain": chain_attention.NAME}[attention]

@@ -11,7 +11,7 @@ from eagle3ft.data.store import FeatureWriter, Sample
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
-from eagle3ft.eval import compare
+from eagle3ft.eval.offline import compare
 
 TINY = REPO / "configs" / "tiny.yaml"
 X, Y, W = 5, 7, 9  # the answers' tokens: the code set's, the chat set's, the other set's

@@ -1,4 +1,4 @@
-"""bench.drafting graph (eval/draft_graph.py): the draft chain on the device over a static cache drafts what the
+"""bench.embedded.drafting graph (eval/decode/draft_graph.py): the draft chain on the device over a static cache drafts what the
 eager chain drafts, cycle by cycle, through the decoder and the real bench; its cache grows for longer requests;
 bad settings are refused. The CUDA capture itself: tests/test_gpu.py."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from _eval_tiny import AUX, prompts, tiny_config_bench, tiny_pair
 
-from eagle3ft.drafter.model import DraftCache, StaticDraftCache
-from eagle3ft.eval.bench_embedded import drafting_for
-from eagle3ft.eval.draft_graph import DraftGraph, chain_drafts
-from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+from eagle3ft.drafter.model import DraftCache
+from eagle3ft.eval.bench.embedded_backend import drafting_for
+from eagle3ft.eval.decode.draft_graph import DraftGraph, chain_drafts
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode
 
 
 class Recording(SpeculativeDecoder):
@@ -48,7 +48,7 @@ def test_chain_drafts_writes_its_rows_and_reads_only_the_rows_so_far():
     cfg, H = drafter.config, drafter.config.hidden_size
     g = torch.Generator().manual_seed(3)
     ids, hid = torch.randint(0, cfg.vocab_size, (1, 9), generator=g), torch.randn(1, 9, H, generator=g).double()
-    static = StaticDraftCache(cfg, 32, torch.device("cpu"), torch.float64)
+    static = DraftCache.static(cfg, 32, torch.device("cpu"), torch.float64)
     static.k.normal_(generator=g)
     static.v.normal_(generator=g)  # stale rows: the mask must hide them
     eager = DraftCache()
@@ -126,12 +126,12 @@ def test_the_graph_grows_for_a_longer_request_and_refuses_sampling():
 
 
 def test_the_embedded_bench_drafts_the_same_with_the_graphed_chain(tmp_path):
-    """bench.drafting graph and eager through eval/bench.py's embedded backend on the tiny config: the same output
+    """bench.embedded.drafting graph and eager through eval/bench/live.py's embedded backend on the tiny config: the same output
     ids and accept lengths per prompt and pass, the environment names the drafting, every forward is timed."""
     outputs = {}
     for label, drafting, extend in (("eager", "eager", False), ("graph", "graph", False), ("extend", "graph", True)):
-        sets = ["bench.prompts.limit=2", "bench.max_new_tokens=6", "bench.repetitions=2", f"bench.drafting={drafting}",
-                f"bench.draft_graph_extend={extend}", "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"]  # fmt: skip
+        sets = ["bench.prompts.limit=2", "bench.max_new_tokens=6", "bench.repetitions=2", f"bench.embedded.drafting={drafting}",
+                f"bench.embedded.draft_graph_extend={extend}", "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]"]  # fmt: skip
         summary, rows = tiny_config_bench(tmp_path, label, sets)
         assert summary["environment"]["drafting"] == drafting
         assert summary["environment"]["draft_graph_extend"] is extend

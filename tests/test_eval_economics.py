@@ -5,8 +5,8 @@ import json
 import pytest
 
 from eagle3ft.config import load_config
-from eagle3ft.eval import report
-from eagle3ft.eval.calibration import (
+from eagle3ft.eval.economics.analysis import analyse, format_table, main, read_offline_tau
+from eagle3ft.eval.economics.calibration import (
     CalibrationError,
     calibration_from_summary,
     format_prediction,
@@ -15,8 +15,8 @@ from eagle3ft.eval.calibration import (
     load_calibration,
     predict,
 )
-from eagle3ft.eval.costs import CostModel, max_tau, reach, reach_text
-from eagle3ft.eval.economics import analyse, format_table, main, read_offline_tau
+from eagle3ft.eval.economics.cost_model import CostModel, max_tau, reach, reach_text
+from eagle3ft.eval.report import build
 from eagle3ft.setting import Setting
 
 S324 = Setting(steps=2, topk=1, num_draft_tokens=3)
@@ -218,7 +218,7 @@ def test_the_prediction_prices_the_offline_taus_interval_and_says_whether_the_me
     assert "tau offline 3.00 (2.70-3.30) x cycle 20.00 ms (measured) -> 150.0 tok/s (135.0-165.0)" in text
     assert "inside the range" in text and "outside the range" in text
     assert predict(cal, {"3/1/4": 3.0})["rows"][0]["predicted_tok_s_interval"] is None  # no interval, no range
-    # economics.py reads the intervals from RUN/eval/accept_len.json, beside the walk
+    # eval/economics/analysis.py reads the intervals from RUN/eval/accept_len.json, beside the walk
     acc = tmp_path / "accept_len.json"
     acc.write_text(json.dumps({"settings": {"3/1/4": {"tau": 3.4, "tau_walk": 3.0, "tau_walk_interval": [2.7, 3.3]}}}))
     assert read_offline_tau(acc)[2] == {"3/1/4": [2.7, 3.3]}
@@ -340,7 +340,7 @@ def test_a_pool_averages_each_settings_cycle_in_plain_steps_by_prompts_and_price
     alone = from_config(load_config("configs/tiny.yaml", [f"bench.calibration={latest}"]))
     assert alone["settings"]["3/1/4"]["cycle_s"] == 0.028 and "pool" not in alone
 
-    # through economics.py: the prediction says which runs it pooled
+    # through eval/economics/analysis.py: the prediction says which runs it pooled
     run_b = tmp_path / "b"
     (run_b / "eval").mkdir(parents=True)
     (run_b / "eval" / "accept_len.json").write_text(json.dumps({"settings": {"3/1/4": {"tau": 3.0}}}))
@@ -379,8 +379,8 @@ def test_a_pool_of_another_backend_target_or_answer_length_is_refused_by_name(tm
         main([*args, "--set", f"bench.calibration_pool=[{sgl}]"])
     assert "backend 'sglang'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:  # the report reads the same pool, and says so in one line
-        report.main([*args, "--set", f"bench.calibration_pool=[{sgl}]"])
-    assert stop.value.code == 1 and "report.py: error: " in capsys.readouterr().err
+        build.main([*args, "--set", f"bench.calibration_pool=[{sgl}]"])
+    assert stop.value.code == 1 and "build.py: error: " in capsys.readouterr().err
 
 
 def test_a_pooled_run_whose_servers_ran_other_args_is_named_in_the_predictions_warnings(tmp_path):

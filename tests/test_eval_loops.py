@@ -1,10 +1,10 @@
-"""The repetition-loop definition (eval/loops.py) and the live split built on it (eval/live_splits.py), on hand-made
+"""The repetition-loop definition (data/loops.py) and the live split built on it (eval/bench/live_splits.py), on hand-made
 answers whose loops are known."""
 
 import pytest
 
-from eagle3ft.eval.live_splits import arm_figures, cut_at, spans_of
-from eagle3ft.eval.loops import MIN_RUN, NGRAM, loop_mask, repeated, split_spans
+from eagle3ft.data.loops import MIN_RUN, NGRAM, loop_mask, repeated
+from eagle3ft.eval.bench.live_splits import arm_figures, cut_at, spans_of, split_spans
 
 
 def _answer() -> tuple[list[int], int, int]:
@@ -114,7 +114,7 @@ def test_finished_and_e2e_figures_pair_prompts_and_repetitions():
 
 
 def test_non_streamed_console_line_counts_looping_answers_and_gives_the_no_loop_figure():
-    from eagle3ft.eval.bench_format import _format_figures
+    from eagle3ft.eval.bench.format import _format_figures
 
     loop = [1, 2, 3, 4] * 8  # loops from its 9th token on
     rows = [
@@ -134,7 +134,7 @@ def test_non_streamed_console_line_counts_looping_answers_and_gives_the_no_loop_
 def test_offline_walk_counts_a_cycle_by_its_share_of_loop_free_tokens():
     """accept_len's walk: the cycle at row i emits positions i+2 .. i+1+n; the loop-free figures count each cycle by
     the share of its tokens outside loops."""
-    from eagle3ft.eval.accept_len import _totals, _walk_fields
+    from eagle3ft.eval.offline.accept_len import _totals, _walk_fields
 
     loops = [False] * 6 + [True] * 6  # positions 6..11 loop
     cycles = [(0, 2), (2, 2), (4, 4), (8, 2)]  # positions 2-3, 4-5, 6-9, 10-11

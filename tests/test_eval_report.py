@@ -7,8 +7,8 @@ import json
 import pytest
 
 from eagle3ft.config import load_config
-from eagle3ft.eval import report
-from eagle3ft.eval.calibration import calibration_from_summary
+from eagle3ft.eval.economics.calibration import calibration_from_summary
+from eagle3ft.eval.report.build import build, verdict
 
 
 def _spread(xs):
@@ -115,7 +115,7 @@ def full_run(tmp_path):
 
 
 def test_report_reads_as_a_newcomer_needs(full_run):
-    rep = report.build(full_run)
+    rep = build(full_run)
     md = (full_run / "eval" / "report.md").read_text()
     # which prompts and how many tokens behind each tau
     assert (
@@ -177,15 +177,15 @@ def test_verdict_says_faster_and_when_no_drafter_can_pay():
         "max_tau": 4,
     }
     assert (
-        report.verdict(h)
+        verdict(h)
         == "τ 2.60 is above the break-even 2.00 at 3/1/4, so speculation is 25% faster than plain decoding (100.0 "
         "against 80.0 tok/s)."
     )
     h2 = {**h, "tau_live": 1.9, "break_even_tau": 3.4, "speedup": 0.5, "setting": "2/1/3", "max_tau": 3}
-    assert report.verdict(h2).endswith("No drafter can pay at 2/1/3: its τ is at most 3.")
+    assert verdict(h2).endswith("No drafter can pay at 2/1/3: its τ is at most 3.")
     h3 = {**h, "speedup": 0.9}  # tau above the break-even, yet slower: the costs moved
-    assert "yet, measured, speculation is 10% slower" in report.verdict(h3)
-    assert report.verdict({"tau_offline": 1.5}) is None
+    assert "yet, measured, speculation is 10% slower" in verdict(h3)
+    assert verdict({"tau_offline": 1.5}) is None
 
 
 def test_calibrated_prediction_before_and_after_the_bench(tmp_path):
@@ -194,14 +194,14 @@ def test_calibrated_prediction_before_and_after_the_bench(tmp_path):
     cfg = load_config("configs/tiny.yaml", [f"bench.calibration={a / 'bench' / 'calibration.json'}"])
     b = tmp_path / "b"
     _write(b / "eval" / "accept_len.json", accept_len_doc(accepts=(120, 14, 2)))
-    rep = report.build(b, cfg)
+    rep = build(b, cfg)
     assert (
         rep["verdict"].startswith("Predicted (no live benchmark yet): offline τ") and f"costs of {a}" in rep["verdict"]
     )
     md = (b / "eval" / "report.md").read_text()
     assert "no bench/summary.json: no measured costs" in md and "Predicted from offline τ alone" in md
     _write(b / "bench" / "summary.json", summary_doc(rows=(("3/1/4", 1.9, 20.0, 0.092),)))
-    rep = report.build(b, cfg)
+    rep = build(b, cfg)
     (row,) = [r for r in rep["economics"]["calibrated"]["rows"] if r["setting"] == "3/1/4"]
     tau = rep["accept_len"]["settings"]["3/1/4"]["tau"]
     assert row["predicted_tok_s"] == pytest.approx(tau / 0.0897) and row["error_pct"] == pytest.approx(

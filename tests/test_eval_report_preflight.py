@@ -4,7 +4,11 @@ line that names what is missing and the command that makes it."""
 import pytest
 
 from eagle3ft.config import load_config
-from eagle3ft.eval import accept_len, bench, bench_sglang, economics, preflight, report
+from eagle3ft.eval import preflight
+from eagle3ft.eval.bench import live, sglang_backend
+from eagle3ft.eval.economics import analysis
+from eagle3ft.eval.offline import accept_len
+from eagle3ft.eval.report import build
 from eagle3ft.targets import hf
 
 CONFIG = "configs/tiny.yaml"
@@ -61,7 +65,7 @@ def test_a_run_cut_short_before_the_export_is_told_to_resume(tmp_path, capsys):
     assert f"{run / 'export'} has no model.safetensors" in _stop(accept_len.main, run, capsys)
 
 
-@pytest.mark.parametrize("main", [bench.main, bench_sglang.main], ids=["bench", "bench_sglang"])
+@pytest.mark.parametrize("main", [live.main, sglang_backend.main], ids=["bench", "bench_sglang"])
 def test_bench_needs_a_drafter(tmp_path, capsys, main):
     run = tmp_path / "run"
     assert "no drafter at" in _stop(main, run, capsys) and "train/finetune.py" in _stop(main, run, capsys)
@@ -71,9 +75,9 @@ def test_bench_needs_a_drafter(tmp_path, capsys, main):
 
 
 def test_running_sglang_servers_need_no_local_drafter(tmp_path):
-    cfg = load_config(CONFIG, ["bench.backend=sglang", "bench.speculative_url=http://127.0.0.1:1"])
+    cfg = load_config(CONFIG, ["bench.backend=sglang", "bench.sglang.speculative_url=http://127.0.0.1:1"])
     assert preflight.check("bench", cfg, tmp_path, CONFIG) is None
-    cfg.bench.launch = True  # the launcher starts the EAGLE3 servers with eval.checkpoint
+    cfg.bench.sglang.launch = True  # the launcher starts the EAGLE3 servers with eval.checkpoint
     assert "no drafter at" in preflight.check("bench", cfg, tmp_path, CONFIG)
 
 
@@ -81,22 +85,22 @@ def test_bench_checks_the_calibration_file_before_it_starts(tmp_path, capsys):
     run = tmp_path / "run"
     _touch(run / "export" / "config.json")
     _touch(run / "export" / "model.safetensors")
-    err = _stop(bench.main, run, capsys, f"bench.calibration={tmp_path / 'cal.json'}")
+    err = _stop(live.main, run, capsys, f"bench.calibration={tmp_path / 'cal.json'}")
     assert f"no calibration file {tmp_path / 'cal.json'} (bench.calibration)" in err
 
 
 def test_economics_and_report_name_the_stage_that_makes_their_input(tmp_path, capsys):
     run = tmp_path / "run"
-    assert "no drafter at" in _stop(economics.main, run, capsys)
-    assert "no drafter at" in _stop(report.main, run, capsys)
+    assert "no drafter at" in _stop(analysis.main, run, capsys)
+    assert "no drafter at" in _stop(build.main, run, capsys)
     _touch(run / "export" / "config.json")
     _touch(run / "export" / "model.safetensors")
-    assert f"bench/summary.json: run python eval/bench.py --config {CONFIG} --run-dir {run}" in _stop(
-        economics.main, run, capsys
+    assert f"bench/summary.json: run python eval/bench/live.py --config {CONFIG} --run-dir {run}" in _stop(
+        analysis.main, run, capsys
     )
-    assert "nothing to report" in _stop(report.main, run, capsys) and "eval/accept_len.py" in _stop(
-        report.main, run, capsys
+    assert "nothing to report" in _stop(build.main, run, capsys) and "eval/offline/accept_len.py" in _stop(
+        build.main, run, capsys
     )
     _touch(tmp_path / "cal.json")
-    err = _stop(economics.main, run, capsys, f"bench.calibration={tmp_path / 'cal.json'}")
-    assert "eval/accept_len.json: run python eval/accept_len.py" in err
+    err = _stop(analysis.main, run, capsys, f"bench.calibration={tmp_path / 'cal.json'}")
+    assert "eval/accept_len.json: run python eval/offline/accept_len.py" in err

@@ -1,5 +1,5 @@
 """Offline tau on the bench's own prompts and answers: the features are what the harvest-side test helper builds,
-and the tau is eval/accept_len.py's on them, next to the live tau of the same greedy decodes."""
+and the tau is eval/offline/accept_len.py's on them, next to the live tau of the same greedy decodes."""
 
 import json
 
@@ -8,14 +8,16 @@ import torch
 from _eval_tiny import AUX, features, greedy_items, prompts, tiny_pair
 
 from eagle3ft.config import load_config
-from eagle3ft.eval import harness
-from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk
-from eagle3ft.eval.harness import RequestResult
-from eagle3ft.eval.same_prompts import bench_answers, offline_tau
-from eagle3ft.eval.same_prompts import features as bench_features
-from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+from eagle3ft.eval.bench import schedule
+from eagle3ft.eval.bench.backend import RequestResult
+from eagle3ft.eval.bench.prompts import load_prompt_sets
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode
+from eagle3ft.eval.offline.accept_len import evaluate
+from eagle3ft.eval.offline.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk
+from eagle3ft.eval.offline.same_prompts import bench_answers, offline_tau
+from eagle3ft.eval.offline.same_prompts import features as bench_features
 from eagle3ft.setting import Setting
+from eagle3ft.targets.hf import load_tokenizer
 
 
 def test_features_match_the_reference_item():
@@ -82,6 +84,7 @@ class _Backend:
     """A bench backend double: fixed answers per prompt and repetition, and a record of what offline_tau got."""
 
     name = "double"
+    tokenizer = property(lambda self: load_tokenizer(load_config("configs/tiny.yaml").target))
 
     def __init__(self):
         self.rep, self.got = -2, None  # the untimed warm-up pass is -1, the timed repetitions 0, 1, ...
@@ -106,17 +109,22 @@ class _Backend:
         return {"device": "none"}
 
 
+def _bench(cfg, run_dir, backend, log):
+    """The bench's schedule on `backend` over the config's prompt sets, rendered with its tokenizer."""
+    return schedule.run(cfg, run_dir, backend, load_prompt_sets(cfg, backend.tokenizer), log=log)
+
+
 def test_the_bench_scores_the_first_plain_pass_answers_offline(tmp_path):
     cfg = load_config("configs/tiny.yaml", ["bench.prompts.limit=2", "bench.repetitions=2", "bench.max_new_tokens=5"])
     backend = _Backend()
-    summary = harness.run(cfg, tmp_path, backend, log=lambda *a: None)
+    summary = _bench(cfg, tmp_path, backend, log=lambda *a: None)
     prompts, answers, keys = backend.got
     assert (
         answers == [[100, 0, 7, 8, 9], [101, 0, 7, 8, 9]] and len(prompts) == 2 and keys == ["3/1/4"]
     )  # repetition 0's
     assert summary["offline_same_prompts"]["settings"] == {"3/1/4": 1.9}
     cfg.bench.temperature = 0.7  # sampled answers are not the target's greedy path: not scored
-    assert harness.run(cfg, tmp_path, _Backend(), log=lambda *a: None)["offline_same_prompts"] is None
+    assert _bench(cfg, tmp_path, _Backend(), log=lambda *a: None)["offline_same_prompts"] is None
 
 
 def test_answers_of_another_run_are_checked(tmp_path):
@@ -177,14 +185,14 @@ def test_the_warm_up_runs_every_prompt_or_the_first_once_per_arm_untimed(tmp_pat
         ["bench.prompts.limit=3", "bench.repetitions=2", f"bench.warmup={warmup}", "bench.interleave=pass"],
     )
     backend = _CountingBackend()
-    harness.run(cfg, tmp_path, backend, log=lambda *a: None)
+    _bench(cfg, tmp_path, backend, log=lambda *a: None)
     timed = [("baseline", 3), ("3/1/4", 3)] * 2
     assert backend.passes == [("baseline", warm), ("3/1/4", warm)] + timed
     rows = [json.loads(line) for line in (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()]
     assert sorted({r["repetition"] for r in rows}) == [0, 1] and len(rows) == 12  # the warm-up is not recorded
     cfg.bench.warmup = "none"
     with pytest.raises(ValueError, match="bench.warmup 'none'"):
-        harness.run(cfg, tmp_path, backend, log=lambda *a: None)
+        _bench(cfg, tmp_path, backend, log=lambda *a: None)
 
 
 def test_interleave_prompt_runs_every_arm_on_a_prompt_before_the_next_and_keeps_its_index(tmp_path):
@@ -195,7 +203,7 @@ def test_interleave_prompt_runs_every_arm_on_a_prompt_before_the_next_and_keeps_
     )  # fmt: skip
     assert cfg.bench.interleave == "prompt"  # the default
     backend = _CountingBackend()
-    summary = harness.run(cfg, tmp_path, backend, log=lambda *a: None)
+    summary = _bench(cfg, tmp_path, backend, log=lambda *a: None)
     per_prompt = [("baseline", 1), ("3/1/4", 1), ("1/1/2", 1)]
     assert backend.passes == [("baseline", 1), ("3/1/4", 1), ("1/1/2", 1)] + per_prompt * 3 * 2
     rows = [json.loads(line) for line in (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()]
@@ -212,4 +220,4 @@ def test_interleave_prompt_runs_every_arm_on_a_prompt_before_the_next_and_keeps_
         assert row["cycle_plain_steps"] == pytest.approx((0.04 / 2) / (0.04 / 4))  # 2 verifies vs 4 plain steps
     cfg.bench.interleave = "token"
     with pytest.raises(ValueError, match="bench.interleave 'token'"):
-        harness.run(cfg, tmp_path, backend, log=lambda *a: None)
+        _bench(cfg, tmp_path, backend, log=lambda *a: None)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from _eval_tiny import AUX, prompts, tiny_pair
 
-from eagle3ft.eval.bench_embedded import TimedSpeculativeDecoder
-from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode, verify_greedy, verify_sampled
+from eagle3ft.eval.bench.embedded_backend import TimedSpeculativeDecoder
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode, verify_greedy, verify_sampled
 
 
 @pytest.fixture(scope="module")

@@ -381,7 +381,7 @@ def test_trainer_defaults_on_cuda_compile_and_load_in_workers_like_eager(tmp_pat
     assert math.isfinite(online[-1]["heldout_tau"]) and online[-1]["heldout_tau"] >= 1
 
 
-# --------------------------------------------------------------------------- embedded decoders: bench.attention chain
+# --------------------------------------------------------------------------- embedded decoders: bench.embedded.attention chain
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -393,7 +393,7 @@ def test_chain_attention_on_cuda_matches_sdpa_and_dispatches_to_a_fused_kernel(d
     from torch.profiler import ProfilerActivity, profile
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from eagle3ft.eval import chain_attention
+    from eagle3ft.eval.decode import chain_attention
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=512, hidden_size=576, num_hidden_layers=4, num_attention_heads=9,
@@ -421,12 +421,12 @@ def test_chain_attention_on_cuda_matches_sdpa_and_dispatches_to_a_fused_kernel(d
 
 @pytest.mark.parametrize("graph_extend", [False, True])
 def test_the_draft_chain_as_a_cuda_graph_drafts_what_the_eager_chain_drafts(graph_extend):
-    """bench.drafting graph on CUDA: the captured chain (and with bench.draft_graph_extend each captured extend)
+    """bench.embedded.drafting graph on CUDA: the captured chain (and with bench.embedded.draft_graph_extend each captured extend)
     replays per cycle and drafts, in float64, what the eager drafter drafts in every cycle, and the greedy output is
     plain decoding's."""
     from _eval_tiny import AUX, prompts, tiny_pair
 
-    from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+    from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode
 
     target, drafter = (m.to("cuda") for m in tiny_pair())
     for p in prompts(3):

@@ -97,7 +97,7 @@ def test_one_check_for_targets_and_features():
     ],
 )
 def test_offline_eval_refuses_a_bad_drafter_in_one_line_before_compute(run, damage, message, monkeypatch, capsys):
-    from eagle3ft.eval.accept_len import main
+    from eagle3ft.eval.offline.accept_len import main
 
     folder = export(run, **(damage if isinstance(damage, dict) else {}))
     weights = folder / "model.safetensors"
@@ -121,8 +121,8 @@ def test_offline_eval_refuses_a_bad_drafter_in_one_line_before_compute(run, dama
 
 
 def test_the_benches_refuse_a_drafter_that_disagrees_with_the_features_before_compute(run, monkeypatch, capsys):
-    from eagle3ft.eval.bench import main
-    from eagle3ft.eval.bench_sglang import SGLangBackend
+    from eagle3ft.eval.bench.live import main
+    from eagle3ft.eval.bench.sglang_backend import SGLangBackend
 
     export(run, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]})
     no_compute(monkeypatch)
@@ -131,10 +131,10 @@ def test_the_benches_refuse_a_drafter_that_disagrees_with_the_features_before_co
     err = capsys.readouterr().err.strip()
     assert (
         e.value.code == 1
-        and err.startswith("bench.py: error: eval.checkpoint ")
+        and err.startswith("live.py: error: eval.checkpoint ")
         and "drafter aux layer ids [0, 1, 3] != features' aux layer ids [0, 1, 2]" in err
     )
-    cfg = load_config(TINY, ["bench.backend=sglang", "bench.launch=true"])
+    cfg = load_config(TINY, ["bench.backend=sglang", "bench.sglang.launch=true"])
     with pytest.raises(DrafterMismatch, match=r"aux layer ids \[0, 1, 3\]"):  # before any server is started
         SGLangBackend(cfg, run)
 

@@ -249,7 +249,7 @@ def test_a_refused_resume_changes_nothing_the_record_included(trained, tmp_path)
 
 @pytest.mark.slow
 def test_a_diverging_loss_is_named_and_a_non_finite_one_names_the_last_good_checkpoint(trained, tmp_path, capsys):
-    from eagle3ft.eval.report import main as report_main
+    from eagle3ft.eval.report.build import main as report_main
     from eagle3ft.files import sha256_file as _sha256
 
     order = [m["samples"][0][0] for m in metrics(trained)]  # the sample of each step: the same seeded order here
@@ -310,9 +310,9 @@ def test_finetunes_own_refusals_end_a_two_process_launch_in_one_line(tmp_path):
 def test_a_drafter_whose_config_disagrees_with_its_weights_is_one_line_naming_the_file(tmp_path, monkeypatch, capsys):
     from test_hardening import export, no_compute
 
-    from eagle3ft.eval.accept_len import main as accept_len_main
-    from eagle3ft.eval.bench import main as bench_main
-    from eagle3ft.eval.bench_sglang import SGLangBackend
+    from eagle3ft.eval.bench.live import main as bench_main
+    from eagle3ft.eval.bench.sglang_backend import SGLangBackend
+    from eagle3ft.eval.offline.accept_len import main as accept_len_main
 
     write_store(tmp_path, n_train=2, n_heldout=2)
     folder = export(tmp_path)
@@ -323,13 +323,13 @@ def test_a_drafter_whose_config_disagrees_with_its_weights_is_one_line_naming_th
         rf"{folder / 'model.safetensors'}: tensor midlayer\.mlp\.\w+_proj\.weight has shape \[\d+, \d+\], "
         rf"{folder / 'config.json'} gives it \[\d+, \d+\]: the config and the weights are not of one drafter"
     )
-    for main, prog in ((accept_len_main, "accept_len.py"), (bench_main, "bench.py")):
+    for main, prog in ((accept_len_main, "accept_len.py"), (bench_main, "live.py")):
         with pytest.raises(SystemExit) as e:
             main(["--config", str(TINY), "--run-dir", str(tmp_path)])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 1 and len(err) == 1 and re.fullmatch(f"{prog}: error: {line}", err[0]), err
     with pytest.raises(ValueError, match=line):
-        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.launch=true"]), tmp_path)
+        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.sglang.launch=true"]), tmp_path)
 
 
 def test_divergence_is_a_loss_100x_the_first_positive_one():

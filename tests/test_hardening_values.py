@@ -79,10 +79,10 @@ def test_eval_report_and_both_benches_refuse_a_drafter_with_a_nan_weight_in_one_
     from test_hardening import export, no_compute
     from train_fixtures import write_store
 
-    from eagle3ft.eval.accept_len import main as accept_len_main
-    from eagle3ft.eval.bench import main as bench_main
-    from eagle3ft.eval.bench_sglang import SGLangBackend
-    from eagle3ft.eval.report import main as report_main
+    from eagle3ft.eval.bench.live import main as bench_main
+    from eagle3ft.eval.bench.sglang_backend import SGLangBackend
+    from eagle3ft.eval.offline.accept_len import main as accept_len_main
+    from eagle3ft.eval.report.build import main as report_main
     from eagle3ft.files import NonFinite
 
     write_store(tmp_path, n_train=2, n_heldout=2)
@@ -94,14 +94,14 @@ def test_eval_report_and_both_benches_refuse_a_drafter_with_a_nan_weight_in_one_
     (tmp_path / "train" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "acc": [0.5]}\n')  # for the report
     no_compute(monkeypatch)
     line = rf"eval\.checkpoint: the drafter's weights {weights}: tensor fc\.weight holds 1 non-finite value\(s\) \(NaN"
-    for main, prog in ((accept_len_main, "accept_len.py"), (bench_main, "bench.py"), (report_main, "report.py")):
+    for main, prog in ((accept_len_main, "accept_len.py"), (bench_main, "live.py"), (report_main, "build.py")):
         with pytest.raises(SystemExit) as e:
             main(["--config", str(TINY), "--run-dir", str(tmp_path)])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 1 and len(err) == 1 and err[0].startswith(f"{prog}: error: "), (prog, err)
         assert re.search(line, err[0]), err
     with pytest.raises(NonFinite, match=line):  # before any server is started
-        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.launch=true"]), tmp_path)
+        SGLangBackend(load_config(TINY, ["bench.backend=sglang", "bench.sglang.launch=true"]), tmp_path)
     assert not (tmp_path / "eval").exists() and not (tmp_path / "bench").exists()
 
 

@@ -114,10 +114,10 @@ def test_a_lock_left_by_a_stage_that_raised_is_removed_at_exit(tmp_path):
     [
         ("eagle3ft.data.harvest", "main"),
         ("eagle3ft.data.regen", "main"),
-        ("eagle3ft.eval.accept_len", "main"),
-        ("eagle3ft.eval.bench", "main"),
-        ("eagle3ft.eval.economics", "main"),
-        ("eagle3ft.eval.report", "main"),
+        ("eagle3ft.eval.offline.accept_len", "main"),
+        ("eagle3ft.eval.bench.live", "main"),
+        ("eagle3ft.eval.economics.analysis", "main"),
+        ("eagle3ft.eval.report.build", "main"),
     ],
 )
 def test_every_stage_stops_on_a_folder_in_use_and_writes_nothing(tmp_path, live_pid, capsys, module, entry):

@@ -15,11 +15,14 @@ from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
-from eagle3ft.eval import harness, same_prompts
-from eagle3ft.eval.bench_sglang import SGLangBackend, accept_lengths_from, run_concurrency
-from eagle3ft.eval.economics import offline_tau_by_setting
-from eagle3ft.eval.same_prompts import offline_tau
-from eagle3ft.eval.speculate import SpeculativeDecoder
+from eagle3ft.eval.bench import schedule
+from eagle3ft.eval.bench.prompts import load_prompt_sets
+from eagle3ft.eval.bench.sglang_backend import SGLangBackend, run_concurrency
+from eagle3ft.eval.bench.sglang_requests import accept_lengths_from
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder
+from eagle3ft.eval.economics.analysis import after_bench, offline_tau_by_setting
+from eagle3ft.eval.offline import same_prompts
+from eagle3ft.eval.offline.same_prompts import offline_tau
 from eagle3ft.setting import Setting
 from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang_http import SGLangError
@@ -76,23 +79,25 @@ def runs_of(run: Path) -> list[dict]:
 def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, capsys):
     cfg0, model, tok, drafter = tiny
     base, spec = doubles
-    export_drafter(drafter, tmp_path / "export")  # the double's drafter: what bench.sglang_same_prompts evaluates
+    export_drafter(drafter, tmp_path / "export")  # the double's drafter: what bench.sglang.same_prompts evaluates
     cfg = load_config(
         REPO_ROOT / "configs/tiny.yaml",
         BENCH
         + [
-            f"bench.baseline_url={base.url}",
-            f"bench.speculative_url={spec.url}",
+            f"bench.sglang.baseline_url={base.url}",
+            f"bench.sglang.speculative_url={spec.url}",
             "bench.concurrency=[1, 2]",
-            "bench.sglang_same_prompts=true",
+            "bench.sglang.same_prompts=true",
             f"eval.checkpoint={tmp_path / 'export'}",
         ],
     )
     backend = SGLangBackend(cfg, tmp_path)
-    summary = harness.run(cfg, tmp_path, backend, log=lambda *_: None)
-    prompts = harness.load_prompts(cfg)
+    sets = load_prompt_sets(cfg, backend.tokenizer)
+    prompts = sets[0].prompts
+    summary = schedule.run(cfg, tmp_path, backend, sets, log=lambda *_: None)
+    after_bench(tmp_path, cfg, log=lambda *_: None)
 
-    # offline tau on the plain server's own answers: what eval/same_prompts.py gives for those tokens in-process
+    # offline tau on the plain server's own answers: what eval/offline/same_prompts.py gives for those tokens in-process
     answers = [r["output_ids"] for r in runs_of(tmp_path) if r["mode"] == "baseline" and r["repetition"] == 0]
     want = offline_tau(model, drafter, drafter.config.aux_layer_ids, prompts, answers, [Setting(3, 1, 4)])
     got = summary["offline_same_prompts"]
@@ -183,12 +188,13 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
 def test_speculative_url_serves_only_its_setting(tiny, doubles, tmp_path):
     base, spec = doubles
     cfg = load_config(
-        REPO_ROOT / "configs/tiny.yaml", BENCH + [f"bench.baseline_url={base.url}", f"bench.speculative_url={spec.url}"]
+        REPO_ROOT / "configs/tiny.yaml",
+        BENCH + [f"bench.sglang.baseline_url={base.url}", f"bench.sglang.speculative_url={spec.url}"],
     )
     backend = SGLangBackend(cfg, tmp_path)
     with pytest.raises(SGLangError, match=f"no server given for EAGLE3 2/1/3 \\({spec.url} serves EAGLE3 3/1/4\\)"):
         backend.url(Setting(2, 1, 3))
-    cfg.bench.baseline_url = spec.url
+    cfg.bench.sglang.baseline_url = spec.url
     with pytest.raises(SGLangError, match="the baseline must be plain"):
         backend.url(None)
     backend.close()
@@ -200,12 +206,12 @@ def test_each_setting_runs_on_the_listed_server_that_serves_it(tiny, doubles, tm
     engine = DoubleEngine(model, tok, drafter=drafter, spec_steps=2, spec_topk=1, spec_num_draft_tokens=3)
     spec2 = SGLangDouble(engine, version="0.5.17").start()
     try:
-        sets = [f"bench.baseline_url={base.url}", f"bench.speculative_urls=[{spec2.url}, {spec.url}]"]
+        sets = [f"bench.sglang.baseline_url={base.url}", f"bench.sglang.speculative_urls=[{spec2.url}, {spec.url}]"]
         backend = SGLangBackend(load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + sets), tmp_path)
         assert backend.url(Setting(3, 1, 4)) == spec.url and backend.url(Setting(2, 1, 3)) == spec2.url
         assert backend.url(None) == base.url
         assert backend.infos["2/1/3"]["speculative_num_steps"] == 2
-        with pytest.raises(SGLangError, match="add it to bench.speculative_urls"):
+        with pytest.raises(SGLangError, match="add it to bench.sglang.speculative_urls"):
             backend.url(Setting(5, 1, 6))
         backend.close()
     finally:
@@ -220,7 +226,7 @@ def test_accept_lengths_from_histogram_or_counts():
 
 @pytest.mark.slow
 def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
-    """bench.launch: baseline and EAGLE3 servers started from serve (the double as the server program), one at a
+    """bench.sglang.launch: baseline and EAGLE3 servers started from serve (the double as the server program), one at a
     time."""
     cfg0, model, tok, drafter = tiny
     export_drafter(drafter, tmp_path / "export")
@@ -231,7 +237,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         REPO_ROOT / "configs/tiny.yaml",
         BENCH
         + [
-            "bench.launch=true",
+            "bench.sglang.launch=true",
             f"serve.python={sys.executable}",
             f"serve.launch_cmd=[{Path(__file__).parent / 'sglang_double.py'}]",
             f"serve.model_path={tmp_path / 'model'}",
@@ -245,7 +251,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         SGLangBackend(cfg, tmp_path)  # one server at a time, interleaved per prompt
     cfg.bench.interleave = "pass"
     backend = SGLangBackend(cfg, tmp_path)
-    prompt = harness.load_prompts(cfg)[:1]
+    prompt = load_prompt_sets(cfg, backend.tokenizer)[0].prompts[:1]
     (b,) = backend.run_baseline(prompt, 8)
     baseline = backend.launched["baseline"]
     (r,) = backend.run_speculative(prompt, Setting(3, 1, 4), 8)

@@ -28,8 +28,8 @@ from eagle3ft.drafter.export import (
     sglang_target,
 )
 from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, export_keys
-from eagle3ft.eval.acceptance import SampleInputs, chain_acceptance
-from eagle3ft.eval.speculate import SpeculativeDecoder, greedy_decode
+from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode
+from eagle3ft.eval.offline.acceptance import SampleInputs, chain_acceptance
 from eagle3ft.train.attention import shift
 from eagle3ft.train.build import grow_drafter
 from eagle3ft.train.ttt import ttt_forward
@@ -305,7 +305,7 @@ def test_a_warm_start_grown_in_vocab_trains_and_exports_it(tmp_path):
 
 @pytest.mark.parametrize("graph_extend", [False, True])
 def test_a_deeper_drafters_static_chain_drafts_what_its_eager_chain_drafts(deep_pair, graph_extend):
-    """bench.drafting graph (eval/draft_graph.py, uncaptured on the CPU) over one static cache per layer."""
+    """bench.embedded.drafting graph (eval/decode/draft_graph.py, uncaptured on the CPU) over one static cache per layer."""
     from test_eval_draft_graph import _run
 
     target, deep = deep_pair

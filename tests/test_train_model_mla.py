@@ -251,12 +251,12 @@ def test_k2_width_mla_config_builds_on_meta_and_estimates():
 
 
 def test_heldout_tau_of_the_ttt_unroll_equals_the_offline_chain_through_step():
-    """The TTT unroll (training, held-out τ) and eval/accept_len.py's chain through `step` (inference) count the same
+    """The TTT unroll (training, held-out τ) and eval/offline/accept_len.py's chain through `step` (inference) count the same
     accepts on the tiny target's greedy answers, with an MLA drafter fitted briefly so that chains get accepted."""
     from _eval_tiny import AUX, DRAFT_VOCAB, VOCAB, greedy_items, prompts, tiny_target
 
     from eagle3ft.data.store import collate
-    from eagle3ft.eval.accept_len import evaluate
+    from eagle3ft.eval.offline.accept_len import evaluate
     from eagle3ft.train.ttt import TTTObjective
     from eagle3ft.train.validate import heldout_tau
 

@@ -1,4 +1,4 @@
-"""Held-out τ while training: the TTT unroll's chain counts against eval/accept_len.py's offline chain."""
+"""Held-out τ while training: the TTT unroll's chain counts against eval/offline/accept_len.py's offline chain."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from _eval_tiny import greedy_items, prompts, tiny_pair
 from eagle3ft.data.store import collate
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.model import Eagle3Drafter
-from eagle3ft.eval.accept_len import evaluate
+from eagle3ft.eval.offline.accept_len import evaluate
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import group_by_source, heldout_batches, heldout_tau, heldout_view, tau_from_counts
 
@@ -37,7 +37,7 @@ def eagle31(drafter: Eagle3Drafter, fc_norm: bool, norm_output: bool) -> Eagle3D
 @pytest.mark.parametrize("micro_batch", [1, 3])
 def test_heldout_tau_equals_offline_chain_tau(setup, flags, micro_batch):
     """On the target's own greedy answers, the TTT unroll's held-out τ (counts summed over the set) equals
-    eval/accept_len.py's greedy chain τ at the same depth, count for count; with padding in a batch too."""
+    eval/offline/accept_len.py's greedy chain τ at the same depth, count for count; with padding in a batch too."""
     drafter, items = setup
     if flags != (False, False):
         drafter = eagle31(drafter, *flags)
@@ -136,7 +136,7 @@ def test_loop_logs_heldout_tau_and_keeps_the_best_export(tmp_path):
 @pytest.mark.slow
 def test_cli_on_a_run_folder_counts_what_accept_len_counts(tmp_path):
     """python -m eagle3ft.train.validate on an exported drafter and the run's held-out features: the same
-    depth-k chain counts as eval/accept_len.py's run on that folder (greedy synthetic store)."""
+    depth-k chain counts as eval/offline/accept_len.py's run on that folder (greedy synthetic store)."""
     import json
 
     from train_fixtures import REPO, write_store
@@ -144,7 +144,7 @@ def test_cli_on_a_run_folder_counts_what_accept_len_counts(tmp_path):
     from eagle3ft.config import load_config
     from eagle3ft.drafter.export import export_drafter
     from eagle3ft.drafter.vocab import load_vocab
-    from eagle3ft.eval.accept_len import run as accept_len_run
+    from eagle3ft.eval.offline.accept_len import run as accept_len_run
     from eagle3ft.targets.hf import load_input_embedding
     from eagle3ft.train.validate import main
 

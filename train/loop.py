@@ -486,7 +486,7 @@ def fit(run: Run) -> None:
 
 def warn_if_diverging(run: Run) -> None:
     """Once per run: a console warning when the logged loss has risen DIVERGED times above the first logged loss
-    (eval/report.py says it again from train/metrics.jsonl)."""
+    (eval/report/build.py says it again from train/metrics.jsonl)."""
     loss = run.last["loss"]
     if run.first_loss is None:
         run.first_loss = loss

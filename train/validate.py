@@ -5,7 +5,7 @@ matched the target's argmax (chain_valid) and those where depth k matched too (c
 over the whole set and over ranks before any ratio, a_k = chain_correct_k / chain_valid_k is the
 conditional acceptance at depth k and τ = 1 + Σ_k Π_{j≤k} a_j, with the leading 1 the bonus token.
 
-One mask change makes this count the same roots as eval/accept_len.py's chain: a root (the token the
+One mask change makes this count the same roots as eval/offline/accept_len.py's chain: a root (the token the
 target has just emitted) must itself be a response token. `heldout_view` therefore keeps a predicted
 token only when the token before it is a response token too. On the target's own greedy answers
 (regenerated data, stored token = target argmax), the result then equals accept_len's greedy chain τ
@@ -50,7 +50,7 @@ def tau_from_counts(chain_correct: list[float], chain_valid: list[float]) -> tup
 
 def heldout_view(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The batch with loss_mask[t] kept only where loss_mask[t-1] is set too: the root of every counted chain
-    (the token before the first drafted one) is a response token, as in eval/accept_len.py."""
+    (the token before the first drafted one) is a response token, as in eval/offline/accept_len.py."""
     lm = batch["loss_mask"]  # (B, T)
     prev = torch.cat([torch.zeros_like(lm[:, :1]), lm[:, :-1]], dim=1)
     return {**batch, "loss_mask": lm * prev}
@@ -272,7 +272,7 @@ class HeldoutTracker:
 
 def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     """Held-out τ of an exported drafter (default eval.checkpoint) as training computes it, on one device;
-    writes RUN/eval/heldout_tau.json. Its counts are eval/accept_len.py's greedy chain counts on greedy data."""
+    writes RUN/eval/heldout_tau.json. Its counts are eval/offline/accept_len.py's greedy chain counts on greedy data."""
     from eagle3ft.config import resolve_path
     from eagle3ft.data.store import MANIFEST, FeatureStore
     from eagle3ft.drafter.config import check_drafter_folder

@@ -48,8 +48,8 @@ sgl_set() {  # sgl_set SPEC: NAME, SRC and NEW of one SGL_SETS entry
 }
 sgl_bench_one() {  # sgl_bench_one RUN SRC NEW SPEC_PORT [sets...]: plain (:30100) vs 3/1/4 interleaved, 3 repetitions
   local run=$1 src=$2 new=$3 port=$4; shift 4
-  timeout 300 $PY eval/bench_sglang.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
-    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_url=http://127.0.0.1:$port" \
+  timeout 300 $PY eval/bench/sglang_backend.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
+    --set bench.sglang.baseline_url=http://127.0.0.1:30100 --set "bench.sglang.speculative_url=http://127.0.0.1:$port" \
     --set "bench.prompts=$src" --set "bench.max_new_tokens=$new" --set bench.repetitions=3 \
     --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' --set 'bench.concurrency=[1]' --set 'bench.drafters={}' \
     "$@" > "$run.txt" 2>&1
@@ -78,7 +78,7 @@ sglpred_serve() {  # sglpred_serve PORT SLOT [DRAFTER [SETTING]]: on GPU SGL_GPU
 }
 sglpred() {  # sglpred CAL TEST (issue 14.6 in SGLang, one lease): plain, CAL and TEST servers on GPU SGL_GPU (0); per
              # set, CAL's run calibrates the 3/1/4 cycle; TEST's tok/s is predicted from its offline tau on that run's
-             # plain answers (eval/same_prompts.py), written before TEST's own run; then TEST is measured
+             # plain answers (eval/offline/same_prompts.py), written before TEST's own run; then TEST is measured
   [[ -f $2/config.json ]] || { echo "no drafter at $2: no SGLang prediction"; return 1; }
   say "SGLang calibrated prediction on GPU ${SGL_GPU:-0}: calibrate with $1, predict and measure $2"
   sglpred_serve 30100 0 && sglpred_serve 30101 1 "$1" && sglpred_serve 30102 2 "$2" && sglpred_bench "$2"
@@ -93,10 +93,10 @@ sglpred_bench() {  # sglpred_bench TEST: sglpred's runs, on its three servers on
   done
   for spec in "${SGL_SETS[@]}"; do
     sgl_set "$spec"; say "prediction: $name"
-    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sgltest-$name" "${SGL[@]}" "${t[@]}" --set "bench.prompts=$src" \
+    $PY eval/offline/same_prompts.py --config $CONFIG --run-dir "$S/sgltest-$name" "${SGL[@]}" "${t[@]}" --set "bench.prompts=$src" \
       --set "bench.max_new_tokens=$new" --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' \
       --answers-from "$S/sglcal-$name" 2>&1 | tail -1
-    $PY eval/economics.py --config $CONFIG --run-dir "$S/sgltest-$name" "${SGL[@]}" "${t[@]}" \
+    $PY eval/economics/analysis.py --config $CONFIG --run-dir "$S/sgltest-$name" "${SGL[@]}" "${t[@]}" \
       --set "bench.calibration=$S/sglcal-$name/bench/calibration.json" 2>&1 | tail -4
   done
   for spec in "${SGL_SETS[@]}"; do
@@ -106,7 +106,7 @@ sglpred_bench() {  # sglpred_bench TEST: sglpred's runs, on its three servers on
   xargs -r kill < "$L/sgl.pids"
   for spec in "${SGL_SETS[@]}"; do  # TEST's offline tau on its own server's answers: the tokens its live tau counted
     sgl_set "$spec"; say "offline tau on the speculative answers: $name"
-    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sglown-$name" "${SGL[@]}" "${t[@]}" --set "bench.prompts=$src" \
+    $PY eval/offline/same_prompts.py --config $CONFIG --run-dir "$S/sglown-$name" "${SGL[@]}" "${t[@]}" --set "bench.prompts=$src" \
       --set "bench.max_new_tokens=$new" --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' \
       --answers-from "$S/sgltest-$name" --answers-of 3/1/4 2>&1 | tail -1
   done

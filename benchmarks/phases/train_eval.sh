@@ -118,7 +118,7 @@ train() {
 eval_one() {  # eval_one NAME SET CHECKPOINT GPU: offline tau of one export, in a run folder of its own (RUN/eval)
   local n=$1 set=$2 ck=$3 dir=$S/ev-$1-$2
   mkdir -p "$dir" "$S/$n/eval" && ln -sfn "$S/eval-$set/features" "$dir/features"
-  CUDA_VISIBLE_DEVICES=$4 OMP_NUM_THREADS=2 $PY eval/accept_len.py --config $CONFIG --run-dir "$dir" "${BASE[@]}" \
+  CUDA_VISIBLE_DEVICES=$4 OMP_NUM_THREADS=2 $PY eval/offline/accept_len.py --config $CONFIG --run-dir "$dir" "${BASE[@]}" \
     --set "eval.checkpoint=$S/$n/$ck" --set eval.steps=5 > "$L/eval-$n-$set-$ck.txt" 2>&1
   cp "$dir/eval/accept_len.json" "$L/accept_len-$n-$set-$ck.json" 2>/dev/null
   cp "$dir/eval/accept_len.json" "$S/$n/eval/accept_len-$set.json" 2>/dev/null  # benchmarks/tau_curve.py reads these

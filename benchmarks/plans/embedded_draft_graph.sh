@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/run_phases.sh's phases:
-#   0. the GPU tests of the embedded decoder's CUDA paths: the graphed draft chain (eval/draft_graph.py) and chain
+#   0. the GPU tests of the embedded decoder's CUDA paths: the graphed draft chain (eval/decode/draft_graph.py) and chain
 #      attention; meanwhile the embedded bench's held-out features (calibrated_prediction.sh STEPS=features)
 #   1. SGLang 0.5.17 servers on the GPU, one at a time, each with 0.1 of it and --sleep-on-idle (an idle scheduler
 #      otherwise spins a host core): plain (:30100), then EAGLE-3 with the shipped drafter at each of SGL_SETTINGS
 #      (2/1/3,3/1/4,5/1/6; :30101 on)
 #   2. the embedded bench with the servers idle: benchmarks/calibrated_prediction.sh with the shipped drafter,
-#      bench.attention EMB_ATTENTION (chain) and bench.drafting (auto: the graphed chain), its costs calibrated on
+#      bench.embedded.attention EMB_ATTENTION (chain) and bench.embedded.drafting (auto: the graphed chain), its costs calibrated on
 #      EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW (96) new tokens, its tok/s predicted from offline tau on
 #      EMB_PROMPTS (4) MT-Bench prompts at EMB_NEW (384) and measured there (EMB_SETTINGS 3/1/4,5/1/6,7/1/8, EMB_REPS 3)
 #   3. SGLang: the calibration run on SGL_LIMIT (8) HumanEval prompts at SGL_NEW (512) new tokens, plain and every
 #      setting interleaved (SGL_REPS (3) repetitions, batch 1, the shipped drafter); then the measurement on SGL_LIMIT MT-Bench
 #      prompts at SGL_NEW, its economics predicting each setting's tok/s from the calibration's cycles and offline tau
-#      on this run's plain answers (eval/same_prompts.py) -- no speculative figure of this run is an input -- and
+#      on this run's plain answers (eval/offline/same_prompts.py) -- no speculative figure of this run is an input -- and
 #      the setting it picks; then offline tau on each speculative server's own answers (live against offline)
-#   4. an A side of 2: the same prompts and sizes at EMB_AB_SETTING (5/1/6) with EMB_AB_SET (bench.drafting=eager: a
-#      drafter forward at a time, as in RESULTS §17b; bench.draft_graph_extend=true: the extends graphed too), plain
+#   4. an A side of 2: the same prompts and sizes at EMB_AB_SETTING (5/1/6) with EMB_AB_SET (bench.embedded.drafting=eager: a
+#      drafter forward at a time, as in RESULTS §17b; bench.embedded.draft_graph_extend=true: the extends graphed too), plain
 #      interleaved (EMB_AB=0 leaves it out)
 # Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/plans/embedded_draft_graph.sh start` starts the plan. Keep a `wait`
 # call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
@@ -32,7 +32,7 @@ settings_yaml() {  # settings_yaml 3/1/4,5/1/6 -> [{steps: 3, topk: 1, num_draft
   echo "[$out]"
 }
 emb() {  # emb STEPS: benchmarks/calibrated_prediction.sh's STEPS with this plan's sizes
-  CUDA_VISIBLE_DEVICES=0 STEPS=$1 EXTRA="${BASE[*]} --set bench.attention=${EMB_ATTENTION:-chain} --set bench.drafting=$EMB_DRAFTING ${EMB_EXTRA:-}" \
+  CUDA_VISIBLE_DEVICES=0 STEPS=$1 EXTRA="${BASE[*]} --set bench.embedded.attention=${EMB_ATTENTION:-chain} --set bench.embedded.drafting=$EMB_DRAFTING ${EMB_EXTRA:-}" \
     NEW=${EMB_NEW:-384} \
     CAL_NEW=${EMB_CAL_NEW:-96} REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-4} SETTINGS=${EMB_SETTINGS:-3/1/4,5/1/6,7/1/8} \
     PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
@@ -80,8 +80,8 @@ sgl_placed() {  # sgl_placed PORT POOLS: the server on PORT has logged POOLS KV 
 sgl_run() {  # sgl_run RUN SRC [sets...]: plain (:30100) against every setting's server, interleaved, 3 repetitions
   local run=$1 src=$2 urls="" i; shift 2
   for i in "${SGL_PORTS[@]}"; do urls+="${urls:+, }http://127.0.0.1:$i"; done
-  timeout "${SGL_RUN_TIMEOUT:-420}" $PY eval/bench_sglang.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
-    --set bench.baseline_url=http://127.0.0.1:30100 --set "bench.speculative_urls=[$urls]" \
+  timeout "${SGL_RUN_TIMEOUT:-420}" $PY eval/bench/sglang_backend.py --config $CONFIG --run-dir "$run" "${SGL[@]}" --set bench.backend=sglang \
+    --set bench.sglang.baseline_url=http://127.0.0.1:30100 --set "bench.sglang.speculative_urls=[$urls]" \
     --set "bench.prompts=$src" --set "bench.max_new_tokens=$SGL_NEW" --set "bench.repetitions=${SGL_REPS:-3}" \
     --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" --set 'bench.concurrency=[1]' --set 'bench.drafters={}' \
     "$@" > "$run.txt" 2>&1
@@ -101,17 +101,17 @@ sglang_phase() {  # the calibration on SGL_CAL_SRC (SGL_LIMIT HumanEval prompts)
     say "3c. SGLang calibration again, after the measurement: $cal_src"
     sgl_run "$S/sgl-cal2" "$cal_src" --set "bench.calibration=$cal/bench/calibration.json" --set bench.warmup=first
   fi
-  $PY eval/same_prompts.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --answers-from "$test" \
+  $PY eval/offline/same_prompts.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --answers-from "$test" \
     --set "bench.prompts=$test_src" \
     --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -1
-  $PY eval/economics.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --set "bench.calibration=$cal/bench/calibration.json" \
+  $PY eval/economics/analysis.py --config $CONFIG --run-dir "$test" "${SGL[@]}" --set "bench.calibration=$cal/bench/calibration.json" \
     --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -8
   if [[ -n ${SGL_CAL_POOL:-} ]]; then  # the same prediction with the cycles pooled over earlier runs' calibrations
     say "3d. the prediction again, its cycles in plain steps pooled with $SGL_CAL_POOL"
     mkdir -p "$S/sgl-test-pool/bench" "$S/sgl-test-pool/eval"
     cp "$test/bench/summary.json" "$test/bench/runs.jsonl" "$S/sgl-test-pool/bench/"
     cp "$test/eval/accept_len.json" "$S/sgl-test-pool/eval/"
-    $PY eval/economics.py --config $CONFIG --run-dir "$S/sgl-test-pool" "${SGL[@]}" \
+    $PY eval/economics/analysis.py --config $CONFIG --run-dir "$S/sgl-test-pool" "${SGL[@]}" \
       --set "bench.calibration=$cal/bench/calibration.json" --set "bench.calibration_pool=[${SGL_CAL_POOL}]" \
       --set "bench.settings=$(settings_yaml "$SGL_SETTINGS")" 2>&1 | tail -8
   fi
@@ -119,7 +119,7 @@ sglang_phase() {  # the calibration on SGL_CAL_SRC (SGL_LIMIT HumanEval prompts)
   say "offline tau on each speculative server's own answers (the tokens its live tau counted), side by side"
   local own=()
   for s in "${SGL_LIST[@]}"; do
-    $PY eval/same_prompts.py --config $CONFIG --run-dir "$S/sgl-own-${s//\//-}" "${SGL[@]}" --set "bench.prompts=$test_src" \
+    $PY eval/offline/same_prompts.py --config $CONFIG --run-dir "$S/sgl-own-${s//\//-}" "${SGL[@]}" --set "bench.prompts=$test_src" \
       --set "bench.max_new_tokens=$SGL_NEW" --set "bench.settings=$(settings_yaml "$s")" \
       --answers-from "$test" --answers-of "$s" > "$S/sgl-own-${s//\//-}.txt" 2>&1 &
     own+=($!)
@@ -135,11 +135,11 @@ sglang_phase() {  # the calibration on SGL_CAL_SRC (SGL_LIMIT HumanEval prompts)
     cp "$run/eval/accept_len.json" "$L/sgl/$(basename "$run")-accept_len.json" 2>/dev/null
   done
 }
-emb_eager() {  # phase 4: eval/bench.py as 2's measurement with EMB_AB_SET, one setting
+emb_eager() {  # phase 4: eval/bench/live.py as 2's measurement with EMB_AB_SET, one setting
   local st tk nd
   IFS=/ read -r st tk nd <<< "${EMB_AB_SETTING:-5/1/6}"
-  CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout 480 $PY eval/bench.py --config $CONFIG --run-dir "$S/emb-eager" "${BASE[@]}" \
-    --set bench.attention=${EMB_ATTENTION:-chain} --set "${EMB_AB_SET:-bench.drafting=eager}" --set "eval.checkpoint=$SHIPPED" \
+  CUDA_VISIBLE_DEVICES=0 OMP_NUM_THREADS=2 timeout 480 $PY eval/bench/live.py --config $CONFIG --run-dir "$S/emb-eager" "${BASE[@]}" \
+    --set bench.embedded.attention=${EMB_ATTENTION:-chain} --set "${EMB_AB_SET:-bench.embedded.drafting=eager}" --set "eval.checkpoint=$SHIPPED" \
     --set "bench.prompts={kind: mtbench, limit: ${EMB_PROMPTS:-4}, path: $DATA/mtbench-questions.jsonl}" \
     --set "bench.max_new_tokens=${EMB_NEW:-384}" --set "bench.repetitions=${EMB_REPS:-3}" --set "bench.drafters={}" \
     --set "bench.settings=[{steps: $st, topk: $tk, num_draft_tokens: $nd}]" > "$L/emb-eager.txt" 2>&1
@@ -189,7 +189,7 @@ s15() {
     echo "no SGLang server came up: no SGLang bench"; xargs -r kill < "$L/sgl.pids" 2> /dev/null
   fi
   if [[ ${EMB_AB:-1} == 1 ]]; then
-    say "4. embedded, the A side: ${EMB_AB_SET:-bench.drafting=eager} at ${EMB_AB_SETTING:-5/1/6}"
+    say "4. embedded, the A side: ${EMB_AB_SET:-bench.embedded.drafting=eager} at ${EMB_AB_SETTING:-5/1/6}"
     t=$SECONDS; emb_eager; echo "phase emb_eager: $((SECONDS - t)) s"
   fi
 }

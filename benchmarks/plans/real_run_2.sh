@@ -58,7 +58,7 @@ launch_train() {  # launch_train RUN PORT [sets...]: PORT for torch.distributed,
 }
 offline() {  # offline NAME FEATURES_RUN CHECKPOINT: offline tau of CHECKPOINT on FEATURES_RUN's held-out split
   mkdir -p "$L/eval-$1" && ln -sfn "$2/features" "$L/eval-$1/features"
-  $PY eval/accept_len.py --config $CONFIG --run-dir "$L/eval-$1" "${BASE[@]}" --set "eval.checkpoint=$3" > "$L/eval-$1.txt" 2>&1
+  $PY eval/offline/accept_len.py --config $CONFIG --run-dir "$L/eval-$1" "${BASE[@]}" --set "eval.checkpoint=$3" > "$L/eval-$1.txt" 2>&1
   echo "-- offline tau, $1: $(grep -m1 "offline accept length" "$L/eval-$1.txt")"
   $PY -c "import json, sys; print({k: round(v['tau'], 3) for k, v in json.load(open(sys.argv[1]))['settings'].items()})" "$L/eval-$1/eval/accept_len.json"
 }
@@ -116,7 +116,7 @@ domain() {
 bench() {  # the embedded decoder on the bench8 prompts; economics with the offline tau of the same prompts
   rm -rf "$L/bench-embedded" && mkdir -p "$L/bench-embedded/eval"
   cp "$L/eval-bench8/eval/accept_len.json" "$L/bench-embedded/eval/"
-  $PY eval/bench.py --config $CONFIG --run-dir "$L/bench-embedded" "${BASE[@]}" --set "eval.checkpoint=$L/general/export" \
+  $PY eval/bench/live.py --config $CONFIG --run-dir "$L/bench-embedded" "${BASE[@]}" --set "eval.checkpoint=$L/general/export" \
     --set "bench.max_new_tokens=$BENCH_TOKENS" --set "bench.repetitions=${BENCH_REPS:-3}" --set 'bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]' \
     > "$L/bench-embedded.txt" 2>&1
   tail -12 "$L/bench-embedded.txt"
@@ -126,7 +126,7 @@ sglang() {
   SGL_DIR=${SGL_DIR:-/tmp/sgl} BENCH_MTBENCH=$DOM/mtbench-general.jsonl BENCH_TOKENS=$BENCH_TOKENS PYTHON=$PY \
     bash benchmarks/sglang_vs_embedded.sh bench "$MODEL" "$L/general/export" "$L/sgl" > "$L/sglang-bench.txt" 2>&1
   mkdir -p "$L/sgl/bench/eval" && cp "$L/eval-bench8/eval/accept_len.json" "$L/sgl/bench/eval/"
-  $PY eval/economics.py --config $CONFIG --run-dir "$L/sgl/bench" > "$L/sglang-economics.txt" 2>&1
+  $PY eval/economics/analysis.py --config $CONFIG --run-dir "$L/sgl/bench" > "$L/sglang-economics.txt" 2>&1
   tail -25 "$L/sglang-bench.txt"; cat "$L/sglang-economics.txt"
 }
 

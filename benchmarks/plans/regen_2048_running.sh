@@ -4,7 +4,7 @@
 #      benchmarks/calibrated_prediction.sh with the shipped drafter, its costs calibrated on EMB_CAL_PROMPTS (4)
 #      HumanEval prompts at EMB_CAL_NEW (96) new tokens, then its tok/s predicted from its offline tau on EMB_PROMPTS
 #      (4) MT-Bench prompts at EMB_NEW (384) new tokens, then measured there (EMB_SETTINGS, EMB_REPS), with the
-#      target's attention EMB_ATTENTION (sdpa; chain: eval/chain_attention.py).
+#      target's attention EMB_ATTENTION (sdpa; chain: eval/decode/chain_attention.py).
 #   2. regeneration of §14a's workload (all of ShareGPT + CHITCHAT (3000) chitchat conversations, MT-Bench held out,
 #      T=0, then HumanEval) through PER_GPU (3) plain servers that run RUNNING (2048) requests at once on the GPU
 #      (§14a, §16a: 1024), with SERVER_EXTRA (--min-free-slots-delay 4: new prefills wait for 4 free slots, so they
@@ -23,7 +23,7 @@ source benchmarks/run_phases.sh lib
 embedded_alone() {
   say "1. embedded: the shipped drafter, calibrated on HumanEval, predicted and measured on MT-Bench"
   local t=$SECONDS
-  CUDA_VISIBLE_DEVICES=0 EXTRA="${BASE[*]} --set bench.attention=${EMB_ATTENTION:-sdpa}" NEW=${EMB_NEW:-384} CAL_NEW=${EMB_CAL_NEW:-96} REPS=${EMB_REPS:-3} \
+  CUDA_VISIBLE_DEVICES=0 EXTRA="${BASE[*]} --set bench.embedded.attention=${EMB_ATTENTION:-sdpa}" NEW=${EMB_NEW:-384} CAL_NEW=${EMB_CAL_NEW:-96} REPS=${EMB_REPS:-3} \
     N_PROMPTS=${EMB_PROMPTS:-4} SETTINGS=${EMB_SETTINGS:-3/1/4,5/1/6} PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
     CAL_SOURCE="kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: ${EMB_CAL_PROMPTS:-4}" \
     timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$SHIPPED" "$SHIPPED" >> "$L/embedded.txt" 2>&1

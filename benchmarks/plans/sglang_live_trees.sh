@@ -12,10 +12,10 @@
 #      setting (SGL_REPS (3) repetitions, batch 1, the shipped drafter); then the measurement on SGL_PER_CAT (2)
 #      MT-Bench questions of each of its eight categories (16; §18c's first 8 were all writing), its economics
 #      predicting each setting's tok/s and speed-up from the calibration's cycles and offline tau on this run's plain
-#      answers (eval/same_prompts.py): no speculative figure of this run is an input; then offline tau on each
+#      answers (eval/offline/same_prompts.py): no speculative figure of this run is an input; then offline tau on each
 #      speculative server's own answers (live against offline). The servers are stopped after it.
 #   3. the embedded bench alone on the machine: benchmarks/calibrated_prediction.sh with the shipped drafter as §18a
-#      (bench.attention chain, the graphed chain; costs calibrated on EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW
+#      (bench.embedded.attention chain, the graphed chain; costs calibrated on EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW
 #      (96) new tokens, tok/s predicted from offline tau on EMB_PROMPTS (4) MT-Bench prompts at EMB_NEW (384) and
 #      measured there; EMB_SETTINGS 3/1/4,5/1/6,7/1/8, EMB_REPS 3)
 # SGL_BENCH=0 leaves out 1-2: the embedded bench alone, once the GPU tests and its features are done.

@@ -3,7 +3,7 @@
 Parameter names are SGLang's checkpoint keys (``fc.weight``, ``midlayer.*``, ``norm.weight``,
 ``lm_head.weight``, buffers ``d2t``/``t2d``; a deeper drafter's layers 1.. as ``layers.{i}.*``), so ``state_dict()``
 minus ``embed_tokens`` is the exported checkpoint. No I/O, no distributed code: training (train/ttt.py) and inference
-(eval/speculate.py) both drive the same pieces. Its config.json is config.py's
+(eval/decode/speculate.py) both drive the same pieces. Its config.json is config.py's
 DrafterConfig; building the model refuses a layout it cannot build (DrafterConfig.check_supported).
 
 Shapes: B batch, T new tokens, S cached tokens, H drafter hidden, Ht target hidden,
@@ -13,7 +13,6 @@ nh / nkv attention / key-value heads, hd head dim, V target vocab, Vd draft voca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -208,54 +207,34 @@ class LMHead(nn.Linear):
         return super().forward(x) if fn is None else fn(x, self.weight)
 
 
-@dataclass
 class DraftCache:
-    """The drafter's key/value cache for inference: (B, nkv, S, hd) each, grown by `step`; a deeper drafter's layers
-    1.. keep theirs in `above`, over the same S rows."""
+    """The drafter's key/value cache for inference: (B, nkv, rows, hd) each, the first `length` rows filled by `step`;
+    a deeper drafter's layers 1.. keep theirs in `above`, over the same rows. One interface (`length`, `append`,
+    `crop`, `layer`), two storages:
 
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    above: list["DraftCache"] = field(default_factory=list)
+    - DraftCache() grows: each append makes the tensor of the rows so far (eager decoding, the offline evaluation);
+      DraftCache(k, v) starts from rows that another cache holds;
+    - DraftCache.static(cfg, capacity, device, dtype) holds buffers of `capacity` rows written in place, so that a
+      CUDA graph can read and write them (eval/decode/draft_graph.py); setting `length` marks rows written there
+      directly.
+    """
 
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+    def __init__(self, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> None:
+        self.k, self.v = k, v
+        self.capacity: int | None = None  # None: the cache grows
+        self._length = 0 if k is None else k.shape[2]
+        self.above: list[DraftCache] = []
 
-    def layer(self, i: int) -> "DraftCache":
-        """Layer i's cache: this one for the midlayer (i = 0), else `above[i - 1]` (made on first use)."""
-        while len(self.above) < i:
-            self.above.append(DraftCache())
-        return self if i == 0 else self.above[i - 1]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
-
-    def crop(self, n: int) -> None:
-        """Roll back to the first n entries."""
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot crop a cache of {self.length} entries to {n}")
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
-        for c in self.above:
-            c.crop(n)
-
-
-class StaticDraftCache:
-    """DraftCache in buffers of a fixed `capacity` (B, nkv, capacity, hd), written in place, so that a CUDA graph can
-    read and write them (eval/draft_graph.py). The same `length`, `append`, `crop` and `layer` as DraftCache; a deeper
-    drafter's layers 1.. have theirs in `above`, and setting `length` sets theirs too."""
-
-    def __init__(
-        self, cfg: DrafterConfig, capacity: int, device, dtype: torch.dtype, batch: int = 1, layers: int | None = None
-    ) -> None:
+    @classmethod
+    def static(
+        cls, cfg: DrafterConfig, capacity: int, device, dtype: torch.dtype, batch: int = 1, layers: int | None = None
+    ) -> "DraftCache":
         shape = (batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.capacity, self._length = capacity, 0
+        c = cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+        c.capacity, c._length = capacity, 0
         n = cfg.num_hidden_layers if layers is None else layers
-        self.above = [StaticDraftCache(cfg, capacity, device, dtype, batch, layers=1) for _ in range(n - 1)]
+        c.above = [cls.static(cfg, capacity, device, dtype, batch, layers=1) for _ in range(n - 1)]
+        return c
 
     @property
     def length(self) -> int:
@@ -263,27 +242,41 @@ class StaticDraftCache:
 
     @length.setter
     def length(self, n: int) -> None:
+        """Keep the first n rows (a static cache: up to its capacity, rows written in place count), every layer's."""
+        most = self._length if self.capacity is None else self.capacity
+        if not 0 <= n <= most:
+            raise ValueError(f"a draft cache of {most} rows cannot hold {n}")
+        if self.capacity is None and self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
         self._length = n
         for c in self.above:
             c.length = n
 
+    def layer(self, i: int) -> "DraftCache":
+        """Layer i's cache: this one for the midlayer (i = 0), else `above[i - 1]` (made on first use when growing)."""
+        while self.capacity is None and len(self.above) < i:
+            self.above.append(DraftCache())
+        return self if i == 0 else self.above[i - 1]
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self._length + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"a static draft cache of {self.capacity} entries cannot hold {end}")
-        self.k[:, :, self._length : end] = k
-        self.v[:, :, self._length : end] = v
+        """This layer's keys and values of T new tokens (B, nkv, T, hd) after the rows so far -> all its rows."""
+        start, end = self._length, self._length + k.shape[2]
+        if self.capacity is None:
+            self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+            self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        elif end > self.capacity:
+            raise ValueError(f"a static draft cache of {self.capacity} rows cannot hold {end}")
+        else:
+            self.k[:, :, start:end] = k
+            self.v[:, :, start:end] = v
         self._length = end  # this layer's alone: `step` appends each layer's in turn
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def crop(self, n: int) -> None:
-        """Roll back to the first n entries (the buffers keep the rest, to be overwritten)."""
+        """Roll back to the first n rows (a static cache's buffers keep the rest, to be overwritten)."""
         if not 0 <= n <= self._length:
             raise ValueError(f"cannot crop a cache of {self._length} entries to {n}")
         self.length = n
-
-    def layer(self, i: int) -> "StaticDraftCache":
-        return self if i == 0 else self.above[i - 1]
 
 
 class Eagle3Drafter(nn.Module):

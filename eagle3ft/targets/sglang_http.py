@@ -1,6 +1,6 @@
 """Talking to an SGLang server: its identity (GET /server_info), the /generate body decoded as it streams, and
 HTTP with timeouts and retries. The SGLang target (sglang.py), the regeneration (data/regen.py) and the live bench
-(eval/bench_sglang.py) all go through `call`.
+(eval/bench/sglang_backend.py) all go through `call`.
 
 Hidden states arrive as JSON floats (~16 KB/token at 3x576, ~200 KB/token at
 3x7168). The body is streamed: ``HiddenStream`` parses the hidden-state numbers

@@ -16,7 +16,7 @@ Three roles, one command builder:
 runs one server in the foreground until SIGINT/SIGTERM; with ``-- COMMAND``, runs the command
 once the server is healthy, then stops the server and exits with the command's status (the
 harvest recipe); ``--print`` only prints the server command. ``SGLangServer`` does the same
-from Python (the bench's ``bench.launch``).
+from Python (the bench's ``bench.sglang.launch``).
 """
 
 from __future__ import annotations

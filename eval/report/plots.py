@@ -1,4 +1,4 @@
-"""The report's plots (eval/report.py draws them into RUN/eval/): training loss and held-out tau, acceptance per
+"""The report's plots (eval/report/build.py draws them into RUN/eval/): training loss and held-out tau, acceptance per
 depth, offline against live tau per setting, and tok/s against the number of draft tokens.
 """
 

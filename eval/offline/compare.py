@@ -5,7 +5,7 @@
 `--before` defaults to drafter.init (the drafter the fine-tune started from), `--after` to eval.checkpoint (the
 run's export); both are measured on RUN's held-out features, each sample in the set of the source it was harvested
 from (data/harvest.py sample_sources). Per set, at the eval setting's greedy chain (eval.steps/1/eval.steps+1):
-- τ as a live decoder walks the answers cycle by cycle (eval/accept_len.py's walk), on all answer tokens and on
+- τ as a live decoder walks the answers cycle by cycle (eval/offline/accept_len.py's walk), on all answer tokens and on
   the loop-free ones (data/loops.py), before -> after;
 - the change, and its 90% interval over the conversations drawn again (a paired bootstrap: the same draw for both
   drafters, counts summed over the drawn conversations before any ratio);
@@ -33,7 +33,7 @@ RESAMPLES = 2000
 @dataclass
 class SetTotals:
     """One drafter's cycle walk on one held-out set, per conversation: (tokens, cycles, loop-free tokens,
-    loop-free cycles), as eval/accept_len.py's walk counts them."""
+    loop-free cycles), as eval/offline/accept_len.py's walk counts them."""
 
     per_sample: list[tuple[float, float, float, float]]
 
@@ -49,7 +49,7 @@ class SetTotals:
 
 def measure(drafter, items, steps: int, device) -> SetTotals:
     """The walk of `drafter` over the held-out items at steps/1/steps+1."""
-    from eagle3ft.eval.accept_len import walk_totals
+    from eagle3ft.eval.offline.accept_len import walk_totals
 
     return SetTotals([walk_totals(drafter, item, steps, device) for item in items])
 
@@ -161,7 +161,7 @@ def drafter_walks(cfg, run_dir: Path, folders: dict[str, Path]) -> dict[str, dic
     from eagle3ft.data.store import MANIFEST, FeatureStore
     from eagle3ft.drafter.config import check_drafter_folder
     from eagle3ft.drafter.export import load_drafter
-    from eagle3ft.eval.demo_summary import group_heldout
+    from eagle3ft.eval.report.demo_summary import group_heldout
     from eagle3ft.targets.hf import load_input_embedding, pick_device
 
     store = FeatureStore(RunDir(run_dir).features)

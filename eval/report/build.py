@@ -1,6 +1,6 @@
 """Join a run's training log, offline accept length and live benchmark into one report.
 
-    python eval/report.py --config CFG --run-dir RUN
+    python eval/report/build.py --config CFG --run-dir RUN
 
 Reads RUN/train/metrics.jsonl, RUN/eval/accept_len.json, RUN/bench/summary.json and
 RUN/bench/prediction.json (each optional: a missing part is reported as missing; with none of the
@@ -15,7 +15,7 @@ Offline accept length (which prompts and how many roots; attempts, accepted and 
 benchmark (which prompts, verifies and tokens behind each live tau, offline tau on the same prompts
 where the backend scores them); Economics (costs, the tau each setting needs for x1.0/x1.5/x2.0 and
 whether it is out of reach, offline tau priced, and the calibrated prediction against measured).
-The plots are drawn by eval/report_plots.py, report.md written by eval/report_md.py.
+The plots are drawn by eval/report/plots.py, report.md written by eval/report/md.py.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import json
 import statistics
 from pathlib import Path
 
-from eagle3ft.eval.calibration import from_config, join, predict
-from eagle3ft.eval.economics import analyse, read_offline_tau
-from eagle3ft.eval.report_md import divergence_text, headline_text, markdown
-from eagle3ft.eval.report_plots import plot_accept, plot_tau, plot_tok_s, plot_train
+from eagle3ft.eval.economics.analysis import analyse, read_offline_tau
+from eagle3ft.eval.economics.calibration import from_config, join, predict
+from eagle3ft.eval.report.md import divergence_text, headline_text, markdown
+from eagle3ft.eval.report.plots import plot_accept, plot_tau, plot_tok_s, plot_train
 from eagle3ft.files import write_atomic, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -232,10 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg, run_dir, args = parse_cli(
         "Report: training, offline accept length, live benchmark.", stage="report", argv=argv
     )
-    check_or_exit("report.py", "report", cfg, run_dir, args.config)
+    check_or_exit("build.py", "report", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
-    with holding(run_dir, "report", "report.py"), cli_errors("report.py", log=error_log(run_dir, "report")):
+    with holding(run_dir, "report", "build.py"), cli_errors("build.py", log=error_log(run_dir, "report")):
         rep = build(run_dir, cfg)
     print(f"report: {RunDir(run_dir).report_md}")
     print(headline_text(rep["headline"]))

@@ -1,14 +1,14 @@
 """The demo's story in numbers: a shipped drafter before and after a fine-tune on one domain.
 
-    python eval/demo_summary.py measure  --config CFG --run-dir RUN   # offline per held-out set + the live bench
-    python eval/demo_summary.py offline  --config CFG --run-dir RUN [--only LABEL ...]
-    python eval/demo_summary.py headline --config CFG --run-dir RUN [--before LABEL] [--after LABEL]
+    python eval/report/demo_summary.py measure  --config CFG --run-dir RUN   # offline per held-out set + the live bench
+    python eval/report/demo_summary.py offline  --config CFG --run-dir RUN [--only LABEL ...]
+    python eval/report/demo_summary.py headline --config CFG --run-dir RUN [--before LABEL] [--after LABEL]
 
 The drafters are the bench's: `eval.checkpoint` (the run's fine-tuned export, labelled as written, e.g.
 "export") and each `bench.drafters` label (e.g. "shipped": the folder the run warm-started from).
 
 `measure` does both of the following in one process, with one load of the target: `offline`, then the
-live bench (eval/harness.py on the embedded backend) with the drafters already loaded.
+live bench (eval/bench/schedule.py on the embedded backend) with the drafters already loaded.
 
 `offline` measures each drafter's offline tau on RUN's held-out features, one figure per held-out
 source (HumanEval apart from MT-Bench: the source each sample was harvested from, data/harvest.py sample_sources), and
@@ -21,7 +21,7 @@ the general prompts (every other kind), each with the prompts and tokens behind 
 RUN/demo/summary.json and RUN/demo/summary.md.
 
 Speculation beats plain decoding when tau exceeds the break-even tau, cycle time / plain step time
-(eval/economics.py): the headline prints it per prompt set beside the taus.
+(eval/economics/analysis.py): the headline prints it per prompt set beside the taus.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def group_heldout(names: list[str | None]) -> dict[str, list[int]]:
 
 def offline_by_source(drafter, ds, groups: dict[str, list[int]], steps: int, device) -> dict:
     """Chain greedy offline tau per group: conversations, roots, answer tokens, tau per d/1/d+1 setting, per depth."""
-    from eagle3ft.eval.accept_len import evaluate
+    from eagle3ft.eval.offline.accept_len import evaluate
 
     out = {}
     for kind, idx in groups.items():
@@ -139,9 +139,13 @@ def run_offline(cfg, run_dir: Path, only: list[str] | None = None, log=print) ->
 
 def run_measure(cfg, run_dir: Path, log=print) -> dict:
     """One process, one target load: every drafter's offline tau per held-out set, then the live bench (plain
-    against eval.checkpoint and bench.drafters, interleaved, every prompt set) with the drafters the bench loaded."""
-    from eagle3ft.eval import harness
-    from eagle3ft.eval.bench_embedded import EmbeddedBackend
+    against eval.checkpoint and bench.drafters, interleaved, every prompt set) with the drafters the bench loaded, then
+    the bench's economics."""
+    from eagle3ft.eval.bench import schedule
+    from eagle3ft.eval.bench.embedded_backend import EmbeddedBackend
+    from eagle3ft.eval.bench.format import format_summary
+    from eagle3ft.eval.bench.prompts import load_prompt_sets
+    from eagle3ft.eval.economics.analysis import after_bench
 
     if cfg.bench.backend != "embedded":
         raise ValueError(f"bench.backend {cfg.bench.backend!r}: the demo measures with the embedded backend")
@@ -149,8 +153,9 @@ def run_measure(cfg, run_dir: Path, log=print) -> dict:
     held = _check_drafters(cfg, run_dir, folders)
     backend = EmbeddedBackend(cfg, run_dir)
     offline_all(cfg, run_dir, backend.drafters, folders, held, backend.device, log)
-    summary = harness.run(cfg, run_dir, backend, log)
-    log(harness.format_summary(summary))
+    summary = schedule.run(cfg, run_dir, backend, load_prompt_sets(cfg, backend.tokenizer), log)
+    after_bench(run_dir, cfg, log)
+    log(format_summary(summary))
     return summary
 
 

@@ -2,21 +2,21 @@
 
 The bench's plain greedy pass gives the target's own answer to each prompt. One target forward over
 prompt + answer gives what a harvest would store for it (the aux layers' hidden states, the top-k
-log-probs of the next token), and eval/accept_len.py's chain evaluation on those features is the
+log-probs of the next token), and eval/offline/accept_len.py's chain evaluation on those features is the
 offline tau of exactly the tokens the live runs decoded. The offline tau averages over every answer token; the live
 one starts a cycle only where the previous one ended, which the cycle walk's tau (`settings_walk`) follows
-(eval/acceptance.py). Where the two backends compute the same numbers, the walk equals the live tau.
+(eval/offline/acceptance.py). Where the two backends compute the same numbers, the walk equals the live tau.
 
 As a command, the offline tau of `eval.checkpoint` on another bench run's plain answers, before any bench of that
-drafter (the prediction's input when the answers are a calibration run's, eval/economics.py):
+drafter (the prediction's input when the answers are a calibration run's, eval/economics/analysis.py):
 
-    python eval/same_prompts.py --config CFG --run-dir RUN --answers-from CALIBRATION_RUN --set eval.checkpoint=D
+    python eval/offline/same_prompts.py --config CFG --run-dir RUN --answers-from CALIBRATION_RUN --set eval.checkpoint=D
 
 With `--answers-of 3/1/4`, on that run's speculative answers at 3/1/4 instead: after a drafter's own bench, its
 offline tau on the tokens its live tau was counted on.
 
 The bench config (`bench.prompts`, `bench.settings`) must be the one CALIBRATION_RUN ran with; the result goes to
-RUN/eval/accept_len.json, where eval/economics.py reads offline tau.
+RUN/eval/accept_len.json, where eval/economics/analysis.py reads offline tau.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle3ft.eval.accept_len import evaluate
-from eagle3ft.eval.harness import first_answers
-from eagle3ft.eval.speculate import aux_from_hidden_states
+from eagle3ft.eval.bench.summary import first_answers
+from eagle3ft.eval.decode.speculate import aux_from_hidden_states
+from eagle3ft.eval.offline.accept_len import evaluate
 from eagle3ft.files import json_text, read_json, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -65,7 +65,7 @@ def offline_tau(
     tree_context: str = "slots",
 ) -> dict | None:
     """Greedy offline tau on these prompts and answers: every chain d/1/d+1 up to the deepest benchmarked chain, and
-    each benchmarked tree (topk > 1) as SGLang builds it (eval/acceptance.py's tree_accept, with tree_context)."""
+    each benchmarked tree (topk > 1) as SGLang builds it (eval/offline/acceptance.py's tree_accept, with tree_context)."""
     depth = max((s.steps for s in settings if s.topk == 1), default=0)
     trees = [s for s in settings if s.topk > 1]
     if depth == 0 and not trees:
@@ -102,7 +102,7 @@ def checkpoint_offline_tau(
     copy of `cfg.target` loaded here: what a bench backend without the target in this process (SGLang) uses. With
     `keep`, also on the answers it marks, as `rep["kept"]` (None when it marks none)."""
     from eagle3ft.config import resolve_path
-    from eagle3ft.eval.harness import check_drafter_for_run, drafter_on_target
+    from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
     from eagle3ft.targets.hf import load_target
 
     folder = resolve_path(cfg.eval.checkpoint, base=run_dir)
@@ -140,8 +140,9 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
     from eagle3ft.config import resolve_path
-    from eagle3ft.eval.harness import load_prompts, prompt_sets
+    from eagle3ft.eval.bench.prompts import load_prompts, set_labels
     from eagle3ft.runlock import holding
+    from eagle3ft.targets.hf import load_tokenizer
 
     desc = "Offline tau of eval.checkpoint on another bench run's greedy answers (RUN/eval/accept_len.json)."
     parser = build_parser(desc)
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py", log=error_log(run_dir, "eval")):
         if not cfg.eval.checkpoint:
             raise ValueError("eval.checkpoint: name the drafter folder to evaluate")
-        label, src = prompt_sets(cfg)[0]
-        prompts = load_prompts(cfg, src)
+        label, src = set_labels(cfg)[0]
+        prompts = load_prompts(cfg, load_tokenizer(cfg.target), src)
         source = Path(args.answers_from)
         answers, finished = bench_answers(source, label, len(prompts), args.answers_of)
         # also on the answers that finished: a cap cut none of them, so no loop ran them long

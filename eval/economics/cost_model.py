@@ -117,7 +117,7 @@ def reach_text(r: dict) -> str:
 
 
 def cost_model_from_summary(summary: dict) -> CostModel:
-    """The cost model measured by eval/bench.py (bench/summary.json's `costs`)."""
+    """The cost model measured by eval/bench/live.py (bench/summary.json's `costs`)."""
     c = summary["costs"]
     return CostModel(
         baseline_s_per_token=c["baseline_s_per_token"],

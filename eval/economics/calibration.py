@@ -12,8 +12,9 @@ slows both) and held against the measured speed-up of each repetition over its o
 Priced at this run's plain tok/s (`predicted_tok_s_at_plain`), the same speed-up gives tok/s without the host's drift
 between the two runs: no speculative figure of this run goes in, only its plain pass.
 
-A calibration of 16 prompts pins a setting's cycle to about 5-10% (RESULTS §22: 2.49-2.82 plain steps for 7/1/8
-over seven runs of one plan). `bench.calibration_pool` lists earlier runs' calibration.json files of the same backend,
+A calibration of 16 prompts pins a setting's cycle to about 5-10%: 2.49-2.82 plain steps for 7/1/8 over seven runs
+of one plan on the H200 (records, "SGLang again with the mended walk, and the calibration again after the
+measurement"). `bench.calibration_pool` lists earlier runs' calibration.json files of the same backend,
 target and answer length: each setting's cycle in plain steps is then their mean with bench.calibration's, weighted by
 prompts, and priced at bench.calibration's plain step (the host of the latest run; `pool`). A pooled SGLang run
 whose servers ran other args than bench.calibration's is named in the prediction's warnings.
@@ -25,7 +26,7 @@ import json
 from pathlib import Path
 
 from eagle3ft.config import resolve_path
-from eagle3ft.eval.costs import cost_model_from_summary, fmt, max_tau
+from eagle3ft.eval.economics.cost_model import cost_model_from_summary, fmt, max_tau
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -81,7 +82,7 @@ def load_calibration(path: str | Path) -> dict:
         cal = json.loads(path.read_text())
     except FileNotFoundError:
         raise CalibrationError(
-            f"{path}: no such calibration file (bench.calibration; every eval/bench.py run writes "
+            f"{path}: no such calibration file (bench.calibration; every eval/bench/live.py run writes "
             "RUN/bench/calibration.json)"
         ) from None
     except (OSError, json.JSONDecodeError) as e:

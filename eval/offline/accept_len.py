@@ -1,16 +1,16 @@
 """Offline accept length (tau) of a drafter on held-out target features.
 
-eval/acceptance.py gives, per sample, an acceptance alpha for every root and depth (chain and tree).
+eval/offline/acceptance.py gives, per sample, an acceptance alpha for every root and depth (chain and tree).
 Expected counts over the whole set, then ratios: reach_k = prod_{j<k} alpha_j,
   attempts_k = sum reach_k,  accepts_k = sum reach_k * alpha_k,  a_k = accepts_k / attempts_k,
   tau = 1 + sum_k prod_{j<=k} a_j   (the 1 is the bonus token, as in SGLang's spec_accept_length).
 acc_k = sum alpha_k / (#depth-k chains) is the unconditional rate: NOT tau.
 Beside each greedy setting's tau over every root, tau_walk: the tokens per cycle of a live greedy decoder that walks
-the same answers cycle by cycle (eval/acceptance.py, cycle_walk). Published tables quote the first; a live bench
+the same answers cycle by cycle (eval/offline/acceptance.py, cycle_walk). Published tables quote the first; a live bench
 measures the second. tau_walk_interval: its 90% interval over the samples drawn again (walk_interval), how far tau
 moves on another draw of as many prompts.
 
-`python eval/accept_len.py --config CFG --run-dir RUN` writes RUN/eval/accept_len.json.
+`python eval/offline/accept_len.py --config CFG --run-dir RUN` writes RUN/eval/accept_len.json.
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ import torch
 
 from eagle3ft.data.loops import answer_loops as loop_of_answers
 from eagle3ft.drafter.model import Eagle3Drafter
-from eagle3ft.eval.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk_rows, tree_accept
+from eagle3ft.eval.offline.acceptance import (
+    SampleInputs,
+    chain_accept_lengths,
+    chain_acceptance,
+    cycle_walk_rows,
+    tree_accept,
+)
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 
@@ -134,7 +140,7 @@ def evaluate(
     tree_context: str = "slots",
 ) -> AcceptReport:
     """Offline tau over an iterable of store items (dicts as FeatureStore.dataset yields); tree_context as
-    eval/acceptance.py's tree_accept."""
+    eval/offline/acceptance.py's tree_accept."""
     t0 = time.perf_counter()
     num_draft_tokens = num_draft_tokens or steps + 1
     samp_t = temperature if temperature > 0 else 1.0
@@ -238,7 +244,7 @@ def walk_interval(
     """The `level` interval of the walk's tau over the samples drawn again with replacement (a bootstrap): how far
     the same drafter's tau moves on another draw of as many prompts and answers. A live bench whose answers part
     from these (bf16 numerics at near-ties) decodes partly other answers: a scale of how far its tau may move, not a
-    bound (RESULTS §20c)."""
+    bound (records, "Why the tree's τ input misses: answers that part and stop looping")."""
     if len(per_sample) < 2:
         return None
     t = torch.tensor(per_sample, dtype=torch.float64)  # (n, 2): tokens, cycles

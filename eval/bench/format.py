@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def _format_figures(f: dict | None, indent: str) -> list[str]:
-    """The e2e line and the loop/finished split of one arm (eval/live_splits.py)."""
+    """The e2e line and the loop/finished split of one arm (eval/bench/live_splits.py)."""
     if not f:
         return []
     e, lf, fin = f["e2e"], f["loop_free"], f["finished"]

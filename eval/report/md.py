@@ -1,4 +1,4 @@
-"""report.md from the report dict that eval/report.py builds: the headline, the verdict, the terms, then Training,
+"""report.md from the report dict that eval/report/build.py builds: the headline, the verdict, the terms, then Training,
 Offline accept length, Live benchmark and Economics, in that order.
 """
 
@@ -231,7 +231,7 @@ def _md_bench(s: dict | None, e: dict | None, a: dict | None) -> list[str]:
             f"τ offline, same prompts: the drafter scored offline on {same['source']} ({same['samples']} sequences, "
             f"{same['roots']} roots), "
             "the same tokens the live runs decoded. Every root: the mean over every answer token, as published tables "
-            "count; cycle walk: cycles start where the last one ended, as a live decoder's do (eval/acceptance.py), "
+            "count; cycle walk: cycles start where the last one ended, as a live decoder's do (eval/offline/acceptance.py), "
             "so it is the offline figure for τ live.",
             "",
         ]
@@ -336,29 +336,27 @@ def _md_calibrated(p: dict) -> list[str]:
             f"{_f(r.get('predicted_tok_s_at_plain'), '{:.1f}')}, {_f(r.get('error_pct_at_plain'), '{:+.1f}%')} | "
             f"{_f(r.get('predicted_tok_s_live_tau'), '{:.1f}')}, {_f(r.get('error_pct_live_tau'), '{:+.1f}%')} |"
         )
+    notes = []  # paragraphs under the table, each where the prediction has what it speaks of
     if any(r.get("predicted_tok_s_interval") for r in p["rows"]):
-        L += [
-            "",
+        notes.append(
             "In brackets: the tok/s of the offline τ's 90% interval over the prompts drawn again, as many: how far τ "
-            "moves on another draw of prompts, a scale for a live bench whose answers part from the plain ones.",
-        ]
-    if p.get("baseline"):
-        b = p["baseline"]
-        L += [
-            "",
+            "moves on another draw of prompts, a scale for a live bench whose answers part from the plain ones."
+        )
+    if b := p.get("baseline"):
+        notes.append(
             f"Plain decoding ran {b['calibration_tok_s']:.1f} tok/s in the calibration and {b['measured_tok_s']:.1f} "
             f"here ({b['error_pct']:+.1f}%): the host's drift between the runs, in every setting's tok/s error. \"At "
             "this run's plain speed\" prices the predicted speed-up (the calibrated cycle in plain steps) at this "
-            "run's plain tok/s, without that drift.",
-        ]
-    if p.get("pick"):
-        k = p["pick"]
-        L += [
-            "",
+            "run's plain tok/s, without that drift."
+        )
+    if k := p.get("pick"):
+        notes.append(
             f"The economics picks **{k['setting']}** (the highest predicted speed-up among the settings the "
             f"calibration ran): x{k['predicted_speedup']:.2f}, breaking even at τ {k['break_even_tau']:.2f}"
-            + (f"; measured x{k['measured_speedup']:.2f}." if k.get("measured_speedup") is not None else "."),
-        ]
+            + (f"; measured x{k['measured_speedup']:.2f}." if k.get("measured_speedup") is not None else ".")
+        )
+    for note in notes:
+        L += ["", note]
     return L + [""]
 
 

@@ -1,8 +1,10 @@
 """What a live bench's passes give beyond the decode-only tok/s: the end-to-end figure a user's client sees, and every
-figure again on the loop-free tokens and on the answers that finished before the cap (eval/loops.py).
+figure again on the loop-free tokens and on the answers that finished before the cap. What a loop is, is
+data/loops.py's (a token is repeated when the 8-gram ending at it occurred earlier in the same answer; a loop is a run
+of >= 8 repeated tokens); a tiny target at T=0 falls into them, and a user's traffic does not loop like that.
 
 - **e2e**: answer tokens over the wall time of the requests (the prompt's prefill and the transport included):
-  SGLang's non-streamed requests (`bench.sglang_requests` "whole"), else its streamed ones' wall time, else the
+  SGLang's non-streamed requests (`bench.sglang.requests` "whole"), else its streamed ones' wall time, else the
   embedded decoder's prefill + decode. Per repetition, pooled over the prompts; the speed-up against the same
   repetition's plain pass (`speedup_paired`) and of the medians.
 - **loop_free**: tau and decode tok/s on the tokens outside loops. An answer is cut into the spans it was emitted in,
@@ -15,7 +17,7 @@ figure again on the loop-free tokens and on the answers that finished before the
 - **loop_free_answers**: the same over the answers with no loop at all; exact without spans, so it is what a
   non-streamed run gives in place of `loop_free`.
 
-`python -m eagle3ft.eval.live_splits RUN/bench/runs.jsonl [--cap N]` prints these figures for every arm of a bench's
+`python -m eagle3ft.eval.bench.live_splits RUN/bench/runs.jsonl [--cap N]` prints these figures for every arm of a bench's
 raw runs; with `--cap`, of its streamed requests cut at N new tokens (`cut_at`): what a shorter cap would have given on
 the same answers, read off one run rather than measured by a second.
 """
@@ -23,9 +25,48 @@ the same answers, read off one run rather than measured by a second.
 from __future__ import annotations
 
 import statistics
+from dataclasses import astuple, dataclass
 
-from eagle3ft.eval.loops import Split, loop_mask, split_spans
+from eagle3ft.data.loops import loop_mask
 from eagle3ft.files import json_text
+
+
+@dataclass
+class Split:
+    """Tokens, verifies and seconds of one part of the answers (verifies and seconds may be fractional: shared)."""
+
+    tokens: float = 0.0
+    verifies: float = 0.0
+    seconds: float = 0.0
+    verified: float = 0.0  # the tokens of spans a verify emitted (not the prefill's first token)
+
+    def __add__(self, o: "Split") -> "Split":
+        return Split(*(a + b for a, b in zip(astuple(self), astuple(o))))
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens per verify, the bonus token included (SGLang's spec_accept_length without the prefill's token)."""
+        return self.verified / self.verifies if self.verifies > 0 else None
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+def split_spans(loop: list[bool], spans: list[tuple[int, float, float]]) -> tuple[Split, Split]:
+    """(loop-free, loop) totals of an answer emitted in `spans`, each (tokens, verifies, seconds) in order: a verify's
+    accepted tokens or a streamed chunk. Each span's verifies and seconds are shared out between its loop and
+    loop-free tokens in proportion to their counts, exact for a span that lies wholly on one side; tokens past the
+    mask's end count as loop-free."""
+    free, looped, pos = Split(), Split(), 0
+    for n, v, s in spans:
+        k = sum(loop[pos : pos + n])
+        if n > 0:
+            by_verify = 1.0 if v > 0 else 0.0
+            looped += Split(k, v * k / n, s * k / n, by_verify * k)
+            free += Split(n - k, v * (n - k) / n, s * (n - k) / n, by_verify * (n - k))
+        pos += n
+    return free, looped
 
 
 def e2e_of(r: dict) -> tuple[int, float]:
@@ -66,7 +107,7 @@ def cut_at(r: dict, cap: int) -> dict:
     path whatever the cap, so it is this answer's first `cap` tokens, and the server stops after the event (plain: the
     token; speculative: the verify) that reaches the cap: its time since the first token, plus the prefill, is the
     wall time. The non-streamed twin (`whole`) cannot be cut and is dropped; an answer longer than the cap did not
-    finish. Needs the events (`bench.sglang_requests` "stream")."""
+    finish. Needs the events (`bench.sglang.requests` "stream")."""
     if not r.get("events"):
         raise ValueError(f"prompt {r.get('prompt_index')}: no streamed events to cut at {cap} tokens")
     n = int(r["new_tokens"])
@@ -116,14 +157,14 @@ def arm_figures(rows: list[dict], plain: list[dict] | None) -> dict:
     for r in rows:
         by_rep.setdefault(r["repetition"], []).append(r)
     e2e = {rep: _pooled_tok_s([e2e_of(r) for r in rs]) for rep, rs in sorted(by_rep.items())}
-    out: dict = {"e2e": {"tok_s": _spread(list(e2e.values())), "timing": _timing(rows)}}
+    out: dict = {"e2e": {"tok_s": spread(list(e2e.values())), "timing": _timing(rows)}}
     streamed = {  # beside a non-streamed e2e: the streamed requests' own wall time
         rep: _pooled_tok_s([(int(r["new_tokens"]), float(r["wall_s"])) for r in rs])
         for rep, rs in sorted(by_rep.items())
         if all(r.get("whole") and r.get("events") and r.get("wall_s") for r in rs)
     }
     if streamed:
-        out["stream_wall"] = {"tok_s": _spread(list(streamed.values()))}
+        out["stream_wall"] = {"tok_s": spread(list(streamed.values()))}
     free, looped, unresolved, looping = Split(), Split(), 0, 0
     for r in rows:
         got = _row_splits(r)
@@ -151,7 +192,7 @@ def arm_figures(rows: list[dict], plain: list[dict] | None) -> dict:
         base = {rep: _pooled_tok_s([e2e_of(r) for r in rs]) for rep, rs in _by_rep(plain).items()}
         paired = [t / base[rep] for rep, t in e2e.items() if rep in base]
         out["e2e"]["speedup_median"] = statistics.median(e2e.values()) / statistics.median(base.values())
-        out["e2e"]["speedup_paired"] = _spread(paired) if paired else None
+        out["e2e"]["speedup_paired"] = spread(paired) if paired else None
         pw = arm_figures(plain, None).get("stream_wall")
         if streamed and pw:
             out["stream_wall"]["speedup_median"] = out["stream_wall"]["tok_s"]["median"] / pw["tok_s"]["median"]
@@ -202,7 +243,8 @@ def _pooled_tok_s(pairs: list[tuple[int, float]]) -> float:
     return sum(n for n, _ in pairs) / secs if secs > 0 else 0.0
 
 
-def _spread(xs: list[float]) -> dict:
+def spread(xs: list[float]) -> dict:
+    """Median, min and max over the repetitions, and the values per repetition."""
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "per_repetition": xs}
 
 
@@ -230,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     import gzip
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m eagle3ft.eval.live_splits", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m eagle3ft.eval.bench.live_splits", description=__doc__.split("\n")[0])
     ap.add_argument("runs", help="a bench's runs.jsonl (or .jsonl.gz)")
     ap.add_argument("--cap", type=int, help="cut the streamed requests at this many new tokens (cut_at)")
     args = ap.parse_args(argv)

@@ -11,14 +11,14 @@ Batch 1, chain drafting (SGLang's --speculative-eagle-topk 1). One cycle:
           sampled output is distributed as the target's sampling at the temperature;
   extend  crop both caches to the accepted tokens, then feed the drafter the accepted tokens'
           aux hidden states from the verify forward (aux id i == hidden_states[i + 1]).
-Position convention (as eval/accept_len.py): the drafter entry holding the embedding of token j+1
+Position convention (as eval/offline/accept_len.py): the drafter entry holding the embedding of token j+1
 is at position j.
 
 Per request it records the verify count and the tokens emitted per verify (bonus included, as SGLang's
 spec_accept_length). The algorithm alone, as gpt-fast's generate.py: it times nothing. Its phases are
 methods (prefill, draft_step or draft_chain, verify, extend, cycle) so that a caller can time around them
-(eval/bench_embedded.py does). With drafting="graph" (greedy only) the drafts after the extend come from
-eval/draft_graph.py: the same chain with no host round trip, one CUDA graph replay per cycle on a GPU (with
+(eval/bench/embedded_backend.py does). With drafting="graph" (greedy only) the drafts after the extend come from
+eval/decode/draft_graph.py: the same chain with no host round trip, one CUDA graph replay per cycle on a GPU (with
 graph_extend, the extend after each verify too).
 """
 
@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from eagle3ft.drafter.config import capture_points
-from eagle3ft.drafter.model import DraftCache, Eagle3Drafter, StaticDraftCache
-from eagle3ft.eval.draft_graph import DraftGraph
+from eagle3ft.drafter.model import DraftCache, Eagle3Drafter
+from eagle3ft.eval.decode.draft_graph import DraftGraph
 
 
 @dataclass
@@ -146,7 +146,7 @@ class DecodeState:
     is token length - 1), and the drafter's last pre-norm output h and logits (the first draft's inputs)."""
 
     tcache: DynamicCache
-    dcache: DraftCache | StaticDraftCache
+    dcache: DraftCache
     root: int
     length: int
     h: torch.Tensor  # (1, 1, H)
@@ -155,7 +155,7 @@ class DecodeState:
 
 class SpeculativeDecoder:
     """Target (transformers causal LM) + Eagle3Drafter, chain drafting of `steps` tokens per cycle. drafting:
-    "eager" (a drafter forward at a time) or "graph" (greedy: eval/draft_graph.py, captured as a CUDA graph on a GPU;
+    "eager" (a drafter forward at a time) or "graph" (greedy: eval/decode/draft_graph.py, captured as a CUDA graph on a GPU;
     graph_extend: the extend after each verify too)."""
 
     def __init__(

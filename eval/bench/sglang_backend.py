@@ -1,32 +1,32 @@
-"""The `sglang` backend of the live benchmark (eval/harness.py): live SGLang servers, baseline against EAGLE3.
+"""The `sglang` backend of the live benchmark (eval/bench/schedule.py): live SGLang servers, baseline against EAGLE3.
 
-Servers come from the config: ``bench.baseline_url`` / ``bench.speculative_url`` and
-``bench.speculative_urls`` (already running; each speculative one serves the one setting it was started with,
-read from its ``/server_info`` once, and each setting runs on the one that serves it), or ``bench.launch: true``
+Servers come from the config: ``bench.sglang.baseline_url`` / ``bench.sglang.speculative_url`` and
+``bench.sglang.speculative_urls`` (already running; each speculative one serves the one setting it was started with,
+read from its ``/server_info`` once, and each setting runs on the one that serves it), or ``bench.sglang.launch: true``
 (the baseline and one EAGLE3 server per setting, started from ``serve`` with the exported drafter
 ``eval.checkpoint``; at most
 ``serve.max_servers`` at once, the least recently used stopped first; all stopped by ``close()``
 or at exit).
 
-Per prompt and arm (batch 1, as the harness runs them), ``bench.sglang_requests`` in order: ``whole``, a
+Per prompt and arm (batch 1, as eval/bench/schedule.py runs them), ``bench.sglang.requests`` in order: ``whole``, a
 non-streamed ``POST /generate`` timed from sending it to holding the answer (the e2e figure a user's client sees,
 prefill and transport included), and ``stream``, the same with ``"stream": true``: the first event with a token ends
 the prefill; decode_s runs from it to the last event, so tok/s = (new_tokens - 1) / decode_s as for the embedded
 backend, and each event's arrival is kept (SGLang 0.5.17 sends one per verify at batch 1: the spans
-eval/live_splits.py splits loops off by). With ``whole`` alone, its wall time stands for the decode too. The last event's
+eval/bench/live_splits.py splits loops off by). With ``whole`` alone, its wall time stands for the decode too. The last event's
 ``spec_verify_ct`` and ``spec_accept_histogram`` (verify steps by drafts accepted) give the
 verify count and the tokens per verify (bonus included); without a histogram the tokens after
 the first are spread over the verifies. Every request's ``meta_info`` spec fields go to
 RUN/bench/sglang_requests.jsonl, and after each speculative pass the server's own
 ``internal_states[0].avg_spec_accept_length`` is recorded: both taus land in the environment.
-The cache is flushed before each pass (``bench.flush_cache: pass``; with ``bench.interleave: prompt`` a pass is one
+The cache is flushed before each pass (``bench.sglang.flush_cache: pass``; with ``bench.interleave: prompt`` a pass is one
 prompt), or never.
 
 Throughput at concurrency (``bench.concurrency`` levels above 1): ``run_concurrency`` sends
 the prompts with that many requests in flight, baseline and each setting interleaved per
 repetition, and writes RUN/bench/concurrency.json (output tok/s = all new tokens / wall time).
 
-    python eval/bench_sglang.py --config CFG --run-dir RUN   # eval/harness.py's run(), then the concurrency sweep
+    python eval/bench/sglang_backend.py --config CFG --run-dir RUN   # eval/bench/live.py's stage, then the concurrency sweep
 """
 
 from __future__ import annotations
@@ -43,17 +43,10 @@ from pathlib import Path
 import requests
 
 from eagle3ft.config import resolve_path
-from eagle3ft.eval.harness import (
-    RequestResult,
-    base_environment,
-    check_drafter_for_run,
-    format_summary,
-    gpu_clocks,
-    load_prompts,
-    run,
-    spread,
-)
-from eagle3ft.eval.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
+from eagle3ft.eval.bench.backend import RequestResult, check_drafter_for_run
+from eagle3ft.eval.bench.environment import base_environment, gpu_clocks
+from eagle3ft.eval.bench.live_splits import spread
+from eagle3ft.eval.bench.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
 from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -84,18 +77,19 @@ class SGLangBackend:
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
         arms = 1 + len(cfg.bench.settings)
-        if cfg.bench.launch and 0 < cfg.serve.max_servers < arms and cfg.bench.interleave == "prompt":
+        if cfg.bench.sglang.launch and 0 < cfg.serve.max_servers < arms and cfg.bench.interleave == "prompt":
             raise ValueError(
                 f"bench.interleave prompt with serve.max_servers {cfg.serve.max_servers} and {arms} arms would restart a "
                 "server for every prompt: set bench.interleave: pass (a server per pass), or serve.max_servers 0"
             )
         if (
-            cfg.bench.launch
+            cfg.bench.sglang.launch
         ):  # the EAGLE3 servers will load eval.checkpoint: it must fit the features, before any server starts
             check_drafter_for_run(resolve_path(cfg.eval.checkpoint, base=self.run_dir), self.run_dir, "eval.checkpoint")
-        if not cfg.bench.sglang_requests:
-            raise ValueError("bench.sglang_requests is empty: name whole, stream or both")
-        self.eos_ids = list(ChatFormat(load_tokenizer(cfg.target), cfg.target.chat_template).stop_ids)
+        if not cfg.bench.sglang.requests:
+            raise ValueError("bench.sglang.requests is empty: name whole, stream or both")
+        self.tokenizer = load_tokenizer(cfg.target)  # the served target's: the caller renders the prompts with it
+        self.eos_ids = list(ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids)
         self.timeout_s = float(cfg.harvest.sglang.timeout_s)
         self.launched: dict[str, SGLangServer] = {}  # key -> server, least recently used first
         self._ports: dict[str, int] = {}
@@ -119,15 +113,15 @@ class SGLangBackend:
         }
 
     def url(self, setting: Setting | None) -> str:
-        """The server for the baseline (None) or one speculative setting, started when bench.launch."""
+        """The server for the baseline (None) or one speculative setting, started when bench.sglang.launch."""
         bc = self.cfg.bench
         key = "baseline" if setting is None else setting.key
-        if setting is None and bc.baseline_url:
-            url = bc.baseline_url.rstrip("/")
+        if setting is None and bc.sglang.baseline_url:
+            url = bc.sglang.baseline_url.rstrip("/")
             si = self._info(key, url)
             if si.speculative:
                 raise SGLangError(
-                    f"bench.baseline_url {url} runs {si.raw.get('speculative_algorithm')}: the baseline must be plain"
+                    f"bench.sglang.baseline_url {url} runs {si.raw.get('speculative_algorithm')}: the baseline must be plain"
                 )
             return url
         given = self._given_speculative()
@@ -135,28 +129,29 @@ class SGLangBackend:
             if key in given:
                 url, self.infos[key], _ = given[key]
                 return url
-            if not bc.launch:
+            if not bc.sglang.launch:
                 listed = "; ".join(f"{u} serves {what}" for u, _, what in given.values())
                 raise SGLangError(
-                    f"no server given for EAGLE3 {setting.key} ({listed}): add it to bench.speculative_urls, or set "
-                    "bench.launch to start it"
+                    f"no server given for EAGLE3 {setting.key} ({listed}): add it to bench.sglang.speculative_urls, or set "
+                    "bench.sglang.launch to start it"
                 )
-        if not bc.launch:
+        if not bc.sglang.launch:
             raise SGLangError(
                 f"no server for {key}: set bench.{'baseline' if setting is None else 'speculative'}_url or "
-                "bench.launch: true"
+                "bench.sglang.launch: true"
             )
         return self._launch(key, setting)
 
     def _given_speculative(self) -> dict[str, tuple[str, dict, str]]:
-        """bench.speculative_url and bench.speculative_urls by what each serves, read from /server_info once: an EAGLE3
+        """bench.sglang.speculative_url and bench.sglang.speculative_urls by what each serves, read from /server_info once: an EAGLE3
         server under its setting key ("3/1/4"), anything else under its algorithm and numbers -> (url, server info,
         what it serves)."""
         if self._given is None:
             bc = self.cfg.bench
             self._given = {}
             for url in [
-                u.rstrip("/") for u in ([bc.speculative_url] if bc.speculative_url else []) + bc.speculative_urls
+                u.rstrip("/")
+                for u in ([bc.sglang.speculative_url] if bc.sglang.speculative_url else []) + bc.sglang.speculative_urls
             ]:
                 raw = server_info(url).raw
                 have = "/".join(
@@ -212,10 +207,10 @@ class SGLangBackend:
     # ------------------------------------------------------------------ passes
 
     def _one(self, url: str, i: int, ids: list[int], max_new: int, key: str) -> RequestResult:
-        """bench.sglang_requests in order for one prompt: a non-streamed request ("whole", timed by wall as a user's
+        """bench.sglang.requests in order for one prompt: a non-streamed request ("whole", timed by wall as a user's
         client sees it) and/or a streamed one ("stream": its events give the prefill, the decode alone and the
         answer's spans)."""
-        kinds, sp, whole = self.cfg.bench.sglang_requests, self._sp(max_new), None
+        kinds, sp, whole = self.cfg.bench.sglang.requests, self._sp(max_new), None
         for kind in kinds:
             if kind == "whole":
                 meta, out, wall = whole_generate(url, ids, sp, self.timeout_s)
@@ -270,13 +265,13 @@ class SGLangBackend:
             self._log.write(
                 json_text({**row, **times, "e2e_latency": meta.get("e2e_latency"), **spec}, self._log.name) + "\n"
             )
-            if "spec_accept_length" in spec and kind == self.cfg.bench.sglang_requests[-1]:
+            if "spec_accept_length" in spec and kind == self.cfg.bench.sglang.requests[-1]:
                 self.request_tau.setdefault(key, []).append(float(spec["spec_accept_length"]))
 
     def _pass(self, setting: Setting | None, prompts: list[list[int]], max_new: int, first: int) -> list[RequestResult]:
         url = self.url(setting)
         key = "baseline" if setting is None else setting.key
-        if self.cfg.bench.flush_cache == "pass":
+        if self.cfg.bench.sglang.flush_cache == "pass":
             self.flush_cache(url)
         results = [self._one(url, i, p, max_new, key) for i, p in enumerate(prompts, first)]
         self._log.flush()
@@ -323,11 +318,11 @@ class SGLangBackend:
     # ------------------------------------------------------------------ environment
 
     def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
-        """With bench.sglang_same_prompts: the drafter's offline tau on the plain server's answers (the tokens the live
-        runs decoded), the target's features from a copy of the target in this process (eval/same_prompts.py)."""
-        if not self.cfg.bench.sglang_same_prompts:
+        """With bench.sglang.same_prompts: the drafter's offline tau on the plain server's answers (the tokens the live
+        runs decoded), the target's features from a copy of the target in this process (eval/offline/same_prompts.py)."""
+        if not self.cfg.bench.sglang.same_prompts:
             return None
-        from eagle3ft.eval.same_prompts import checkpoint_offline_tau
+        from eagle3ft.eval.offline.same_prompts import checkpoint_offline_tau
 
         return checkpoint_offline_tau(self.cfg, self.run_dir, prompts, answers, settings)
 
@@ -385,26 +380,33 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import cli_errors, error_log, parse_cli
     from eagle3ft.data.store import StoreError
+    from eagle3ft.eval.bench import schedule
+    from eagle3ft.eval.bench.format import format_summary
+    from eagle3ft.eval.bench.prompts import load_prompt_sets
+    from eagle3ft.eval.economics.analysis import after_bench
     from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(
-        "Live benchmark on SGLang servers: batch 1 (eval/bench.py), then the concurrency levels.",
+        "Live benchmark on SGLang servers: batch 1 (eval/bench/live.py), then the concurrency levels.",
         stage="bench",
         argv=argv,
     )
-    check_or_exit("bench_sglang.py", "bench", cfg, run_dir, args.config)
+    check_or_exit("sglang_backend.py", "bench", cfg, run_dir, args.config)
     if cfg.bench.backend != "sglang":
         raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
     from eagle3ft.runlock import holding
 
     with (
-        holding(run_dir, "bench", "bench_sglang.py"),
-        cli_errors("bench_sglang.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
+        holding(run_dir, "bench", "sglang_backend.py"),
+        cli_errors("sglang_backend.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
     ):
         backend = SGLangBackend(cfg, run_dir)
         try:
-            print(format_summary(run(cfg, run_dir, backend)))
-            run_concurrency(cfg, run_dir, backend, load_prompts(cfg))
+            sets = load_prompt_sets(cfg, backend.tokenizer)
+            summary = schedule.run(cfg, run_dir, backend, sets)
+            after_bench(run_dir, cfg)
+            print(format_summary(summary))
+            run_concurrency(cfg, run_dir, backend, sets[0].prompts)
         finally:
             backend.close()
 

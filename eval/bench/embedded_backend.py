@@ -1,12 +1,12 @@
 """The `embedded` backend of the live benchmark: a transformers target and the drafter in this process
-(eval/speculate.py), batch 1, chain drafting (topk 1). Several drafters (eval.checkpoint and
+(eval/decode/speculate.py), batch 1, chain drafting (topk 1). Several drafters (eval.checkpoint and
 bench.drafters) share the target; `use_drafter(label)` picks the one the next passes use.
 
-The decoders of eval/speculate.py time nothing; the timed subclasses here time around their phases,
+The decoders of eval/decode/speculate.py time nothing; the timed subclasses here time around their phases,
 the device synchronised on both sides of each: the prefill (through the first new token), every
 target verify, every drafter forward (the extends and the draft steps), every whole cycle (draft +
 verify + accept + extend), and the decode (after the first new token until the last). A graphed draft chain
-(`bench.drafting`, eval/draft_graph.py) is timed as one, and each of its forwards counts as its mean.
+(`bench.embedded.drafting`, eval/decode/draft_graph.py) is timed as one, and each of its forwards counts as its mean.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.eval import chain_attention
-from eagle3ft.eval.harness import RequestResult, base_environment, check_drafter_for_run, drafter_on_target
-from eagle3ft.eval.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
+from eagle3ft.eval.bench.backend import RequestResult, check_drafter_for_run, drafter_on_target
+from eagle3ft.eval.bench.environment import base_environment
+from eagle3ft.eval.decode import chain_attention
+from eagle3ft.eval.decode.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
 from eagle3ft.setting import Setting
 
 
@@ -99,16 +100,18 @@ class TimedSpeculativeDecoder(_Timed, SpeculativeDecoder):
 
 
 def drafting_for(drafting: str, temperature: float) -> str:
-    """bench.drafting -> the decoder's: auto is graph when greedy, eager when sampling."""
+    """bench.embedded.drafting -> the decoder's: auto is graph when greedy, eager when sampling."""
     if drafting not in ("auto", "graph", "eager"):
-        raise ValueError(f"bench.drafting {drafting!r}: expected auto, graph or eager")
+        raise ValueError(f"bench.embedded.drafting {drafting!r}: expected auto, graph or eager")
     if drafting == "graph" and temperature > 0:
-        raise ValueError(f"bench.drafting graph drafts greedily: bench.temperature is {temperature}; use auto or eager")
+        raise ValueError(
+            f"bench.embedded.drafting graph drafts greedily: bench.temperature is {temperature}; use auto or eager"
+        )
     return drafting if drafting != "auto" else ("graph" if temperature <= 0 else "eager")
 
 
 class EmbeddedBackend:
-    """transformers target + drafter in this process (eval/speculate.py), batch 1."""
+    """transformers target + drafter in this process (eval/decode/speculate.py), batch 1."""
 
     name = "embedded"
 
@@ -118,15 +121,15 @@ class EmbeddedBackend:
         from eagle3ft.targets.hf import load_target
 
         self.cfg = cfg
-        if cfg.bench.threads:
-            torch.set_num_threads(cfg.bench.threads)
+        if cfg.bench.embedded.threads:
+            torch.set_num_threads(cfg.bench.embedded.threads)
         folders = {cfg.eval.checkpoint: (resolve_path(cfg.eval.checkpoint, base=run_dir), "eval.checkpoint")}
         folders.update({k: (resolve_path(v), f"bench.drafters.{k}") for k, v in cfg.bench.drafters.items()})
         specs = {
             k: check_drafter_for_run(f, run_dir, where) for k, (f, where) in folders.items()
         }  # all, before the target
         self.model, self.tokenizer = load_target(cfg.target)
-        chain_attention.use(self.model, cfg.bench.attention)
+        chain_attention.use(self.model, cfg.bench.embedded.attention)
         self.device = next(self.model.parameters()).device
         self.drafters, self.aux_ids = {}, {}
         for label, (folder, _) in folders.items():  # each in the target's dtype: a bf16 folder runs as the target does
@@ -135,7 +138,7 @@ class EmbeddedBackend:
         self.eos_ids = ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids
         self.temperature = cfg.bench.temperature
         self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
-        self.drafting = drafting_for(cfg.bench.drafting, self.temperature)
+        self.drafting = drafting_for(cfg.bench.embedded.drafting, self.temperature)
         self._decoders: dict[tuple[str, int], TimedSpeculativeDecoder] = {}  # a graphed chain is captured once
 
     @property
@@ -180,7 +183,7 @@ class EmbeddedBackend:
         if key not in self._decoders:
             self._decoders[key] = TimedSpeculativeDecoder(
                 self.model, self.drafter, self.aux_layer_ids, setting.steps, self.temperature, self.eos_ids,
-                self.generator, self.drafting, self.cfg.bench.draft_graph_extend,
+                self.generator, self.drafting, self.cfg.bench.embedded.draft_graph_extend,
             )  # fmt: skip
         dec = self._decoders[key]
         return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts, first_index)]
@@ -207,8 +210,8 @@ class EmbeddedBackend:
         return out
 
     def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
-        """The drafter's offline tau on these prompts and the plain pass's answers (eval/same_prompts.py)."""
-        from eagle3ft.eval.same_prompts import offline_tau
+        """The drafter's offline tau on these prompts and the plain pass's answers (eval/offline/same_prompts.py)."""
+        from eagle3ft.eval.offline.same_prompts import offline_tau
 
         return offline_tau(self.model, self.drafter, self.aux_layer_ids, prompts, answers, settings)
 
@@ -219,6 +222,6 @@ class EmbeddedBackend:
             "target_dtype": str(next(self.model.parameters()).dtype),
             "attention": self.model.config._attn_implementation,
             "drafting": self.drafting,  # graph: a CUDA graph on a GPU, the same chain uncaptured elsewhere
-            "draft_graph_extend": self.drafting == "graph" and self.cfg.bench.draft_graph_extend,
+            "draft_graph_extend": self.drafting == "graph" and self.cfg.bench.embedded.draft_graph_extend,
             "drafter_dtype": str(next(self.drafter.parameters()).dtype),
         }

@@ -1,8 +1,8 @@
 """Speculation economics of one benchmark run: predicted against measured tok/s per setting, the best setting,
 the tau each setting needs for a goal, and the prediction from another run's calibration. The cost model is
-eval/costs.py, the calibration eval/calibration.py.
+eval/economics/cost_model.py, the calibration eval/economics/calibration.py.
 
-`python eval/economics.py --config CFG --run-dir RUN [--tok-s R]` reads RUN/bench/summary.json (and the
+`python eval/economics/analysis.py --config CFG --run-dir RUN [--tok-s R]` reads RUN/bench/summary.json (and the
 offline RUN/eval/accept_len.json when present), prints predicted against measured tok/s per setting
 and writes RUN/bench/economics.json and RUN/bench/calibration.json; with bench.calibration and no
 summary yet it prints and writes the prediction alone. --tok-s R: the tau each setting needs for R.
@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagle3ft.eval.calibration import (
+from eagle3ft.eval.economics.calibration import (
     CalibrationError,
     format_prediction,
     from_config,
@@ -23,7 +23,7 @@ from eagle3ft.eval.calibration import (
     write_calibration,
     write_prediction,
 )
-from eagle3ft.eval.costs import GOAL_SPEEDUPS, cost_model_from_summary, fmt, reach, reach_text
+from eagle3ft.eval.economics.cost_model import GOAL_SPEEDUPS, cost_model_from_summary, fmt, reach, reach_text
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -39,7 +39,7 @@ class SettingEconomics:
     tau_offline: float | None = None
     predicted_tok_s_live_tau: float | None = None
     predicted_tok_s_offline_tau: float | None = None
-    # on the tokens outside repetition loops (eval/loops.py): the live split where the bench has one (streamed or
+    # on the tokens outside repetition loops (data/loops.py): the live split where the bench has one (streamed or
     # embedded spans; else over the answers with no loop), else the offline walk's; what the pick is made on
     tau_loop_free: float | None = None
     predicted_tok_s_loop_free_tau: float | None = None
@@ -242,6 +242,14 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
     return ec, pred
 
 
+def after_bench(run_dir: Path, cfg, log=print) -> Economics:
+    """A finished bench's economics.json and calibration.json (and the prediction with bench.calibration), its table
+    logged: what a bench's entry point runs once the bench is done."""
+    ec, _ = run(run_dir, cfg)
+    log(format_table(ec))
+    return ec
+
+
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import build_parser, parse_cli
     from eagle3ft.eval.preflight import check_or_exit
@@ -252,11 +260,11 @@ def main(argv: list[str] | None = None) -> None:
         "--tok-s", type=float, default=None, help="a decode throughput to price: the tau each setting needs for it"
     )
     cfg, run_dir, args = parse_cli(desc, stage="economics", argv=argv, parser=parser)
-    check_or_exit("economics.py", "economics", cfg, run_dir, args.config)
+    check_or_exit("analysis.py", "economics", cfg, run_dir, args.config)
     from eagle3ft.runlock import holding
 
     try:
-        with holding(run_dir, "economics", "economics.py"):
+        with holding(run_dir, "economics", "analysis.py"):
             ec, pred = run(run_dir, cfg, args.tok_s)
     except CalibrationError as e:
         parser.exit(2, f"economics.py: error: {e}\n")

@@ -1,21 +1,21 @@
-"""The drafter's part of a greedy cycle with no host round trip, replayed as CUDA graphs (`bench.drafting`).
+"""The drafter's part of a greedy cycle with no host round trip, replayed as CUDA graphs (`bench.embedded.drafting`).
 
-eval/speculate.py drafts a chain one drafter forward at a time: each draft token goes to the host (`int`) and back
+eval/decode/speculate.py drafts a chain one drafter forward at a time: each draft token goes to the host (`int`) and back
 as the next forward's input, and each forward launches ~110 small ops. Where launches bound a forward (a 1-layer
-drafter at batch 1 on a GPU: 1.1-1.3 ms a forward on the H200, RESULTS §17b, §18a) that is most of a draft step.
-Here the chain after the extend stays on the device, draft ids included, so it can be captured once as a CUDA graph
-(0.19 ms a forward on the H200, §18a):
+drafter at batch 1 on a GPU: 1.1-1.3 ms a forward on the H200) that is most of a draft step. Here the chain after
+the extend stays on the device, draft ids included, so it can be captured once as a CUDA graph: 0.19 ms a forward on
+the H200 (records, "The embedded bench at x2.03-x2.26: the draft chain as one CUDA graph, chain attention"):
 
   d_0 = argmax(logits of the extend)                                  (target ids through d2t)
   for j in 1..steps-1:  h, logits = drafter forward on (d_{j-1}, h) at position pos + j - 1,
-                        its key/value written in place at that cache row (StaticDraftCache)
+                        its key/value written in place at that cache row (DraftCache.static)
                         d_j = argmax(logits)
   -> drafts (steps,)
 
-With `extend` (`bench.draft_graph_extend`), the extend after a verify (the drafter over the T = 1..steps+1
+With `extend` (`bench.embedded.draft_graph_extend`), the extend after a verify (the drafter over the T = 1..steps+1
 accepted tokens and their aux features) is captured too, one graph per T, and writes the chain's inputs in place;
-the prompt's extend stays eager. tests/test_gpu.py holds that capture to the eager extend; it passed on the H200
-(RESULTS §19), and its speed is not measured yet.
+the prompt's extend stays eager. tests/test_gpu.py holds that capture to the eager extend; it passed on the H200,
+and its speed is not measured yet.
 
 Attention reads the whole static buffer with a mask of the rows <= each query's position, where the eager step
 reads the rows so far: the same keys, another kernel, so bf16 logits may differ in the last bits. `static_forward`
@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eagle3ft.drafter.model import Eagle3Drafter, StaticDraftCache
+from eagle3ft.drafter.model import DraftCache, Eagle3Drafter
 
 
 def static_forward(
     drafter: Eagle3Drafter,
-    cache: StaticDraftCache,
+    cache: DraftCache,
     ids: torch.Tensor,
     hidden: torch.Tensor,
     at: torch.Tensor,
@@ -57,7 +57,7 @@ def static_forward(
 
 def chain_drafts(
     drafter: Eagle3Drafter,
-    cache: StaticDraftCache,
+    cache: DraftCache,
     logits: torch.Tensor,
     h: torch.Tensor,
     pos: torch.Tensor,
@@ -76,7 +76,7 @@ def chain_drafts(
 
 
 class DraftGraph:
-    """The drafter's part of a cycle for one drafter and `steps`, over a StaticDraftCache of `capacity` rows:
+    """The drafter's part of a cycle for one drafter and `steps`, over a static DraftCache of `capacity` rows:
     chain_drafts, and with `extend` the extend over the T = 1..steps+1 tokens a verify accepts (fused aux features in,
     the last token's feedback and logits out, into the chain's inputs). On CUDA each is captured once as a CUDA graph
     (the extend once per T) and replayed; elsewhere they run as they are. `cache` is the one the decoder's extends
@@ -88,7 +88,7 @@ class DraftGraph:
         dtype = next(drafter.parameters()).dtype
         cfg = drafter.config
         self.drafter, self.steps, self.capacity = drafter, steps, capacity
-        self.cache = StaticDraftCache(cfg, capacity, device, dtype)
+        self.cache = DraftCache.static(cfg, capacity, device, dtype)
         self.rows = torch.arange(capacity, device=device)
         self.offsets = torch.arange(steps + 1, device=device)
         # the inputs, copied in per run; the extend writes its outputs into the chain's logits and h

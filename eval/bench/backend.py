@@ -1,0 +1,110 @@
+"""What a live bench backend is: the interface the schedule drives, the result of one request, and the drafter both
+backends load (checked against the run before any compute, then put on the target).
+
+    class BenchBackend(Protocol):
+        name: str
+        tokenizer            the target's: the caller renders the prompts with it (eval/bench/prompts.py)
+        def run_baseline(self, prompts: list[list[int]], max_new_tokens: int, first_index: int = 0)
+            -> list[RequestResult]
+        def run_speculative(
+            self, prompts: list[list[int]], setting: Setting, max_new_tokens: int, first_index: int = 0
+        ) -> list[RequestResult]
+        def environment(self) -> dict
+    optional:
+        def verify_costs(self, prompt: list[int], sizes: list[int]) -> dict[int, float]
+            seconds of one target forward of n tokens after `prompt` (the economics' verify curve)
+        def offline_tau(self, prompts, answers, settings) -> dict | None
+            the drafter's offline tau on the prompts and the plain pass's answers (summary's
+            offline_same_prompts: offline and live tau on the same tokens; greedy benches only)
+        def use_drafter(self, label: str) -> None
+            several drafters in one run (eval.checkpoint and bench.drafters): the one the next passes use
+
+`prompts` are token ids (chat template applied, generation prompt included), prompts[k] being prompt number
+first_index + k of the set (its RequestResult's prompt_index); decoding follows `bench.temperature` and stops at the
+template's end-of-turn/eos ids or at max_new_tokens. A RequestResult's decode_s is the time after the first new token
+until the last one, so tok/s = (new_tokens - 1) / decode_s for both kinds of pass; speculative results carry the
+verify count and the tokens emitted per verify (bonus included, SGLang's spec_accept_length); timings per verify /
+draft forward / cycle where the backend can see them (None otherwise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from eagle3ft.run_dir import RunDir
+from eagle3ft.setting import Setting
+
+
+@dataclass
+class RequestResult:
+    prompt_index: int
+    prompt_tokens: int
+    new_tokens: int
+    prefill_s: float
+    decode_s: float  # after the first new token until the last
+    output_ids: list[int] | None = None
+    verify_count: int | None = None
+    accept_lengths: list[int] | None = None  # tokens emitted per verify, bonus included
+    verify_s: list[float] | None = None
+    draft_forward_s: list[float] | None = None
+    cycle_s: list[float] | None = None
+    wall_s: float | None = None  # the request sent -> its answer complete: prefill and transport included
+    finished: bool | None = None  # stopped on a stop id before max_new_tokens
+    events: list[list[float]] | None = None  # streamed: [seconds after the first token, tokens so far] per event
+    whole: dict | None = None  # sglang: the same prompt's non-streamed request: new_tokens, wall_s, output_ids, ...
+
+    @property
+    def tok_s(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@runtime_checkable
+class BenchBackend(Protocol):
+    name: str
+    tokenizer: Any
+
+    def run_baseline(
+        self, prompts: list[list[int]], max_new_tokens: int, first_index: int = 0
+    ) -> list[RequestResult]: ...
+
+    def run_speculative(
+        self, prompts: list[list[int]], setting: Setting, max_new_tokens: int, first_index: int = 0
+    ) -> list[RequestResult]: ...
+
+    def environment(self) -> dict: ...
+
+
+def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
+    """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
+    else the folder alone (readable finite weights, consistent d2t/t2d), and the weights' shapes against its config.json;
+    returns its DrafterConfig. Before any compute."""
+    from eagle3ft.data.store import FeatureStore
+    from eagle3ft.drafter.config import DrafterConfig, check_drafter_folder, check_weights_finite
+    from eagle3ft.drafter.export import check_weight_shapes
+    from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
+
+    manifest = RunDir(run_dir).features_manifest
+    if manifest.is_file():
+        spec = check_drafter_folder(folder, FeatureStore(manifest.parent, verify=False).target, where, str(manifest))
+    else:
+        if not (Path(folder) / "config.json").is_file():
+            raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
+        spec = DrafterConfig.from_json(Path(folder) / "config.json")
+        check_vocab(
+            *vocab_from_drafter(folder), spec.vocab_size, spec.draft_vocab_size, f"{where} {folder}: draft vocabulary"
+        )
+        check_weights_finite(folder, where)
+    check_weight_shapes(folder, spec)
+    return spec
+
+
+def drafter_on_target(model, folder: Path, spec):
+    """(the drafter of `folder` on `model`: its embedding, device and dtype; its aux layer ids, checked against the
+    target's dimensions). `spec` is the folder's DrafterConfig, from check_drafter_for_run."""
+    from eagle3ft.drafter.export import load_drafter
+
+    c, emb = model.config, model.get_input_embeddings().weight.detach()
+    aux_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
+    return load_drafter(folder, embedding=emb.float()).to(device=emb.device, dtype=emb.dtype).eval(), aux_ids

@@ -1,0 +1,1 @@
+"""Speculation economics: what a cycle costs, the break-even accept length, and tok/s predicted from offline tau."""
