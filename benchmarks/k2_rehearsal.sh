@@ -16,7 +16,7 @@
 # Every step logs its seconds and the GPU's memory (nvidia-smi) to $L/log; a failed step does not stop the later ones
 # that do not need it.
 # Usage, from this machine (device calls back to back: a machine idle for 30 s is given back):
-#   bash benchmarks/k2_rehearsal.sh pack          here, once: .carry/k2/1..4, 27 MiB each beside the 35 MiB tree
+#   bash benchmarks/k2_rehearsal.sh pack          here, once: .carry/k2/1..6, 20 MiB each beside the 40 MiB tree
 #                                                 (SGLang and DeepSpeed wheels, SmolLM2's ChatML tokenizer as a
 #                                                 folder standing in for K2's, ShareGPT first turns, MT-Bench)
 #   bash benchmarks/live_speedup.sh stash .carry/k2/N   there, one call per piece (carry that folder)
@@ -235,7 +235,7 @@ with open(mtbench_path()) as src, open("/tmp/k2pack/mtbench-questions.jsonl", "w
     dst.write(src.read())
 PYEOF
     .venv/bin/python benchmarks/carry_data.py --jsonl /tmp/k2pack && rm /tmp/k2pack/sharegpt-conversations.jsonl
-    tar -cf - -C /tmp/k2pack . | split -b "${PIECE:-27m}" - /tmp/k2pack.part-
+    tar -cf - -C /tmp/k2pack . | split -b "${PIECE:-20m}" - /tmp/k2pack.part-
     k=0; for f in /tmp/k2pack.part-*; do k=$((k + 1)); mkdir -p ".carry/k2/$k" && mv "$f" ".carry/k2/$k/lspack.${f##*/k2pack.}"; done
     echo "$k" > .carry/k2/1/pieces; du -sh .carry/k2/* ;;
   start)
