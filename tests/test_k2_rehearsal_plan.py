@@ -6,7 +6,6 @@ its `layers` step measures."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,9 @@ from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.harvest import run_harvest
 from eagle3ft.data.prompts import mtbench_path
 from eagle3ft.drafter.config import DrafterConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from free_ports import free_ports  # noqa: E402
 
 
 def plan(steps: str, env: dict) -> subprocess.CompletedProcess:
@@ -33,9 +35,7 @@ def plan(steps: str, env: dict) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_the_plans_weights_and_trainings_run_on_the_tiny_deepseek(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(2)  # the plan's trainer on port, the MLA run beside it on port + 1
     c, w = tmp_path / "c", tmp_path / "w"
     c.mkdir()
     shutil.copy(mtbench_path(), c / "mtbench-questions.jsonl")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from eagle3ft.targets.hf import load_target
 from eagle3ft.targets.sglang_http import SGLangError
 
 sys.path.insert(0, str(Path(__file__).parent))
+from free_ports import free_ports  # noqa: E402
 from sglang_double import DoubleEngine, SGLangDouble  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("tau_per_prompt", REPO_ROOT / "benchmarks/tau_per_prompt.py")
@@ -230,9 +230,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
     time."""
     cfg0, model, tok, drafter = tiny
     export_drafter(drafter, tmp_path / "export")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(2)  # the baseline on port, the speculative server on port + 1
     cfg = load_config(
         REPO_ROOT / "configs/tiny.yaml",
         BENCH
