@@ -9,8 +9,11 @@
 #            sglang_target.py compare-stores (cosine per token, all chunks); the harvest's aux row check's logit lens
 #            on SGLang's rows (benchmarks/aux_rows_lens.py), measured rather than relied on (aux_row_check=skip here)
 #   capture  answers regenerated and captured by the harvest server in one request and in two passes, compared
-#   train    the K2-layout drafter (draft vocab 32,000 of 163,840) from scratch on the SGLang store, then warm-started
-#            from that export (d2t kept, as from AQ-MedAI's), DeepSpeed ZeRO-2 on one GPU; the MLA drafter likewise
+#   embedded the training store through the embedded target on the device, regenerating as it goes (no SGLang; `layers`
+#            measured its rows against SGLang's at cosine >= 0.999 chunk by chunk): $S/emb, for FEATURES=emb
+#   train    the K2-layout drafter (draft vocab 32,000 of 163,840) from scratch on the store $S/$FEATURES, then
+#            warm-started from that export (d2t kept, as from AQ-MedAI's; WARM=0 leaves it out), DeepSpeed ZeRO-2 on one
+#            GPU; the MLA drafter from scratch beside the first
 #   serve    plain and EAGLE-3 3/1/4 with each export, eval/bench/sglang_backend.py interleaved per prompt, then the export's
 #            offline tau on its server's own answers (eval/offline/same_prompts.py) beside the server's spec_accept_length
 # Every step logs its seconds and the GPU's memory (nvidia-smi) to $L/log; a failed step does not stop the later ones
@@ -18,7 +21,8 @@
 # Usage, from this machine (device calls back to back: a machine idle for 30 s is given back):
 #   bash benchmarks/k2_rehearsal.sh pack          here, once: .carry/k2/1..6, 20 MiB each beside the 40 MiB tree
 #                                                 (SGLang and DeepSpeed wheels, SmolLM2's ChatML tokenizer as a
-#                                                 folder standing in for K2's, ShareGPT first turns, MT-Bench)
+#                                                 folder standing in for K2's, ShareGPT first turns, MT-Bench);
+#                                                 LITE=1: all but SGLang, one piece, for STEPS="weights embedded train"
 #   bash benchmarks/live_speedup.sh stash .carry/k2/N   there, one call per piece (carry that folder)
 #   bash benchmarks/k2_rehearsal.sh start         there: install, then the steps in the background (setsid); in the
 #                                                 call of the last piece's stash, with `wait 530` after it (600 s)
@@ -26,8 +30,11 @@
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
 # CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
 # PLAIN (1; 0: no plain server for `serve_harvest`, the harvest server regenerates: the layer check alone),
-# TRAIN_STEPS (200), LR (5e-4), EMIT (2048), BRANCH (0.3), GAIN (6): the target's shape (make_learnable; EMIT=0: as
-# drawn, whose flat distribution held every drafter at τ 1.00 in RESULTS §35), PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes),
+# TRAIN_STEPS (200), LR (5e-4), FEATURES (lay-sgl; emb after `embedded`), WARM (1),
+# EMIT (256), BRANCH (0.3), GAIN (6): the target's shape (make_learnable; EMIT=0: as drawn, whose flat distribution
+# held every drafter at τ 1.00). With 2,048 kept ids no drafter learnt in 200 steps on an H100; on the CPU at width
+# 512 (benchmarks/records/k2-rehearsal.md) 256 ids reached held-out τ 2.51 where 2,048 reached 1.28, and lr 3e-3 did
+# worse than 5e-4. PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes),
 # GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
 # TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
 set -uo pipefail
@@ -82,7 +89,7 @@ down() {  # down [PORT...]: those servers of `server` (all by default), and a pa
 weights() {
   say "weights: seeded, bf16, on $DEVICE"
   local shape=()  # a target a drafter can learn (sglang_target.py make_learnable); EMIT=0: the drawn one, flat
-  (( ${EMIT:-2048} )) && shape=(--emit "${EMIT:-2048}" --branch "${BRANCH:-0.3}" --gain "${GAIN:-6}")
+  (( ${EMIT:-256} )) && shape=(--emit "${EMIT:-256}" --branch "${BRANCH:-0.3}" --gain "${GAIN:-6}")
   $PY benchmarks/sglang_target.py seeded --config-json "$TARGET_JSON" --seed 0 --device "$DEVICE" --out "$W" \
     "${shape[@]}" | tee "$L/weights.json"
 }
@@ -123,6 +130,10 @@ layers() {
   timeout 300 $PY benchmarks/aux_rows_lens.py --config "$CONFIG" --run-dir "$S/lay-sgl" "${K2[@]}" \
     > "$L/aux-rows-lens.jsonl" 2> "$L/aux-rows-lens.log"; grep '"moved_by": 0' "$L/aux-rows-lens.jsonl"
 }
+embedded() {
+  say "embedded: ${CONVS:-48} conversations' first turns + 16 MT-Bench regenerated and captured in this process"
+  harvest emb --set "harvest.sources=$SOURCES" --set harvest.backend=hf --set harvest.batch_size=16
+}
 capture() {
   say "capture: regenerated and captured by :30101, in one request and in two passes"
   local small="[{kind: file, path: $C/sharegpt-first-turns.jsonl, limit: 16, name: sharegpt}]"
@@ -138,8 +149,9 @@ export_of() {  # export_of NAME: the run's best export, else its last
 }
 train_one() {  # train_one NAME DRAFTER_CONFIG [sets...]: on the SGLang store of `layers`, one GPU, ZeRO-2
   say "train $1"
-  mkdir -p "$S/$1" && ln -sfn "$S/lay-sgl/features" "$S/$1/features"
-  [[ -f $S/lay-sgl/vocab.safetensors ]] && cp "$S/lay-sgl/vocab.safetensors" "$S/$1/"
+  local store=$S/${FEATURES:-lay-sgl}
+  mkdir -p "$S/$1" && ln -sfn "$store/features" "$S/$1/features"
+  [[ -f $store/vocab.safetensors ]] && cp "$store/vocab.safetensors" "$S/$1/"
   timeout 900 accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" ${NPROC:+--num_processes "$NPROC"} \
     --main_process_port "${PORT:-29611}" \
     train/finetune.py --config "$CONFIG" --run-dir "$S/$1" "${K2[@]}" --set "drafter.config=$2" \
@@ -157,6 +169,7 @@ train() {  # the two scratch runs side by side (one launch's start-up less), the
   # each scratch checkpoint is ~17 GB (fp32 Adam states at K2 widths): with the target's 11 GB, the third run filled
   # the H100's 64 GB disk; the exports are all the later steps read
   rm -rf "$S/llama/ckpt" "$S/mla/ckpt"
+  [[ ${WARM:-1} == 1 ]] || return 0
   PORT=$port train_one warm "$LLAMA" --set "drafter.init=$(export_of llama)"
 }
 bench_one() {  # bench_one NAME PORT: plain (:30100) against EAGLE-3 3/1/4 with NAME's export on PORT
@@ -217,8 +230,8 @@ case ${1:-} in
   pack)  # here: live_speedup.sh's pieces less the GGUF's weights (the stand-in tokenizer saved as a folder), ~100 MiB
     [[ -d /tmp/wheelset/part2 ]] || { echo "first: ../shared/sglang-h200/build-wheelset.sh /tmp/wheelset"; exit 1; }
     rm -rf /tmp/k2pack .carry/k2 && mkdir -p /tmp/k2pack/deps /tmp/k2pack/dsw .carry/k2
-    cp /tmp/wheelset/part1/*.whl /tmp/wheelset/part2/*.whl /tmp/k2pack/deps/
-    cp /tmp/k2pack/deps/{pydantic,pydantic_core,annotated_types,typing_inspection}-*.whl /tmp/k2pack/dsw/  # DeepSpeed's
+    [[ ${LITE:-0} == 1 ]] || cp /tmp/wheelset/part1/*.whl /tmp/wheelset/part2/*.whl /tmp/k2pack/deps/
+    cp /tmp/wheelset/part2/{pydantic,pydantic_core,annotated_types,typing_inspection}-*.whl /tmp/k2pack/dsw/  # DeepSpeed's
     v() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
     .venv/bin/python -m pip wheel -q --no-deps -w /tmp/k2pack/dsw "deepspeed==$(v deepspeed)" hjson || exit 1
     .venv/bin/python - << 'PYEOF' || exit 1

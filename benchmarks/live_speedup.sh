@@ -406,7 +406,8 @@ case ${1:-} in
              # /tmp/eagle3ft-site; the GGUF, MT-Bench and ShareGPT files into /tmp/lspack and $C
     n=$(cat "$C/pieces") && (( $(ls "$C"/lspack.part-* | wc -l) == n )) || { echo "pieces missing"; exit 1; }
     mkdir -p /tmp/lspack "$L" "$S" && cat "$C"/lspack.part-* | tar -xf - -C /tmp/lspack && mv /tmp/lspack/mtbench-questions.jsonl /tmp/lspack/sharegpt-*.jsonl "$C/"
-    $PY -m pip install -q --no-index --no-deps --no-compile --target "$SGL_DIR" /tmp/lspack/deps/*.whl
+    compgen -G '/tmp/lspack/deps/*.whl' > /dev/null &&  # none in a LITE pack (k2_rehearsal.sh): no SGLang
+      $PY -m pip install -q --no-index --no-deps --no-compile --target "$SGL_DIR" /tmp/lspack/deps/*.whl
     mkdir -p "$SGL_DIR/deep_gemm" && printf '%s\n' 'def __getattr__(name):' '    def _missing(*a, **k):' \
       '        raise RuntimeError(f"deep_gemm.{name} is not installed")' '    return _missing' > "$SGL_DIR/deep_gemm/__init__.py"
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/dsw /tmp/lspack/dsw/*.whl

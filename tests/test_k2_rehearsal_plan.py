@@ -33,20 +33,27 @@ def plan(steps: str, env: dict) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.slow
-def test_the_plans_weights_and_trainings_run_on_the_tiny_deepseek(tmp_path):
-    port = free_ports(2)  # the plan's trainer on port, the MLA run beside it on port + 1
-    c, w = tmp_path / "c", tmp_path / "w"
+def cpu_env(tmp_path: Path, **extra: str) -> dict:
+    """The plan's environment for the tiny DeepSeek-V3 on this CPU: C holds MT-Bench and three ShareGPT first turns."""
+    c = tmp_path / "c"
     c.mkdir()
     shutil.copy(mtbench_path(), c / "mtbench-questions.jsonl")
-    env = {
+    turns = ["Name three rivers of Europe.", "Write a haiku about rain.", "What is a prime number?"]
+    (c / "sharegpt-first-turns.jsonl").write_text(
+        "".join(
+            json.dumps({"id": f"s{k}", "messages": [{"role": "user", "content": t}]}) + "\n"
+            for k, t in enumerate(turns)
+        )
+    )
+    port = free_ports(2)  # the plan's trainer on port, the MLA run beside it on port + 1
+    return {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
         "PY": sys.executable,
         "C": str(c),
         "L": str(tmp_path / "L"),
         "S": str(tmp_path / "S"),
-        "W": str(w),
+        "W": str(tmp_path / "w"),
         "DEVICE": "cpu",
         "CONFIG": "configs/tiny-deepseek.yaml",
         "TARGET_JSON": "configs/targets/tiny-deepseek-v3/config.json",
@@ -57,7 +64,14 @@ def test_the_plans_weights_and_trainings_run_on_the_tiny_deepseek(tmp_path):
         "NPROC": "1",
         "TRAIN_STEPS": "2",
         "PORT": str(port),
+        **extra,
     }
+
+
+@pytest.mark.slow
+def test_the_plans_weights_and_trainings_run_on_the_tiny_deepseek(tmp_path):
+    w = tmp_path / "w"
+    env = cpu_env(tmp_path)
     made = plan("weights", env)
     assert made.returncode == 0 and (w / "model.safetensors").is_file(), made.stdout + made.stderr
     # the store the plan's `layers` step harvests through SGLang, here by the embedded target from those weights
@@ -97,3 +111,18 @@ def test_the_plans_weights_and_trainings_run_on_the_tiny_deepseek(tmp_path):
     assert archs["mla"] == "Eagle3DeepseekV2ForCausalLM" and archs["warm"] == "LlamaForCausalLMEagle3"
     for name, e in exports.items():  # vLLM's ids of the layers SGLang captures on a DeepSeek-V3 for ids [0, 1, 2]
         assert json.loads((e / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2], name
+
+
+@pytest.mark.slow
+def test_the_plans_embedded_store_trains_without_sglang(tmp_path):
+    """A LITE lease (no SGLang): `embedded` regenerates and captures through the embedded target, `train` reads that
+    store (FEATURES=emb) and leaves the warm start out (WARM=0)."""
+    env = cpu_env(tmp_path, CONVS="3", NEW="8", FEATURES="emb", WARM="0")
+    done = plan("weights embedded train", env)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0 and "llama exit 0" in log and "mla exit 0" in log and "warm exit" not in log, log
+    summary = json.loads((tmp_path / "L" / "harvest-emb.json").read_text())
+    assert summary["samples"] == {"train": 3, "heldout": 16}, summary
+    for name in ("llama", "mla"):
+        assert (tmp_path / "S" / name / "features").resolve() == (tmp_path / "S" / "emb" / "features").resolve()
+        assert (tmp_path / "S" / name / "export" / "config.json").is_file()
