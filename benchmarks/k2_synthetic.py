@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import save_file
 
 from eagle3ft.config import resolve_path
-from eagle3ft.data.store import SPLITS, FeatureWriter, Sample
+from eagle3ft.data.store import SPLITS
+from eagle3ft.data.store_writer import FeatureWriter, Sample
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, save_vocab
 

@@ -5,7 +5,7 @@ Same documents, same drafter, one optimizer step per micro-batch (forward + back
 (padding excluded), median over rounds, padded and packed interleaved (A B A B ...):
   padded  micro-batches of --micro docs in a seeded order, right-padded to the longest (data/store.py collate:
           run 2's layout);
-  packed  train/data.py's first-fit-decreasing bins of --pack-tokens each (collate_packed), document-causal
+  packed  train/batching.py's first-fit-decreasing bins of --pack-tokens each (collate_packed), document-causal
           attention (varlen flash on CUDA).
 With --config (a target config, e.g. configs/smollm2-135m.yaml) it also times train/data.py's OnlineTarget
 prefill of the packed micro-batches: the online mode's extra work per token.
@@ -93,7 +93,7 @@ def main() -> None:
     from eagle3ft.data.store import collate
     from eagle3ft.drafter.config import DrafterConfig
     from eagle3ft.drafter.model import Eagle3Drafter
-    from eagle3ft.train.data import collate_packed, epoch_order, pack_bins
+    from eagle3ft.train.batching import collate_packed, epoch_order, pack_bins
     from eagle3ft.train.ttt import ttt_forward
 
     dev = torch.device(a.device)

@@ -38,7 +38,8 @@ from eagle3ft.data.checks import HarvestRefused, argmax_check, check_argmax_rate
 from eagle3ft.data.contamination import heldout_filter
 from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity, source_name
 from eagle3ft.data.readers import Skips
-from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, FeatureWriter, Sample, StoreError
+from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, StoreError
+from eagle3ft.data.store_writer import FeatureWriter, Sample
 from eagle3ft.data.tokens import check_tokenizer
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter

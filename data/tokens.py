@@ -13,7 +13,7 @@ Each shard concatenates its samples along the token axis:
 
 The manifest also counts samples, tokens and loss tokens per split and source (``source_counts``), so that
 training can leave one source out (``train.drop_sources``). A shard is 5 bytes per token. Writes reuse the feature store's atomic commit
-(data/store.py: tmp file, fsync, os.replace, then the manifest), and a chunk is
+(data/store_writer.py: tmp file, fsync, os.replace, then the manifest), and a chunk is
 recorded as done only with its shard, so a killed regeneration resumes at the
 first chunk not done, with nothing lost or duplicated. A regeneration stopped early (data/regen.py) commits its
 open chunks with conversations cut at their last answer and lists them in ``chunks_cut``: done all the same, a
@@ -29,15 +29,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.data.store import (
-    MANIFEST,
-    SPLITS,
-    ShardDataset,
-    StoreError,
-    open_manifest,
-    shard_sources,
-    write_shard,
-)
+from eagle3ft.data.store import MANIFEST, SPLITS, ShardDataset, StoreError, shard_sources
+from eagle3ft.data.store_writer import open_manifest, write_shard
 from eagle3ft.files import read_json, sha256_file, write_json
 
 SCHEMA_VERSION = 1

@@ -8,7 +8,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3ft.data.store import SCHEMA_VERSION, FeatureStore, FeatureWriter, Sample, StoreError, collate
+from eagle3ft.data.store import SCHEMA_VERSION, FeatureStore, StoreError, collate
+from eagle3ft.data.store_writer import FeatureWriter, Sample
 from eagle3ft.drafter.vocab import build_vocab, check_vocab, load_vocab, save_vocab, vocab_from_drafter
 from eagle3ft.files import DamagedFile
 

@@ -7,7 +7,8 @@ from test_data_store import TARGET, H, K, make_sample
 
 from eagle3ft.config import HarvestConfig, load_config
 from eagle3ft.data.harvest import check_harvest_config
-from eagle3ft.data.store import FeatureStore, FeatureWriter, StoreError, dequantize_aux, quantize_aux
+from eagle3ft.data.store import FeatureStore, StoreError, dequantize_aux, quantize_aux
+from eagle3ft.data.store_writer import FeatureWriter
 
 
 def test_quantize_round_trip_is_within_e4m3_rounding():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from train_fixtures import REPO, TINY_TARGET
 
-from eagle3ft.data.store import FeatureWriter, Sample
+from eagle3ft.data.store_writer import FeatureWriter, Sample
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter

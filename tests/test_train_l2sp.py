@@ -19,7 +19,8 @@ from eagle3ft.train.build import build_drafter
 from eagle3ft.train.checkpoint import CheckpointError
 from eagle3ft.train.data import TrainData
 from eagle3ft.train.l2sp import L2SP
-from eagle3ft.train.loop import check_w0, lr_lambda, seed_all
+from eagle3ft.train.loop import seed_all
+from eagle3ft.train.run_state import check_w0, lr_lambda
 from eagle3ft.train.ttt import TTTObjective
 
 TINY = REPO / "configs/tiny.yaml"

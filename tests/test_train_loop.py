@@ -10,7 +10,8 @@ from test_train_checkpoint import write_k2_like
 from train_fixtures import REPO, TINY_TARGET, launch, write_store
 
 from eagle3ft.config import load_config
-from eagle3ft.data.store import FeatureStore, FeatureWriter, StoreError
+from eagle3ft.data.store import FeatureStore, StoreError
+from eagle3ft.data.store_writer import FeatureWriter
 from eagle3ft.drafter.model import export_keys
 from eagle3ft.train.loop import OutOfMemoryHint, oom_hint, run_training
 

@@ -8,7 +8,8 @@ from train_fixtures import REPO, write_store
 
 from eagle3ft.config import load_config
 from eagle3ft.data.store import StoreError
-from eagle3ft.train.data import TrainData, epoch_order
+from eagle3ft.train.batching import epoch_order
+from eagle3ft.train.data import TrainData
 
 TINY = REPO / "configs/tiny.yaml"
 SOURCES = "harvest.sources=[{kind: humaneval, name: code}, {kind: sharegpt, name: chat, weight: %s}]"

@@ -1,4 +1,4 @@
-"""Online features and packed batches (train/data.py) on the tiny target: online == offline batch for batch,
+"""Online features and packed batches (train/data.py, train/batching.py) on the tiny target: online == offline batch for batch,
 packing keeps every sample once and within budget, a packed batch trains exactly as one sample per row, and
 online packed training runs through the real entry point and resumes at the exact data position."""
 
@@ -16,7 +16,8 @@ from eagle3ft.data.harvest import run_harvest
 from eagle3ft.data.store import StoreError
 from eagle3ft.data.tokens import TokenSample, TokenWriter
 from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
-from eagle3ft.train.data import TrainData, collate_packed, pack_bins, sample_spans
+from eagle3ft.train.batching import collate_packed, pack_bins, sample_spans
+from eagle3ft.train.data import TrainData
 from eagle3ft.train.ttt import ttt_forward
 
 TINY = REPO_ROOT / "configs" / "tiny.yaml"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.data.store import FeatureWriter, Sample
+from eagle3ft.data.store_writer import FeatureWriter, Sample
 from eagle3ft.drafter.vocab import build_vocab, save_vocab
 
 REPO = Path(__file__).resolve().parent.parent

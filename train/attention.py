@@ -29,7 +29,7 @@ def shift(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 class Documents:
-    """Packed rows (train/data.py): each row holds whole documents back to back, positions restarting at 0.
+    """Packed rows (train/batching.py): each row holds whole documents back to back, positions restarting at 0.
 
     Attention stays inside a document (a block-diagonal causal mask, or varlen flash on CUDA), and a row
     trains only on targets of its own document.

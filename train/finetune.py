@@ -7,9 +7,9 @@
 DIR/vocab.safetensors; writes DIR/ckpt/step-N, DIR/export, DIR/train/metrics.jsonl. A folder whose training has
 started is continued (--resume auto) or started over (--overwrite), never both at once; --overwrite removes only what
 the trainer wrote, and refuses a folder that is no run (train/outputs.py). On a resume this config's rates, schedule
-and batch apply from the next step (train/loop.py's resume names each that differs from the checkpoint's). Nothing is
-removed or recorded in DIR/config.yaml until every check has passed, so a refused start changes nothing. An input
-error or refusal is one line from rank 0, whatever the number of processes; its traceback is in
+and batch apply from the next step (train/run_state.py's resume names each that differs from the checkpoint's).
+Nothing is removed or recorded in DIR/config.yaml until every check has passed, so a refused start changes nothing.
+An input error or refusal is one line from rank 0, whatever the number of processes; its traceback is in
 DIR/logs/train-error.log.
 """
 

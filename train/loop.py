@@ -1,7 +1,8 @@
 """The fine-tuning loop: feature store -> TTT unroll -> checkpoints, export and metrics.
 
 `run_training(cfg, run_dir)` is what `train/finetune.py` calls under `accelerate launch`; every rank runs it:
-setup (data, drafter, optimizer, resume, logs) -> fit (the steps) -> export, over one `Run` that holds the state.
+setup (data, drafter, optimizer, resume, logs) -> fit (the steps) -> export, over one `Run` that holds the state
+(train/run_state.py).
 Reads `run_dir/features` and `run_dir/vocab.safetensors` (or the warm-start drafter's own vocab); with
 `train.features: online`, `run_dir/tokens` and the target's own prefill instead (batches: train/data.py);
 writes `run_dir/ckpt/step-N/`, `run_dir/export/` (the last step), `run_dir/export-best/` (the best step by held-out τ,
@@ -14,39 +15,25 @@ import math
 import random
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from eagle3ft.config import Config, resolve_path, to_dict
-from eagle3ft.config_train import TrainConfig
+from eagle3ft.config import Config, resolve_path
 from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
-from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.files import NonFinite, json_text, write_atomic
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
-from eagle3ft.train.checkpoint import (
-    CheckpointError,
-    checkpoints,
-    choose_resume,
-    load_checkpoint,
-    read_trainer_state,
-    resume_position,
-    save_checkpoint,
-    truncate_metrics,
-)
+from eagle3ft.train.checkpoint import save_checkpoint, truncate_metrics
 from eagle3ft.train.data import TrainData
 from eagle3ft.train.l2sp import L2SP
 from eagle3ft.train.metrics import Meter, PhaseClock, SetupTimes, diverged, log_record, metrics_record, open_wandb
+from eagle3ft.train.run_state import Run, lr_lambda, resume
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
-
-if TYPE_CHECKING:
-    from eagle3ft.train.dist import Dist
 
 
 class NonFiniteLoss(RuntimeError):
@@ -74,101 +61,11 @@ def oom_hint():
         raise OutOfMemoryHint(f"{OOM_HINT}\n({str(e).splitlines()[0]})") from e
 
 
-# --------------------------------------------------------------------------- the LR schedule
-
-
-def lr_lambda(tcfg: TrainConfig, total: int):
-    """Linear warm-up, then cosine down to min_lr_ratio at `total` steps."""
-
-    def f(step: int) -> float:
-        if step < tcfg.schedule.warmup_steps:
-            return (step + 1) / tcfg.schedule.warmup_steps
-        frac = min(1.0, (step - tcfg.schedule.warmup_steps) / max(1, total - tcfg.schedule.warmup_steps))
-        return tcfg.schedule.min_lr_ratio + (1 - tcfg.schedule.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-
-    return f
-
-
 def seed_all(seed: int) -> None:
     """Seed every RNG the run uses (torch CPU and CUDA, Python's, NumPy's): one seed gives one run."""
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
-
-
-# --------------------------------------------------------------------------- the run
-
-
-@dataclass
-class Run:
-    """What setup builds and fit advances: the run's pieces and where it is (the one `state` litgpt's fit carries)."""
-
-    cfg: Config
-    run_dir: Path
-    dist: Dist
-    data: TrainData
-    model: Eagle3Drafter
-    engine: Any  # the TTT objective as dist.prepare wrapped it
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    total: int  # optimizer steps of the whole run
-    lock: Any  # the run folder's lock (dist.lock_run), released at the end
-    heldout: HeldoutTracker | None = None
-    l2sp: L2SP | None = None  # train.l2sp's penalty on this rank's master partitions
-    w0_fingerprint: float | None = None  # Σ w0² over every rank (train/l2sp.py), recorded in each checkpoint
-    wandb_run: Any = None
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of this epoch this process has consumed
-    start_step: int = 0  # the step this process started (or resumed) at
-    last: dict = field(default_factory=dict)  # the last metrics record
-    first_loss: float | None = None  # the run's first logged loss (a resume keeps its checkpoint's)
-    warned: bool = False  # the divergence warning was given
-    started: float = field(default_factory=time.perf_counter)  # when setup began (the records' elapsed_s)
-
-    @property
-    def metrics_file(self) -> Path:
-        return RunDir(self.run_dir).metrics
-
-    def trainer_state(self) -> dict:
-        """What a checkpoint records besides the weights: the step, the data position, the config, the last metrics."""
-        tcfg = self.cfg.train
-        n_order = self.data.order_len(self.epoch)  # samples, or bins when packed
-        consumed = min(
-            n_order, self.batch_in_epoch * self.dist.world * self.data.per_micro_batch
-        )  # of the epoch's seeded order
-        return {
-            "step": self.step,
-            "data": {"epoch": self.epoch, "samples_in_epoch": consumed, "n_train": n_order},
-            "world_size": self.dist.world,
-            "micro_batch_size": tcfg.batch.micro_batch_size,
-            "grad_accum": tcfg.batch.grad_accum,
-            "total_steps": self.total,
-            "config": to_dict(self.cfg),
-            "last": self.last,
-            "first_loss": self.first_loss,
-            **(
-                {"l2sp": {"lambda": tcfg.objective.l2sp, "w0_sq": self.w0_fingerprint}} if self.l2sp is not None else {}
-            ),
-        }
-
-    def last_good(self) -> Path | None:
-        """The newest checkpoint whose last logged loss had not diverged from the run's first (checkpoints hold finite
-        weights only: eagle3ft/drafter/export.py's write_drafter refuses others)."""
-        for ckpt in reversed(checkpoints(self.run_dir)):
-            try:
-                loss = (read_trainer_state(ckpt).get("last") or {}).get("loss")
-            except CheckpointError:
-                continue
-            if not isinstance(loss, (int, float)) or not diverged(loss, self.first_loss):
-                return ckpt
-        return None
-
-    def resume_hint(self) -> str:
-        ckpt = self.last_good()
-        if ckpt is None:
-            return "no checkpoint before it to resume from: start over with --overwrite and a lower train.lr"
-        return f"the last good checkpoint is {ckpt}: resume from it with --resume {ckpt} and a lower train.lr"
 
 
 # --------------------------------------------------------------------------- setup -> fit -> export
@@ -271,83 +168,6 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
         open_logs(run, sum(p.numel() for p in trainable))
     dist.print(f"start-up: {took}")
     return run
-
-
-# train.* keys that a checkpoint's optimizer and scheduler state also hold, or that shape the LR schedule and the
-# batch: on a resume this invocation's values run from the next step (apply_rates), and resume() names each that
-# differs from the checkpoint's
-RESUME_APPLIES = (
-    "lr",
-    "weight_decay",
-    "warmup_steps",
-    "min_lr_ratio",
-    "max_steps",
-    "epochs",
-    "micro_batch_size",
-    "grad_accum",
-)
-
-
-def apply_rates(run: Run) -> None:
-    """After a checkpoint's optimizer and scheduler state are loaded (they hold the rate and weight decay it ran
-    with): this config's train.lr and train.weight_decay, and its schedule's rate for the next step."""
-    tcfg, sched = run.cfg.train, run.scheduler.scheduler  # the LambdaLR inside accelerate's wrapper
-    factor = lr_lambda(tcfg, run.total)(sched.last_epoch)  # last_epoch: optimizer steps taken
-    sched.base_lrs = [tcfg.optimizer.lr for _ in sched.base_lrs]
-    for group in sched.optimizer.param_groups:
-        group.update(
-            initial_lr=tcfg.optimizer.lr, lr=tcfg.optimizer.lr * factor, weight_decay=tcfg.optimizer.weight_decay
-        )
-    sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
-
-
-def resume(run: Run) -> dict | None:
-    """Load train.resume's checkpoint (if any) into the prepared engine and move `run` to its step and data position;
-    this config's rates, schedule and batch apply from the next step. Returns where it resumed (the checkpoint, its
-    step, the train.* values that differ from the checkpoint's as [checkpoint's, now]), or None."""
-    ckpt, refused = choose_resume(run.run_dir, run.cfg.train.checkpoint.resume)
-    for why in refused:
-        run.dist.print(f"--resume auto: passed over a damaged checkpoint: {why}")
-    if ckpt is None and run.cfg.train.checkpoint.resume == "auto":
-        run.dist.print(f"--resume auto: no checkpoint in {RunDir(run.run_dir).ckpt}; starting at step 0")
-    if ckpt is not None:
-        st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed, verify=run.cfg.train.checkpoint.resume != "auto")
-        check_w0(run, st, ckpt)
-        run.step, run.first_loss = st["step"], st.get("first_loss")
-        run.epoch, run.batch_in_epoch = resume_position(
-            st, ckpt, run.data.order_len(st.get("data", {}).get("epoch", 0)), run.data.per_micro_batch, run.dist.world
-        )
-        run.dist.print(
-            f"resumed from {ckpt} at step {run.step} (epoch {run.epoch}, {st['data']['samples_in_epoch']} samples "
-            f"of its order consumed; written by {st['world_size']} process(es), now {run.dist.world}; {rng_note})"
-        )
-        if st["total_steps"] != run.total:
-            run.dist.print(
-                f"note: {run.total} optimizer steps now, {st['total_steps']} when the checkpoint was written "
-                "(set train.max_steps to keep the LR schedule)"
-            )
-    run.start_step = run.step
-    if ckpt is None:
-        return None
-    apply_rates(run)
-    before, now = (st.get("config") or {}).get("train") or {}, to_dict(run.cfg.train)
-    changed = {f"train.{k}": [before[k], now[k]] for k in RESUME_APPLIES if k in before and before[k] != now[k]}
-    if changed:
-        what = ", ".join(f"{k} {new!r} (the checkpoint ran {old!r})" for k, (old, new) in changed.items())
-        run.dist.print(f"resume: this config's {what} apply from step {run.step + 1}")
-    return {"from": str(ckpt), "step": run.step, "changed": changed}
-
-
-def check_w0(run: Run, st: dict, ckpt: Path) -> None:
-    """L2-SP's w0 built for this resume must be the one the checkpoint's run pulled toward (the same drafter.init
-    and seed): CheckpointError naming both otherwise."""
-    saved = (st.get("l2sp") or {}).get("w0_sq")
-    if run.l2sp is None or saved is None or math.isclose(saved, run.w0_fingerprint, rel_tol=1e-9):
-        return
-    raise CheckpointError(
-        f"{ckpt}: train.l2sp pulls toward the starting weights, but those built now (Σw0² {run.w0_fingerprint!r}) are "
-        f"not the ones this checkpoint's run started from (Σw0² {saved!r}): drafter.init or the seed changed"
-    )
 
 
 def open_logs(run: Run, n_train: int) -> None:

@@ -11,8 +11,8 @@ and the backward hands the merged output and log-sum-exp back to the flash backw
 Loss = Σ_k decay^k · mean over valid positions of CE(p, q), where p is the target's distribution
 restricted to the draft vocabulary and renormalised, and q the drafter's. A position is valid at
 step k when the predicted token t+2+k has loss_mask 1 and p has mass in the draft vocabulary. With a float
-`loss_weight` (B, T) in the batch (train.loop_weight, train/data.py) the mean is weighted: Σ w·loss / Σ w over the
-valid positions, w of the predicted token.
+`loss_weight` (B, T) in the batch (train.loop_weight, train/batching.py) the mean is weighted: Σ w·loss / Σ w over
+the valid positions, w of the predicted token.
 Instead of CE, `loss_kind` picks an acceptance-targeted loss of the overlap Σ min(p, q): tv, lk, lk_hybrid.
 The attention is train/attention.py; the losses, fused with the lm_head, train/losses.py.
 """
@@ -140,7 +140,7 @@ def _unroll(model, batch, steps, decay, target_head, loss_kind, lk_eta) -> TTTOu
     dtype = model.fc.weight.dtype
     dev = ids.device
     hidden = model.fuse(batch["aux_hidden"].to(dtype))  # (B, T, H); fc once
-    docs = Documents(batch["position_ids"]) if "position_ids" in batch else None  # packed rows (train/data.py)
+    docs = Documents(batch["position_ids"]) if "position_ids" in batch else None  # packed rows (train/batching.py)
     positions = docs.positions if docs is not None else torch.arange(T, device=dev).expand(B, T)
     loss_mask = batch["loss_mask"].bool()  # (B, T)
     weight = batch["loss_weight"].reshape(B * T) if "loss_weight" in batch else None  # (B*T,) float or None
