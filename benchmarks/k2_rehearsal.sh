@@ -30,7 +30,9 @@
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
 # CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
 # PLAIN (1; 0: no plain server for `serve_harvest`, the harvest server regenerates: the layer check alone),
-# TRAIN_STEPS (200), EVAL_EVERY (a quarter of them), LR (5e-4), FEATURES (lay-sgl; emb after `embedded`), WARM (1),
+# TRAIN_STEPS (1000: at width 2048 on the CPU the drafter was still on the marginal's plateau at step 60, where
+# width 512 left it by step 30; 2-4 min on one GPU at K2 widths), EVAL_EVERY (a tenth of them), LR (5e-4),
+# FEATURES (lay-sgl; emb after `embedded`), WARM (1),
 # EMIT (256), BRANCH (0.3), GAIN (6): the target's shape (make_learnable; EMIT=0: as drawn, whose flat distribution
 # held every drafter at τ 1.00). With 2,048 kept ids no drafter learnt in 200 steps on an H100; on the CPU at width
 # 512 (benchmarks/records/k2-rehearsal.md) 256 ids reached held-out τ 2.51 where 2,048 reached 1.28, and lr 3e-3 did
@@ -155,8 +157,8 @@ train_one() {  # train_one NAME DRAFTER_CONFIG [sets...]: on the SGLang store of
   timeout 900 accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" ${NPROC:+--num_processes "$NPROC"} \
     --main_process_port "${PORT:-29611}" \
     train/finetune.py --config "$CONFIG" --run-dir "$S/$1" "${K2[@]}" --set "drafter.config=$2" \
-    --set "train.max_steps=${TRAIN_STEPS:-200}" --set "train.save_every=${TRAIN_STEPS:-200}" --set train.keep_checkpoints=1 \
-    --set "train.eval_every=${EVAL_EVERY:-$(( (${TRAIN_STEPS:-200} + 3) / 4 ))}" --set "train.lr=${LR:-5e-4}" --set train.log_every=10 "${@:3}" > "$L/train-$1.log" 2>&1
+    --set "train.max_steps=${TRAIN_STEPS:-1000}" --set "train.save_every=${TRAIN_STEPS:-1000}" --set train.keep_checkpoints=1 \
+    --set "train.eval_every=${EVAL_EVERY:-$(( (${TRAIN_STEPS:-1000} + 9) / 10 ))}" --set "train.lr=${LR:-5e-4}" --set train.log_every=10 "${@:3}" > "$L/train-$1.log" 2>&1
   echo "$1 exit $?"; mkdir -p "$L/$1"; cp "$S/$1"/train/{metrics.jsonl,data.json} "$L/$1/" 2> /dev/null
   ls "$S/$1"; tail -3 "$L/train-$1.log"
 }
