@@ -31,12 +31,12 @@
 # CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
 # PLAIN (1; 0: no plain server for `serve_harvest`, the harvest server regenerates: the layer check alone),
 # TRAIN_STEPS (1000: at width 2048 on the CPU the drafter was still on the marginal's plateau at step 60, where
-# width 512 left it by step 30; 2-4 min on one GPU at K2 widths), EVAL_EVERY (a tenth of them), LR (5e-4),
+# width 512 left it by step 30; 2-4 min on one GPU at K2 widths), EVAL_EVERY (a tenth of them), LR (1e-4: the
+# wider the drafter, the lower its best rate; on the CPU 5e-4 beat 3e-3 at width 512 and 1.25e-4 beat 5e-4 at 2048),
 # FEATURES (lay-sgl; emb after `embedded`), WARM (1),
 # EMIT (256), BRANCH (0.3), GAIN (6): the target's shape (make_learnable; EMIT=0: as drawn, whose flat distribution
 # held every drafter at τ 1.00). With 2,048 kept ids no drafter learnt in 200 steps on an H100; on the CPU at width
-# 512 (benchmarks/records/k2-rehearsal.md) 256 ids reached held-out τ 2.51 where 2,048 reached 1.28, and lr 3e-3 did
-# worse than 5e-4. PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes),
+# 512 (benchmarks/records/k2-rehearsal.md) 256 ids reached held-out τ 2.51 where 2,048 reached 1.28. PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes),
 # GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
 # TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
 set -uo pipefail
@@ -158,7 +158,7 @@ train_one() {  # train_one NAME DRAFTER_CONFIG [sets...]: on the SGLang store of
     --main_process_port "${PORT:-29611}" \
     train/finetune.py --config "$CONFIG" --run-dir "$S/$1" "${K2[@]}" --set "drafter.config=$2" \
     --set "train.max_steps=${TRAIN_STEPS:-1000}" --set "train.save_every=${TRAIN_STEPS:-1000}" --set train.keep_checkpoints=1 \
-    --set "train.eval_every=${EVAL_EVERY:-$(( (${TRAIN_STEPS:-1000} + 9) / 10 ))}" --set "train.lr=${LR:-5e-4}" --set train.log_every=10 "${@:3}" > "$L/train-$1.log" 2>&1
+    --set "train.eval_every=${EVAL_EVERY:-$(( (${TRAIN_STEPS:-1000} + 9) / 10 ))}" --set "train.lr=${LR:-1e-4}" --set train.log_every=10 "${@:3}" > "$L/train-$1.log" 2>&1
   echo "$1 exit $?"; mkdir -p "$L/$1"; cp "$S/$1"/train/{metrics.jsonl,data.json} "$L/$1/" 2> /dev/null
   ls "$S/$1"; tail -3 "$L/train-$1.log"
 }
