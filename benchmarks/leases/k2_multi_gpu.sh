@@ -7,7 +7,7 @@
 #   bash benchmarks/leases/k2_multi_gpu.sh steps OUT_DIR    issues 16 and 18 after the loader and optimizer work (RESULTS §11):
 #                                               NCCL bandwidth; on GPU 0 the 1-GPU runs (default, num_workers 0,
 #                                               train.compile, seq 4096) while GPU 1 runs the side-by-side with
-#                                               SpecForge (benchmarks/train_speed.sh, carry .whl-specforge) and the
+#                                               SpecForge (benchmarks/train_speed/train_speed.sh, carry .whl-specforge) and the
 #                                               17-step compile check; then the same runs on 2 GPUs; the summary
 #   bash benchmarks/leases/k2_multi_gpu.sh mem OUT_DIR      peak memory against the estimate at SEQ on 2 GPUs, eager and compiled
 #   bash benchmarks/leases/k2_multi_gpu.sh start steps OUT_DIR   the same in a new process session (log OUT_DIR.log); `wait SECS
@@ -93,7 +93,7 @@ case ${1:-} in
     (  # GPU 1: issue 18, ours (default, compiled) against SpecForge side by side, then the compile check over 17 steps
       export CUDA_VISIBLE_DEVICES=1 PKGROOT=/tmp/eagle3ft-speed OUT=$OUT_DIR/speed
       RUNS=a A_ARGS="--variant topk+adam=fused --variant topk+adam=fused+compile --theirs flex_attention" \
-        bash benchmarks/train_speed.sh > "$OUT_DIR/speed.log" 2>&1
+        bash benchmarks/train_speed/train_speed.sh > "$OUT_DIR/speed.log" 2>&1
       PYTHONPATH=/tmp/eagle3ft-speed python3 benchmarks/compile_check.py --dims k2 --train-steps 17 \
         --out "$OUT_DIR/compile_check_k2.json" > "$OUT_DIR/compile_check_k2.log" 2>&1
       echo "   gpu1 done ($(date +%T))"

@@ -9,7 +9,7 @@ mkdir -p "$OUT/r2"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/deps .carry/p1/deps/*.whl 2>&1 | tail -2
 mkdir -p /tmp/c && rm -rf /tmp/c/tokhf && cp -r .carry/tokhf /tmp/c/tokhf
 RUNS=a OUT=$OUT/r2 A_ARGS="--rounds 8 --budget-s 110 --variant topk+adam=fused+compile --theirs flex_attention" \
-  timeout 230 bash benchmarks/train_speed.sh > "$OUT/r2/speed.log" 2>&1
+  timeout 230 bash benchmarks/train_speed/train_speed.sh > "$OUT/r2/speed.log" 2>&1
 echo "speed exit $?"; grep -A6 "^## train step" "$OUT/r2/speed.log"
 EAGLE3FT_TINY_TOKENIZER=/tmp/c/tokhf PYTHONPATH=/tmp/deps timeout 240 make test-gpu > "$OUT/r2/test-gpu.log" 2>&1
 echo "test-gpu exit $?"; tail -8 "$OUT/r2/test-gpu.log"

@@ -18,7 +18,7 @@
 #             from it, and a scratch drafter on the same code data and steps; offline tau after (6.3, 6.4)
 #   bench     the embedded live bench at 3/1/4 against plain transformers decoding, on the bench8 prompts (6.3)
 #   sglang    SGLang: plain against 3/1/4, 2/1/3, 1/1/2 at batch 1 and concurrency 8, interleaved (7.2)
-#   speed     benchmarks/train_speed.sh runs a and b: K2 dims, ours against SpecForge; each speed change (6.1)
+#   speed     benchmarks/train_speed/train_speed.sh runs a and b: K2 dims, ours against SpecForge; each speed change (6.1)
 # Env: L (results, /tmp/L), C (carried files, /tmp/c), MODEL (HF folder of the target, /tmp/smol-hf), DATA
 # (sharegpt-3000.json), DOM (domain_sets.py's files), SGL_DIR; sizes for a CPU dry run: LIMIT, CODE_LIMIT,
 # EPOCHS, FT_EPOCHS, NEW, BENCH_TOKENS, BENCH_REPS, OVERHEAD, PREV, DTYPE, ACCEL, ACCEL_ARGS, EXTRA (more --set pairs for every stage).
@@ -65,7 +65,7 @@ offline() {  # offline NAME FEATURES_RUN CHECKPOINT: offline tau of CHECKPOINT o
 
 speed() {
   need "$C/.whl-specforge" && OUT=$L/speed WHEELS=$C/.whl-specforge A_ARGS="--variant topk+adam=fused --variant topk+adam=fused+compile --theirs flex_attention" \
-    bash benchmarks/train_speed.sh
+    bash benchmarks/train_speed/train_speed.sh
 }
 harvest() {
   need "$DATA/sharegpt-3000.json" "$DOM/code-train.json" || return 1
