@@ -8,8 +8,8 @@ tokens of context per request, so that a fall in rate can be told apart from a f
     python benchmarks/decode_windows.py results/ttt3-10m-shipped/server*.decode-lines.txt --plot decode.png
 
 Files: SGLang server logs, or the `Decode batch` lines of them. It first prints each server's median and p90 rate
-(what benchmarks/phases/servers.sh's `gen_throughput` reports after a regeneration), and, from its `Prefill batch` lines
-where the log has them, the prompt tokens it prefilled and those its prefix cache held.
+(what benchmarks/leases/phases/servers.sh's `gen_throughput` reports after a regeneration), and, from its `Prefill
+batch` lines where the log has them, the prompt tokens it prefilled and those its prefix cache held.
 """
 
 from __future__ import annotations

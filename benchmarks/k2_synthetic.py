@@ -12,7 +12,7 @@ Writes, from a seed:
                          first quarter (a prompt, then an answer)
   RUN/vocab.safetensors  the draft vocabulary built from the answer tokens (eagle3ft/drafter/vocab.py)
 
-The dims come from the drafter config (configs/drafters/kimi-k2.json), as benchmarks/train_speed.py's K2
+The dims come from the drafter config (configs/drafters/kimi-k2.json), as benchmarks/train_speed/train_speed.py's K2
 preset does; the numbers trained on mean nothing, the step's shapes and memory are the point (issue 16).
 """
 

@@ -1,5 +1,5 @@
-"""Helpers of benchmarks/sglang_vs_embedded.sh and benchmarks/k2_rehearsal.sh (real SGLang on a GPU against the
-embedded backend).
+"""Helpers of benchmarks/leases/sglang_vs_embedded.sh and benchmarks/leases/k2_rehearsal.sh (real SGLang on a GPU
+against the embedded backend).
 
 python benchmarks/sglang_target.py export-hf --config configs/smollm2-135m.yaml [--set k=v] --out DIR
     the configured target as an HF folder in bf16 that SGLang loads (no quantization_config)

@@ -73,8 +73,8 @@ from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-# the engine stands beside it; PYTHONSAFEPATH (benchmarks/run_phases.sh's SERVER_CMD) leaves the script's folder off
-# sys.path
+# the engine stands beside it; PYTHONSAFEPATH (benchmarks/leases/run_phases.sh's SERVER_CMD) leaves the script's
+# folder off sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_double_engine import BadRequest, DoubleEngine  # noqa: E402
 

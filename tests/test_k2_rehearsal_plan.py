@@ -1,7 +1,7 @@
-"""benchmarks/k2_rehearsal.sh, the one-lease plan of the flagship rehearsal, on the CPU where it needs no SGLang: its
-weights step and its three trainings (the K2-layout drafter from scratch, warm-started from that export, the MLA
-drafter), on the tiny DeepSeek-V3 in place of the K2-width one, through the plan's own command lines; and the lens
-its `layers` step measures."""
+"""benchmarks/leases/k2_rehearsal.sh, the one-lease plan of the flagship rehearsal, on the CPU where it needs no
+SGLang: its weights step and its three trainings (the K2-layout drafter from scratch, warm-started from that export,
+the MLA drafter), on the tiny DeepSeek-V3 in place of the K2-width one, through the plan's own command lines; and the
+lens its `layers` step measures."""
 
 import json
 import os
@@ -24,7 +24,7 @@ from free_ports import free_ports  # noqa: E402
 
 def plan(steps: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", "benchmarks/k2_rehearsal.sh", "run"],
+        ["bash", "benchmarks/leases/k2_rehearsal.sh", "run"],
         cwd=REPO_ROOT,
         env={**env, "STEPS": steps},
         capture_output=True,

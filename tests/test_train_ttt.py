@@ -233,7 +233,7 @@ def test_ttt_fast_paths_match_baseline(monkeypatch, chunk):
 
     from eagle3ft.train import losses, ttt
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ttt_baseline.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "train_speed" / "ttt_baseline.py"
     spec = importlib.util.spec_from_file_location("ttt_baseline", path)
     base = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(base)

@@ -404,7 +404,7 @@ class Dist:
         4. A launch of several processes keeps the launcher's store, through which exit_rank waits for every rank to
            get here: a rank that os._exits while its peer still destroys its process group or frees the engine closes
            sockets the peer uses, and can make it abort in C++ ("terminate called without an active exception" from
-           rank 1 of the ZeRO-3 CPU launch; benchmarks/exit_abort_loop.sh counts it)."""
+           rank 1 of the ZeRO-3 CPU launch; benchmarks/leases/exit_abort_loop.sh counts it)."""
         self.acc.free_memory()
         gc.collect()
         self.acc.wait_for_everyone()

@@ -274,7 +274,7 @@ def exit_rank(code: int) -> None:
     process group), then flushes logging and stdio and leaves through os._exit: a rank that exits while a peer
     still tears down closes the gloo sockets that peer uses, and C++ static destruction can abort a ZeRO-3 CPU rank
     on a joinable gloo thread ("terminate called without an active exception", pytorch#179291).
-    benchmarks/exit_abort_loop.sh counts those aborts. atexit handlers do not run: the trainer's files, wandb and
+    benchmarks/leases/exit_abort_loop.sh counts those aborts. atexit handlers do not run: the trainer's files, wandb and
     the run lock are closed before."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         sys.exit(code)

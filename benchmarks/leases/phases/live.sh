@@ -1,5 +1,5 @@
-# Sourced by benchmarks/run_phases.sh: the live benches: SGLang servers of eagle3ft.targets.sglang_server, plain
-# against EAGLE-3, the SGLang calibrated prediction (sglpred) and the embedded one (benchmarks/calibrated_prediction.sh).
+# Sourced by benchmarks/leases/run_phases.sh: the live benches: SGLang servers of eagle3ft.targets.sglang_server, plain
+# against EAGLE-3, the SGLang calibrated prediction (sglpred) and the embedded one (benchmarks/leases/calibrated_prediction.sh).
 SHIPPED=$PWD/drafters/smollm2-135m  # the drafter the live benches measure
 SGL=(--set target.kind=hf --set "target.path=$MODEL" --set target.gguf_file=null --set target.dtype=bfloat16
      --set "drafter.config=$SHIPPED/config.json" --set "eval.checkpoint=$SHIPPED" --set "serve.python=$PY"
@@ -118,12 +118,12 @@ sglpred_bench() {  # sglpred_bench TEST: sglpred's runs, on its three servers on
     cp "$run/eval/accept_len.json" "$L/sglpred/$(basename "$run")-accept_len.json" 2>/dev/null
   done
 }
-embedded_step() {  # embedded_step STEPS CAL TEST: benchmarks/calibrated_prediction.sh on GPU EMB_GPU (1), sizes EMB_*
+embedded_step() {  # embedded_step STEPS CAL TEST: benchmarks/leases/calibrated_prediction.sh on GPU EMB_GPU (1), sizes EMB_*
   say "embedded ($1): calibrate with $2, predict and measure $3"
   CUDA_VISIBLE_DEVICES=${EMB_GPU:-1} STEPS=$1 EXTRA="${BASE[*]}" NEW=${EMB_NEW:-64} CAL_NEW=${EMB_CAL_NEW:-${EMB_NEW:-64}} \
     REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-3} SETTINGS=${EMB_SETTINGS:-1/1/2,3/1/4,5/1/6} PY=$PY \
     MTBENCH=$DATA/mtbench-questions.jsonl DRAFTER_READY=${DRAFTER_READY:-} \
-    timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$2" "$3" >> "$L/embedded.txt" 2>&1
+    timeout 900 bash benchmarks/leases/calibrated_prediction.sh "$S/pred" "$2" "$3" >> "$L/embedded.txt" 2>&1
   echo "exit $?"; tail -30 "$L/embedded.txt"
   pred_back
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/run_phases.sh's phases,
+# One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/leases/run_phases.sh's phases,
 # every bench interleaved per prompt (bench.interleave: prompt, new: the host's speed changes 1.5-2x for seconds at a
 # time, RESULTS §19a) and its speed-up taken per repetition against that repetition's own plain pass (speedup_paired):
 #   0. the GPU tests of the embedded decoder's CUDA paths (the graphed draft chain, its graphed extend, chain attention)
@@ -14,17 +14,17 @@
 #      predicting each setting's tok/s and speed-up from the calibration's cycles and offline tau on this run's plain
 #      answers (eval/offline/same_prompts.py): no speculative figure of this run is an input; then offline tau on each
 #      speculative server's own answers (live against offline). The servers are stopped after it.
-#   3. the embedded bench alone on the machine: benchmarks/calibrated_prediction.sh with the shipped drafter as §18a
+#   3. the embedded bench alone on the machine: benchmarks/leases/calibrated_prediction.sh with the shipped drafter as §18a
 #      (bench.embedded.attention chain, the graphed chain; costs calibrated on EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW
 #      (96) new tokens, tok/s predicted from offline tau on EMB_PROMPTS (4) MT-Bench prompts at EMB_NEW (384) and
 #      measured there; EMB_SETTINGS 3/1/4,5/1/6,7/1/8, EMB_REPS 3)
 # SGL_BENCH=0 leaves out 1-2: the embedded bench alone, once the GPU tests and its features are done.
-# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/plans/sglang_live_trees.sh start` starts the plan. Keep a `wait`
+# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/leases/plans/sglang_live_trees.sh start` starts the plan. Keep a `wait`
 # call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 : "${SGL_SETTINGS:=7/1/8,5/4/8,7/4/16,8/4/32}" "${SGL_NEW:=512}" "${SGL_CAL_LIMIT:=8}" "${SGL_PER_CAT:=2}"
-source benchmarks/plans/embedded_draft_graph.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over run_phases.sh's, with these settings
+source benchmarks/leases/plans/embedded_draft_graph.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over run_phases.sh's, with these settings
 SGL_CAL_SRC="{kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: $SGL_CAL_LIMIT}"  # plans/embedded_draft_graph.sh's sglang_phase
 SGL_TEST_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT}"
 
@@ -51,5 +51,5 @@ s16() {
 case ${1:-} in
   lib) ;;
   run) shift; mkdir -p "$L" "$S"; s16; say done; touch "$L/.done-s16" ;;
-  *) LEASE_SCRIPT=benchmarks/plans/sglang_live_trees.sh exec bash benchmarks/run_phases.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/leases/plans/sglang_live_trees.sh exec bash benchmarks/leases/run_phases.sh "$@" ;;
 esac

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # What is left of issues 6 and 7, as one background job on one H200 lease: device calls then only carry files
 # and wait (a call runs at most 10 minutes; the machine stays warm 30 s between calls).
-#   bash benchmarks/plans/real_run_2.sh start [PHASE...]   after `plans/real_run_2_setup.sh setup`: run the phases (default: all,
+#   bash benchmarks/leases/plans/real_run_2.sh start [PHASE...]   after `plans/real_run_2_setup.sh setup`: run the phases (default: all,
 #                                                    in the order below) in a new process session, from a copy
 #                                                    of this tree; the log is $L/log
-#   bash benchmarks/plans/real_run_2.sh wait SECS          wait up to SECS for the job; print the log's tail; pack the
+#   bash benchmarks/leases/plans/real_run_2.sh wait SECS          wait up to SECS for the job; print the log's tail; pack the
 #                                                    small results into $OUT/lease.tar.gz (and the general
 #                                                    drafter's export into $OUT/export.tar.gz once it exists)
 # Phases, in this order (a phase waits for the files it needs, which later calls may still be carrying):
@@ -18,12 +18,12 @@
 #             from it, and a scratch drafter on the same code data and steps; offline tau after (6.3, 6.4)
 #   bench     the embedded live bench at 3/1/4 against plain transformers decoding, on the bench8 prompts (6.3)
 #   sglang    SGLang: plain against 3/1/4, 2/1/3, 1/1/2 at batch 1 and concurrency 8, interleaved (7.2)
-#   speed     benchmarks/train_speed.sh runs a and b: K2 dims, ours against SpecForge; each speed change (6.1)
+#   speed     benchmarks/train_speed/train_speed.sh runs a and b: K2 dims, ours against SpecForge; each speed change (6.1)
 # Env: L (results, /tmp/L), C (carried files, /tmp/c), MODEL (HF folder of the target, /tmp/smol-hf), DATA
 # (sharegpt-3000.json), DOM (domain_sets.py's files), SGL_DIR; sizes for a CPU dry run: LIMIT, CODE_LIMIT,
 # EPOCHS, FT_EPOCHS, NEW, BENCH_TOKENS, BENCH_REPS, OVERHEAD, PREV, DTYPE, ACCEL, ACCEL_ARGS, EXTRA (more --set pairs for every stage).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 L=${L:-/tmp/L}
 C=${C:-/tmp/c}
 MODEL=${MODEL:-/tmp/smol-hf}
@@ -65,7 +65,7 @@ offline() {  # offline NAME FEATURES_RUN CHECKPOINT: offline tau of CHECKPOINT o
 
 speed() {
   need "$C/.whl-specforge" && OUT=$L/speed WHEELS=$C/.whl-specforge A_ARGS="--variant topk+adam=fused --variant topk+adam=fused+compile --theirs flex_attention" \
-    bash benchmarks/train_speed.sh
+    bash benchmarks/train_speed/train_speed.sh
 }
 harvest() {
   need "$DATA/sharegpt-3000.json" "$DOM/code-train.json" || return 1
@@ -124,7 +124,7 @@ bench() {  # the embedded decoder on the bench8 prompts; economics with the offl
 sglang() {
   need "${SGL_DIR:-/tmp/sgl}/.ready" || return 1
   SGL_DIR=${SGL_DIR:-/tmp/sgl} BENCH_MTBENCH=$DOM/mtbench-general.jsonl BENCH_TOKENS=$BENCH_TOKENS PYTHON=$PY \
-    bash benchmarks/sglang_vs_embedded.sh bench "$MODEL" "$L/general/export" "$L/sgl" > "$L/sglang-bench.txt" 2>&1
+    bash benchmarks/leases/sglang_vs_embedded.sh bench "$MODEL" "$L/general/export" "$L/sgl" > "$L/sglang-bench.txt" 2>&1
   mkdir -p "$L/sgl/bench/eval" && cp "$L/eval-bench8/eval/accept_len.json" "$L/sgl/bench/eval/"
   $PY eval/economics/analysis.py --config $CONFIG --run-dir "$L/sgl/bench" > "$L/sglang-economics.txt" 2>&1
   tail -25 "$L/sglang-bench.txt"; cat "$L/sglang-economics.txt"
@@ -155,7 +155,7 @@ case ${1:-} in
     [[ -e $L/log ]] && { echo "a job already ran or runs in $L (log: $L/log)" >&2; exit 2; }
     mkdir -p "$L" && rm -rf /tmp/lease-src && mkdir -p /tmp/lease-src
     tar cf - --exclude=./.git --exclude=./.carry --exclude=./.whl-specforge --exclude=./.venv --exclude=./runs . | tar xf - -C /tmp/lease-src
-    L=$L C=$C MODEL=$MODEL DATA=$DATA DOM=$DOM setsid nohup bash /tmp/lease-src/benchmarks/plans/real_run_2.sh run "$@" > "$L/log" 2>&1 < /dev/null &
+    L=$L C=$C MODEL=$MODEL DATA=$DATA DOM=$DOM setsid nohup bash /tmp/lease-src/benchmarks/leases/plans/real_run_2.sh run "$@" > "$L/log" 2>&1 < /dev/null &
     echo "started: log $L/log" ;;
   run) shift; mkdir -p "$L"; run_all "$@" ;;
   wait)

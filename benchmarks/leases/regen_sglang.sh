@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regeneration through real SGLang on one GPU: answer tokens/s per concurrency, then all of ShareGPT into a token store.
-#   bash benchmarks/regen_sglang.sh STEP MODEL_DIR [OUT]        STEP: speed | full | all
+#   bash benchmarks/leases/regen_sglang.sh STEP MODEL_DIR [OUT]        STEP: speed | full | all
 # MODEL_DIR  an HF bf16 folder SGLang loads; for SmolLM2 make it with
 #            python benchmarks/sglang_target.py export-hf --config configs/smollm2-135m.yaml --out MODEL_DIR
 # SGL_DIR    (env) the folder the SGLang 0.5.17 wheels were installed into; on the servers' PYTHONPATH only.
@@ -17,7 +17,7 @@
 #          FULL_SETTING (default 128x8): OUT/full/tokens/ + summary.json; resumable (rerun the same command).
 #          SOURCES (default "{kind: sharegpt}", e.g. "{kind: sharegpt}, {kind: chitchat}") the training sources
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STEP=$1
 MODEL=$(realpath "$2")
 OUT=${3:-runs/regen-h200}

@@ -3,7 +3,7 @@
 # (any drafter) measures the cycle cost of each setting; the drafter under test then gets its live tok/s predicted
 # from its offline tau alone (RUN/bench/prediction.json, written before its own bench exists), and only then is it
 # benched on the same prompts and settings. eval/economics/analysis.py puts prediction and measurement side by side.
-#   bash benchmarks/calibrated_prediction.sh OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]
+#   bash benchmarks/leases/calibrated_prediction.sh OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]
 # Defaults: the calibration drafter is runs/demo-s5/export if present (a weak one: its tau does not matter, only its
 # costs), the drafter under test drafters/smollm2-135m. Prompts: MT-Bench questions, held out; sizes below.
 # Env: N_PROMPTS (6), NEW (new tokens, 64), CAL_NEW (the calibration bench's new tokens, NEW: where launches bound a
@@ -18,7 +18,7 @@
 # `features` made them, and the calibration run; test: the prediction and the measurement only, from an OUT_DIR where
 # `cal` ran).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${1:?usage: $0 OUT_DIR [CALIBRATION_DRAFTER] [DRAFTER]}
 CAL_DRAFTER=${2:-runs/demo-s5/export}
 DRAFTER=${3:-drafters/smollm2-135m}

@@ -4,11 +4,11 @@
 # tests/test_train_loop.py::test_zero3_trains_like_zero2_and_exports_whole_weights N times (default 50) and counts
 # the launches that printed 'terminate called' or exited non-zero. LOAD=1 runs a busy loop alongside (the 2-core CI
 # machine is shared), which makes the race likelier.
-#   bash benchmarks/exit_abort_loop.sh [N]       (from the repository root; LOAD=1 for a loaded CPU)
+#   bash benchmarks/leases/exit_abort_loop.sh [N]       (from the repository root; LOAD=1 for a loaded CPU)
 set -u
 export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}  # an aborting rank prints every Python thread's stack
 N=${1:-50}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 [ "${CORE:-0}" = 1 ] && ulimit -c unlimited  # CORE=1: an aborting rank leaves ./core (for gdb)
 PY=${PY:-.venv/bin/python}
 work=$(mktemp -d)

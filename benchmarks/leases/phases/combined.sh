@@ -1,4 +1,4 @@
-# Sourced by benchmarks/run_phases.sh: the phases that combine the others in one lease (regenspeed, s9, onoff,
+# Sourced by benchmarks/leases/run_phases.sh: the phases that combine the others in one lease (regenspeed, s9, onoff,
 # resume_ws, curve) and wait_for.
 regenspeed() {  # issue 13.1: PER_GPU (2) plain servers on GPU SPEED_GPU (1) alone; benchmarks/regen_speed.py's
                 # SPEED_SETTINGS on the same SPEED_CONVS ShareGPT conversations (every turn), prefix cache flushed between

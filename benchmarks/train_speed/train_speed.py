@@ -39,7 +39,7 @@ hidden states; the draft vocab S (Vd random target ids) gets a logit boost so th
 draft vocab, most target argmaxes and ~99% of the mass fall inside it. SpecForge reads W through
 its TargetHead; ours reads top-k log-probs computed from the same logits, or W[S].
 
-Usage: see benchmarks/train_speed.sh (H200) and benchmarks/NOTES-train-speed.md.
+Usage: see benchmarks/train_speed/train_speed.sh (H200) and benchmarks/train_speed/NOTES-train-speed.md.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="one of our variants, options joined by '+': topk|hidden (teacher form), adam=master|fused|bf16, compile "
         "(Eagle3Drafter.compile_blocks: norms, heads + rope, SwiGLU, the TTT attention's merge), baseline "
-        "(benchmarks/ttt_baseline.py, the unroll before the speed work), attn=flash|lse, merge=eager (the merge "
-        "uncompiled under compile), wgrad=autograd (per-step weight gradients summed by autograd, not "
+        "(benchmarks/train_speed/ttt_baseline.py, the unroll before the speed work), attn=flash|lse, merge=eager "
+        "(the merge uncompiled under compile), wgrad=autograd (per-step weight gradients summed by autograd, not "
         "eagle3ft/drafter/wgrad.py's one GEMM per weight), tf32, lse_chunk=N, head_chunk=N; repeat for several "
         f"(default: {' and '.join(DEFAULT_VARIANTS)})",
     )

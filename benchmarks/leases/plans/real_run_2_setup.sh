@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One H200 lease, step by step (each device call carries < 64 MiB and /tmp lasts while the machine is warm).
-#   bash benchmarks/plans/real_run_2_setup.sh stash DIR...   copy carried folders to /tmp/c (they vanish next call)
-#   bash benchmarks/plans/real_run_2_setup.sh setup          install carried wheels + this repo, rebuild the GGUF,
+#   bash benchmarks/leases/plans/real_run_2_setup.sh stash DIR...   copy carried folders to /tmp/c (they vanish next call)
+#   bash benchmarks/leases/plans/real_run_2_setup.sh setup          install carried wheels + this repo, rebuild the GGUF,
 #                                                 export the target as an HF bf16 folder (/tmp/smol-hf)
-#   bash benchmarks/plans/real_run_2_setup.sh sglang         install the SGLang 0.5.17 wheel set into /tmp/sgl
-#   source benchmarks/plans/real_run_2_setup.sh env          the environment the other scripts run under
+#   bash benchmarks/leases/plans/real_run_2_setup.sh sglang         install the SGLang 0.5.17 wheel set into /tmp/sgl
+#   source benchmarks/leases/plans/real_run_2_setup.sh env          the environment the other scripts run under
 # Carry layout (.carry/, ignored): p1 = GGUF part aa + deps wheels; p2 = GGUF part ab + prompt data (sharegpt-3000.json,
 # MT-Bench, benchmarks/domain_sets.py's files; the big JSON files gzipped, unpacked by setup);
 # sglang/part1, sglang/part2 = the wheel set of ../shared/sglang-h200/build-wheelset.sh.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../../.."
 C=/tmp/c
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 session_env() {

@@ -1,4 +1,4 @@
-# Sourced by benchmarks/run_phases.sh: the plain regeneration servers (start, place, wait, stop), their decode rates,
+# Sourced by benchmarks/leases/run_phases.sh: the plain regeneration servers (start, place, wait, stop), their decode rates,
 # and data/regen.py through them.
 mem_fraction() {  # mem_fraction SHARE SLOT: SGLang's --mem-fraction-static for the SLOT-th server started on a GPU
   # (from 0), each started once the one before is up, so that each gets SHARE of the GPU: SGLang 0.5.17 takes the

@@ -8,12 +8,12 @@
 #   outside  benchmarks/outside_client.py: bench_serving on the same servers and 24 prompts, streamed and not
 #   everyday data/sets/everyday-v1.jsonl (120 held-out prompts), 512 new tokens, non-streamed: the headline
 # Usage, from this machine (each a device call, back to back: a machine idle for 30 s is given back):
-#   bash benchmarks/live_speedup.sh pack            here: wheels, the GGUF and the deps into .carry/ls/<k>/ pieces
-#   bash benchmarks/live_speedup.sh stash DIR       there: copy a carried piece to $C (carried files vanish next call)
-#   bash benchmarks/live_speedup.sh start           there: `install`, convert the target, run the plan (setsid);
+#   bash benchmarks/leases/live_speedup.sh pack            here: wheels, the GGUF and the deps into .carry/ls/<k>/ pieces
+#   bash benchmarks/leases/live_speedup.sh stash DIR       there: copy a carried piece to $C (carried files vanish next call)
+#   bash benchmarks/leases/live_speedup.sh start           there: `install`, convert the target, run the plan (setsid);
 #            give this device call timeout_s 240: the call otherwise lasts its whole limit (600 s of device time
 #            twice, RESULTS §26 and §27) although the set-up takes ~2 minutes and the plan runs on after it
-#   bash benchmarks/live_speedup.sh wait SECS       there: until done or SECS; the log's tail; $L packed into $OUT
+#   bash benchmarks/leases/live_speedup.sh wait SECS       there: until done or SECS; the log's tail; $L packed into $OUT
 #   paired   (PLAN=paired) the two clients alternated repetition by repetition, compared per repetition
 #   datasets (PLAN=datasets) Magpie prompts by the target, answers at T=0 and 0.8 beside ShareGPT's: loop shares
 #   alternate (PLAN=alternate) bench_serving's request function and ours, alternated request by request (issue 37.2)
@@ -30,7 +30,7 @@
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), PLAN (factors outside compare
 # everyday nocache short; also pass, paired), REPS (3).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 C=${C:-/tmp/c} L=${L:-/tmp/L} S=${S:-/tmp/S} MODEL=${MODEL:-/tmp/smol-hf} SGL_DIR=${SGL_DIR:-/tmp/sgl} PY=${PY:-python3}
 CONFIG=configs/smollm2-135m.yaml
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -396,7 +396,7 @@ case ${1:-} in
     cp /tmp/lspack/deps/{pydantic,pydantic_core,annotated_types,typing_inspection}-*.whl /tmp/lspack/dsw/  # DeepSpeed's
     .venv/bin/python -m pip wheel -q --no-deps -w /tmp/lspack/dsw "deepspeed==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')" hjson
     .venv/bin/python -m pip download -q --no-deps -d /tmp/lspack/dsw "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
-    .venv/bin/python benchmarks/carry_data.py --jsonl /tmp/lspack  # its JSON is cut off at the end: our reader
+    .venv/bin/python benchmarks/leases/carry_data.py --jsonl /tmp/lspack  # its JSON is cut off at the end: our reader
     cp "$gg" /tmp/lspack/ && cp "$(.venv/bin/python -c "from eagle3ft.data.prompts import mtbench_path; print(mtbench_path())")" /tmp/lspack/mtbench-questions.jsonl
     tar -cf - -C /tmp/lspack . | split -b 39m - /tmp/lspack.part-
     k=0; for f in /tmp/lspack.part-*; do k=$((k + 1)); mkdir -p ".carry/ls/$k" && mv "$f" ".carry/ls/$k/"; done
@@ -413,12 +413,12 @@ case ${1:-} in
     $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/dsw /tmp/lspack/dsw/*.whl
     $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/eagle3ft-site . > /dev/null ;;
   start)
-    bash benchmarks/live_speedup.sh install || exit 1
+    bash benchmarks/leases/live_speedup.sh install || exit 1
     export PYTHONPATH=/tmp/eagle3ft-site:/tmp/dsw
     echo "$GGUF_SHA256  /tmp/lspack/$GGUF" | sha256sum -c - || exit 1
     $PY benchmarks/sglang_target.py export-hf --config $CONFIG --set "target.path=/tmp/lspack/$GGUF" --out "$MODEL" || exit 1
     tree=/tmp/tree-$$ && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$tree"
-    (cd "$tree" && PYTHONPATH=$PYTHONPATH setsid nohup bash benchmarks/live_speedup.sh run >> "$L/log" 2>&1 < /dev/null &)
+    (cd "$tree" && PYTHONPATH=$PYTHONPATH setsid nohup bash benchmarks/leases/live_speedup.sh run >> "$L/log" 2>&1 < /dev/null &)
     echo "started from $tree" ;;
   run) say "plan: ${PLAN:-factors outside compare everyday nocache short}"; plan; say done; touch "$L/.done" ;;
   wait)

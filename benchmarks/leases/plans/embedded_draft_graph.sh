@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/run_phases.sh's phases:
+# One `nvidia-h200` lease (one GPU, 16 host cores) for issue 14's live goals, over benchmarks/leases/run_phases.sh's phases:
 #   0. the GPU tests of the embedded decoder's CUDA paths: the graphed draft chain (eval/decode/draft_graph.py) and chain
 #      attention; meanwhile the embedded bench's held-out features (calibrated_prediction.sh STEPS=features)
 #   1. SGLang 0.5.17 servers on the GPU, one at a time, each with 0.1 of it and --sleep-on-idle (an idle scheduler
 #      otherwise spins a host core): plain (:30100), then EAGLE-3 with the shipped drafter at each of SGL_SETTINGS
 #      (2/1/3,3/1/4,5/1/6; :30101 on)
-#   2. the embedded bench with the servers idle: benchmarks/calibrated_prediction.sh with the shipped drafter,
+#   2. the embedded bench with the servers idle: benchmarks/leases/calibrated_prediction.sh with the shipped drafter,
 #      bench.embedded.attention EMB_ATTENTION (chain) and bench.embedded.drafting (auto: the graphed chain), its costs calibrated on
 #      EMB_CAL_PROMPTS (4) HumanEval prompts at EMB_CAL_NEW (96) new tokens, its tok/s predicted from offline tau on
 #      EMB_PROMPTS (4) MT-Bench prompts at EMB_NEW (384) and measured there (EMB_SETTINGS 3/1/4,5/1/6,7/1/8, EMB_REPS 3)
@@ -17,11 +17,11 @@
 #   4. an A side of 2: the same prompts and sizes at EMB_AB_SETTING (5/1/6) with EMB_AB_SET (bench.embedded.drafting=eager: a
 #      drafter forward at a time, as in RESULTS §17b; bench.embedded.draft_graph_extend=true: the extends graphed too), plain
 #      interleaved (EMB_AB=0 leaves it out)
-# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/plans/embedded_draft_graph.sh start` starts the plan. Keep a `wait`
+# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/leases/plans/embedded_draft_graph.sh start` starts the plan. Keep a `wait`
 # call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-source benchmarks/run_phases.sh lib
+cd "$(dirname "$0")/../../.."
+source benchmarks/leases/run_phases.sh lib
 : "${SGL_SETTINGS:=2/1/3,3/1/4,5/1/6}" "${SGL_NEW:=512}" "${SGL_LIMIT:=8}"
 IFS=, read -r -a SGL_LIST <<< "$SGL_SETTINGS"
 
@@ -31,13 +31,13 @@ settings_yaml() {  # settings_yaml 3/1/4,5/1/6 -> [{steps: 3, topk: 1, num_draft
   for x in "${s[@]}"; do IFS=/ read -r st tk nd <<< "$x"; out+="${out:+, }{steps: $st, topk: $tk, num_draft_tokens: $nd}"; done
   echo "[$out]"
 }
-emb() {  # emb STEPS: benchmarks/calibrated_prediction.sh's STEPS with this plan's sizes
+emb() {  # emb STEPS: benchmarks/leases/calibrated_prediction.sh's STEPS with this plan's sizes
   CUDA_VISIBLE_DEVICES=0 STEPS=$1 EXTRA="${BASE[*]} --set bench.embedded.attention=${EMB_ATTENTION:-chain} --set bench.embedded.drafting=$EMB_DRAFTING ${EMB_EXTRA:-}" \
     NEW=${EMB_NEW:-384} \
     CAL_NEW=${EMB_CAL_NEW:-96} REPS=${EMB_REPS:-3} N_PROMPTS=${EMB_PROMPTS:-4} SETTINGS=${EMB_SETTINGS:-3/1/4,5/1/6,7/1/8} \
     PY=$PY MTBENCH=$DATA/mtbench-questions.jsonl \
     CAL_SOURCE=${EMB_CAL_SOURCE:-"kind: humaneval, path: $DATA/HumanEval.jsonl.gz, limit: ${EMB_CAL_PROMPTS:-4}"} \
-    timeout 900 bash benchmarks/calibrated_prediction.sh "$S/pred" "$SHIPPED" "$SHIPPED" >> "$L/embedded.txt" 2>&1
+    timeout 900 bash benchmarks/leases/calibrated_prediction.sh "$S/pred" "$SHIPPED" "$SHIPPED" >> "$L/embedded.txt" 2>&1
 }
 sgl_servers() {  # phase 1: plain on :30100, then one EAGLE-3 server per SGL_SETTINGS entry, each up before the next
                  # starts (SGL_STAGGER=1: each starts once the one before has its KV pools, sgl_placed); SGL_LIST,
@@ -195,7 +195,7 @@ s15() {
 }
 
 case ${1:-} in
-  lib) ;;  # sourced by a later plan (benchmarks/plans/sglang_live_trees.sh): the functions only
+  lib) ;;  # sourced by a later plan (benchmarks/leases/plans/sglang_live_trees.sh): the functions only
   run) shift; mkdir -p "$L" "$S"; s15; say done; touch "$L/.done-s15" ;;
-  *) LEASE_SCRIPT=benchmarks/plans/embedded_draft_graph.sh exec bash benchmarks/run_phases.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/leases/plans/embedded_draft_graph.sh exec bash benchmarks/leases/run_phases.sh "$@" ;;
 esac

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One `nvidia-h200` lease (one GPU, 16 host cores) for issues 13 and 14, over benchmarks/run_phases.sh's phases:
+# One `nvidia-h200` lease (one GPU, 16 host cores) for issues 13 and 14, over benchmarks/leases/run_phases.sh's phases:
 #   1. regen: all of ShareGPT + CHITCHAT chitchat conversations (MT-Bench held out), PER_GPU (3) plain SGLang servers
 #      on the one GPU, started one at a time. RESULTS §13d ran two per GPU: 42.3 k answer tokens/s per H200.
 #   2. RUNS=ttt3 (§9b's recipe with train.ttt_steps=3) on §9's carried token store, the data of the shipped drafter;
@@ -10,13 +10,13 @@
 #   4. `sglpred` with the host to itself (§13b ran the embedded bench beside it): the shipped drafter's run calibrates
 #      the 3/1/4 cycle, TTT 3's tok/s is predicted from its offline tau on that run's plain answers, then measured. If
 #      training left no export, the test drafter is $C/cal-demo-s5.
-# Usage as run_phases.sh (stash, setup, wait): `bash benchmarks/plans/ttt3_shipped.sh start` starts the plan.
+# Usage as run_phases.sh (stash, setup, wait): `bash benchmarks/leases/plans/ttt3_shipped.sh start` starts the plan.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 RUNS=${RUNS:-ttt3}
 : "${EPOCHS:=3}" "${TRAIN_S:=480}" "${EVAL_EVERY:=200}" "${CHITCHAT:=3000}" "${REGEN_S:=300}" "${SGL_LONG:=512}"
 export EPOCHS TRAIN_S EVAL_EVERY CHITCHAT REGEN_S SGL_LONG  # §9b's recipe, §13's sets
-source benchmarks/run_phases.sh lib
+source benchmarks/leases/run_phases.sh lib
 
 s11() {
   local name=${NAMES%% *} test
@@ -53,5 +53,5 @@ s11() {
 
 case ${1:-} in
   run) shift; mkdir -p "$L" "$S"; s11; say done; touch "$L/.done-s11" ;;
-  *) LEASE_SCRIPT=benchmarks/plans/ttt3_shipped.sh exec bash benchmarks/run_phases.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/leases/plans/ttt3_shipped.sh exec bash benchmarks/leases/run_phases.sh "$@" ;;
 esac

@@ -172,7 +172,7 @@ def build_ours(torch, a, opts, device, dtype, shared, weights_holder):
         return out.loss.detach()
 
     notes = (
-        ("benchmarks/ttt_baseline.py" if "baseline" in flags else "eagle3ft")
+        ("benchmarks/train_speed/ttt_baseline.py" if "baseline" in flags else "eagle3ft")
         + f" ttt_forward, teacher={form}"
         + (f" (top-{a.topk})" if form == "topk" else " (target head rows of the draft vocab)")
         + {

@@ -19,14 +19,14 @@
 # Every step logs its seconds and the GPU's memory (nvidia-smi) to $L/log; a failed step does not stop the later ones
 # that do not need it.
 # Usage, from this machine (device calls back to back: a machine idle for 30 s is given back):
-#   bash benchmarks/k2_rehearsal.sh pack          here, once: .carry/k2/1..6, 20 MiB each beside the 40 MiB tree
+#   bash benchmarks/leases/k2_rehearsal.sh pack          here, once: .carry/k2/1..6, 20 MiB each beside the 40 MiB tree
 #                                                 (SGLang and DeepSpeed wheels, SmolLM2's ChatML tokenizer as a
 #                                                 folder standing in for K2's, ShareGPT first turns, MT-Bench);
 #                                                 LITE=1: all but SGLang, one piece, for STEPS="weights embedded train"
-#   bash benchmarks/live_speedup.sh stash .carry/k2/N   there, one call per piece (carry that folder)
-#   bash benchmarks/k2_rehearsal.sh start         there: install, then the steps in the background (setsid); in the
+#   bash benchmarks/leases/live_speedup.sh stash .carry/k2/N   there, one call per piece (carry that folder)
+#   bash benchmarks/leases/k2_rehearsal.sh start         there: install, then the steps in the background (setsid); in the
 #                                                 call of the last piece's stash, with `wait 530` after it (600 s)
-#   bash benchmarks/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
+#   bash benchmarks/leases/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
 # CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
 # PLAIN (1; 0: no plain server for `serve_harvest`, the harvest server regenerates: the layer check alone),
@@ -40,7 +40,7 @@
 # GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
 # TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 C=${C:-/tmp/c} L=${L:-/tmp/L} S=${S:-/tmp/S} W=${W:-/tmp/k2r-target} SGL_DIR=${SGL_DIR:-/tmp/sgl} PY=${PY:-python3}
 CONFIG=${CONFIG:-configs/kimi-k2-rehearsal.yaml} TARGET_JSON=${TARGET_JSON:-configs/targets/kimi-k2-rehearsal/config.json}
 LLAMA=${LLAMA:-configs/drafters/kimi-k2-rehearsal/config.json} MLA=${MLA:-configs/drafters/kimi-k2-rehearsal-mla/config.json}
@@ -249,17 +249,17 @@ AutoConfig.from_pretrained(folder, gguf_file=gguf).save_pretrained(out)
 with open(mtbench_path()) as src, open("/tmp/k2pack/mtbench-questions.jsonl", "w") as dst:
     dst.write(src.read())
 PYEOF
-    .venv/bin/python benchmarks/carry_data.py --jsonl /tmp/k2pack && rm /tmp/k2pack/sharegpt-conversations.jsonl
+    .venv/bin/python benchmarks/leases/carry_data.py --jsonl /tmp/k2pack && rm /tmp/k2pack/sharegpt-conversations.jsonl
     tar -cf - -C /tmp/k2pack . | split -b "${PIECE:-20m}" - /tmp/k2pack.part-
     k=0; for f in /tmp/k2pack.part-*; do k=$((k + 1)); mkdir -p ".carry/k2/$k" && mv "$f" ".carry/k2/$k/lspack.${f##*/k2pack.}"; done
     echo "$k" > .carry/k2/1/pieces; du -sh .carry/k2/* ;;
   start)
-    bash benchmarks/live_speedup.sh install || exit 1
+    bash benchmarks/leases/live_speedup.sh install || exit 1
     mkdir -p "$L" "$S"
     tree=/tmp/tree-k2r-$$ && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$tree"
-    (cd "$tree" && PYTHONPATH=/tmp/eagle3ft-site:/tmp/dsw setsid nohup bash benchmarks/k2_rehearsal.sh run >> "$L/log" 2>&1 < /dev/null &)
+    (cd "$tree" && PYTHONPATH=/tmp/eagle3ft-site:/tmp/dsw setsid nohup bash benchmarks/leases/k2_rehearsal.sh run >> "$L/log" 2>&1 < /dev/null &)
     echo "started from $tree" ;;
   run) mkdir -p "$L" "$S"; say "steps: ${STEPS:-weights serve_harvest regen layers capture train serve}"; run; say done; touch "$L/.done" ;;
-  wait) bash benchmarks/live_speedup.sh wait "${2:-60}" ;;
-  *) echo "usage: $0 start | wait SECS (pack and stash: benchmarks/live_speedup.sh)" >&2; exit 2 ;;
+  wait) bash benchmarks/leases/live_speedup.sh wait "${2:-60}" ;;
+  *) echo "usage: $0 start | wait SECS (pack and stash: benchmarks/leases/live_speedup.sh)" >&2; exit 2 ;;
 esac

@@ -14,7 +14,7 @@
 #     with decode graphs up to batch 8 (the benches run batch 1; §19b: five servers took 472 s, 65 s of it the
 #     plain server's prefill graphs)
 # The plan:
-#   1. the embedded bench alone on the machine: benchmarks/calibrated_prediction.sh with the shipped drafter (chain
+#   1. the embedded bench alone on the machine: benchmarks/leases/calibrated_prediction.sh with the shipped drafter (chain
 #      attention, the graphed chain), EMB_SETTINGS (3/1/4,5/1/6,7/1/8), EMB_REPS (3), interleaved per prompt
 #   2. SGLang 0.5.17: plain (:30100) and EAGLE-3 with the shipped drafter at SGL_SETTINGS (7/1/8,7/4/16,8/4/32: §19b's
 #      chain and its two best trees), each with 0.1 of the GPU and --sleep-on-idle; the calibration, then the
@@ -29,13 +29,13 @@
 # calibration has warmed them). SGL_TEST_SKIP=7 measures on each category's 8th question on (answers no earlier lease
 # decoded: the servers' answers repeat from lease to lease, RESULTS §22); SGL_CAL_POOL (calibration.json files, comma-
 # separated) predicts once more with the cycles pooled over them and 3a (3d, bench.calibration_pool).
-# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/plans/tok_s_prediction.sh start`
+# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/leases/plans/tok_s_prediction.sh start`
 # starts the plan. Keep a `wait` call in flight all the time: a machine with no call for 30 s is given back with the
 # job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 : "${SGL_SETTINGS:=7/1/8,7/4/16,8/4/32}" "${SGL_NEW:=512}" "${SGL_PER_CAT:=2}"
-source benchmarks/plans/embedded_draft_graph.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over run_phases.sh's
+source benchmarks/leases/plans/embedded_draft_graph.sh lib  # its phases (sgl_servers, sgl_run, sglang_phase, emb) over run_phases.sh's
 SGL_CAL_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: ${SGL_CAL_PER_CAT:-$SGL_PER_CAT}, skip: $SGL_PER_CAT}"
 SGL_TEST_SRC="{kind: mtbench, path: $DATA/mtbench-questions.jsonl, per_category: $SGL_PER_CAT, skip: ${SGL_TEST_SKIP:-0}}"
 : "${EMB_PROMPTS:=4}" "${EMB_NEW:=384}"
@@ -67,5 +67,5 @@ s17() {
 case ${1:-} in
   lib) ;;
   run) shift; mkdir -p "$L" "$S"; s17; say done; touch "$L/.done-s17" ;;
-  *) LEASE_SCRIPT=benchmarks/plans/tok_s_prediction.sh exec bash benchmarks/run_phases.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/leases/plans/tok_s_prediction.sh exec bash benchmarks/leases/run_phases.sh "$@" ;;
 esac

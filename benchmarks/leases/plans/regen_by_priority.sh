@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One `nvidia-h200` lease (one GPU, 16 host cores) for issues 13 and 14, over benchmarks/run_phases.sh's phases:
+# One `nvidia-h200` lease (one GPU, 16 host cores) for issues 13 and 14, over benchmarks/leases/run_phases.sh's phases:
 #   1. regen with the new scheduling (data/regen.py: priority = user turns left, sent to servers started with
 #      --enable-priority-scheduling; a conversation stays on one server) at SETTING (1024x1), PER_GPU (3) plain
 #      servers on the GPU, on §14a's workload (all of ShareGPT + CHITCHAT (3000) chitchat conversations, MT-Bench held
@@ -11,14 +11,14 @@
 #      benchmarks/tau_split.py (the answers that finished) on MT-Bench.
 # With TOKENS (a folder of the tokens-*.tgz.part-* that `wait SECS tokens` brought back) steps 1-2 are skipped: the
 # stores are unpacked, and neither SGLang nor the prompt files need to be carried.
-# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/plans/regen_by_priority.sh start` starts the plan. Keep a `wait`
+# Usage as run_phases.sh (pack, stash, setup, wait): `bash benchmarks/leases/plans/regen_by_priority.sh start` starts the plan. Keep a `wait`
 # call in flight all the time: a machine with no call for 30 s is given back with the job on it (RESULTS §12, §13, §16b).
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 RUNS=${RUNS:-ttt3x2}
 : "${EPOCHS:=2}" "${TRAIN_S:=480}" "${EVAL_EVERY:=300}" "${CHITCHAT:=3000}" "${REGEN_S:=420}" "${SETTING:=1024x1}"
 export EPOCHS TRAIN_S EVAL_EVERY CHITCHAT REGEN_S SETTING
-source benchmarks/run_phases.sh lib
+source benchmarks/leases/run_phases.sh lib
 
 pass2() {  # the same prompts sampled at T2, train split only, into $S/t07
   regen_run "$S/t07" "[{kind: sharegpt, path: $DATA/sharegpt-prompts.json${LIMIT:+, limit: $LIMIT}}, {kind: chitchat, path: $C/d/chitchat.json, limit: ${CHITCHAT2:-7168}}]" \
@@ -81,5 +81,5 @@ regen_passes() {  # steps 1 and 2: both regeneration passes through PER_GPU serv
 
 case ${1:-} in
   run) shift; mkdir -p "$L" "$S"; s13; say done; touch "$L/.done-s13" ;;
-  *) LEASE_SCRIPT=benchmarks/plans/regen_by_priority.sh exec bash benchmarks/run_phases.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/leases/plans/regen_by_priority.sh exec bash benchmarks/leases/run_phases.sh "$@" ;;
 esac

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One `nvidia-h200-x2` lease for issues 13 and 14, over benchmarks/run_phases.sh's phases:
+# One `nvidia-h200-x2` lease for issues 13 and 14, over benchmarks/leases/run_phases.sh's phases:
 #   0. (HELD=1) the held-out features of the carried token store (§9's) on GPU 1, and the shipped drafter's offline
 #      tau on them, every root and the cycle walk.
 #   1. GPU 0: `sglpred` (SGLang, 3/1/4): CAL calibrates, the shipped drafter's tok/s is predicted from its offline tau
@@ -8,12 +8,12 @@
 #      benches are batch 1 and sensitive to a busy host (RESULTS §12c), so nothing else runs meanwhile.
 #   2. regen: all of ShareGPT + CHITCHAT chitchat conversations (MT-Bench held out), PER_GPU (2) plain SGLang servers
 #      per GPU on both GPUs: §9a's store and client, with two servers per GPU instead of one.
-# Usage as run_phases.sh (stash, setup, wait): `bash benchmarks/plans/cycle_walk_sglang_prediction.sh start` starts the plan.
+# Usage as run_phases.sh (stash, setup, wait): `bash benchmarks/leases/plans/cycle_walk_sglang_prediction.sh start` starts the plan.
 # Carried beyond run_phases.sh's pieces: $C/cal-demo-s5 (CAL: any SmolLM2 drafter other than the one measured;
 # its tau does not matter, only its costs) and $C/d/chitchat.json.gz.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
-source benchmarks/run_phases.sh lib
+cd "$(dirname "$0")/../../.."
+source benchmarks/leases/run_phases.sh lib
 CAL=${CAL:-$C/cal-demo-s5}
 
 s10() {
@@ -40,5 +40,5 @@ s10() {
 
 case ${1:-} in
   run) shift; mkdir -p "$L" "$S"; s10; say done; touch "$L/.done-s10" ;;
-  *) LEASE_SCRIPT=benchmarks/plans/cycle_walk_sglang_prediction.sh exec bash benchmarks/run_phases.sh "$@" ;;
+  *) LEASE_SCRIPT=benchmarks/leases/plans/cycle_walk_sglang_prediction.sh exec bash benchmarks/leases/run_phases.sh "$@" ;;
 esac

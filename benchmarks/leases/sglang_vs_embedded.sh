@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SGLang integration against real SGLang on one GPU (the H200 recipe of /work/shared/sglang-h200).
-#   bash benchmarks/sglang_vs_embedded.sh STEP MODEL_DIR DRAFTER_DIR [OUT]        STEP: probe | harvest | bench | all
+#   bash benchmarks/leases/sglang_vs_embedded.sh STEP MODEL_DIR DRAFTER_DIR [OUT]        STEP: probe | harvest | bench | all
 # MODEL_DIR   an HF bf16 folder SGLang loads; for SmolLM2 make it with
 #             python benchmarks/sglang_target.py export-hf --config configs/smollm2-135m.yaml --out MODEL_DIR
 # DRAFTER_DIR an SGLang-form drafter of that target (config.json naming its aux ids + model.safetensors),
@@ -18,7 +18,7 @@
 #            once each count the others' pools as theirs and fail); BENCH_MTBENCH, BENCH_PROMPTS, BENCH_TOKENS
 #            (env) pick the prompts
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 STEP=$1
 MODEL=$(realpath "$2")
 DRAFTER=$(realpath "$3")

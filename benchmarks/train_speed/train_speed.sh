@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Drafter train-step speed on the H200: eagle3ft against SpecForge 0.2.0 (benchmarks/train_speed.py).
+# Drafter train-step speed on the H200: eagle3ft against SpecForge 0.2.0 (benchmarks/train_speed/train_speed.py).
 #
-# Device call (one H200, ~2 x 2.5 min; see benchmarks/NOTES-train-speed.md):
-#   run(command="bash benchmarks/train_speed.sh", carry=[".whl-specforge"], timeout_s=420)
+# Device call (one H200, ~2 x 2.5 min; see benchmarks/train_speed/NOTES-train-speed.md):
+#   run(command="bash benchmarks/train_speed/train_speed.sh", carry=[".whl-specforge"], timeout_s=420)
 # Two processes, each with the GPU to itself (RUNS=a or RUNS=b for one of them, <= 150 s each):
 #   a  headline: ours (fused AdamW; the attn=lse side is the fallback should the flash path fail on the device)
 #      vs SpecForge flex_attention (its default)
@@ -12,7 +12,7 @@
 # Arguments replace run b's variants (e.g. --variant topk --variant topk+head_chunk=4096); RUNS=a runs a alone;
 # A_ARGS replaces run a's sides; COMMON is added to both (the CPU check: COMMON="--tiny" A_ARGS="--theirs sdpa").
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 WHEELS=${WHEELS:-.whl-specforge}
 SITE=${SITE:-/tmp/site}
 OUT=${OUT:-benchmarks/out}
@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total,dri
 
 if [[ " $RUNS " == *" a "* ]]; then
   # shellcheck disable=SC2086
-  python3 benchmarks/train_speed.py --tag a --out "$OUT" --profile --budget-s 100 $A_ARGS $COMMON 2>&1 \
+  python3 benchmarks/train_speed/train_speed.py --tag a --out "$OUT" --profile --budget-s 100 $A_ARGS $COMMON 2>&1 \
     | tee "$OUT/train_speed_a.log" \
     || echo "run a failed (exit ${PIPESTATUS[0]})"
 fi
@@ -45,6 +45,6 @@ if [[ " $RUNS " == *" b "* ]]; then
           --variant topk+adam=fused+compile)
   fi
   # shellcheck disable=SC2086
-  python3 benchmarks/train_speed.py --tag b --out "$OUT" --profile --budget-s 90 --theirs none "${args[@]}" $COMMON 2>&1 \
+  python3 benchmarks/train_speed/train_speed.py --tag b --out "$OUT" --profile --budget-s 90 --theirs none "${args[@]}" $COMMON 2>&1 \
     | tee "$OUT/train_speed_b.log" || echo "run b failed (exit ${PIPESTATUS[0]})"
 fi

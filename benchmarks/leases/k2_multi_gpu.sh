@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Issue 16 on `nvidia-h200-x2`: the Kimi-K2-shaped drafter (real dims, synthetic features) through
 # `accelerate launch train/finetune.py`, unchanged code, on 1 and 2 GPUs under ZeRO-2 and ZeRO-3.
-#   bash benchmarks/k2_multi_gpu.sh setup            install the carried wheels ($C/p1/deps) and this tree into /tmp
-#   bash benchmarks/k2_multi_gpu.sh k2 OUT_DIR       synthetic store, estimate, runs z2-1gpu z2-2gpu z3-2gpu, then a
+#   bash benchmarks/leases/k2_multi_gpu.sh setup            install the carried wheels ($C/p1/deps) and this tree into /tmp
+#   bash benchmarks/leases/k2_multi_gpu.sh k2 OUT_DIR       synthetic store, estimate, runs z2-1gpu z2-2gpu z3-2gpu, then a
 #                                               2-rank checkpoint resumed on 2 ranks and on 1 rank
-#   bash benchmarks/k2_multi_gpu.sh steps OUT_DIR    issues 16 and 18 after the loader and optimizer work (RESULTS §11):
+#   bash benchmarks/leases/k2_multi_gpu.sh steps OUT_DIR    issues 16 and 18 after the loader and optimizer work (RESULTS §11):
 #                                               NCCL bandwidth; on GPU 0 the 1-GPU runs (default, num_workers 0,
 #                                               train.compile, seq 4096) while GPU 1 runs the side-by-side with
-#                                               SpecForge (benchmarks/train_speed.sh, carry .whl-specforge) and the
+#                                               SpecForge (benchmarks/train_speed/train_speed.sh, carry .whl-specforge) and the
 #                                               17-step compile check; then the same runs on 2 GPUs; the summary
-#   bash benchmarks/k2_multi_gpu.sh mem OUT_DIR      peak memory against the estimate at SEQ on 2 GPUs, eager and compiled
-#   bash benchmarks/k2_multi_gpu.sh start steps OUT_DIR   the same in a new process session (log OUT_DIR.log); `wait SECS
+#   bash benchmarks/leases/k2_multi_gpu.sh mem OUT_DIR      peak memory against the estimate at SEQ on 2 GPUs, eager and compiled
+#   bash benchmarks/leases/k2_multi_gpu.sh start steps OUT_DIR   the same in a new process session (log OUT_DIR.log); `wait SECS
 #                                               OUT_DIR` waits for it and prints the log's tail
-#   bash benchmarks/k2_multi_gpu.sh summary OUT_DIR  one line per run: tokens/s (total, per GPU), s/step, peak GiB, phases
+#   bash benchmarks/leases/k2_multi_gpu.sh summary OUT_DIR  one line per run: tokens/s (total, per GPU), s/step, peak GiB, phases
 # Env: C (carried files, /tmp/c), K2 (the run folder, /tmp/k2), STEPS (optimizer steps per run, 20), SEQ (2048).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 C=${C:-/tmp/c}
 K2=${K2:-/tmp/k2}
 STEPS=${STEPS:-20}
@@ -93,7 +93,7 @@ case ${1:-} in
     (  # GPU 1: issue 18, ours (default, compiled) against SpecForge side by side, then the compile check over 17 steps
       export CUDA_VISIBLE_DEVICES=1 PKGROOT=/tmp/eagle3ft-speed OUT=$OUT_DIR/speed
       RUNS=a A_ARGS="--variant topk+adam=fused --variant topk+adam=fused+compile --theirs flex_attention" \
-        bash benchmarks/train_speed.sh > "$OUT_DIR/speed.log" 2>&1
+        bash benchmarks/train_speed/train_speed.sh > "$OUT_DIR/speed.log" 2>&1
       PYTHONPATH=/tmp/eagle3ft-speed python3 benchmarks/compile_check.py --dims k2 --train-steps 17 \
         --out "$OUT_DIR/compile_check_k2.json" > "$OUT_DIR/compile_check_k2.log" 2>&1
       echo "   gpu1 done ($(date +%T))"
@@ -125,7 +125,7 @@ case ${1:-} in
     ;;
   start)  # start PHASE ARGS...: from a copy of this tree, in a new process session; the log beside OUT_DIR
     shift; tree=/tmp/tree-$(date +%s) && mkdir -p "$tree" && tar --exclude=./.git -cf - . | tar -xf - -C "$tree"
-    (cd "$tree" && setsid nohup bash benchmarks/k2_multi_gpu.sh "$@" > "${2:?OUT_DIR}.log" 2>&1 < /dev/null &)
+    (cd "$tree" && setsid nohup bash benchmarks/leases/k2_multi_gpu.sh "$@" > "${2:?OUT_DIR}.log" 2>&1 < /dev/null &)
     echo "started: $* (from $tree)" ;;
   wait)
     end=$((SECONDS + ${2:-60}))

@@ -1,8 +1,8 @@
 """The prompt files a GPU lease carries, made from the installed packages (the GPU machine has none of them).
 
-    python benchmarks/carry_data.py OUT
+    python benchmarks/leases/carry_data.py OUT
 
-writes what benchmarks/run_phases.sh's `setup` expects under $C:
+writes what benchmarks/leases/run_phases.sh's `setup` expects under $C:
   OUT/b/data/sharegpt-prompts.json.gz  every ShareGPT conversation, its split parts joined, as the system message and
                                        user turns that regeneration keeps (a tenth of the package's 120 MB)
   OUT/b/data/mtbench-questions.jsonl   the 80 MT-Bench questions
@@ -10,9 +10,9 @@ writes what benchmarks/run_phases.sh's `setup` expects under $C:
   OUT/d/chitchat.json.gz               chitchat-dataset's conversations
 and checks that the ShareGPT file gives regeneration the very conversations, in the same order, that the package does.
 
-    python benchmarks/carry_data.py --jsonl OUT
+    python benchmarks/leases/carry_data.py --jsonl OUT
 
-writes only what benchmarks/live_speedup.sh and k2_rehearsal.sh carry: OUT/sharegpt-first-turns.jsonl (the first
+writes only what benchmarks/leases/live_speedup.sh and k2_rehearsal.sh carry: OUT/sharegpt-first-turns.jsonl (the first
 2,000 conversations' first user turns) and OUT/sharegpt-conversations.jsonl (every conversation's user turns).
 """
 

@@ -1,4 +1,4 @@
-# Sourced by benchmarks/run_phases.sh: the phases gpu, regen, heldout, train and eval: GPU tests, the token stores,
+# Sourced by benchmarks/leases/run_phases.sh: the phases gpu, regen, heldout, train and eval: GPU tests, the token stores,
 # the held-out features, the drafters of RUNS trained side by side, their offline tau.
 gpu() {  # issue 18: the CUDA-only paths against their references, and eager vs compiled at K2 dims
   say "gpu tests"
