@@ -8,6 +8,7 @@
 #              because the device machine has neither package.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+(( $# >= 2 )) || { sed -n '2,/^set /{/^#/p}' "$0" >&2; exit 2; }  # no arguments: this header
 PHASE=$1
 RUN=$2
 MODEL=${MODEL:?set MODEL to an HF folder of the target}

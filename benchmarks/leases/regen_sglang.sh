@@ -18,6 +18,7 @@
 #          SOURCES (default "{kind: sharegpt}", e.g. "{kind: sharegpt}, {kind: chitchat}") the training sources
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+(( $# >= 2 )) || { sed -n '2,/^set /{/^#/p}' "$0" >&2; exit 2; }  # no arguments: this header
 STEP=$1
 MODEL=$(realpath "$2")
 OUT=${3:-runs/regen-h200}

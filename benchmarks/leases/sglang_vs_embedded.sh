@@ -19,6 +19,7 @@
 #            (env) pick the prompts
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+(( $# >= 3 )) || { sed -n '2,/^set /{/^#/p}' "$0" >&2; exit 2; }  # no arguments: this header
 STEP=$1
 MODEL=$(realpath "$2")
 DRAFTER=$(realpath "$3")
