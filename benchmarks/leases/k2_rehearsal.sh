@@ -30,15 +30,15 @@
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
 # CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
 # PLAIN (1; 0: no plain server for `serve_harvest`, the harvest server regenerates: the layer check alone),
-# TRAIN_STEPS (1000: at width 2048 on the CPU the drafter was still on the marginal's plateau at step 60, where
-# width 512 left it by step 30; 2-4 min on one GPU at K2 widths), EVAL_EVERY (a tenth of them), LR (1e-4: the
-# wider the drafter, the lower its best rate; on the CPU 5e-4 beat 3e-3 at width 512 and 1.25e-4 beat 5e-4 at 2048),
-# FEATURES (lay-sgl; emb after `embedded`), WARM (1),
+# TRAIN_STEPS (1000), EVAL_EVERY (a tenth of them), LR (1e-4), FEATURES (lay-sgl; emb after `embedded`), WARM (1),
 # EMIT (256), BRANCH (0.3), GAIN (6): the target's shape (make_learnable; EMIT=0: as drawn, whose flat distribution
-# held every drafter at τ 1.00). With 2,048 kept ids no drafter learnt in 200 steps on an H100; on the CPU at width
-# 512 (benchmarks/records/k2-rehearsal.md) 256 ids reached held-out τ 2.51 where 2,048 reached 1.28. PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes),
-# GPUS (0) and TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny DeepSeek-V3 with CONFIG,
-# TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
+# held every drafter at τ 1.00). With 2,048 kept ids and lr 5e-4 no drafter learnt in 200 steps on an H100; on the
+# CPU (benchmarks/records/k2-rehearsal.md, 35f) 256 kept ids reached held-out τ 2.51 where 2,048 reached 1.28 at
+# width 512, and the wider the drafter, the lower its best rate and the more steps it needs (width 2048: 1.70 in 200
+# steps at 1.25e-4), hence 1e-4 and 1,000 steps at K2 widths (2-4 min on one GPU).
+# PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes), GPUS (0) and
+# TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny
+# DeepSeek-V3 with CONFIG, TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 C=${C:-/tmp/c} L=${L:-/tmp/L} S=${S:-/tmp/S} W=${W:-/tmp/k2r-target} SGL_DIR=${SGL_DIR:-/tmp/sgl} PY=${PY:-python3}
