@@ -8,14 +8,16 @@
 #            capture on the same tokens and weights: benchmarks/aux_layers_match.py (which layer each chunk holds) and
 #            sglang_target.py compare-stores (cosine per token, all chunks); the harvest's aux row check's logit lens
 #            on SGLang's rows (benchmarks/aux_rows_lens.py), measured rather than relied on (aux_row_check=skip here)
+#   plain    the plain server alone, not waited for (`serve` waits): its start-up overlaps `embedded` and `train`
 #   capture  answers regenerated and captured by the harvest server in one request and in two passes, compared
 #   embedded the training store through the embedded target on the device, regenerating as it goes (no SGLang; `layers`
 #            measured its rows against SGLang's at cosine >= 0.999 chunk by chunk): $S/emb, for FEATURES=emb
 #   train    the K2-layout drafter (draft vocab 32,000 of 163,840) from scratch on the store $S/$FEATURES, then
 #            warm-started from that export (d2t kept, as from AQ-MedAI's; WARM=0 leaves it out), DeepSpeed ZeRO-2 on one
 #            GPU; the MLA drafter from scratch beside the first
-#   serve    plain and EAGLE-3 3/1/4 with each export, eval/bench/sglang_backend.py interleaved per prompt, then the export's
-#            offline tau on its server's own answers (eval/offline/same_prompts.py) beside the server's spec_accept_length
+#   serve    plain and EAGLE-3 3/1/4 with each export (warm, else llama; then MLA), eval/bench/sglang_backend.py
+#            interleaved per prompt, then the export's offline tau on its server's own answers
+#            (eval/offline/same_prompts.py) beside the server's spec_accept_length
 # Every step logs its seconds and the GPU's memory (nvidia-smi) to $L/log; a failed step does not stop the later ones
 # that do not need it.
 # Usage, from this machine (device calls back to back: a machine idle for 30 s is given back):
@@ -104,6 +106,10 @@ serve_harvest() {  # the plain server for the regeneration and the EAGLE3 harves
   fi
   server 30101 0.33 harvest --set "serve.extra_args=[--skip-tokenizer-init, --speculative-draft-load-format, dummy, $GRAPHS]"
   up "${ports[@]}"
+}
+plain() {  # the plain server for `serve`, started now and not waited for: its start-up overlaps the next steps
+  say "plain server (:30100), in the background"
+  server 30100 0.2 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
 }
 regen() {
   local url=http://127.0.0.1:30100
@@ -201,7 +207,9 @@ serve() {  # the plain server (kept up from serve_harvest, else started), then o
   local name pids=() benched=()
   curl -sf http://127.0.0.1:30100/health > /dev/null || server 30100 0.2 baseline --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
   up 30100 || { down; return 1; }
-  for name in warm mla; do
+  local first=warm
+  [[ -f $(export_of warm)/config.json ]] || first=llama  # WARM=0: the llama export from scratch
+  for name in $first mla; do
     if [[ -f $(export_of $name)/config.json ]]; then
       server 30102 0.25 speculative --drafter "$(export_of $name)" --setting 3/1/4 \
         --set "serve.extra_args=[--skip-tokenizer-init, $GRAPHS]"
