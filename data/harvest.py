@@ -111,16 +111,20 @@ def make_sample(conv: Conversation, ids: list[int], mask: list[int], result) -> 
     )
 
 
-def harvest_batch(
-    target: Target,
-    chat: ChatFormat,
-    convs: list[Conversation],
-    h: HarvestConfig,
-    sampling: Sampling,
-    seed: int,
-    stats: ChunkStats,
-) -> dict[str, Sample]:
+@dataclass(frozen=True)
+class HarvestJob:
+    """What every batch of a harvest shares: the target and its chat format, the settings, sampling and seed."""
+
+    target: Target
+    chat: ChatFormat
+    h: HarvestConfig
+    sampling: Sampling
+    seed: int
+
+
+def harvest_batch(job: HarvestJob, convs: list[Conversation], stats: ChunkStats) -> dict[str, Sample]:
     """Samples (by conversation key) of one batch; the target writes every assistant turn, turn by turn."""
+    target, chat, h, sampling, seed = job.target, job.chat, job.h, job.sampling, job.seed
     stop = tuple(chat.stop_ids)
     out: dict[str, Sample] = {}
     fixed = [
@@ -174,14 +178,7 @@ def harvest_batch(
 
 
 def harvest_chunk(
-    target: Target,
-    chat: ChatFormat,
-    convs: list[Conversation],
-    h: HarvestConfig,
-    sampling: Sampling,
-    seed: int,
-    on_batch,
-    row_check=None,
+    job: HarvestJob, convs: list[Conversation], on_batch, row_check=None
 ) -> tuple[list[Sample], ChunkStats]:
     """One chunk -> its samples in conversation order. Batches group similar prompt lengths.
 
@@ -193,9 +190,9 @@ def harvest_chunk(
         convs, key=lambda c: (len(c.ids) if c.ids is not None else sum(len(m["content"]) for m in c.messages), c.key)
     )
     done: dict[str, Sample] = {}
-    for b in range(0, len(order), h.batch_size):
-        batch = order[b : b + h.batch_size]
-        got = harvest_batch(target, chat, batch, h, sampling, seed, stats)
+    for b in range(0, len(order), job.h.batch_size):
+        batch = order[b : b + job.h.batch_size]
+        got = harvest_batch(job, batch, stats)
         tokens = 0
         for key, s in got.items():
             if features_ok(s):
@@ -328,6 +325,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     if record:
         save_resolved(cfg, run_dir, "harvest")
     sampling = Sampling(temperature=h.temperature, top_p=h.top_p, topk=h.topk, last_hidden=h.store_last_hidden)
+    job = HarvestJob(target, chat, h, sampling, cfg.seed)
 
     chunks = []
     for split in SPLITS:
@@ -355,7 +353,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             bar.set_postfix(tok_s=f"{run_stats.captured_tokens / max(time.time() - t_work, 1e-9):.0f}")
 
         for split, index, members in todo:
-            samples, stats = harvest_chunk(target, chat, members, h, sampling, cfg.seed, on_batch, row_check)
+            samples, stats = harvest_chunk(job, members, on_batch, row_check)
             check_argmax_rate(writer.manifest, stats.argmax, h, f"{split} chunk {index}")
             check_aux_rows(writer.manifest, stats.rows, f"{split} chunk {index}", row_layer)
             counts = {"argmax_check": {k: stats.argmax[k] for k in ("checked", "mismatched", "ties")}}

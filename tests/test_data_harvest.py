@@ -16,7 +16,7 @@ from test_data_prompts import bad_corpus_lines
 
 from eagle3ft.config import REPO_ROOT, ConfigError, load_config
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.harvest import harvest_chunk, main, run_harvest
+from eagle3ft.data.harvest import HarvestJob, harvest_chunk, main, run_harvest
 from eagle3ft.data.prompts import Conversation
 from eagle3ft.data.store import FeatureStore
 from eagle3ft.drafter.vocab import build_vocab, check_vocab, load_vocab
@@ -133,7 +133,8 @@ def test_nonfinite_hidden_states_are_skipped(tiny_model):
         Conversation([{"role": "user", "content": text}], "test", key, "train")
         for text, key in (("Say hi.", "a" * 64), ("zebra", "b" * 64))
     ]
-    samples, stats = harvest_chunk(target, chat, convs, cfg.harvest, Sampling(topk=4), 0, lambda n, t: None)
+    job = HarvestJob(target, chat, cfg.harvest, Sampling(topk=4), 0)
+    samples, stats = harvest_chunk(job, convs, lambda n, t: None)
     assert [s.sample_id for s in samples] == [int("a" * 15, 16)] and stats.skips == Counter({"nonfinite_features": 1})
 
 
