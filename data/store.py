@@ -115,20 +115,45 @@ def shard_sources(folder: Path, manifest: dict, split: str) -> list[str | None]:
     return out
 
 
+def read_manifest(folder: Path, store: str, schema_version: int, kind: str | None = None) -> dict:
+    """A store's manifest (`store`: "feature store", "token store"), refused unless it is a JSON object of this
+    code's schema and, where given, of this `kind`."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise StoreError(f"no {store} at {folder} (missing {MANIFEST})")
+    manifest = read_json(path, f"the {store}'s manifest")
+    if not isinstance(manifest, dict):
+        raise StoreError(f"{path}: not a {store} manifest (a JSON object expected)")
+    if kind is not None and manifest.get("kind") != kind:
+        raise StoreError(f"{path}: not a {store} (kind {manifest.get('kind')!r})")
+    if manifest.get("schema_version") != schema_version:
+        raise StoreError(f"{path}: schema_version {manifest.get('schema_version')} != {schema_version} (this code)")
+    return manifest
+
+
+def check_shards(folder: Path, shards, verify: bool) -> None:
+    """Every listed shard: an entry of a known split naming a file inside `folder` that is there and, with `verify`,
+    passes its sha256."""
+    path = folder / MANIFEST
+    if not isinstance(shards, list):
+        raise StoreError(f"{path}: shards is not a list")
+    for s in shards:
+        if not isinstance(s, dict) or s.get("split") not in SPLITS:
+            raise StoreError(f"{path}: shard entry {s!r} is not a shard of a split in {SPLITS}")
+        f = member(folder, s.get("file"), path)
+        if not f.is_file():
+            raise StoreError(f"{folder}: shard {s['file']} is missing")
+        if verify and sha256_file(f) != s.get("sha256"):
+            raise StoreError(f"{folder}: shard {s['file']} fails its sha256 check")
+
+
 class FeatureStore:
     """Reader. Checks schema and checksums on open (verify=False skips the hashing)."""
 
     def __init__(self, features_dir: str | Path, verify: bool = True):
         self.dir = Path(features_dir)
         path = self.dir / MANIFEST
-        if not path.is_file():
-            raise StoreError(f"no feature store at {self.dir} (missing {MANIFEST})")
-        self.manifest = read_json(path, "the feature store's manifest")
-        if not isinstance(self.manifest, dict):
-            raise StoreError(f"{path}: not a feature store manifest (a JSON object expected)")
-        version = self.manifest.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise StoreError(f"{path}: schema_version {version} != {SCHEMA_VERSION} (this code)")
+        self.manifest = read_manifest(self.dir, "feature store", SCHEMA_VERSION)
         if self.manifest.get("aux_dtype", "bf16") not in AUX_DTYPES:
             raise StoreError(f"{path}: aux_dtype {self.manifest['aux_dtype']!r} is not one of {', '.join(AUX_DTYPES)}")
         lacking = [k for k in ("target", "topk", "has_last_hidden", "shards") if k not in self.manifest]
@@ -136,14 +161,7 @@ class FeatureStore:
             raise StoreError(f"{path}: the manifest lacks {', '.join(lacking)}")
         if not self.manifest["shards"]:
             raise StoreError(f"{self.dir}: the store has no shards")
-        for s in self.manifest["shards"]:
-            if not isinstance(s, dict) or s.get("split") not in SPLITS:
-                raise StoreError(f"{path}: shard entry {s!r} is not a shard of a split in {SPLITS}")
-            f = member(self.dir, s.get("file"), path)
-            if not f.is_file():
-                raise StoreError(f"{self.dir}: shard {s['file']} is missing")
-            if verify and sha256_file(f) != s.get("sha256"):
-                raise StoreError(f"{self.dir}: shard {s['file']} fails its sha256 check")
+        check_shards(self.dir, self.manifest["shards"], verify)
         if self.manifest.get("token_counts") is not None:
             member(self.dir, self.manifest["token_counts"], path)
 

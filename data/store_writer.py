@@ -44,19 +44,33 @@ def shard_name(split: str, chunk: int) -> str:
 
 
 def open_manifest(
-    folder: Path, fresh: dict, keys: tuple[str, ...], store: str, holds: str, defaults: dict | None = None
+    folder: Path,
+    identity: dict,
+    count_keys: tuple[str, ...],
+    store: str,
+    holds: str,
+    defaults: dict | None = None,
+    extra: dict | None = None,
 ) -> dict:
-    """The manifest of a store being (re)opened for writing: `fresh` for a new folder, else the folder's own,
-    refused unless it agrees with `fresh` on `keys` (another harvest or run must go to a new run dir)."""
+    """The manifest of a store being (re)opened for writing. A new folder gets `identity`, no shards, zero counts
+    per split (`count_keys`) and `extra`; an existing one keeps its own, refused unless it agrees with `identity` on
+    every key (another harvest or run must go to a new run dir). `defaults` fill keys older stores lack."""
     path = folder / MANIFEST
     if not path.exists():
-        return fresh
+        return {
+            **identity,
+            "shards": [],
+            "chunks_done": {s: [] for s in SPLITS},
+            "counts": {s: {k: 0 for k in count_keys} for s in SPLITS},
+            "chunk_skips": {},  # skips inside committed chunks (a stage adds its prompt-level skips at the end)
+            "skips": {},
+            **(extra or {}),
+            "complete": False,
+        }
     old = {**(defaults or {}), **read_json(path, f"{store}'s manifest")}
-    for k in keys:
-        if old.get(k) != fresh[k]:
-            raise StoreError(
-                f"{folder} holds {holds} with another {k} ({old.get(k)!r} != {fresh[k]!r}); use a new run dir"
-            )
+    for k, v in identity.items():
+        if old.get(k) != v:
+            raise StoreError(f"{folder} holds {holds} with another {k} ({old.get(k)!r} != {v!r}); use a new run dir")
     return old
 
 
@@ -112,24 +126,24 @@ class FeatureWriter:
             raise ValueError(f"harvest.aux_dtype {aux_dtype!r} is not one of {', '.join(AUX_DTYPES)}")
         self.dir = Path(features_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        fresh = {
+        identity = {
             "schema_version": SCHEMA_VERSION,
             "target": target,
             "topk": topk,
             "has_last_hidden": has_last_hidden,
             "aux_dtype": aux_dtype,
             "fingerprint": fingerprint,
-            "shards": [],
-            "chunks_done": {s: [] for s in SPLITS},
-            "counts": {s: {"samples": 0, "tokens": 0, "loss_tokens": 0} for s in SPLITS},
-            "chunk_skips": {},  # skips inside committed chunks (the harvest adds prompt-level skips at the end)
-            "skips": {},
-            "token_counts": None,
-            "complete": False,
         }
-        keys = ("schema_version", "target", "topk", "has_last_hidden", "aux_dtype", "fingerprint")
         before_aux_dtype = {"aux_dtype": "bf16"}  # stores written before the option
-        self.manifest = open_manifest(self.dir, fresh, keys, "the feature store", "a harvest", before_aux_dtype)
+        self.manifest = open_manifest(
+            self.dir,
+            identity,
+            ("samples", "tokens", "loss_tokens"),
+            "the feature store",
+            "a harvest",
+            defaults=before_aux_dtype,
+            extra={"token_counts": None},
+        )
 
     def done(self, split: str) -> set[int]:
         return set(self.manifest["chunks_done"][split])

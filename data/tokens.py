@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.data.store import MANIFEST, SPLITS, ShardDataset, StoreError, shard_sources
+from eagle3ft.data.store import MANIFEST, SPLITS, ShardDataset, StoreError, check_shards, read_manifest, shard_sources
 from eagle3ft.data.store_writer import open_manifest, write_shard
-from eagle3ft.files import read_json, sha256_file, write_json
+from eagle3ft.files import write_json
 
 SCHEMA_VERSION = 1
 KIND = "tokens"
@@ -88,22 +88,9 @@ class TokenWriter:
     def __init__(self, tokens_dir: str | Path, identity: dict, fingerprint: str):
         self.dir = Path(tokens_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        fresh = {
-            "schema_version": SCHEMA_VERSION,
-            "kind": KIND,
-            "identity": identity,
-            "fingerprint": fingerprint,
-            "shards": [],
-            "chunks_done": {s: [] for s in SPLITS},
-            "counts": {s: {k: 0 for k in COUNT_KEYS} for s in SPLITS},
-            "source_counts": {s: {} for s in SPLITS},
-            "chunk_skips": {},
-            "skips": {},
-            "complete": False,
-        }
-        self.manifest = open_manifest(
-            self.dir, fresh, ("schema_version", "kind", "identity", "fingerprint"), "the token store", "tokens"
-        )
+        identity = {"schema_version": SCHEMA_VERSION, "kind": KIND, "identity": identity, "fingerprint": fingerprint}
+        extra = {"source_counts": {s: {} for s in SPLITS}}
+        self.manifest = open_manifest(self.dir, identity, COUNT_KEYS, "the token store", "tokens", extra=extra)
 
     def done(self, split: str) -> set[int]:
         return set(self.manifest["chunks_done"][split])
@@ -154,22 +141,8 @@ class TokenStore:
 
     def __init__(self, tokens_dir: str | Path, verify: bool = True):
         self.dir = Path(tokens_dir)
-        path = self.dir / MANIFEST
-        if not path.is_file():
-            raise StoreError(f"no token store at {self.dir} (missing {MANIFEST})")
-        self.manifest = read_json(path, "the token store's manifest")
-        kind = self.manifest.get("kind") if isinstance(self.manifest, dict) else None
-        if kind != KIND:
-            raise StoreError(f"{path}: not a token store (kind {kind!r})")
-        version = self.manifest.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise StoreError(f"{path}: schema_version {version} != {SCHEMA_VERSION} (this code)")
-        for s in self.manifest["shards"]:
-            f = self.dir / s["file"]
-            if not f.is_file():
-                raise StoreError(f"{self.dir}: shard {s['file']} is missing")
-            if verify and sha256_file(f) != s["sha256"]:
-                raise StoreError(f"{self.dir}: shard {s['file']} fails its sha256 check")
+        self.manifest = read_manifest(self.dir, "token store", SCHEMA_VERSION, kind=KIND)
+        check_shards(self.dir, self.manifest.get("shards"), verify)
 
     @property
     def identity(self) -> dict:

@@ -41,7 +41,7 @@ class ObjectiveConfig:
 class OptimizerConfig:
     """AdamW and gradient clipping."""
 
-    lr: float = 1e-4
+    lr: float = 1e-4  # the peak rate, reached after warm-up
     weight_decay: float = 0.0
     max_grad_norm: float = 0.5  # 0: no clipping
 
@@ -74,7 +74,7 @@ class BatchConfig:
     """What one optimizer step sees: micro-batches per process, accumulated."""
 
     micro_batch_size: int = 1
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step, per process
     max_len: int = 2048  # tokens per sample (longer samples are truncated)
     # pack whole samples into micro-batches of this many tokens (micro_batch_size is then unused); None: pad
     pack_tokens: int | None = None
@@ -107,7 +107,7 @@ class TrainDataConfig:
 class CheckpointConfig:
     """RUN/ckpt/step-N: how often, how many kept, where a run continues from (train/checkpoint.py)."""
 
-    save_every: int = 200
+    save_every: int = 200  # optimizer steps between checkpoints (and one at the end)
     keep_checkpoints: int = 2  # 0: every checkpoint kept
     resume: str | None = None  # None | auto | a ckpt/step-N folder
 
@@ -163,12 +163,12 @@ class TrainConfig:
 
     GROUPED: ClassVar[bool] = True  # the groups' fields are written flat under `train:` (eagle3ft/config_build.py)
 
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    data: TrainDataConfig = field(default_factory=TrainDataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    heldout: HeldoutConfig = field(default_factory=HeldoutConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # train.ttt_steps, loss, l2sp, ...
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # train.lr, weight_decay, max_grad_norm
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # train.warmup_steps, max_steps, ...
+    batch: BatchConfig = field(default_factory=BatchConfig)  # train.micro_batch_size, grad_accum, ...
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)  # train.features, more_tokens, ...
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # train.save_every, resume, ...
+    heldout: HeldoutConfig = field(default_factory=HeldoutConfig)  # train.eval_every, best_on, ...
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # train.log_every, wandb_*
+    engine: EngineConfig = field(default_factory=EngineConfig)  # train.deepspeed, precision, compile

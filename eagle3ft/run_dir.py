@@ -14,6 +14,18 @@ from pathlib import Path
 LOCK_NAME = ".lock"  # eagle3ft/runlock.py
 
 
+class Under:
+    """A path of the run folder: the RunDir attribute `parent` ("root" or another path) / `name`."""
+
+    def __init__(self, parent: str, name: str):
+        self.parent, self.name = parent, name
+
+    def __get__(self, run: RunDir | None, owner: type | None = None) -> Path:
+        if run is None:
+            raise AttributeError(f"RunDir's paths are read from a RunDir, not the class ({self.name})")
+        return getattr(run, self.parent) / self.name
+
+
 @dataclass(frozen=True)
 class RunDir:
     """The layout under `root`; `RunDir(run_dir).features` is RUN/features."""
@@ -24,71 +36,26 @@ class RunDir:
         object.__setattr__(self, "root", Path(self.root))
 
     # every stage
-    @property
-    def config(self) -> Path:
-        """The resolved config of each stage that ran (eagle3ft/cli.py's save_resolved)."""
-        return self.root / "config.yaml"
+    config = Under("root", "config.yaml")  # the resolved config of each stage that ran (eagle3ft/cli.py)
+    lock = Under("root", LOCK_NAME)
+    serve = Under("root", "serve")  # SGLang server logs (unless serve.log_dir names another folder)
 
     def error_log(self, stage: str) -> Path:
         return self.root / "logs" / f"{stage}-error.log"
 
-    @property
-    def lock(self) -> Path:
-        return self.root / LOCK_NAME
-
-    @property
-    def serve(self) -> Path:
-        """SGLang server logs (unless serve.log_dir names another folder)."""
-        return self.root / "serve"
-
     # data
-    @property
-    def tokens(self) -> Path:
-        """The token store data/regen.py writes (train.features online reads it)."""
-        return self.root / "tokens"
-
-    @property
-    def magpie(self) -> Path:
-        return self.root / "magpie"
-
-    @property
-    def features(self) -> Path:
-        """The feature store data/harvest.py writes."""
-        return self.root / "features"
-
-    @property
-    def features_manifest(self) -> Path:
-        """The feature store's manifest: there once a harvest has committed."""
-        return self.features / "manifest.json"
-
-    @property
-    def vocab(self) -> Path:
-        """The draft vocabulary (d2t/t2d) the harvest counted."""
-        return self.root / "vocab.safetensors"
+    tokens = Under("root", "tokens")  # the token store data/regen.py writes (train.features online reads it)
+    magpie = Under("root", "magpie")
+    features = Under("root", "features")  # the feature store data/harvest.py writes
+    features_manifest = Under("features", "manifest.json")  # there once a harvest has committed
+    vocab = Under("root", "vocab.safetensors")  # the draft vocabulary (d2t/t2d) the harvest counted
 
     # train
-    @property
-    def ckpt(self) -> Path:
-        """Resume checkpoints, one step-N/ folder each."""
-        return self.root / "ckpt"
-
-    @property
-    def export(self) -> Path:
-        """The last step's drafter in SGLang's form."""
-        return self.root / "export"
-
-    @property
-    def export_best(self) -> Path:
-        """The best step's drafter by held-out tau."""
-        return self.root / "export-best"
-
-    @property
-    def train(self) -> Path:
-        return self.root / "train"
-
-    @property
-    def metrics(self) -> Path:
-        return self.train / "metrics.jsonl"
+    ckpt = Under("root", "ckpt")  # resume checkpoints, one step-N/ folder each
+    export = Under("root", "export")  # the last step's drafter in SGLang's form
+    export_best = Under("root", "export-best")  # the best step's drafter by held-out tau
+    train = Under("root", "train")
+    metrics = Under("train", "metrics.jsonl")
 
     @property
     def training_outputs(self) -> tuple[Path, ...]:
@@ -96,47 +63,16 @@ class RunDir:
         return (self.ckpt, self.export, self.export_best, self.train)
 
     # eval
-    @property
-    def eval(self) -> Path:
-        """Offline accept length, held-out tau, the report."""
-        return self.root / "eval"
-
-    @property
-    def accept_len(self) -> Path:
-        return self.eval / "accept_len.json"
-
-    @property
-    def report_md(self) -> Path:
-        return self.eval / "report.md"
-
-    @property
-    def bench(self) -> Path:
-        """The live benchmark and what is priced from it."""
-        return self.root / "bench"
-
-    @property
-    def bench_summary(self) -> Path:
-        return self.bench / "summary.json"
-
-    @property
-    def bench_runs(self) -> Path:
-        return self.bench / "runs.jsonl"
-
-    @property
-    def calibration(self) -> Path:
-        return self.bench / "calibration.json"
-
-    @property
-    def prediction(self) -> Path:
-        return self.bench / "prediction.json"
-
-    @property
-    def economics(self) -> Path:
-        return self.bench / "economics.json"
-
-    @property
-    def demo(self) -> Path:
-        return self.root / "demo"
+    eval = Under("root", "eval")  # offline accept length, held-out tau, the report
+    accept_len = Under("eval", "accept_len.json")
+    report_md = Under("eval", "report.md")
+    bench = Under("root", "bench")  # the live benchmark and what is priced from it
+    bench_summary = Under("bench", "summary.json")
+    bench_runs = Under("bench", "runs.jsonl")
+    calibration = Under("bench", "calibration.json")
+    prediction = Under("bench", "prediction.json")
+    economics = Under("bench", "economics.json")
+    demo = Under("root", "demo")
 
     @property
     def derived(self) -> tuple[Path, ...]:
