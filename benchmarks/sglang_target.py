@@ -6,6 +6,10 @@ python benchmarks/sglang_target.py export-hf --config configs/smollm2-135m.yaml 
 python benchmarks/sglang_target.py seeded --config-json FOLDER/config.json --seed 0 --out DIR [--device cuda]
     a random target of that config.json, the same for the same seed, saved as an HF folder in bf16 (the K2
     rehearsal's weights: made where they are served, never carried); no tokenizer (SGLang --skip-tokenizer-init)
+python benchmarks/sglang_target.py bigram --config-json FOLDER/config.json --emit 256 --gain 6 --branches 0.3,0.03
+    how far the current token alone decides a shaped target's next one, per branch scale: greedy answers to seeded
+    random prompts, and for each answer the share of its tokens that the most frequent successor of the current
+    token in the other answers gets right (a drafter can learn from few answers only what holds across answers)
 python benchmarks/sglang_target.py compare-stores RUN_A RUN_B [--out FILE] [--exclude-last]
     two feature stores of the same harvest (e.g. embedded vs SGLang): token agreement,
     aux_hidden error and cosine, top-k agreement; JSON to stdout (and FILE)
@@ -51,6 +55,23 @@ def export_hf(config: str, out: str, overrides: list[str] | None = None) -> None
     )
 
 
+BRANCHES = ("o_proj.weight", "down_proj.weight", "experts.down_proj")  # what every residual branch ends in
+
+
+@torch.no_grad()
+def scale_branches(model, factor: float) -> None:
+    for name, p in model.named_parameters():
+        if ".layers." in name and name.endswith(BRANCHES):
+            p.mul_(factor)
+
+
+def width_branch(hidden_size: int) -> float:
+    """The branch scale at which a shaped target's answers are as predictable from the current token as at width 512
+    and 0.3, where a drafter learns it (records 35f, 35h): a random branch's share of the residual stream grows about
+    as the width, so the scale falls as 1/width above 512."""
+    return min(0.3, 0.3 * 512 / hidden_size)
+
+
 @torch.no_grad()
 def make_learnable(model, emit: int, branch: float, gain: float, seed: int) -> None:
     """Shape a random target so that a drafter can learn it: every residual branch's output (attention's o_proj, the
@@ -58,9 +79,7 @@ def make_learnable(model, emit: int, branch: float, gain: float, seed: int) -> N
     embedding; the head's rows of `emit` seeded token ids set to norm `gain` and every other row zeroed, so the target
     answers only in those ids and its next-token distribution is peaked. A drawn target's distribution is flat (every
     TTT step's loss sits at ln(draft vocab)), so no drafter gets past τ 1.00 on it."""
-    for name, p in model.named_parameters():
-        if ".layers." in name and name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-            p.mul_(branch)
+    scale_branches(model, branch)
     head = model.get_output_embeddings().weight  # (V, H)
     keep = torch.randperm(head.shape[0], generator=torch.Generator().manual_seed(seed))[:emit]
     mask = torch.zeros(head.shape[0], dtype=torch.bool)
@@ -72,7 +91,7 @@ def make_learnable(model, emit: int, branch: float, gain: float, seed: int) -> N
 
 
 def seeded(
-    config_json: str, seed: int, out: str, device: str = "cpu", emit: int | None = None, branch=1.0, gain=1.0
+    config_json: str, seed: int, out: str, device: str = "cpu", emit: int | None = None, branch=None, gain=1.0
 ) -> dict:
     """A seeded random model of `config_json` in bf16, saved as `out` (model*.safetensors + config.json); with `emit`,
     shaped by make_learnable. The MoE experts are saved one tensor per expert (transformers reverts its fused layout on
@@ -86,6 +105,8 @@ def seeded(
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    if branch is None:
+        branch = width_branch(config.hidden_size)
     if emit:
         make_learnable(model, emit, branch, gain, seed)
     made = time.perf_counter() - t0
@@ -105,6 +126,55 @@ def seeded(
         "make_s": round(made, 1),
         "total_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def bigram_top1(answers: list[list[int]]) -> dict:
+    """Leave one answer out: how often the other answers' most frequent successor of a token is the next one."""
+    from collections import Counter, defaultdict
+
+    right = seen = pairs = 0
+    for k, answer in enumerate(answers):
+        successors: dict[int, Counter] = defaultdict(Counter)
+        for j, other in enumerate(answers):
+            if j != k:
+                for x, y in zip(other, other[1:]):
+                    successors[x][y] += 1
+        for x, y in zip(answer, answer[1:]):
+            pairs += 1
+            if x in successors:
+                seen += 1
+                right += successors[x].most_common(1)[0][0] == y
+    return {"pairs": pairs, "current_seen": round(seen / pairs, 3), "bigram_top1": round(right / pairs, 3)}
+
+
+@torch.no_grad()
+def bigram(
+    config_json: str, seed: int, emit: int, gain: float, branches: list[float], answers: int, new: int, device: str
+) -> dict:
+    """bigram_top1 of a seeded target shaped with each branch scale in turn (the same weights, the branches rescaled),
+    on `answers` greedy answers of `new` tokens to seeded random prompts of 16 ids below 49,152 (SmolLM2's)."""
+    import time
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(Path(config_json).parent)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    make_learnable(model, emit, 1.0, gain, seed)
+    prompts = torch.randint(0, 49152, (answers, 16), generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    out, scale = {"hidden_size": config.hidden_size, "emit": emit, "gain": gain, "runs": []}, 1.0
+    for b in branches:
+        scale_branches(model, b / scale)
+        scale = b
+        t0 = time.perf_counter()
+        ids = model.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None)
+        got = [row[16:].tolist() for row in ids]
+        run = {"branch": b, **bigram_top1(got), "distinct_ids": len({t for a in got for t in a}), "s": 0.0}
+        run["s"] = round(time.perf_counter() - t0, 1)
+        out["runs"].append(run)
+        print(json.dumps(run), flush=True)
+    return out
 
 
 def compare_stores(run_a: str, run_b: str, exclude_last: bool = False) -> dict:
@@ -186,10 +256,22 @@ def main() -> None:
     w.add_argument("--out", required=True)
     w.add_argument("--device", default="cpu")
     w.add_argument("--emit", type=int, help="make_learnable: the ids the target answers in (default: as drawn)")
-    w.add_argument("--branch", type=float, default=0.1, help="make_learnable: residual branches' scale")
+    w.add_argument(
+        "--branch", type=float, help="make_learnable: residual branches' scale (default: width_branch of the width)"
+    )
     w.add_argument(
         "--gain", type=float, default=4.0, help="make_learnable: the kept head rows' norm (the logits' spread)"
     )
+    g = sub.add_parser("bigram")
+    g.add_argument("--config-json", required=True)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--emit", type=int, default=256)
+    g.add_argument("--gain", type=float, default=6.0)
+    g.add_argument("--branches", default="0.3", help="comma-separated branch scales, tried in turn")
+    g.add_argument("--answers", type=int, default=8)
+    g.add_argument("--new", type=int, default=128, help="tokens per answer")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--out")
     c = sub.add_parser("compare-stores")
     c.add_argument("run_a")
     c.add_argument("run_b")
@@ -202,6 +284,11 @@ def main() -> None:
         export_hf(args.config, args.out, args.overrides)
     elif args.cmd == "seeded":
         print(json.dumps(seeded(args.config_json, args.seed, args.out, args.device, args.emit, args.branch, args.gain)))
+    elif args.cmd == "bigram":
+        branches = [float(b) for b in args.branches.split(",")]
+        res = bigram(args.config_json, args.seed, args.emit, args.gain, branches, args.answers, args.new, args.device)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1))
     else:
         res = compare_stores(args.run_a, args.run_b, args.exclude_last)
         text = json.dumps(res, indent=1)

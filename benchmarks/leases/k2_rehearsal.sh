@@ -33,11 +33,14 @@
 # CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
 # PLAIN (1; 0: no plain server for `serve_harvest`, the harvest server regenerates: the layer check alone),
 # TRAIN_STEPS (1000), EVAL_EVERY (a tenth of them), LR (1e-4), FEATURES (lay-sgl; emb after `embedded`), WARM (1),
-# EMIT (256), BRANCH (0.3), GAIN (6): the target's shape (make_learnable; EMIT=0: as drawn, whose flat distribution
-# held every drafter at τ 1.00). With 2,048 kept ids and lr 5e-4 no drafter learnt in 200 steps on an H100; on the
-# CPU (benchmarks/records/k2-rehearsal.md, 35f) 256 kept ids reached held-out τ 2.51 where 2,048 reached 1.28 at
-# width 512, and the wider the drafter, the lower its best rate and the more steps it needs (width 2048: 1.70 in 200
-# steps at 1.25e-4), hence 1e-4 and 1,000 steps at K2 widths (2-4 min on one GPU).
+# EMIT (256), BRANCH (sglang_target.py's width_branch: 0.3 up to width 512, 0.3 * 512 / width above, 0.0214 at K2's
+# 7168), GAIN (6): the target's shape (make_learnable; EMIT=0: as drawn, whose flat distribution held every drafter
+# at τ 1.00). With 2,048 kept ids and lr 5e-4 no drafter learnt in 200 steps on an H100; on the CPU
+# (benchmarks/records/k2-rehearsal.md, 35f) 256 kept ids reached held-out τ 2.51 where 2,048 reached 1.28 at width
+# 512, and the wider the drafter, the lower its best rate and the more steps it needs, hence 1e-4 and 1,000 steps at
+# K2 widths (35g: 6 min for both drafters side by side on an H100, training top-1 91%). At BRANCH 0.3 the
+# width-7168 target's next token hardly depends on its current one (35g, 35h), so 35g's drafters learnt their
+# training answers only; the width-scaled BRANCH makes it as predictable as the width-512 target (35h).
 # PORT (29611, the trainer's; the MLA run takes the next), NPROC (the accelerate config's processes), GPUS (0) and
 # TP (1): the servers' GPUs and tensor-parallel size. On a CPU, the steps that need no SGLang run on the tiny
 # DeepSeek-V3 with CONFIG, TARGET_JSON, LLAMA, MLA, DEVICE=cpu, ACCEL and TOKENIZER (tests/test_k2_rehearsal_plan.py).
@@ -93,7 +96,7 @@ down() {  # down [PORT...]: those servers of `server` (all by default), and a pa
 weights() {
   say "weights: seeded, bf16, on $DEVICE"
   local shape=()  # a target a drafter can learn (sglang_target.py make_learnable); EMIT=0: the drawn one, flat
-  (( ${EMIT:-256} )) && shape=(--emit "${EMIT:-256}" --branch "${BRANCH:-0.3}" --gain "${GAIN:-6}")
+  (( ${EMIT:-256} )) && shape=(--emit "${EMIT:-256}" ${BRANCH:+--branch "$BRANCH"} --gain "${GAIN:-6}")
   $PY benchmarks/sglang_target.py seeded --config-json "$TARGET_JSON" --seed 0 --device "$DEVICE" --out "$W" \
     "${shape[@]}" | tee "$L/weights.json"
 }
