@@ -30,7 +30,8 @@
 #                                                 call of the last piece's stash, with `wait 530` after it (600 s)
 #   bash benchmarks/leases/k2_rehearsal.sh wait SECS     there: until done or SECS; $L packed into $OUT
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), W (/tmp/k2r-target), SGL_DIR (/tmp/sgl), STEPS (the steps above),
-# CONVS (48 training conversations), LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
+# CONVS (96 training conversations; 35g's drafters learnt their 48, 6,144 tokens, fewer than the width, by heart),
+# LENS (1; 0 leaves the logit lens out of `layers`), NEW (128 new tokens),
 # PLAIN (1; 0: no plain server for `serve_harvest`, the harvest server regenerates: the layer check alone),
 # TRAIN_STEPS (1000), EVAL_EVERY (a tenth of them), LR (1e-4), FEATURES (lay-sgl; emb after `embedded`), WARM (1),
 # EMIT (256), BRANCH (sglang_target.py's width_branch: 0.3 up to width 512, 0.3 * 512 / width above, 0.0214 at K2's
@@ -57,7 +58,7 @@ say() { printf '\n== %s (%s, %s)\n' "$1" "$(date +%T)" "$(nvidia-smi --query-gpu
 
 GRAPHS="--max-total-tokens, '65536', --cuda-graph-max-bs, '4', --cuda-graph-backend-prefill, disabled"
 MTB="{kind: mtbench, path: $C/mtbench-questions.jsonl, limit: 8}"
-SOURCES="[{kind: file, path: $C/sharegpt-first-turns.jsonl, limit: ${CONVS:-48}, name: sharegpt}, {kind: mtbench, path: $C/mtbench-questions.jsonl, limit: 16, split: heldout}]"
+SOURCES="[{kind: file, path: $C/sharegpt-first-turns.jsonl, limit: ${CONVS:-96}, name: sharegpt}, {kind: mtbench, path: $C/mtbench-questions.jsonl, limit: 16, split: heldout}]"
 K2=(--set target.kind=hf --set "target.path=$W" --set "target.tokenizer=$TOKENIZER" --set "target.device=$DEVICE"
     --set "serve.model_path=$W" --set "serve.python=$PY" --set "serve.log_dir=$L" --set serve.startup_timeout_s=900 --set train.wandb_mode=disabled
     --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '$GPUS'}"
@@ -117,7 +118,7 @@ plain() {  # the plain server for `serve`, started now and not waited for: its s
 regen() {
   local url=http://127.0.0.1:30100
   [[ ${PLAIN:-1} == 1 ]] || url=http://127.0.0.1:30101  # greedy: the harvest server answers the same tokens
-  say "regen: ${CONVS:-48} conversations' first turns + 16 MT-Bench, ${NEW:-128} new tokens, through $url"
+  say "regen: ${CONVS:-96} conversations' first turns + 16 MT-Bench, ${NEW:-128} new tokens, through $url"
   $PY data/regen.py --config "$CONFIG" --run-dir "$S/regen" "${K2[@]}" --set "harvest.sources=$SOURCES" \
     --set "harvest.sglang.urls=[$url]" > "$L/regen.json" 2> "$L/regen.log"
   echo "exit $?"; tail -3 "$L/regen.json"
@@ -142,7 +143,7 @@ layers() {
     > "$L/aux-rows-lens.jsonl" 2> "$L/aux-rows-lens.log"; grep '"moved_by": 0' "$L/aux-rows-lens.jsonl"
 }
 embedded() {
-  say "embedded: ${CONVS:-48} conversations' first turns + 16 MT-Bench regenerated and captured in this process"
+  say "embedded: ${CONVS:-96} conversations' first turns + 16 MT-Bench regenerated and captured in this process"
   harvest emb --set "harvest.sources=$SOURCES" --set harvest.backend=hf --set harvest.batch_size=16
 }
 capture() {
