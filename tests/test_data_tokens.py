@@ -133,3 +133,15 @@ def test_a_truncated_token_manifest_is_named(tmp_path):
     (tmp_path / "manifest.json").write_text('{"kind": "tok')
     with pytest.raises(DamagedFile, match=r"manifest.json: the token store's manifest is not valid JSON"):
         TokenStore(tmp_path)
+
+
+def test_a_shard_entry_outside_the_folder_is_refused(tmp_path):
+    """The token store checks its shard entries as the feature store does: a plain file name inside the folder."""
+    d = tmp_path / "tokens"
+    write_all(d, 1)
+    manifest = json.loads((d / "manifest.json").read_text())
+    (tmp_path / "outside.safetensors").write_bytes((d / manifest["shards"][0]["file"]).read_bytes())
+    manifest["shards"][0]["file"] = "../outside.safetensors"
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="not a \\*.safetensors file name inside"):
+        TokenStore(d)
