@@ -221,3 +221,23 @@ def test_interleave_prompt_runs_every_arm_on_a_prompt_before_the_next_and_keeps_
     cfg.bench.interleave = "token"
     with pytest.raises(ValueError, match="bench.interleave 'token'"):
         _bench(cfg, tmp_path, backend, log=lambda *a: None)
+
+
+def test_scored_against_the_emitted_tokens():
+    """On the target's own greedy answers the emitted tokens are its argmax: both scorings agree and nothing differs.
+    Where another engine emitted something else (one answer token replaced), that position is named as a
+    disagreement, and scoring against the emitted token accepts what the drafter would have been accepted on live."""
+    target, drafter = tiny_pair()
+    ps = prompts(6, seed=1)[:3]
+    answers = [greedy_decode(target, p, 24).tokens for p in ps]
+    st = [Setting(3, 1, 4)]
+    own = offline_tau(target, drafter, AUX, ps, answers, st, emitted=True)
+    assert own["settings_walk"] == offline_tau(target, drafter, AUX, ps, answers, st)["settings_walk"]
+    assert own["disagreement"]["disagree"] == 0 and own["disagreement"]["positions"] == sum(len(a) for a in answers)
+    other = [list(a) for a in answers]
+    other[1][5] = (other[1][5] + 1) % target.config.vocab_size  # what another engine's near-tie flip looks like
+    emitted = offline_tau(target, drafter, AUX, ps, other, st, emitted=True)
+    argmax = offline_tau(target, drafter, AUX, ps, other, st)
+    assert emitted["disagreement"]["disagree"] >= 1 and (1, 5) in emitted["disagreement"]["first"]
+    assert emitted["scored_against"] == "the emitted tokens"
+    assert emitted["roots"] >= argmax["roots"]  # argmax scoring drops the roots past a token it would not have emitted

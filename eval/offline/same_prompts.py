@@ -36,9 +36,15 @@ from eagle3ft.setting import Setting
 
 
 @torch.no_grad()
-def features(model, aux_layer_ids: list[int], prompt: list[int], answer: list[int], topk: int = 16) -> dict:
+def features(
+    model, aux_layer_ids: list[int], prompt: list[int], answer: list[int], topk: int = 16, emitted: bool = False
+) -> dict:
     """A store-like item: input_ids (T,), loss_mask (T,) 1 on the answer, aux_hidden (T, 3H), topk ids/log-probs (T,
-    topk)."""
+    topk); `disagree` (T-1,) bool: where this model's argmax is not the next token of prompt + answer.
+
+    With `emitted`, the greedy reference at every position is the token that follows it in prompt + answer (what the
+    engine that wrote the answer emitted there) instead of this model's own argmax: a drafted token is accepted when
+    it equals the emitted one, so another engine's near-tie flips do not count against the drafter."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt + answer], device=device)  # (1, T)
     out = model(input_ids=ids, output_hidden_states=True)
@@ -46,12 +52,33 @@ def features(model, aux_layer_ids: list[int], prompt: list[int], answer: list[in
     mask = torch.zeros(ids.shape[1], dtype=torch.long, device=device)
     mask[len(prompt) :] = 1
     aux = aux_from_hidden_states(out.hidden_states, aux_layer_ids, model.config)[0]  # (T, 3H)
+    top = lp.indices.clone()
+    disagree = top[:-1, 0] != ids[0, 1:]  # (T-1,)
+    if emitted:
+        top[:-1, 0] = ids[0, 1:]
     return {
         "input_ids": ids[0],
         "loss_mask": mask,
         "aux_hidden": aux,
-        "topk_ids": lp.indices,
+        "topk_ids": top,
         "topk_logprobs": lp.values,
+        "disagree": disagree,
+    }
+
+
+def disagreement(items: list[dict], prompt_lens: list[int]) -> dict:
+    """Where the scoring model's argmax differs from the emitted token, over the answer positions (the tokens after
+    the first answer token's predecessor): their count, share, and the first few (sample, answer position)."""
+    where, total = [], 0
+    for i, (item, n) in enumerate(zip(items, prompt_lens)):
+        d = item["disagree"][n - 1 :]  # position t predicts answer token t - n + 1
+        total += int(d.numel())
+        where += [(i, int(t)) for t in torch.nonzero(d).flatten().tolist()]
+    return {
+        "positions": total,
+        "disagree": len(where),
+        "share": len(where) / total if total else None,
+        "first": where[:20],
     }
 
 
@@ -63,15 +90,18 @@ def offline_tau(
     answers: list[list[int]],
     settings: list[Setting],
     tree_context: str = "slots",
+    emitted: bool = False,
 ) -> dict | None:
     """Greedy offline tau on these prompts and answers: every chain d/1/d+1 up to the deepest benchmarked chain, and
-    each benchmarked tree (topk > 1) as SGLang builds it (eval/offline/acceptance.py's tree_accept, with tree_context)."""
+    each benchmarked tree (topk > 1) as SGLang builds it (eval/offline/acceptance.py's tree_accept, with tree_context).
+    With `emitted`, scored against the answers' own tokens rather than `model`'s argmax (features)."""
     depth = max((s.steps for s in settings if s.topk == 1), default=0)
     trees = [s for s in settings if s.topk > 1]
     if depth == 0 and not trees:
         return None
     device = next(model.parameters()).device
-    items = [features(model, aux_layer_ids, p, a) for p, a in zip(prompts, answers) if len(a) > 1]
+    pairs = [(p, a) for p, a in zip(prompts, answers) if len(a) > 1]
+    items = [features(model, aux_layer_ids, p, a, emitted=emitted) for p, a in pairs]
     rep = evaluate(drafter, iter(items), max(depth, 1), 1, max(depth, 1) + 1, 0.0, device)  # also counts the roots
     found = dict(rep.settings) if depth else {}
     for st in trees:  # one evaluation per tree: its own key only (its chain rows repeat the chain's)
@@ -86,6 +116,8 @@ def offline_tau(
         "settings_walk_interval": {k: v.get("tau_walk_interval") for k, v in found.items()},
         "settings_walk_loop_free": {k: v.get("tau_walk_loop_free") for k, v in found.items()},
         "loop_share": {k: v.get("loop_share_walk") for k, v in found.items()},
+        "scored_against": "the emitted tokens" if emitted else "the scoring model's argmax",
+        "disagreement": disagreement(items, [len(p) for p, _ in pairs]),
         **({"tree_context": tree_context} if trees else {}),
     }
 
@@ -97,10 +129,13 @@ def checkpoint_offline_tau(
     answers: list[list[int]],
     settings: list[Setting],
     keep: list[bool] | None = None,
+    emitted: bool = False,
 ) -> dict | None:
     """offline_tau of the drafter `eval.checkpoint` (checked against `run_dir`'s features when there are any), on a
     copy of `cfg.target` loaded here: what a bench backend without the target in this process (SGLang) uses. With
-    `keep`, also on the answers it marks, as `rep["kept"]` (None when it marks none)."""
+    `keep`, also on the answers it marks, as `rep["kept"]` (None when it marks none). With `emitted`, scored against
+    the answers' own tokens, and against this copy's argmax too as `rep["argmax"]`: the gap between the two is what
+    the engines' disagreement costs."""
     from eagle3ft.config import resolve_path
     from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
     from eagle3ft.targets.hf import load_target
@@ -109,11 +144,15 @@ def checkpoint_offline_tau(
     spec = check_drafter_for_run(folder, run_dir, "eval.checkpoint")
     model, _ = load_target(cfg.target)
     drafter, aux_ids = drafter_on_target(model, folder, spec)
-    rep = offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context)
+    rep = offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context, emitted)
     if rep is not None and keep is not None:
         idx = [i for i, k in enumerate(keep) if k]
         sub = [prompts[i] for i in idx], [answers[i] for i in idx]
-        rep["kept"] = offline_tau(model, drafter, aux_ids, *sub, settings, cfg.eval.tree_context) if idx else None
+        rep["kept"] = (
+            offline_tau(model, drafter, aux_ids, *sub, settings, cfg.eval.tree_context, emitted) if idx else None
+        )
+    if rep is not None and emitted:
+        rep["argmax"] = offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context)
     return rep
 
 
@@ -153,6 +192,14 @@ def main(argv: list[str] | None = None) -> None:
         help="that run's speculative answers at this setting (e.g. 3/1/4) instead of its plain ones: offline tau on "
         "the very tokens the live tau was counted on (on a GPU the two passes' bf16 answers part at near-ties)",
     )
+    parser.add_argument(
+        "--score",
+        choices=("emitted", "argmax"),
+        default="emitted",
+        help="accept a drafted token when it equals the token the answer has there (emitted, the default: the serving "
+        "engine's own choice) or this process's copy of the target's argmax (argmax); with emitted, the argmax figures "
+        "and the positions where the two differ are reported beside",
+    )
     cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser)
     with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py", log=error_log(run_dir, "eval")):
         if not cfg.eval.checkpoint:
@@ -162,10 +209,11 @@ def main(argv: list[str] | None = None) -> None:
         source = Path(args.answers_from)
         answers, finished = bench_answers(source, label, len(prompts), args.answers_of)
         # also on the answers that finished: a cap cut none of them, so no loop ran them long
-        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, cfg.bench.settings, keep=finished)
+        emitted = args.score == "emitted"
+        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, cfg.bench.settings, keep=finished, emitted=emitted)
         if rep is None:
             raise ValueError("bench.settings is empty: nothing to evaluate")
-        done = rep.pop("kept")
+        done, argmax = rep.pop("kept"), rep.pop("argmax", None)
         doc = {
             **rep,
             "source": f"the {args.answers_of or 'plain'} greedy answers of {source}/bench/runs.jsonl (repetition 0, "
@@ -179,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
                     "tau_walk_loop_free": rep["settings_walk_loop_free"][k],
                     "loop_share_walk": rep["loop_share"][k],
                     "tau_walk_finished": done["settings_walk"][k] if done else None,
+                    **({"tau_walk_argmax": argmax["settings_walk"][k]} if argmax else {}),
                 }
                 for k, v in rep["settings"].items()
             },
@@ -187,7 +236,14 @@ def main(argv: list[str] | None = None) -> None:
         out = RunDir(run_dir).accept_len
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json(out, doc)
-    what = {"offline_tau": rep["settings"], "walk": rep["settings_walk"], "roots": rep["roots"], "written": str(out)}
+    what = {
+        "offline_tau": rep["settings"],
+        "walk": rep["settings_walk"],
+        **({"walk_argmax": argmax["settings_walk"]} if argmax else {}),
+        "disagreement": {k: v for k, v in rep["disagreement"].items() if k != "first"},
+        "roots": rep["roots"],
+        "written": str(out),
+    }
     print(json_text(what, "same-prompt tau"))
 
 
