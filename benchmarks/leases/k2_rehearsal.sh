@@ -15,6 +15,8 @@
 #   train    the K2-layout drafter (draft vocab 32,000 of 163,840) from scratch on the store $S/$FEATURES, then
 #            warm-started from that export (d2t kept, as from AQ-MedAI's; WARM=0 leaves it out), DeepSpeed ZeRO-2 on one
 #            GPU; the MLA drafter from scratch beside the first
+#   warm     the warm start alone: with WARM=0 and STEPS="... train serve warm", the scratch exports are served first
+#            and the warm start's held-out tau curve comes last, where a short lease loses the least
 #   serve    plain and EAGLE-3 3/1/4 with each export (warm, else llama; then MLA), eval/bench/sglang_backend.py
 #            interleaved per prompt, then the export's offline tau on its server's own answers
 #            (eval/offline/same_prompts.py) beside the server's spec_accept_length
@@ -182,7 +184,10 @@ train() {  # the two scratch runs side by side (one launch's start-up less), the
   # the H100's 64 GB disk; the exports are all the later steps read
   rm -rf "$S/llama/ckpt" "$S/mla/ckpt"
   [[ ${WARM:-1} == 1 ]] || return 0
-  PORT=$port train_one warm "$LLAMA" --set "drafter.init=$(export_of llama)"
+  warm
+}
+warm() {  # the K2 layout warm-started from llama's export (d2t kept); also a step of its own, after `serve`
+  PORT=${PORT:-29611} train_one warm "$LLAMA" --set "drafter.init=$(export_of llama)"
 }
 bench_one() {  # bench_one NAME PORT: plain (:30100) against EAGLE-3 3/1/4 with NAME's export on PORT
   local ex
