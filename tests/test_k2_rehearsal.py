@@ -196,11 +196,12 @@ def test_the_bigram_count_and_the_width_scaled_branch():
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     # 1 -> 2 right twice and 2 -> 1 once in the first answer, two of three in the second, 5 never seen elsewhere
-    assert tool.bigram_top1([[1, 2, 1, 2], [1, 2, 1, 3], [5, 6]]) == {
-        "pairs": 7,
-        "current_seen": round(6 / 7, 3),
-        "bigram_top1": round(5 / 7, 3),
-    }
+    got = tool.bigram_top1([[1, 2, 1, 2], [1, 2, 1, 3], [5, 6]])
+    low, high = got.pop("bigram_top1_interval")  # three answers, hits 3/3, 2/3 and 0/1, resampled whole
+    assert 0 < low < 5 / 7 < high < 1
+    assert got == {"pairs": 7, "current_seen": round(6 / 7, 3), "bigram_top1": round(5 / 7, 3)}
+    low, high = tool.bigram_top1([[1, 2, 1, 2, 1, 2]] * 6)["bigram_top1_interval"]
+    assert low == high == 1.0  # every answer alike: no spread
     assert [tool.width_branch(w) for w in (64, 512, 2048)] == [0.3, 0.3, 0.075]
     assert tool.width_branch(7168) == pytest.approx(0.0214, abs=1e-4)
     config_json = str(REPO_ROOT / "configs/targets/tiny-deepseek-v3/config.json")
