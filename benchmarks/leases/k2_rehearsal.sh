@@ -186,8 +186,10 @@ train() {  # the two scratch runs side by side (one launch's start-up less), the
   [[ ${WARM:-1} == 1 ]] || return 0
   warm
 }
-warm() {  # the K2 layout warm-started from llama's export (d2t kept); also a step of its own, after `serve`
-  PORT=${PORT:-29611} train_one warm "$LLAMA" --set "drafter.init=$(export_of llama)"
+warm() {  # the K2 layout warm-started from llama's export (d2t kept), WARM_STEPS (TRAIN_STEPS) steps; also a step of
+  # its own, after `serve`
+  TRAIN_STEPS=${WARM_STEPS:-${TRAIN_STEPS:-1000}} PORT=${PORT:-29611} train_one warm "$LLAMA" \
+    --set "drafter.init=$(export_of llama)"
 }
 bench_one() {  # bench_one NAME PORT: plain (:30100) against EAGLE-3 3/1/4 with NAME's export on PORT
   local ex
