@@ -21,6 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from eagle3ft.config import resolve_path
 from eagle3ft.run_dir import RunDir
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -63,12 +64,10 @@ def missing_drafter(checkpoint: Path, run_dir: Path, config: str) -> str | None:
 
 def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
     """None when `stage` has its inputs in `run_dir`, else one line naming what is missing and how to make it."""
-    from eagle3ft.config import resolve_path
-
     if stage not in STAGES:
         raise ValueError(f"preflight stage {stage!r}: expected one of {STAGES}")
     run_dir = Path(run_dir)
-    drafter = lambda: missing_drafter(resolve_path(cfg.eval.checkpoint, base=run_dir), run_dir, config)  # noqa: E731
+    drafter = lambda: missing_drafter(RunDir(run_dir).drafter(cfg.eval.checkpoint), run_dir, config)  # noqa: E731
     run = RunDir(run_dir)
     features, offline, summary, metrics = run.features_manifest, run.accept_len, run.bench_summary, run.metrics
     if stage == "eval":

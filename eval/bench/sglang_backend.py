@@ -42,8 +42,9 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.config import resolve_path
-from eagle3ft.eval.bench.backend import RequestResult, check_drafter_for_run
+from eagle3ft.data.store import check_run_drafter
+from eagle3ft.drafter.folder import DrafterFolder
+from eagle3ft.eval.bench.backend import RequestResult
 from eagle3ft.eval.bench.environment import base_environment, gpu_clocks
 from eagle3ft.eval.bench.live_splits import spread
 from eagle3ft.eval.bench.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
@@ -82,10 +83,12 @@ class SGLangBackend:
                 f"bench.interleave prompt with serve.max_servers {cfg.serve.max_servers} and {arms} arms would restart a "
                 "server for every prompt: set bench.interleave: pass (a server per pass), or serve.max_servers 0"
             )
-        if (
-            cfg.bench.sglang.launch
-        ):  # the EAGLE3 servers will load eval.checkpoint: it must fit the features, before any server starts
-            check_drafter_for_run(resolve_path(cfg.eval.checkpoint, base=self.run_dir), self.run_dir, "eval.checkpoint")
+        # the EAGLE3 servers load eval.checkpoint, same_prompts drafts with it: it must fit the features, before any
+        # server starts
+        self.drafter = None
+        if cfg.bench.sglang.launch or cfg.bench.sglang.same_prompts:
+            folder = DrafterFolder.of_run(self.run_dir, cfg.eval.checkpoint)
+            self.drafter = check_run_drafter(folder, RunDir(self.run_dir).features)
         if not cfg.bench.sglang.requests:
             raise ValueError("bench.sglang.requests is empty: name whole, stream or both")
         self.tokenizer = load_tokenizer(cfg.target)  # the served target's: the caller renders the prompts with it
@@ -179,8 +182,7 @@ class SGLangBackend:
         if setting is None:
             server = server_for(self.cfg, self.run_dir, "baseline", port)
         else:
-            drafter = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
-            server = server_for(self.cfg, self.run_dir, "speculative", port, drafter, setting)
+            server = server_for(self.cfg, self.run_dir, "speculative", port, self.drafter.path, setting)
         server.start()
         try:
             server.wait_healthy()
@@ -324,7 +326,7 @@ class SGLangBackend:
             return None
         from eagle3ft.eval.offline.same_prompts import checkpoint_offline_tau
 
-        return checkpoint_offline_tau(self.cfg, self.run_dir, prompts, answers, settings)
+        return checkpoint_offline_tau(self.cfg, self.drafter, prompts, answers, settings)
 
     def environment(self) -> dict:
         servers = {}

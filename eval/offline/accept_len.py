@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from eagle3ft.data.loops import answer_loops as loop_of_answers
+from eagle3ft.data.store import FeatureStore
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.offline.acceptance import (
     SampleInputs,
@@ -283,19 +285,14 @@ def format_report(rep: AcceptReport) -> str:
 
 def run(cfg, run_dir: Path) -> AcceptReport:
     """Load the exported drafter and the held-out features of `run_dir`, evaluate, write eval/accept_len.json."""
-    from eagle3ft.config import resolve_path
-    from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter.config import check_drafter_folder
-    from eagle3ft.drafter.export import check_weight_shapes, load_drafter
-    from eagle3ft.targets.hf import load_input_embedding, pick_device
+    from eagle3ft.targets.hf import load_input_embedding, pick_device  # transformers: off the --help path
 
     ec = cfg.eval
-    ckpt = resolve_path(ec.checkpoint, base=run_dir)
+    folder = DrafterFolder.of_run(run_dir, ec.checkpoint)
     store = FeatureStore(RunDir(run_dir).features)
-    spec = check_drafter_folder(ckpt, store.target, "eval.checkpoint", str(store.dir / MANIFEST))  # before any compute
-    check_weight_shapes(ckpt, spec)
+    store.check_drafter(folder)  # before any compute
     device = pick_device(cfg.target)
-    drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
+    drafter = folder.load(load_input_embedding(cfg.target)).to(device).eval()
     ds = store.dataset("heldout")
     n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
     items = (ds[i] for i in range(n))
@@ -312,7 +309,7 @@ def run(cfg, run_dir: Path) -> AcceptReport:
         "sources": held_out,
         "heldout_fraction": cfg.harvest.heldout_fraction,
     }
-    write_json(out, {**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2)
+    write_json(out, {**rep.to_dict(), "checkpoint": str(folder.path), "data": data}, indent=2)
     return rep
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.data.store import FeatureStore
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 
@@ -154,19 +156,16 @@ def compare(
     return {"before": labels[0], "after": labels[1], "setting": setting, "sets": sets, "verdict": verdict_line(sets)}
 
 
-def drafter_walks(cfg, run_dir: Path, folders: dict[str, Path]) -> dict[str, dict[str, SetTotals]]:
+def drafter_walks(cfg, run_dir: Path, folders: dict[str, DrafterFolder]) -> dict[str, dict[str, SetTotals]]:
     """label -> held-out set -> the walk of that drafter folder on RUN's held-out features, each drafter in the
     target's dtype (every folder is checked against the features before any is loaded)."""
     from eagle3ft.data.harvest import sample_sources
-    from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter.config import check_drafter_folder
-    from eagle3ft.drafter.export import load_drafter
     from eagle3ft.eval.report.demo_summary import group_heldout
     from eagle3ft.targets.hf import load_input_embedding, pick_device
 
     store = FeatureStore(RunDir(run_dir).features)
-    for label, folder in folders.items():
-        check_drafter_folder(folder, store.target, label, str(store.dir / MANIFEST))
+    for folder in folders.values():
+        store.check_drafter(folder)
     ds = store.dataset("heldout")
     groups = group_heldout(sample_sources(store, cfg.harvest, "heldout"))
     if not groups:
@@ -175,7 +174,7 @@ def drafter_walks(cfg, run_dir: Path, folders: dict[str, Path]) -> dict[str, dic
     emb = load_input_embedding(cfg.target)
     walks = {}
     for label, folder in folders.items():
-        drafter = load_drafter(folder, embedding=emb.float()).to(device=device, dtype=emb.dtype).eval()
+        drafter = folder.load_like(emb, device)
         with torch.no_grad():
             walks[label] = {
                 name: measure(drafter, [ds[i] for i in idx], cfg.eval.steps, device) for name, idx in groups.items()
@@ -190,13 +189,15 @@ def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None)
     if before is None and not cfg.drafter.init:
         raise ValueError("--before: no drafter to compare against (drafter.init is not set)")
     folders = {
-        "--before": resolve_path(before) if before else resolve_path(cfg.drafter.init),
-        "--after": resolve_path(after) if after else resolve_path(cfg.eval.checkpoint, base=run_dir),
+        "--before": DrafterFolder(resolve_path(before or cfg.drafter.init), "--before"),
+        "--after": DrafterFolder(resolve_path(after), "--after")
+        if after
+        else DrafterFolder.of_run(run_dir, cfg.eval.checkpoint, "--after"),
     }
     walks = drafter_walks(cfg, run_dir, folders)
     setting = f"{cfg.eval.steps}/1/{cfg.eval.steps + 1}"
     costs = break_even(run_dir, setting, cfg.eval.checkpoint)
-    labels = (before or cfg.drafter.init, after or str(Path(run_dir) / cfg.eval.checkpoint))  # as the user named them
+    labels = (before or cfg.drafter.init, after or str(folders["--after"].path))  # as the user named them
     result = compare(walks["--before"], walks["--after"], labels, setting, costs)
     result["per_sample"] = {w.lstrip("-"): {n: t.per_sample for n, t in sets.items()} for w, sets in walks.items()}
     return result

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eagle3ft.data.store import check_run_drafter
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.bench.summary import first_answers
 from eagle3ft.eval.decode.speculate import aux_from_hidden_states
 from eagle3ft.eval.offline.accept_len import evaluate
@@ -92,23 +94,19 @@ def offline_tau(
 
 def checkpoint_offline_tau(
     cfg,
-    run_dir: Path,
+    folder: DrafterFolder,
     prompts: list[list[int]],
     answers: list[list[int]],
     settings: list[Setting],
     keep: list[bool] | None = None,
 ) -> dict | None:
-    """offline_tau of the drafter `eval.checkpoint` (checked against `run_dir`'s features when there are any), on a
-    copy of `cfg.target` loaded here: what a bench backend without the target in this process (SGLang) uses. With
-    `keep`, also on the answers it marks, as `rep["kept"]` (None when it marks none)."""
-    from eagle3ft.config import resolve_path
-    from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
-    from eagle3ft.targets.hf import load_target
+    """offline_tau of the drafter `folder` (eval.checkpoint, checked already), on a copy of `cfg.target` loaded here:
+    what a bench backend without the target in this process (SGLang) uses. With `keep`, also on the answers it marks,
+    as `rep["kept"]` (None when it marks none)."""
+    from eagle3ft.targets.hf import load_target  # transformers: off the --help path
 
-    folder = resolve_path(cfg.eval.checkpoint, base=run_dir)
-    spec = check_drafter_for_run(folder, run_dir, "eval.checkpoint")
     model, _ = load_target(cfg.target)
-    drafter, aux_ids = drafter_on_target(model, folder, spec)
+    drafter, aux_ids = folder.on_target(model)
     rep = offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context)
     if rep is not None and keep is not None:
         idx = [i for i, k in enumerate(keep) if k]
@@ -139,7 +137,6 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
 
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
-    from eagle3ft.config import resolve_path
     from eagle3ft.eval.bench.prompts import load_prompts, set_labels
     from eagle3ft.runlock import holding
     from eagle3ft.targets.hf import load_tokenizer
@@ -155,14 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser)
     with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py", log=error_log(run_dir, "eval")):
-        if not cfg.eval.checkpoint:
-            raise ValueError("eval.checkpoint: name the drafter folder to evaluate")
+        folder = check_run_drafter(DrafterFolder.of_run(run_dir, cfg.eval.checkpoint), RunDir(run_dir).features)
         label, src = set_labels(cfg)[0]
         prompts = load_prompts(cfg, load_tokenizer(cfg.target), src)
         source = Path(args.answers_from)
         answers, finished = bench_answers(source, label, len(prompts), args.answers_of)
         # also on the answers that finished: a cap cut none of them, so no loop ran them long
-        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, cfg.bench.settings, keep=finished)
+        rep = checkpoint_offline_tau(cfg, folder, prompts, answers, cfg.bench.settings, keep=finished)
         if rep is None:
             raise ValueError("bench.settings is empty: nothing to evaluate")
         done = rep.pop("kept")
@@ -170,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             **rep,
             "source": f"the {args.answers_of or 'plain'} greedy answers of {source}/bench/runs.jsonl (repetition 0, "
             f"prompt set {label})",
-            "checkpoint": str(resolve_path(cfg.eval.checkpoint, base=run_dir)),
+            "checkpoint": str(folder.path),
             "settings": {
                 k: {
                     "tau": v,

@@ -127,15 +127,14 @@ def step_time(metrics: list[dict]) -> dict | None:
 def check_drafters(run_dir: Path, cfg, acc: dict | None) -> None:
     """NonFinite (one line, nothing written) when a drafter the report speaks for holds a NaN or inf weight:
     eval.checkpoint, and the drafter eval/accept_len.json was measured on."""
-    from eagle3ft.config import resolve_path
-    from eagle3ft.drafter.config import check_weights_finite
+    from eagle3ft.drafter.folder import DrafterFolder  # torch: off the --help path
 
-    folders = {"eval.checkpoint": resolve_path(cfg.eval.checkpoint, base=Path(run_dir))} if cfg is not None else {}
+    folders = {"eval.checkpoint": RunDir(run_dir).drafter(cfg.eval.checkpoint)} if cfg is not None else {}
     if acc and acc.get("checkpoint"):
         folders["eval/accept_len.json's checkpoint"] = Path(acc["checkpoint"])
     for where, folder in folders.items():
         if (folder / "config.json").is_file():
-            check_weights_finite(folder, where)
+            DrafterFolder(folder, where).check_finite()
 
 
 def build(run_dir: Path, cfg=None) -> dict:

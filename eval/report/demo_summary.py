@@ -31,6 +31,9 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.data.store import FeatureStore
+from eagle3ft.drafter.folder import DrafterFolder
+from eagle3ft.eval.bench.backend import bench_drafters
 from eagle3ft.files import write_atomic, write_json
 from eagle3ft.run_dir import RunDir
 
@@ -64,25 +67,14 @@ def offline_by_source(drafter, ds, groups: dict[str, list[int]], steps: int, dev
     return out
 
 
-def drafter_folders(cfg, run_dir: Path) -> dict[str, Path]:
-    """label -> folder: eval.checkpoint (relative to the run) and bench.drafters (relative to the repository)."""
-    from eagle3ft.config import resolve_path
-
-    folders = {cfg.eval.checkpoint: resolve_path(cfg.eval.checkpoint, base=run_dir)}
-    folders.update({k: resolve_path(v) for k, v in cfg.bench.drafters.items()})
-    return folders
-
-
-def _check_drafters(cfg, run_dir: Path, folders: dict[str, Path]):
+def _check_drafters(cfg, run_dir: Path, folders: dict[str, DrafterFolder]):
     """Every folder against the run's features, before anything is loaded; returns (the held-out dataset, each of its
     samples' source)."""
     from eagle3ft.data.harvest import sample_sources
-    from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter.config import check_drafter_folder
 
     store = FeatureStore(RunDir(run_dir).features)
-    for label, folder in folders.items():
-        check_drafter_folder(folder, store.target, label, str(store.dir / MANIFEST))
+    for folder in folders.values():
+        store.check_drafter(folder)
     return store.dataset("heldout"), sample_sources(store, cfg.harvest, "heldout")
 
 
@@ -101,7 +93,7 @@ def offline_all(
     for label, drafter in drafters.items():
         with torch.no_grad():
             sets = offline_by_source(drafter, ds, groups, cfg.eval.steps, device)
-        res = {"label": label, "checkpoint": str(folders[label]), "depth": cfg.eval.steps, "sets": sets}
+        res = {"label": label, "checkpoint": str(folders[label].path), "depth": cfg.eval.steps, "sets": sets}
         write_json(out_dir / f"offline-{label}.json", res, indent=2, newline=True)
         results[label] = res
         for kind, s in sets.items():
@@ -113,27 +105,26 @@ def offline_all(
     return results
 
 
-def _pick(folders: dict[str, Path], only: list[str] | None) -> dict[str, Path]:
-    unknown = sorted(set(only or []) - set(folders))
+def _pick(cfg, only: list[str] | None) -> list[str]:
+    """The drafters' labels (eval.checkpoint, then bench.drafters), or those in `only`."""
+    labels = [cfg.eval.checkpoint, *cfg.bench.drafters]
+    unknown = sorted(set(only or []) - set(labels))
     if unknown:
         raise ValueError(
-            f"--only {unknown}: not a drafter of this config (eval.checkpoint or bench.drafters: {list(folders)})"
+            f"--only {unknown}: not a drafter of this config (eval.checkpoint or bench.drafters: {labels})"
         )
-    return {k: v for k, v in folders.items() if not only or k in only}
+    return [k for k in labels if not only or k in only]
 
 
 def run_offline(cfg, run_dir: Path, only: list[str] | None = None, log=print) -> dict[str, dict]:
     """Offline tau per held-out source for each drafter (or those in `only`), in the target's dtype."""
-    from eagle3ft.drafter.export import load_drafter
     from eagle3ft.targets.hf import load_input_embedding, pick_device
 
-    folders = _pick(drafter_folders(cfg, run_dir), only)
+    folders = bench_drafters(cfg, run_dir, _pick(cfg, only))
     held = _check_drafters(cfg, run_dir, folders)
     device = pick_device(cfg.target)
     emb = load_input_embedding(cfg.target)
-    drafters = {
-        k: load_drafter(f, embedding=emb.float()).to(device=device, dtype=emb.dtype).eval() for k, f in folders.items()
-    }
+    drafters = {k: f.load_like(emb, device) for k, f in folders.items()}
     return offline_all(cfg, run_dir, drafters, folders, held, device, log)
 
 
@@ -149,9 +140,9 @@ def run_measure(cfg, run_dir: Path, log=print) -> dict:
 
     if cfg.bench.backend != "embedded":
         raise ValueError(f"bench.backend {cfg.bench.backend!r}: the demo measures with the embedded backend")
-    folders = drafter_folders(cfg, run_dir)
+    folders = bench_drafters(cfg, run_dir)
     held = _check_drafters(cfg, run_dir, folders)
-    backend = EmbeddedBackend(cfg, run_dir)
+    backend = EmbeddedBackend(cfg, run_dir, folders)
     offline_all(cfg, run_dir, backend.drafters, folders, held, backend.device, log)
     summary = schedule.run(cfg, run_dir, backend, load_prompt_sets(cfg, backend.tokenizer), log)
     after_bench(run_dir, cfg, log)
