@@ -25,7 +25,9 @@ from eagle3ft.config_build import (
     ConfigError,
     apply_override,
     at_most,
+    canonical_key,
     coerce,
+    flat_notice,
     non_negative,
     parse_yaml,
     positive,
@@ -374,16 +376,9 @@ class Config:
 
 def to_dict(cfg: Any) -> Any:
     """A dataclass tree as plain data (for YAML/JSON), in the form a config file takes: a GROUPED section's groups
-    written flat (eagle3ft/config_train.py)."""
+    as mappings (`train: {optimizer: {lr: ...}}`), the code's path."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        out = {}
-        for f in dataclasses.fields(cfg):
-            value = to_dict(getattr(cfg, f.name))
-            if getattr(cfg, "GROUPED", False):
-                out.update(value)
-            else:
-                out[f.name] = value
-        return out
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, (list, tuple)):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, dict):
@@ -407,8 +402,19 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: the top level must be a mapping")
     merged = to_dict(coerce(Config, data, ""))
     for o in overrides or []:
-        apply_override(merged, o)
+        apply_override(merged, _canonical_override(o))
     return coerce(Config, merged, "")
+
+
+def _canonical_override(assignment: str) -> str:
+    """`train.lr=V` as `train.optimizer.lr=V` (with flat_notice's line); any other assignment unchanged."""
+    key, eq, value = assignment.partition("=")
+    parts = key.strip().split(".")
+    canonical = canonical_key(Config, parts)
+    if not eq or canonical == parts:
+        return assignment
+    flat_notice([f"--set {key.strip()}"], [".".join(canonical)])
+    return f"{'.'.join(canonical)}={value}"
 
 
 def resolve_path(p: str | None, base: Path = REPO_ROOT) -> Path | None:

@@ -226,13 +226,17 @@ def test_a_resume_runs_this_configs_rate_and_the_record_says_so(trained, tmp_pat
     assert adam_rate(run / "ckpt" / "step-2", run / "ckpt" / "step-3", 3) == pytest.approx(3e-3, rel=1e-3)
     r = launch(run, *BASE, "train.lr=0.3", procs=1, extra=("--resume", str(run / "ckpt" / "step-2")))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resume: this config's train.lr 0.3 (the checkpoint ran 0.003) apply from step 3" in r.stdout
+    assert "resume: this config's train.optimizer.lr 0.3 (the checkpoint ran 0.003) apply from step 3" in r.stdout
     rows = {m["step"]: m for m in metrics(run)}
     assert rows[3]["lr"] == pytest.approx(0.3) and rows[4]["lr"] == pytest.approx(0.3 * 0.55)  # cosine, 2 of 4 steps
     assert adam_rate(run / "ckpt" / "step-2", run / "ckpt" / "step-3", 3) == pytest.approx(0.3, rel=1e-3)
     record = yaml.safe_load((run / "config.yaml").read_text())["stages"]["train"]
-    assert record["config"]["train"]["lr"] == 0.3
-    assert record["resumed"] == {"from": str(run / "ckpt" / "step-2"), "step": 2, "changed": {"train.lr": [3e-3, 0.3]}}
+    assert record["config"]["train"]["optimizer"]["lr"] == 0.3
+    assert record["resumed"] == {
+        "from": str(run / "ckpt" / "step-2"),
+        "step": 2,
+        "changed": {"train.optimizer.lr": [3e-3, 0.3]},
+    }
 
 
 @pytest.mark.slow

@@ -102,7 +102,7 @@ def test_two_ranks_split_the_data_and_a_run_leaves_checkpoints_and_export(straig
         assert (r["phase_s"]["between"] > 0) == (r["step"] % 2 == 0), r
     assert sorted(p.name for p in (straight / "ckpt").iterdir()) == ["step-4", "step-6"]  # keep 2
     state = json.loads((straight / "ckpt" / "step-6" / "trainer_state.json").read_text())
-    assert state["step"] == 6 and state["config"]["train"]["max_steps"] == 6
+    assert state["step"] == 6 and state["config"]["train"]["schedule"]["max_steps"] == 6
     exported = load_file(straight / "export" / "model.safetensors")
     assert set(exported) == set(export_keys())
     data = json.loads((straight / "train" / "data.json").read_text())  # what it trained on: tau_curve's x
