@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from eagle3ft.config import load_config, resolve_path
+from eagle3ft.data.render import load_prompts, set_labels
 from eagle3ft.data.store import check_run_drafter
 from eagle3ft.drafter.folder import DrafterFolder
-from eagle3ft.eval.bench.prompts import load_prompts, set_labels
 from eagle3ft.eval.offline.acceptance import (
     SampleInputs,
     chain_accept_lengths,

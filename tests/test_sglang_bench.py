@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from eagle3ft.config import REPO_ROOT, load_config
+from eagle3ft.data.render import load_prompt_sets
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.bench import schedule
-from eagle3ft.eval.bench.prompts import load_prompt_sets
 from eagle3ft.eval.bench.sglang_backend import SGLangBackend, run_concurrency
 from eagle3ft.eval.bench.sglang_requests import accept_lengths_from
 from eagle3ft.eval.decode.speculate import SpeculativeDecoder

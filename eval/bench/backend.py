@@ -3,7 +3,7 @@ backends load (checked against the run before any compute, then put on the targe
 
     class BenchBackend(Protocol):
         name: str
-        tokenizer            the target's: the caller renders the prompts with it (eval/bench/prompts.py)
+        tokenizer            the target's: the caller renders the prompts with it (data/render.py)
         def run_baseline(self, prompts: list[list[int]], max_new_tokens: int, first_index: int = 0)
             -> list[RequestResult]
         def run_speculative(

@@ -4,7 +4,7 @@
 
 The stage in order: the backend `bench.backend` selects, `embedded` (eval/bench/embedded_backend.py: transformers
 target + eval/decode/speculate.py, batch 1, chain drafting: topk 1) or `sglang` (eval/bench/sglang_backend.py: live
-SGLang servers); the prompt sets rendered once with its target's tokenizer (eval/bench/prompts.py); the interleaved
+SGLang servers); the prompt sets rendered once with its target's tokenizer (data/render.py); the interleaved
 runs (eval/bench/schedule.py: runs.jsonl, summary.json); then the run's economics (eval/economics/analysis.py:
 economics.json, calibration.json). With the embedded backend, `bench.drafters` and `bench.more_prompts` bench more
 drafters and prompt sets in the same interleaved run.
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3ft.data.render import load_prompt_sets
 from eagle3ft.eval.bench import schedule
 from eagle3ft.eval.bench.backend import BenchBackend
 from eagle3ft.eval.bench.embedded_backend import EmbeddedBackend
-from eagle3ft.eval.bench.prompts import load_prompt_sets
 from eagle3ft.eval.bench.sglang_backend import SGLangBackend
 from eagle3ft.eval.economics.analysis import after_bench
 

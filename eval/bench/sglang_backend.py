@@ -381,10 +381,10 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
 
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import cli_errors, error_log, parse_cli
+    from eagle3ft.data.render import load_prompt_sets
     from eagle3ft.data.store import StoreError
     from eagle3ft.eval.bench import schedule
     from eagle3ft.eval.bench.format import format_summary
-    from eagle3ft.eval.bench.prompts import load_prompt_sets
     from eagle3ft.eval.economics.analysis import after_bench
     from eagle3ft.eval.preflight import check_or_exit
 

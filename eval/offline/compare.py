@@ -4,7 +4,7 @@
 
 `--before` defaults to drafter.init (the drafter the fine-tune started from), `--after` to eval.checkpoint (the
 run's export); both are measured on RUN's held-out features, each sample in the set of the source it was harvested
-from (data/harvest.py sample_sources). Per set, at the eval setting's greedy chain (eval.steps/1/eval.steps+1):
+from (data/sources.py sample_sources). Per set, at the eval setting's greedy chain (eval.steps/1/eval.steps+1):
 - τ as a live decoder walks the answers cycle by cycle (eval/offline/accept_len.py's walk), on all answer tokens and on
   the loop-free ones (data/loops.py), before -> after;
 - the change, and its 90% interval over the conversations drawn again (a paired bootstrap: the same draw for both
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.data.sources import heldout_sets
 from eagle3ft.data.store import FeatureStore
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.files import write_json
@@ -159,17 +160,13 @@ def compare(
 def drafter_walks(cfg, run_dir: Path, folders: dict[str, DrafterFolder]) -> dict[str, dict[str, SetTotals]]:
     """label -> held-out set -> the walk of that drafter folder on RUN's held-out features, each drafter in the
     target's dtype (every folder is checked against the features before any is loaded)."""
-    from eagle3ft.data.harvest import sample_sources
-    from eagle3ft.eval.report.demo_summary import group_heldout
-    from eagle3ft.targets.hf import load_input_embedding, pick_device
+    from eagle3ft.targets.hf import load_input_embedding, pick_device  # transformers: off the --help path
 
     store = FeatureStore(RunDir(run_dir).features)
     for folder in folders.values():
         store.check_drafter(folder)
     ds = store.dataset("heldout")
-    groups = group_heldout(sample_sources(store, cfg.harvest, "heldout"))
-    if not groups:
-        raise ValueError(f"{store.dir} has no held-out samples (harvest.sources with split heldout)")
+    groups = heldout_sets(store, cfg.harvest)
     device = pick_device(cfg.target)
     emb = load_input_embedding(cfg.target)
     walks = {}

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from eagle3ft.data.store import check_run_drafter
 from eagle3ft.drafter.folder import DrafterFolder
-from eagle3ft.eval.bench.summary import first_answers
 from eagle3ft.eval.decode.speculate import aux_from_hidden_states
 from eagle3ft.eval.offline.accept_len import evaluate
+from eagle3ft.eval.runs import first_answers
 from eagle3ft.files import json_text, read_json, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -137,7 +137,7 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
 
 def main(argv: list[str] | None = None) -> None:
     from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
-    from eagle3ft.eval.bench.prompts import load_prompts, set_labels
+    from eagle3ft.data.render import load_prompts, set_labels
     from eagle3ft.runlock import holding
     from eagle3ft.targets.hf import load_tokenizer
 
