@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 
-# Spinning OpenMP threads slow torch on a busy CPU (shared CI, 2 cores) by 10-25x; set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if __name__ == "__main__":  # run as a script (`eagle3ft STAGE` sets it in eagle3ft/commands.py); before torch loads
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import hashlib
 import json

@@ -248,14 +248,13 @@ class EmbeddedBenchConfig:
 
     threads: int | None = None  # torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
     # the target's attention, "sdpa" (transformers') or "chain" (eval/decode/chain_attention.py: batch 1, no mask
-    # tensors, so a verify makes ~550-900 fewer aten ops; on the H200 a 6-token verify then took 22.1 ms against a
-    # 21.6 ms plain step)
+    # tensors, so a verify makes ~550-900 fewer aten ops and a 6-token verify costs about a plain step on a GPU)
     attention: Literal["sdpa", "chain"] = "sdpa"
     # how a cycle drafts, "graph" (eval/decode/draft_graph.py: the chain on the device with no host round trip, one
     # CUDA graph replay on a GPU; greedy only), "eager" (a drafter forward at a time), "auto" (graph when greedy)
     drafting: Literal["auto", "graph", "eager"] = "auto"
-    # drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); its capture
-    # passed tests/test_gpu.py on the H200, its speed is not measured yet
+    # drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); tests/test_gpu.py
+    # checks its capture, its speed is not measured yet
     draft_graph_extend: bool = False
 
     def __post_init__(self) -> None:
@@ -289,10 +288,10 @@ class BenchConfig:
     max_new_tokens: int = 128
     repetitions: int = 3
     # untimed, before the repetitions: "all" runs every prompt once per arm (a whole pass), "first" only the first
-    # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm, after "all" it did not
+    # prompt; on a GPU the first timed pass after "first" can run 10-50% slow in every arm, after "all" it does not
     warmup: Literal["all", "first"] = "all"
     # "prompt": per repetition, each prompt goes through plain and then every setting before the next prompt, so the
-    # arms of a prompt run seconds apart and share the host's speed of the moment (on the H200 it changed 1.5-2x for
+    # arms of a prompt run seconds apart and share the host's speed of the moment (which can change 1.5-2x for
     # seconds at a time); "pass": the plain pass over all prompts, then one pass per setting
     interleave: Literal["prompt", "pass"] = "prompt"
     temperature: float = 0.0

@@ -28,9 +28,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 VLLM_AUX_ID_OFFSET = 1
 # Targets whose SGLang 0.5.17 class inherits DeepseekV2ForCausalLM.set_eagle3_layers_to_capture (models/deepseek_v2.py,
 # kimi_k25.py, mistral_large_3.py, glm4_moe.py's DSA model). It adds 1 to the ids only when the first id is 1, and
-# otherwise captures the state entering layer i, i.e. the output of layer i - 1 (for id 0: the embeddings). Measured on
-# the K2-width rehearsal target (H200, 2026-12-06): ids [0, 1, 2] returned the embeddings and the outputs of layers
-# 0 and 1. So AQ-MedAI's [2, 30, 58] and SGLang's default [1, 29, 57] name the same three states of Kimi-K2.
+# otherwise captures the state entering layer i, i.e. the output of layer i - 1 (for id 0: the embeddings): on a
+# DeepSeek-V3 target served by SGLang, ids [0, 1, 2] return the embeddings and the outputs of layers 0 and 1. So
+# AQ-MedAI's [2, 30, 58] and SGLang's default [1, 29, 57] name the same three states of Kimi-K2.
 SGLANG_AS_GIVEN_CAPTURE = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",

@@ -246,7 +246,7 @@ def walk_interval(
     """The `level` interval of the walk's tau over the samples drawn again with replacement (a bootstrap): how far
     the same drafter's tau moves on another draw of as many prompts and answers. A live bench whose answers part
     from these (bf16 numerics at near-ties) decodes partly other answers: a scale of how far its tau may move, not a
-    bound (records, "Why the tree's τ input misses: answers that part and stop looping")."""
+    bound."""
     if len(per_sample) < 2:
         return None
     t = torch.tensor(per_sample, dtype=torch.float64)  # (n, 2): tokens, cycles
