@@ -40,7 +40,14 @@ def test_eagle3ft_train_launches_two_ranks_and_stops_on_an_empty_run_folder_in_o
     run = tmp_path / "empty"
     run.mkdir()
     cmd = [str(BIN / "eagle3ft-train"), "--accelerate-config", "configs/accelerate/cpu-2proc.yaml"]
-    cmd += ["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(run), "--set", "train.wandb_mode=disabled"]
+    cmd += [
+        "--config",
+        str(REPO / "configs/tiny.yaml"),
+        "--run-dir",
+        str(run),
+        "--set",
+        "train.logging.wandb_mode=disabled",
+    ]
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path
     )  # not from the checkout: the accelerate config is found in it
