@@ -7,7 +7,9 @@
   bench code, and the bench runs the economics when it ends, so economics sits below the bench;
 - no import circle between modules;
 - no product file (a module of the package) over 450 lines;
-- no record citation ("§", `(records, "..."`), machine name (H100, H200) or date in product code or shipped configs.
+- no record citation ("§", `(records, "..."`), machine name (H100, H200) or date in product code or shipped configs;
+- in eval, a project import inside a function keeps torch or transformers off a --help path, and says so in a comment
+  on its line; at most 20 of them.
 
 Every import counts: at the top of a file, inside a function, and `importlib.import_module("eagle3ft....")`.
 """
@@ -160,6 +162,23 @@ def lab_notes(root: Path) -> list[str]:
     ]
 
 
+def unexplained_local_imports(root: Path, under: str = "eagle3ft.eval") -> tuple[int, list[str]]:
+    """(how many project imports sit inside functions of `under`'s modules, those without a comment on their line)."""
+    count, bare = 0, []
+    for m, f in modules(root).items():
+        if not (m == under or m.startswith(under + ".")):
+            continue
+        lines = f.read_text().splitlines()
+        functions = [n for n in ast.walk(ast.parse("\n".join(lines))) if isinstance(n, ast.FunctionDef)]
+        inside = {n.lineno: n for fn in functions for n in ast.walk(fn) if isinstance(n, ast.ImportFrom)}
+        for n in inside.values():
+            if (n.module or "").startswith("eagle3ft"):
+                count += 1
+                if "#" not in lines[n.end_lineno - 1]:
+                    bare.append(f"{f.relative_to(root)}:{n.lineno}")
+    return count, sorted(bare)
+
+
 # --------------------------------------------------------------------------- this repository
 
 
@@ -185,6 +204,11 @@ def test_no_record_citation_machine_name_or_date_in_product_code_or_shipped_conf
     assert lab_notes(REPO) == []
 
 
+def test_evals_imports_inside_functions_are_few_and_each_says_why():
+    count, bare = unexplained_local_imports(REPO)
+    assert count <= 20 and bare == [], (count, bare)
+
+
 # --------------------------------------------------------------------------- the rules themselves
 
 
@@ -202,6 +226,7 @@ def test_each_rule_names_what_breaks_it(tmp_path):
         "eval/__init__.py": "",
         "eval/offline/__init__.py": "",
         "eval/offline/compare.py": "def g():\n    from eagle3ft.eval.report.summary import h\n",  # a job above
+        "eval/offline/why.py": "def k():\n    if 1:\n        from eagle3ft.data.store import x  # keeps torch off --help\n",
         "eval/report/__init__.py": "",
         "eval/report/summary.py": 'def h():\n    """as measured (records, "a title") on the H200"""\n',
     }
@@ -216,3 +241,4 @@ def test_each_rule_names_what_breaks_it(tmp_path):
     assert circles(g) == [["eagle3ft.data.other", "eagle3ft.data.store"]]
     assert long_files(tmp_path) == [f"data/other.py: {MAX_LINES + 1} lines"]
     assert [n.split(":")[0] for n in lab_notes(tmp_path)] == ["eval/report/summary.py", "configs/c.yaml"]
+    assert unexplained_local_imports(tmp_path) == (2, ["eval/offline/compare.py:2"])

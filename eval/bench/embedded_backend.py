@@ -25,8 +25,10 @@ from eagle3ft.eval.bench.backend import RequestResult, bench_drafters
 from eagle3ft.eval.bench.environment import base_environment
 from eagle3ft.eval.decode import chain_attention
 from eagle3ft.eval.decode.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
+from eagle3ft.eval.offline.same_prompts import offline_tau
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
+from eagle3ft.targets.hf import load_target
 
 
 def sync(device: torch.device) -> None:
@@ -122,7 +124,6 @@ class EmbeddedBackend:
     def __init__(self, cfg, run_dir: Path, folders: dict[str, DrafterFolder] | None = None):
         """`folders`: bench_drafters' folders, already checked; None reads and checks them here (against the run's
         features when there are any), all before the target loads."""
-        from eagle3ft.targets.hf import load_target  # transformers: off the --help path
 
         self.cfg = cfg
         if cfg.bench.embedded.threads:
@@ -214,7 +215,6 @@ class EmbeddedBackend:
 
     def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
         """The drafter's offline tau on these prompts and the plain pass's answers (eval/offline/same_prompts.py)."""
-        from eagle3ft.eval.offline.same_prompts import offline_tau
 
         return offline_tau(self.model, self.drafter, self.aux_layer_ids, prompts, answers, settings)
 

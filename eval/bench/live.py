@@ -14,12 +14,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3ft.cli import cli_errors, error_log, parse_cli
 from eagle3ft.data.render import load_prompt_sets
+from eagle3ft.data.store import StoreError
 from eagle3ft.eval.bench import schedule
 from eagle3ft.eval.bench.backend import BenchBackend
 from eagle3ft.eval.bench.embedded_backend import EmbeddedBackend
+from eagle3ft.eval.bench.format import format_summary
 from eagle3ft.eval.bench.sglang_backend import SGLangBackend
 from eagle3ft.eval.economics.analysis import after_bench
+from eagle3ft.eval.preflight import check_or_exit
+from eagle3ft.runlock import holding
+from eagle3ft.targets.sglang_http import SGLangError
 
 
 def make_backend(cfg, run_dir: Path) -> BenchBackend:
@@ -46,12 +52,6 @@ def run(cfg, run_dir: Path, log=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, error_log, parse_cli
-    from eagle3ft.data.store import StoreError
-    from eagle3ft.eval.bench.format import format_summary
-    from eagle3ft.eval.preflight import check_or_exit
-    from eagle3ft.runlock import holding
-    from eagle3ft.targets.sglang_http import SGLangError
 
     cfg, run_dir, args = parse_cli("Live benchmark: plain against speculative decoding.", stage="bench", argv=argv)
     check_or_exit("live.py", "bench", cfg, run_dir, args.config)

@@ -22,6 +22,7 @@ from eagle3ft.eval.economics.analysis import after_bench
 from eagle3ft.eval.offline.accept_len import evaluate
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.targets.hf import load_input_embedding, pick_device
 
 
 def offline_by_source(drafter, ds, groups: dict[str, list[int]], steps: int, device) -> dict:
@@ -86,7 +87,6 @@ def _pick(cfg, only: list[str] | None) -> list[str]:
 
 def run_offline(cfg, run_dir: Path, only: list[str] | None = None, log=print) -> dict[str, dict]:
     """Offline tau per held-out source for each drafter (or those in `only`), in the target's dtype."""
-    from eagle3ft.targets.hf import load_input_embedding, pick_device  # transformers: off the --help path
 
     folders = bench_drafters(cfg, run_dir, _pick(cfg, only))
     held = check_drafters(cfg, run_dir, folders)

@@ -42,14 +42,22 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.data.store import check_run_drafter
+from eagle3ft.cli import cli_errors, error_log, parse_cli
+from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.render import load_prompt_sets
+from eagle3ft.data.store import StoreError, check_run_drafter
 from eagle3ft.drafter.folder import DrafterFolder
+from eagle3ft.eval.bench import schedule
 from eagle3ft.eval.bench.backend import RequestResult
 from eagle3ft.eval.bench.environment import base_environment, gpu_clocks
+from eagle3ft.eval.bench.format import format_summary
 from eagle3ft.eval.bench.live_splits import spread
 from eagle3ft.eval.bench.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
+from eagle3ft.eval.economics.analysis import after_bench
+from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.runlock import holding
 from eagle3ft.setting import Setting
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
@@ -73,8 +81,7 @@ class SGLangBackend:
     name = "sglang"
 
     def __init__(self, cfg, run_dir: Path):
-        from eagle3ft.data.chat import ChatFormat
-        from eagle3ft.targets.hf import load_tokenizer
+        from eagle3ft.targets.hf import load_tokenizer  # transformers: off this module's --help path
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
         arms = 1 + len(cfg.bench.settings)
@@ -324,7 +331,7 @@ class SGLangBackend:
         runs decoded), the target's features from a copy of the target in this process (eval/offline/same_prompts.py)."""
         if not self.cfg.bench.sglang.same_prompts:
             return None
-        from eagle3ft.eval.offline.same_prompts import checkpoint_offline_tau
+        from eagle3ft.eval.offline.same_prompts import checkpoint_offline_tau  # loads transformers: only when asked
 
         return checkpoint_offline_tau(self.cfg, self.drafter, prompts, answers, settings)
 
@@ -380,13 +387,6 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, error_log, parse_cli
-    from eagle3ft.data.render import load_prompt_sets
-    from eagle3ft.data.store import StoreError
-    from eagle3ft.eval.bench import schedule
-    from eagle3ft.eval.bench.format import format_summary
-    from eagle3ft.eval.economics.analysis import after_bench
-    from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(
         "Live benchmark on SGLang servers: batch 1 (eval/bench/live.py), then the concurrency levels.",
@@ -396,7 +396,6 @@ def main(argv: list[str] | None = None) -> None:
     check_or_exit("sglang_backend.py", "bench", cfg, run_dir, args.config)
     if cfg.bench.backend != "sglang":
         raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
-    from eagle3ft.runlock import holding
 
     with (
         holding(run_dir, "bench", "sglang_backend.py"),

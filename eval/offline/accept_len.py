@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.cli import cli_errors, error_log, parse_cli
 from eagle3ft.data.loops import answer_loops as loop_of_answers
-from eagle3ft.data.store import FeatureStore
+from eagle3ft.data.store import FeatureStore, StoreError
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.offline.acceptance import (
@@ -32,8 +33,10 @@ from eagle3ft.eval.offline.acceptance import (
     cycle_walk_rows,
     tree_accept,
 )
+from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.runlock import holding
 
 # --------------------------------------------------------------------------- counts -> tau
 
@@ -314,15 +317,11 @@ def run(cfg, run_dir: Path) -> AcceptReport:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, error_log, parse_cli
-    from eagle3ft.data.store import StoreError
-    from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(
         "Offline accept length of the drafter on held-out features.", stage="eval", argv=argv
     )
     check_or_exit("accept_len.py", "eval", cfg, run_dir, args.config)
-    from eagle3ft.runlock import holding
 
     with (
         holding(run_dir, "eval", "accept_len.py"),

@@ -23,9 +23,12 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
+from eagle3ft.config import resolve_path
 from eagle3ft.data.sources import heldout_sets
-from eagle3ft.data.store import FeatureStore
+from eagle3ft.data.store import FeatureStore, StoreError
 from eagle3ft.drafter.folder import DrafterFolder
+from eagle3ft.eval.offline.accept_len import walk_totals
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 
@@ -52,7 +55,6 @@ class SetTotals:
 
 def measure(drafter, items, steps: int, device) -> SetTotals:
     """The walk of `drafter` over the held-out items at steps/1/steps+1."""
-    from eagle3ft.eval.offline.accept_len import walk_totals
 
     return SetTotals([walk_totals(drafter, item, steps, device) for item in items])
 
@@ -181,7 +183,6 @@ def drafter_walks(cfg, run_dir: Path, folders: dict[str, DrafterFolder]) -> dict
 
 def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None) -> dict:
     """Both drafters' walks on every held-out set of RUN; the comparison (with each conversation's counts)."""
-    from eagle3ft.config import resolve_path
 
     if before is None and not cfg.drafter.init:
         raise ValueError("--before: no drafter to compare against (drafter.init is not set)")
@@ -201,8 +202,6 @@ def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
-    from eagle3ft.data.store import StoreError
 
     ap = build_parser("The drafter before and after a fine-tune, per held-out prompt set: τ, its change, a verdict.")
     ap.add_argument("--before", help="drafter folder before the fine-tune (default drafter.init)")

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
+from eagle3ft.data.render import load_prompts, set_labels
 from eagle3ft.data.store import check_run_drafter
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.decode.speculate import aux_from_hidden_states
@@ -34,7 +36,9 @@ from eagle3ft.eval.offline.accept_len import evaluate
 from eagle3ft.eval.runs import first_answers
 from eagle3ft.files import json_text, read_json, write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.runlock import holding
 from eagle3ft.setting import Setting
+from eagle3ft.targets.hf import load_target, load_tokenizer
 
 
 @torch.no_grad()
@@ -103,7 +107,6 @@ def checkpoint_offline_tau(
     """offline_tau of the drafter `folder` (eval.checkpoint, checked already), on a copy of `cfg.target` loaded here:
     what a bench backend without the target in this process (SGLang) uses. With `keep`, also on the answers it marks,
     as `rep["kept"]` (None when it marks none)."""
-    from eagle3ft.targets.hf import load_target  # transformers: off the --help path
 
     model, _ = load_target(cfg.target)
     drafter, aux_ids = folder.on_target(model)
@@ -136,10 +139,6 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
-    from eagle3ft.data.render import load_prompts, set_labels
-    from eagle3ft.runlock import holding
-    from eagle3ft.targets.hf import load_tokenizer
 
     desc = "Offline tau of eval.checkpoint on another bench run's greedy answers (RUN/eval/accept_len.json)."
     parser = build_parser(desc)

@@ -24,12 +24,16 @@ import json
 import statistics
 from pathlib import Path
 
+from eagle3ft.cli import cli_errors, error_log, parse_cli
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.economics.analysis import analyse, read_offline_tau
 from eagle3ft.eval.economics.calibration import from_config, join, predict
+from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.eval.report.md import divergence_text, headline_text, markdown
 from eagle3ft.eval.report.plots import plot_accept, plot_tau, plot_tok_s, plot_train
 from eagle3ft.files import write_atomic, write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.runlock import holding
 from eagle3ft.setting import Setting
 from eagle3ft.train.metrics import divergence
 
@@ -127,7 +131,6 @@ def step_time(metrics: list[dict]) -> dict | None:
 def check_drafters(run_dir: Path, cfg, acc: dict | None) -> None:
     """NonFinite (one line, nothing written) when a drafter the report speaks for holds a NaN or inf weight:
     eval.checkpoint, and the drafter eval/accept_len.json was measured on."""
-    from eagle3ft.drafter.folder import DrafterFolder  # torch: off the --help path
 
     folders = {"eval.checkpoint": RunDir(run_dir).drafter(cfg.eval.checkpoint)} if cfg is not None else {}
     if acc and acc.get("checkpoint"):
@@ -225,14 +228,11 @@ def build(run_dir: Path, cfg=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, error_log, parse_cli
-    from eagle3ft.eval.preflight import check_or_exit
 
     cfg, run_dir, args = parse_cli(
         "Report: training, offline accept length, live benchmark.", stage="report", argv=argv
     )
     check_or_exit("build.py", "report", cfg, run_dir, args.config)
-    from eagle3ft.runlock import holding
 
     with holding(run_dir, "report", "build.py"), cli_errors("build.py", log=error_log(run_dir, "report")):
         rep = build(run_dir, cfg)

@@ -29,9 +29,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
+from eagle3ft.data.store import StoreError
 from eagle3ft.eval.bench.measure import run_measure, run_offline
+from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.files import write_atomic, write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.runlock import holding
 
 # --------------------------------------------------------------------------- headline
 
@@ -202,8 +206,6 @@ def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
-    from eagle3ft.data.store import StoreError
 
     ap = build_parser("The demo's before/after: offline tau per held-out set, then the headline.")
     ap.add_argument("command", choices=("offline", "measure", "headline"))
@@ -212,10 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--after", help="headline: the drafter after (default: eval.checkpoint)")
     cfg, run_dir, args = parse_cli(ap.description, stage="demo", argv=argv, parser=ap)
     if args.command == "measure":
-        from eagle3ft.eval.preflight import check_or_exit
-
         check_or_exit("demo_summary.py", "bench", cfg, run_dir, args.config)
-    from eagle3ft.runlock import holding
 
     with (
         holding(run_dir, "demo", "demo_summary.py"),
