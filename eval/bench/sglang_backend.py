@@ -26,7 +26,8 @@ Throughput at concurrency (``bench.concurrency`` levels above 1): ``run_concurre
 the prompts with that many requests in flight, baseline and each setting interleaved per
 repetition, and writes RUN/bench/concurrency.json (output tok/s = all new tokens / wall time).
 
-    python eval/bench/sglang_backend.py --config CFG --run-dir RUN   # eval/bench/live.py's stage, then the concurrency sweep
+    eagle3ft bench --config CFG --run-dir RUN --set bench.backend=sglang --set "bench.concurrency=[1,8]"
+    (python eval/bench/sglang_backend.py ARGS is that command with bench.backend sglang)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import atexit
 import os
 import signal
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,22 +44,15 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.cli import cli_errors, error_log, parse_cli
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.render import load_prompt_sets
-from eagle3ft.data.store import StoreError, check_run_drafter
+from eagle3ft.data.store import check_run_drafter
 from eagle3ft.drafter.folder import DrafterFolder
-from eagle3ft.eval.bench import schedule
 from eagle3ft.eval.bench.backend import RequestResult
 from eagle3ft.eval.bench.environment import base_environment, gpu_clocks
-from eagle3ft.eval.bench.format import format_summary
 from eagle3ft.eval.bench.live_splits import spread
 from eagle3ft.eval.bench.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
-from eagle3ft.eval.economics.analysis import after_bench
-from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
-from eagle3ft.runlock import holding
 from eagle3ft.setting import Setting
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
@@ -386,31 +381,7 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+if __name__ == "__main__":  # the older door, kept for scripts: an alias of `eagle3ft bench` with bench.backend sglang
+    from eagle3ft.commands import main
 
-    cfg, run_dir, args = parse_cli(
-        "Live benchmark on SGLang servers: batch 1 (eval/bench/live.py), then the concurrency levels.",
-        stage="bench",
-        argv=argv,
-    )
-    check_or_exit("sglang_backend.py", "bench", cfg, run_dir, args.config)
-    if cfg.bench.backend != "sglang":
-        raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
-
-    with (
-        holding(run_dir, "bench", "sglang_backend.py"),
-        cli_errors("sglang_backend.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
-    ):
-        backend = SGLangBackend(cfg, run_dir)
-        try:
-            sets = load_prompt_sets(cfg, backend.tokenizer)
-            summary = schedule.run(cfg, run_dir, backend, sets)
-            after_bench(run_dir, cfg)
-            print(format_summary(summary))
-            run_concurrency(cfg, run_dir, backend, sets[0].prompts)
-        finally:
-            backend.close()
-
-
-if __name__ == "__main__":
-    main()
+    main(["bench", *sys.argv[1:], "--set", "bench.backend=sglang"])

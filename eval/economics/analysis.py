@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagle3ft.cli import build_parser, parse_cli
+from eagle3ft.cli import build_parser, command_name, parse_cli
 from eagle3ft.eval.economics.calibration import (
     CalibrationError,
     format_prediction,
@@ -254,6 +254,7 @@ def after_bench(run_dir: Path, cfg, log=print) -> Economics:
 
 
 def main(argv: list[str] | None = None) -> None:
+    prog = command_name("analysis.py")  # in errors: the command the user typed
 
     desc = "Speculation economics from a benchmark run; with bench.calibration, tok/s predicted from offline tau."
     parser = build_parser(desc)
@@ -261,10 +262,10 @@ def main(argv: list[str] | None = None) -> None:
         "--tok-s", type=float, default=None, help="a decode throughput to price: the tau each setting needs for it"
     )
     cfg, run_dir, args = parse_cli(desc, stage="economics", argv=argv, parser=parser)
-    check_or_exit("analysis.py", "economics", cfg, run_dir, args.config)
+    check_or_exit(prog, "economics", cfg, run_dir, args.config)
 
     try:
-        with holding(run_dir, "economics", "analysis.py"):
+        with holding(run_dir, "economics", prog):
             ec, pred = run(run_dir, cfg, args.tok_s)
     except CalibrationError as e:
         parser.exit(2, f"economics.py: error: {e}\n")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.cli import cli_errors, error_log, parse_cli
+from eagle3ft.cli import cli_errors, command_name, error_log, parse_cli
 from eagle3ft.data.loops import answer_loops as loop_of_answers
 from eagle3ft.data.store import FeatureStore, StoreError
 from eagle3ft.drafter.folder import DrafterFolder
@@ -317,15 +317,16 @@ def run(cfg, run_dir: Path) -> AcceptReport:
 
 
 def main(argv: list[str] | None = None) -> None:
+    prog = command_name("accept_len.py")  # in errors: the command the user typed
 
     cfg, run_dir, args = parse_cli(
         "Offline accept length of the drafter on held-out features.", stage="eval", argv=argv
     )
-    check_or_exit("accept_len.py", "eval", cfg, run_dir, args.config)
+    check_or_exit(prog, "eval", cfg, run_dir, args.config)
 
     with (
-        holding(run_dir, "eval", "accept_len.py"),
-        cli_errors("accept_len.py", StoreError, log=error_log(run_dir, "eval")),
+        holding(run_dir, "eval", prog),
+        cli_errors(prog, StoreError, log=error_log(run_dir, "eval")),
     ):
         print(format_report(run(cfg, run_dir)))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
+from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
 from eagle3ft.config import resolve_path
 from eagle3ft.data.sources import heldout_sets
 from eagle3ft.data.store import FeatureStore, StoreError
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--after", help="drafter folder after (default eval.checkpoint, relative to the run folder)")
     ap.add_argument("--out", type=Path, help="where the figures go (default RUN/eval/compare.json)")
     cfg, run_dir, args = parse_cli(ap.description, stage="compare", argv=argv, parser=ap)
-    with cli_errors("compare", StoreError, log=error_log(run_dir, "compare")):
+    with cli_errors(command_name("compare.py"), StoreError, log=error_log(run_dir, "compare")):
         result = run(cfg, run_dir, args.before, args.after)
     out = args.out or RunDir(run_dir).eval / "compare.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
+from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
 from eagle3ft.data.render import load_prompts, set_labels
 from eagle3ft.data.store import check_run_drafter
 from eagle3ft.drafter.folder import DrafterFolder
@@ -139,6 +139,7 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
 
 
 def main(argv: list[str] | None = None) -> None:
+    prog = command_name("same_prompts.py")  # in errors: the command the user typed
 
     desc = "Offline tau of eval.checkpoint on another bench run's greedy answers (RUN/eval/accept_len.json)."
     parser = build_parser(desc)
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         "the very tokens the live tau was counted on (on a GPU the two passes' bf16 answers part at near-ties)",
     )
     cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser)
-    with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py", log=error_log(run_dir, "eval")):
+    with holding(run_dir, "eval", prog), cli_errors(prog, log=error_log(run_dir, "eval")):
         folder = check_run_drafter(DrafterFolder.of_run(run_dir, cfg.eval.checkpoint), RunDir(run_dir).features)
         label, src = set_labels(cfg)[0]
         prompts = load_prompts(cfg, load_tokenizer(cfg.target), src)

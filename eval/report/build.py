@@ -24,7 +24,7 @@ import json
 import statistics
 from pathlib import Path
 
-from eagle3ft.cli import cli_errors, error_log, parse_cli
+from eagle3ft.cli import cli_errors, command_name, error_log, parse_cli
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.economics.analysis import analyse, read_offline_tau
 from eagle3ft.eval.economics.calibration import from_config, join, predict
@@ -228,13 +228,14 @@ def build(run_dir: Path, cfg=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    prog = command_name("build.py")  # in errors: the command the user typed
 
     cfg, run_dir, args = parse_cli(
         "Report: training, offline accept length, live benchmark.", stage="report", argv=argv
     )
-    check_or_exit("build.py", "report", cfg, run_dir, args.config)
+    check_or_exit(prog, "report", cfg, run_dir, args.config)
 
-    with holding(run_dir, "report", "build.py"), cli_errors("build.py", log=error_log(run_dir, "report")):
+    with holding(run_dir, "report", prog), cli_errors(prog, log=error_log(run_dir, "report")):
         rep = build(run_dir, cfg)
     print(f"report: {RunDir(run_dir).report_md}")
     print(headline_text(rep["headline"]))

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
+from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
 from eagle3ft.data.store import StoreError
 from eagle3ft.eval.bench.measure import run_measure, run_offline
 from eagle3ft.eval.preflight import check_or_exit
@@ -206,6 +206,7 @@ def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | Non
 
 
 def main(argv: list[str] | None = None) -> None:
+    prog = command_name("demo_summary.py")  # in errors: the command the user typed
 
     ap = build_parser("The demo's before/after: offline tau per held-out set, then the headline.")
     ap.add_argument("command", choices=("offline", "measure", "headline"))
@@ -214,11 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--after", help="headline: the drafter after (default: eval.checkpoint)")
     cfg, run_dir, args = parse_cli(ap.description, stage="demo", argv=argv, parser=ap)
     if args.command == "measure":
-        check_or_exit("demo_summary.py", "bench", cfg, run_dir, args.config)
+        check_or_exit(prog, "bench", cfg, run_dir, args.config)
 
     with (
-        holding(run_dir, "demo", "demo_summary.py"),
-        cli_errors("demo_summary.py", StoreError, log=error_log(run_dir, "demo")),
+        holding(run_dir, "demo", prog),
+        cli_errors(prog, StoreError, log=error_log(run_dir, "demo")),
     ):
         if args.command == "offline":
             run_offline(cfg, run_dir, args.only or None)
