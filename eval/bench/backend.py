@@ -1,5 +1,5 @@
-"""What a live bench backend is: the interface the schedule drives, the result of one request, and the drafter both
-backends load (checked against the run before any compute, then put on the target).
+"""What a live bench backend is: the interface the schedule drives, the result of one request, and the drafters of a
+bench (`bench_drafters`: eval.checkpoint and bench.drafters, each a DrafterFolder read once).
 
     class BenchBackend(Protocol):
         name: str
