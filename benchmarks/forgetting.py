@@ -59,14 +59,14 @@ HARVEST = [
     "harvest.shard_samples=64",
 ]
 TRAIN = [
-    "train.max_steps=128",  # about two epochs of the domain's 124 problems on 2 processes, the same for every arm
-    "train.ttt_steps=3",
-    "train.lr=3e-4",  # the demo's fine-tune
-    "train.warmup_steps=8",
-    "train.save_every=32",
-    "train.max_len=768",
-    "train.eval_every=0",
-    "train.wandb_mode=disabled",
+    "train.schedule.max_steps=128",  # about two epochs of the domain's 124 problems on 2 processes, the same for every arm
+    "train.objective.ttt_steps=3",
+    "train.optimizer.lr=3e-4",  # the demo's fine-tune
+    "train.schedule.warmup_steps=8",
+    "train.checkpoint.save_every=32",
+    "train.batch.max_len=768",
+    "train.heldout.eval_every=0",
+    "train.logging.wandb_mode=disabled",
     "eval.steps=3",
     "eval.num_draft_tokens=4",
 ]

@@ -13,10 +13,9 @@ import argparse
 import gc
 import json
 import time
-from pathlib import Path
 
 from eagle3ft.config import load_config
-from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.decode.speculate import SpeculativeDecoder
 from eagle3ft.targets.hf import load_target
 
@@ -34,8 +33,7 @@ def main() -> None:
 
     cfg = load_config(args.config)
     model, tok = load_target(cfg.target)
-    folder = Path(args.drafter)
-    drafter, aux = drafter_on_target(model, folder, check_drafter_for_run(folder, folder, "--drafter"))
+    drafter, aux = DrafterFolder(args.drafter, "--drafter").check().on_target(model)
     dec = SpeculativeDecoder(model, drafter, aux, steps=args.steps, drafting=args.drafting)
     ids = tok(PROMPT)["input_ids"]
     dec.generate(ids, 16)

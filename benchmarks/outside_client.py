@@ -46,7 +46,7 @@ def dataset(args) -> None:
     """The prompts as rendered text. Not through bench_serving's --apply-chat-template: its custom dataset then strips
     every bos_token from the rendered text, and SmolLM2's bos_token is <|im_start|>, ChatML's turn marker."""
     from eagle3ft.config import load_config
-    from eagle3ft.eval.bench.prompts import load_prompts
+    from eagle3ft.data.render import load_prompts
     from eagle3ft.targets.hf import load_tokenizer
 
     cfg = load_config(args.config, args.set)
@@ -251,7 +251,7 @@ def prompts(a) -> None:
     """bench.prompts as the alternation sends them: the token ids, their text, and the bench's stop ids."""
     from eagle3ft.config import load_config
     from eagle3ft.data.chat import ChatFormat
-    from eagle3ft.eval.bench.prompts import load_prompts
+    from eagle3ft.data.render import load_prompts
     from eagle3ft.targets.hf import load_tokenizer
 
     cfg = load_config(a.config, a.set)

@@ -26,13 +26,13 @@ sys.path.insert(0, str(REPO / "tests"))
 from train_fixtures import launch_cmd, write_store  # noqa: E402
 
 COMMON = [
-    "train.warmup_steps=2",
-    "train.lr=3e-3",
-    "train.save_every=2",
-    "train.keep_checkpoints=4",
-    "train.ttt_steps=3",
-    "train.max_steps=8",
-    "train.wandb_mode=disabled",
+    "train.schedule.warmup_steps=2",
+    "train.optimizer.lr=3e-3",
+    "train.checkpoint.save_every=2",
+    "train.checkpoint.keep_checkpoints=4",
+    "train.objective.ttt_steps=3",
+    "train.schedule.max_steps=8",
+    "train.logging.wandb_mode=disabled",
 ]
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     COMMON.extend(args.set)
     result = {}
     for zero in args.zero:
-        ds = f"train.deepspeed=configs/deepspeed/{zero}.json"
+        ds = f"train.engine.deepspeed=configs/deepspeed/{zero}.json"
         base = args.out / zero
         shutil.rmtree(base, ignore_errors=True)
         print(f"{zero}:", flush=True)
@@ -72,12 +72,12 @@ def main() -> None:
         for run in (straight, stopped):
             write_store(run)
         launch(args.accelerate, straight, 2, ds)
-        launch(args.accelerate, stopped, 2, ds, "train.stop_after=4")
+        launch(args.accelerate, stopped, 2, ds, "train.schedule.stop_after=4")
         on2, on1 = base / "resumed-on-2", base / "resumed-on-1"
         shutil.copytree(stopped, on2)
         shutil.copytree(stopped, on1)
         launch(args.accelerate, on2, 2, ds, resume=True)
-        launch(args.accelerate, on1, 1, ds, "train.grad_accum=2", resume=True)
+        launch(args.accelerate, on1, 1, ds, "train.batch.grad_accum=2", resume=True)
         ref, r2, r1 = rows(straight), rows(on2), rows(on1)
         table = []
         for a, b, c in zip(ref, r2, r1):

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from eagle3ft.config_train import MISSING, written_value
+
 
 @dataclass
 class Point:
@@ -78,7 +80,8 @@ def trained_epochs(run: Path) -> float | None:
     train = (
         ((yaml.safe_load(p.read_text()) or {}).get("stages", {}).get("train") or {}).get("config", {}).get("train", {})
     )
-    return train.get("epochs") if not train.get("max_steps") else None
+    epochs, max_steps = written_value(train, "schedule.epochs"), written_value(train, "schedule.max_steps")
+    return epochs if epochs is not MISSING and max_steps in (None, MISSING) else None
 
 
 def run_points(run: Path) -> list[Point]:

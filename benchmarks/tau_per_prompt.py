@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from eagle3ft.config import load_config, resolve_path
-from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
-from eagle3ft.eval.bench.prompts import load_prompts, set_labels
+from eagle3ft.data.render import load_prompts, set_labels
+from eagle3ft.data.store import check_run_drafter
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.offline.acceptance import (
     SampleInputs,
     chain_accept_lengths,
@@ -34,6 +35,7 @@ from eagle3ft.eval.offline.acceptance import (
     tree_accept,
 )
 from eagle3ft.eval.offline.same_prompts import bench_answers, features
+from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 from eagle3ft.targets.hf import load_target
 
@@ -98,8 +100,8 @@ def main() -> None:
         for r in runs
         if r["mode"] == "speculative" and r["setting"] == st.key and r["repetition"] == 0 and r["prompts"] == label
     }
-    folder = resolve_path(cfg.eval.checkpoint)
-    drafter, aux_ids = drafter_on_target(model, folder, check_drafter_for_run(folder, args.run, "eval.checkpoint"))
+    folder = DrafterFolder(resolve_path(cfg.eval.checkpoint), "eval.checkpoint")
+    drafter, aux_ids = check_run_drafter(folder, RunDir(args.run).features).on_target(model)
     device = next(model.parameters()).device
     left_out = {int(i) for i in args.leave_out.split(",") if i}
     totals = {"plain": [0, 0], "live": [0, 0], "own": [0, 0]}

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import os
 
-# Spinning OpenMP threads slow torch on a busy CPU (shared CI, 2 cores) by 10-25x; set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if __name__ == "__main__":  # run as a script (`eagle3ft STAGE` sets it in eagle3ft/commands.py); before torch loads
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import dataclasses
 import hashlib
 import json
 import sys
@@ -36,8 +35,9 @@ from eagle3ft.data.aux_rows import row_checker
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.checks import HarvestRefused, argmax_check, check_argmax_rate, check_aux_rows
 from eagle3ft.data.contamination import heldout_filter
-from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity, source_name
+from eagle3ft.data.prompts import Conversation, check_source, collect, source_identity
 from eagle3ft.data.readers import Skips
+from eagle3ft.data.sources import sample_id
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, StoreError
 from eagle3ft.data.store_writer import FeatureWriter, Sample
 from eagle3ft.data.tokens import check_tokenizer
@@ -58,34 +58,6 @@ class ChunkStats:
     skips: Counter = field(default_factory=Counter)
     argmax: Counter = field(default_factory=Counter)  # T=0 check: checked, mismatched, ties
     rows: Counter = field(default_factory=Counter)  # aux row check (data/aux_rows.py): before, here, after
-
-
-def sample_id(key: str) -> int:
-    return int(key[:15], 16)  # 60 bits: a positive int64
-
-
-def sample_sources(store: FeatureStore, h: HarvestConfig, split: str) -> list[str | None]:
-    """The source name (data/prompts.py source_name) of each sample of a feature store's `split`, in dataset order:
-    as the harvest recorded it, else (a store written before it recorded them) found again from the sample ids of
-    every record of `h.sources` that can reach the split, keyed as the harvest keys them; None where neither has it.
-    """
-    names = store.sources(split)
-    if all(n is not None for n in names):
-        return names
-    by_id: dict[int, str] = {}
-    for src in h.sources:
-        if src.kind == "tokens" or src.split not in ("auto", split):
-            continue
-        if split == "heldout" and src.split == "auto" and h.heldout_fraction <= 0:
-            continue
-        every = dataclasses.replace(src, limit=None, split=split, exclude_heldout=False)
-        convs = collect(
-            [every], max_turns=h.max_turns, regenerate=h.regenerate, heldout_fraction=0.0, dedupe=False, skips=Counter()
-        )
-        for c in convs:
-            by_id.setdefault(sample_id(c.key), source_name(src))
-    ids = [row[3] for row in store.dataset(split, keys=("input_ids",)).index]
-    return [n if n is not None else by_id.get(i) for n, i in zip(names, ids)]
 
 
 def request_seed(base: int, key: str, turn: int) -> int:

@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads slow a busy CPU; before torch loads
+if __name__ == "__main__":  # run as a script (`eagle3ft STAGE` sets it in eagle3ft/commands.py); before torch loads
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import hashlib
 import json

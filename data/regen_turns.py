@@ -22,9 +22,10 @@ from tqdm import tqdm
 
 from eagle3ft.config import Config
 from eagle3ft.data.chat import ChatFormat
-from eagle3ft.data.harvest import request_seed, sample_id
+from eagle3ft.data.harvest import request_seed
 from eagle3ft.data.prompts import Conversation
 from eagle3ft.data.regen_backends import Answer, Gen, RegenError
+from eagle3ft.data.sources import sample_id
 from eagle3ft.data.tokens import TokenSample, TokenWriter
 
 DRAIN_S = 60.0  # after a stop, the longest wait for the turns in flight (a turn ends within max_new_tokens)

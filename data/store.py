@@ -29,12 +29,16 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3ft.files import read_json, safetensors_keys, sha256_file
+
+if TYPE_CHECKING:
+    from eagle3ft.drafter.folder import DrafterFolder
 
 SCHEMA_VERSION = 1
 SPLITS = ("train", "heldout")
@@ -169,6 +173,10 @@ class FeatureStore:
     def target(self) -> dict:
         return self.manifest["target"]
 
+    def check_drafter(self, folder: DrafterFolder) -> DrafterFolder:
+        """The drafter folder's one check against these features' target (it must fit what it was trained on)."""
+        return folder.check(self.target, str(self.dir / MANIFEST))
+
     @property
     def topk(self) -> int:
         return self.manifest["topk"]
@@ -288,3 +296,11 @@ def collate(items: list[dict], max_len: int | None = None) -> dict:
         out["attention_mask"][b, : min(T, len(it["input_ids"]))] = 1
     out["sample_id"] = torch.tensor([it["sample_id"] for it in items], dtype=torch.long)
     return out
+
+
+def check_run_drafter(folder: DrafterFolder, features_dir: str | Path) -> DrafterFolder:
+    """The folder's one check against the feature store in `features_dir` when there is one (checksums unread),
+    else against the folder alone: a bench or an offline τ on prompts needs no features."""
+    if (Path(features_dir) / MANIFEST).is_file():
+        return FeatureStore(features_dir, verify=False).check_drafter(folder)
+    return folder.check()

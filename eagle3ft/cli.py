@@ -96,6 +96,12 @@ def is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def command_name(script: str) -> str:
+    """The command the user typed, to name it in errors: `eagle3ft STAGE` (eagle3ft/commands.py sets sys.argv[0] so;
+    the eagle3ft-STAGE scripts are aliases of it), else `script`, the file run as `python .../script`."""
+    return sys.argv[0] if sys.argv[0].startswith("eagle3ft ") else script
+
+
 def error_log(run_dir: str | os.PathLike, stage: str) -> Path:
     return RunDir(run_dir).error_log(stage)
 
@@ -215,6 +221,6 @@ def run_stage(
     from eagle3ft.runlock import holding
 
     cfg, run_dir, _ = parse_cli(description, stage=stage, argv=argv, record=False)
-    with holding(run_dir, stage), cli_errors(stage, *errors, log=error_log(run_dir, stage)):
+    with holding(run_dir, stage), cli_errors(command_name(stage), *errors, log=error_log(run_dir, stage)):
         summary = work(cfg, run_dir)
     print(json_text(summary, f"{stage} summary", indent=1))

@@ -9,7 +9,9 @@ A stage's module is imported only when its subcommand runs, so `eagle3ft --help`
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+from pathlib import Path
 
 # subcommand -> ("module:function" of its console entry, what it does)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -23,6 +25,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("eagle3ft.eval.report.build:main", "offline and live results joined -> RUN/report.md"),
     "compare": ("eagle3ft.eval.offline.compare:main", "two drafters' τ per held-out set, and a verdict"),
 }
+# stages whose torch runs on the CPU beside other work: spinning OpenMP threads slow it on a busy CPU (shared CI,
+# 2 cores) by 10-25x, so they wait passively; set before the stage's module loads torch
+PASSIVE_OPENMP = ("magpie", "regen", "harvest")
 
 
 def usage() -> str:
@@ -52,6 +57,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{usage()}\n\neagle3ft: error: unknown stage {name!r}", file=sys.stderr)
         raise SystemExit(2)
     module, function = COMMANDS[name][0].split(":")
+    if name in PASSIVE_OPENMP:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.argv[0] = f"eagle3ft {name}"  # the stage's argparse names itself so in its usage and errors
     entry = getattr(importlib.import_module(module), function)
     raise SystemExit(entry(rest))
+
+
+def script() -> None:
+    """`eagle3ft-STAGE ARGS`, the older console scripts: exactly `eagle3ft STAGE ARGS`."""
+    main([Path(sys.argv[0]).name.removeprefix("eagle3ft-"), *sys.argv[1:]])

@@ -25,7 +25,9 @@ from eagle3ft.config_build import (
     ConfigError,
     apply_override,
     at_most,
+    canonical_key,
     coerce,
+    flat_notice,
     non_negative,
     parse_yaml,
     positive,
@@ -246,14 +248,13 @@ class EmbeddedBenchConfig:
 
     threads: int | None = None  # torch CPU threads (None = torch's default); 1 is steadier on a shared CPU
     # the target's attention, "sdpa" (transformers') or "chain" (eval/decode/chain_attention.py: batch 1, no mask
-    # tensors, so a verify makes ~550-900 fewer aten ops; on the H200 a 6-token verify then took 22.1 ms against a
-    # 21.6 ms plain step)
+    # tensors, so a verify makes ~550-900 fewer aten ops and a 6-token verify costs about a plain step on a GPU)
     attention: Literal["sdpa", "chain"] = "sdpa"
     # how a cycle drafts, "graph" (eval/decode/draft_graph.py: the chain on the device with no host round trip, one
     # CUDA graph replay on a GPU; greedy only), "eager" (a drafter forward at a time), "auto" (graph when greedy)
     drafting: Literal["auto", "graph", "eager"] = "auto"
-    # drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); its capture
-    # passed tests/test_gpu.py on the H200, its speed is not measured yet
+    # drafting graph: also capture the extend after each verify (one CUDA graph per accepted count); tests/test_gpu.py
+    # checks its capture, its speed is not measured yet
     draft_graph_extend: bool = False
 
     def __post_init__(self) -> None:
@@ -287,10 +288,10 @@ class BenchConfig:
     max_new_tokens: int = 128
     repetitions: int = 3
     # untimed, before the repetitions: "all" runs every prompt once per arm (a whole pass), "first" only the first
-    # prompt; on the H200 the first timed pass after "first" ran 10-50% slow in every arm, after "all" it did not
+    # prompt; on a GPU the first timed pass after "first" can run 10-50% slow in every arm, after "all" it does not
     warmup: Literal["all", "first"] = "all"
     # "prompt": per repetition, each prompt goes through plain and then every setting before the next prompt, so the
-    # arms of a prompt run seconds apart and share the host's speed of the moment (on the H200 it changed 1.5-2x for
+    # arms of a prompt run seconds apart and share the host's speed of the moment (which can change 1.5-2x for
     # seconds at a time); "pass": the plain pass over all prompts, then one pass per setting
     interleave: Literal["prompt", "pass"] = "prompt"
     temperature: float = 0.0
@@ -374,16 +375,9 @@ class Config:
 
 def to_dict(cfg: Any) -> Any:
     """A dataclass tree as plain data (for YAML/JSON), in the form a config file takes: a GROUPED section's groups
-    written flat (eagle3ft/config_train.py)."""
+    as mappings (`train: {optimizer: {lr: ...}}`), the code's path."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        out = {}
-        for f in dataclasses.fields(cfg):
-            value = to_dict(getattr(cfg, f.name))
-            if getattr(cfg, "GROUPED", False):
-                out.update(value)
-            else:
-                out[f.name] = value
-        return out
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, (list, tuple)):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, dict):
@@ -407,8 +401,19 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: the top level must be a mapping")
     merged = to_dict(coerce(Config, data, ""))
     for o in overrides or []:
-        apply_override(merged, o)
+        apply_override(merged, _canonical_override(o))
     return coerce(Config, merged, "")
+
+
+def _canonical_override(assignment: str) -> str:
+    """`train.lr=V` as `train.optimizer.lr=V` (with flat_notice's line); any other assignment unchanged."""
+    key, eq, value = assignment.partition("=")
+    parts = key.strip().split(".")
+    canonical = canonical_key(Config, parts)
+    if not eq or canonical == parts:
+        return assignment
+    flat_notice([f"--set {key.strip()}"], [".".join(canonical)])
+    return f"{'.'.join(canonical)}={value}"
 
 
 def resolve_path(p: str | None, base: Path = REPO_ROOT) -> Path | None:

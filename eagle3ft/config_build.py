@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import types
 import typing
 from typing import Any, Literal
@@ -132,21 +133,64 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
     raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
-def _coerce_grouped(tp: Any, value: dict, where: str) -> Any:
-    """A GROUPED section (eagle3ft/config_train.py): its fields are groups, each a dataclass, whose keys are written
-    flat at the section's level; each key goes to the group that has it, and is named in errors as written."""
+def _groups(tp: Any) -> tuple[dict[str, Any], dict[str, str]]:
+    """A GROUPED section's (group -> its dataclass, flat field name -> its group)."""
     hints = typing.get_type_hints(tp)
-    groups = [f.name for f in dataclasses.fields(tp)]
-    owner = {f.name: g for g in groups for f in dataclasses.fields(_strip_optional(hints[g]))}
-    unknown = sorted(set(value) - set(owner))
+    groups = {f.name: _strip_optional(hints[f.name]) for f in dataclasses.fields(tp)}
+    return groups, {f.name: g for g, gt in groups.items() for f in dataclasses.fields(gt)}
+
+
+def flat_notice(written: list[str], meant: list[str]) -> None:
+    """One line on stderr for keys written the old, flat way (still read as the grouped key they stand for)."""
+    pairs = ", ".join(f"{a} as {b}" for a, b in zip(written, meant))
+    print(f"config: read {pairs} (the flat spelling still works; the grouped one is the code's path)", file=sys.stderr)
+
+
+def _coerce_grouped(tp: Any, value: dict, where: str) -> Any:
+    """A GROUPED section (eagle3ft/config_train.py): each field a group written as a mapping (`train.optimizer.lr`),
+    as the code reads it; a group's field written flat at the section's level (`train.lr`) is an alias for it, read
+    with a one-line notice."""
+    groups, owner = _groups(tp)
+    prefix = where + "." if where else ""
+    unknown = sorted(set(value) - set(groups) - set(owner))
     if unknown:
-        raise ConfigError(
-            f"unknown config key '{where + '.' if where else ''}{unknown[0]}' (known: {', '.join(sorted(owner))})"
-        )
-    parts: dict[str, dict] = {g: {} for g in groups}
-    for key, v in value.items():
-        parts[owner[key]][key] = v
-    return tp(**{g: coerce(hints[g], parts[g], where) for g in groups})
+        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}' (known: {', '.join(groups)})")
+    parts: dict[str, dict] = {}
+    for g in groups:
+        v = value.get(g)
+        if v is not None and not isinstance(v, dict):
+            raise ConfigError(f"{prefix}{g}: expected a mapping, got {v!r}")
+        parts[g] = dict(v or {})
+    flat = [k for k in value if k in owner and k not in groups]
+    for key in flat:
+        g = owner[key]
+        if key in parts[g]:
+            raise ConfigError(f"{prefix}{key} and {prefix}{g}.{key} are both set: keep {prefix}{g}.{key}")
+        parts[g][key] = value[key]
+    if flat:
+        flat_notice([prefix + k for k in flat], [f"{prefix}{owner[k]}.{k}" for k in flat])
+    return tp(**{g: coerce(gt, parts[g], prefix + g) for g, gt in groups.items()})
+
+
+def canonical_key(tp: Any, parts: list[str]) -> list[str]:
+    """The dotted path `parts` under the dataclass `tp` as the code reads it: a GROUPED section's flat field name
+    gets its group in front (`train.lr` -> `train.optimizer.lr`). Parts past the dataclasses are kept as given."""
+    out: list[str] = []
+    for i, p in enumerate(parts):
+        tp = _strip_optional(tp)
+        if not dataclasses.is_dataclass(tp):
+            return out + parts[i:]
+        if getattr(tp, "GROUPED", False):
+            groups, owner = _groups(tp)
+            if p not in groups and p in owner:
+                out.append(owner[p])
+                tp = groups[owner[p]]
+        hints = typing.get_type_hints(tp)
+        out.append(p)
+        if p not in hints:
+            return out + parts[i + 1 :]
+        tp = hints[p]
+    return out
 
 
 def apply_override(data: dict, assignment: str) -> None:

@@ -1,15 +1,14 @@
 """The trainer's config section (`train:`), its fields grouped by concern.
 
-In a file and in `--set`, every key is written flat under `train:` (`train.lr`, `train.save_every`); in code each
-lives in its group (`cfg.train.optimizer.lr`, `cfg.train.checkpoint.save_every`). A resolved config is written flat
-again (eagle3ft/config.py's to_dict), so a run's config.yaml reads as the file that made it. Field names are unique
-across the groups, which is what lets them be written flat.
+A file, `--set` and the code write the same path: `train.optimizer.lr`, `cfg.train.optimizer.lr`. The flat spelling
+of earlier configs (`train.lr`) is still read, as an alias, with a one-line notice (eagle3ft/config_build.py); field
+names are unique across the groups, which is what lets each flat name stand for one field.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from eagle3ft.config_build import BoundError, at_most, non_negative, positive
 
@@ -161,7 +160,7 @@ class EngineConfig:
 class TrainConfig:
     """train/finetune.py: TTT fine-tuning of the drafter under accelerate + DeepSpeed."""
 
-    GROUPED: ClassVar[bool] = True  # the groups' fields are written flat under `train:` (eagle3ft/config_build.py)
+    GROUPED: ClassVar[bool] = True  # each field a group; its keys also read flat under `train:` (config_build.py)
 
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # train.ttt_steps, loss, l2sp, ...
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # train.lr, weight_decay, max_grad_norm
@@ -172,3 +171,15 @@ class TrainConfig:
     heldout: HeldoutConfig = field(default_factory=HeldoutConfig)  # train.eval_every, best_on, ...
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # train.log_every, wandb_*
     engine: EngineConfig = field(default_factory=EngineConfig)  # train.deepspeed, precision, compile
+
+
+MISSING = object()
+
+
+def written_value(train: dict, path: str) -> Any:
+    """The value of `path` ("optimizer.lr") in a written config's train section: grouped, or flat as configs were
+    written before the groups (a checkpoint's trainer_state.json); MISSING when it holds neither."""
+    group, key = path.split(".")
+    if isinstance(train.get(group), dict) and key in train[group]:
+        return train[group][key]
+    return train.get(key, MISSING)

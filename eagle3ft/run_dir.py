@@ -8,6 +8,7 @@ eval/  bench/  demo/                                 eval
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,11 @@ class RunDir:
     prediction = Under("bench", "prediction.json")
     economics = Under("bench", "economics.json")
     demo = Under("root", "demo")
+
+    def drafter(self, checkpoint: str) -> Path:
+        """The evaluated drafter's folder: eval.checkpoint (default "export"), relative to the run unless absolute."""
+        p = Path(os.path.expanduser(checkpoint))
+        return p if p.is_absolute() else self.root / p
 
     @property
     def derived(self) -> tuple[Path, ...]:

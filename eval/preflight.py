@@ -21,6 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from eagle3ft.config import resolve_path
 from eagle3ft.run_dir import RunDir
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -32,13 +33,12 @@ def _cmd(parts: list[str]) -> str:
 
 
 def train_command(config: str, run_dir: Path) -> str:
-    return "accelerate launch --config_file configs/accelerate/<cpu-2proc|1gpu|8gpu>.yaml " + _cmd(
-        ["train/finetune.py", "--config", str(config), "--run-dir", str(run_dir), "--resume", "auto"]
-    )
+    return _cmd(["eagle3ft", "train", "--config", str(config), "--run-dir", str(run_dir), "--resume", "auto"])
 
 
-def stage_command(script: str, config: str, run_dir: Path) -> str:
-    return _cmd(["python", script, "--config", str(config), "--run-dir", str(run_dir)])
+def stage_command(stage: str, config: str, run_dir: Path) -> str:
+    """The one door of a stage: `eagle3ft STAGE --config CONFIG --run-dir RUN`."""
+    return _cmd(["eagle3ft", stage, "--config", str(config), "--run-dir", str(run_dir)])
 
 
 def _checkpoints(run_dir: Path) -> list[str]:
@@ -63,24 +63,22 @@ def missing_drafter(checkpoint: Path, run_dir: Path, config: str) -> str | None:
 
 def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
     """None when `stage` has its inputs in `run_dir`, else one line naming what is missing and how to make it."""
-    from eagle3ft.config import resolve_path
-
     if stage not in STAGES:
         raise ValueError(f"preflight stage {stage!r}: expected one of {STAGES}")
     run_dir = Path(run_dir)
-    drafter = lambda: missing_drafter(resolve_path(cfg.eval.checkpoint, base=run_dir), run_dir, config)  # noqa: E731
+    drafter = lambda: missing_drafter(RunDir(run_dir).drafter(cfg.eval.checkpoint), run_dir, config)  # noqa: E731
     run = RunDir(run_dir)
     features, offline, summary, metrics = run.features_manifest, run.accept_len, run.bench_summary, run.metrics
     if stage == "eval":
         if not features.is_file():
-            return f"no {features}: harvest first: {stage_command('data/harvest.py', config, run_dir)}"
+            return f"no {features}: harvest first: {stage_command('harvest', config, run_dir)}"
         return drafter()
     calibrations = [("bench.calibration", cfg.bench.calibration)] if cfg.bench.calibration else []
     calibrations += [("bench.calibration_pool", p) for p in cfg.bench.calibration_pool]
     for key, path in calibrations:
         if stage in ("bench", "economics") and not resolve_path(path).is_file():
             return (
-                f"no calibration file {resolve_path(path)} ({key}): every eval/bench/live.py run writes "
+                f"no calibration file {resolve_path(path)} ({key}): every `eagle3ft bench` run writes "
                 "RUN/bench/calibration.json"
             )
     if stage == "bench":  # running SGLang servers given by URL hold their drafter: nothing to check here
@@ -88,16 +86,13 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
     if stage == "economics":
         if summary.is_file() or (cfg.bench.calibration and offline.is_file()):
             return None
-        need, script = (
-            (offline, "eval/offline/accept_len.py") if cfg.bench.calibration else (summary, "eval/bench/live.py")
-        )
+        need, script = (offline, "eval") if cfg.bench.calibration else (summary, "bench")
         return drafter() or f"no {need}: run {stage_command(script, config, run_dir)}"
     if metrics.is_file() or offline.is_file() or summary.is_file():
         return None
     return (
         drafter()
-        or f"nothing to report in {run_dir} (no {offline}, no {summary}): run "
-        f"{stage_command('eval/offline/accept_len.py', config, run_dir)}"
+        or f"nothing to report in {run_dir} (no {offline}, no {summary}): run {stage_command('eval', config, run_dir)}"
     )
 
 

@@ -120,9 +120,9 @@ def tiny_config_bench(tmp_path: Path, label: str, sets: list[str]) -> tuple[dict
     """eval/bench/schedule.py's runs on configs/tiny.yaml with `sets`, in the run folder tmp_path/label, whose export is a
     random tiny drafter (d2t 0: draft id i is target id i) made once in tmp_path/export: (summary, runs.jsonl rows)."""
     from eagle3ft.config import load_config
+    from eagle3ft.data.render import load_prompt_sets
     from eagle3ft.drafter.export import export_drafter
     from eagle3ft.eval.bench import live, schedule
-    from eagle3ft.eval.bench.prompts import load_prompt_sets
 
     if not (tmp_path / "export").exists():
         torch.manual_seed(0)

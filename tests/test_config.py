@@ -54,8 +54,8 @@ def test_dotted_overrides_parse_yaml_values(tmp_path):
 
 
 def test_wrong_types_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"train\.ttt_steps"):
-        load_config(write(tmp_path, "train:\n  ttt_steps: seven\n"))
+    with pytest.raises(ConfigError, match=r"train\.objective\.ttt_steps"):
+        load_config(write(tmp_path, "train:\n  objective:\n    ttt_steps: seven\n"))
     with pytest.raises(ConfigError, match=r"harvest\.regenerate"):
         load_config(write(tmp_path, "harvest:\n  regenerate: 1\n"))
 
@@ -78,19 +78,19 @@ def test_enumerated_values_are_checked_at_load(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("train.max_steps=-5", "train.max_steps must be positive or null, got -5"),
-        ("train.max_steps=0", "train.max_steps must be positive or null, got 0"),
-        ("train.epochs=0", "train.epochs must be positive, got 0"),
-        ("train.micro_batch_size=0", "train.micro_batch_size must be positive, got 0"),
-        ("train.grad_accum=-1", "train.grad_accum must be positive, got -1"),
-        ("train.ttt_steps=0", "train.ttt_steps must be positive, got 0"),
-        ("train.save_every=0", "train.save_every must be positive, got 0"),
-        ("train.eval_every=-1", "train.eval_every must be >= 0, got -1"),
-        ("train.eval_samples=0", "train.eval_samples must be positive, got 0"),
-        ("train.keep_checkpoints=-1", "train.keep_checkpoints must be >= 0, got -1"),
-        ("train.warmup_steps=-2", "train.warmup_steps must be >= 0, got -2"),
-        ("train.lr=0", "train.lr must be positive, got 0.0"),
-        ("train.min_lr_ratio=1.5", "train.min_lr_ratio must be <= 1, got 1.5"),
+        ("train.max_steps=-5", "train.schedule.max_steps must be positive or null, got -5"),
+        ("train.max_steps=0", "train.schedule.max_steps must be positive or null, got 0"),
+        ("train.epochs=0", "train.schedule.epochs must be positive, got 0"),
+        ("train.micro_batch_size=0", "train.batch.micro_batch_size must be positive, got 0"),
+        ("train.grad_accum=-1", "train.batch.grad_accum must be positive, got -1"),
+        ("train.ttt_steps=0", "train.objective.ttt_steps must be positive, got 0"),
+        ("train.save_every=0", "train.checkpoint.save_every must be positive, got 0"),
+        ("train.eval_every=-1", "train.heldout.eval_every must be >= 0, got -1"),
+        ("train.eval_samples=0", "train.heldout.eval_samples must be positive, got 0"),
+        ("train.keep_checkpoints=-1", "train.checkpoint.keep_checkpoints must be >= 0, got -1"),
+        ("train.warmup_steps=-2", "train.schedule.warmup_steps must be >= 0, got -2"),
+        ("train.lr=0", "train.optimizer.lr must be positive, got 0.0"),
+        ("train.min_lr_ratio=1.5", "train.schedule.min_lr_ratio must be <= 1, got 1.5"),
         ("bench.repetitions=0", "bench.repetitions must be positive, got 0"),
         ("bench.max_new_tokens=0", "bench.max_new_tokens must be positive, got 0"),
         ("bench.concurrency=[1, 0]", r"bench.concurrency must be positive, got \[1, 0\]"),
@@ -142,12 +142,12 @@ def test_finetune_refuses_a_negative_max_steps_in_one_line_before_anything_runs(
                 "--run-dir",
                 str(tmp_path),
                 "--set",
-                "train.max_steps=-5",
+                "train.schedule.max_steps=-5",
             ]
         )
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1
-    assert err[0].endswith(".py: error: train.max_steps must be positive or null, got -5"), err
+    assert err[0].endswith(".py: error: train.schedule.max_steps must be positive or null, got -5"), err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -199,9 +199,9 @@ def test_an_empty_value_is_refused_for_required_keys_and_means_none_for_optional
     p = write(tmp_path, "run_name: x\n")
     with pytest.raises(ConfigError, match=r"harvest\.sources: a value is required"):
         load_config(p, ["harvest.sources="])
-    assert load_config(p, ["train.max_steps="]).train.schedule.max_steps is None
-    with pytest.raises(ConfigError, match=r"train\.lr: a value is required"):
-        load_config(write(tmp_path, "train:\n  lr:\n"))
+    assert load_config(p, ["train.schedule.max_steps="]).train.schedule.max_steps is None
+    with pytest.raises(ConfigError, match=r"train\.optimizer\.lr: a value is required"):
+        load_config(write(tmp_path, "train:\n  optimizer:\n    lr:\n"))
     cfg = load_config(write(tmp_path, "harvest:\n  # every key commented out\ntrain:\n"))
     assert cfg.harvest.topk == Config().harvest.topk and cfg.train.optimizer.lr == Config().train.optimizer.lr
 
@@ -252,24 +252,42 @@ def test_debug_flag_sets_the_env_for_cli_errors(tmp_path, monkeypatch):
     assert os.environ[DEBUG_ENV] == "1"
 
 
-def test_train_keys_are_written_flat_and_land_in_their_group():
-    """train: groups its fields by concern in code (eagle3ft/config_train.py), and a file or --set writes them flat:
-    each name is in one group only, a resolved config is written flat and loads back to the same config."""
+def test_train_keys_are_written_grouped_as_the_code_reads_them(tmp_path):
+    """train: groups its fields by concern (eagle3ft/config_train.py); a file and --set write the code's path
+    (`train.optimizer.lr`), and a resolved config is written grouped and loads back to the same config."""
+    cfg = load_config(
+        None, ["train.optimizer.lr=3e-4", "train.checkpoint.save_every=7", "train.heldout.best_on={a: 1}"]
+    )
+    t = cfg.train
+    assert (t.optimizer.lr, t.checkpoint.save_every, t.heldout.best_on) == (3e-4, 7, {"a": 1.0})
+    written = to_dict(cfg)["train"]
+    assert written["optimizer"]["lr"] == 3e-4 and "lr" not in written
+    assert coerce(Config, to_dict(cfg), "") == cfg
+    text = "train:\n  optimizer:\n    lr: 5.0e-4\n  batch: {max_len: 64}\n"
+    assert load_config(write(tmp_path, text), []).train.batch.max_len == 64
+    with pytest.raises(ConfigError, match=r"^unknown config key 'train\.optimizer\.rate' \(known: "):
+        load_config(None, ["train.optimizer.rate=1"])
+    with pytest.raises(ConfigError, match=r"^train\.optimizer\.lr must be positive, got -1\.0$"):
+        load_config(None, ["train.optimizer.lr=-1"])
+
+
+def test_flat_train_keys_are_aliases_read_with_a_one_line_notice(tmp_path, capsys):
+    """Configs users already have write `train.lr`: read as train.optimizer.lr, one stderr line per file or --set."""
     import dataclasses
     import typing
 
     from eagle3ft.config_train import TrainConfig
 
     hints = typing.get_type_hints(TrainConfig)
-    names = [f.name for g in dataclasses.fields(TrainConfig) for f in dataclasses.fields(hints[g.name])]
-    assert len(names) == len(set(names))
-    cfg = load_config(None, ["train.lr=2e-3", "train.save_every=7", "train.best_on={mtbench: 1}"])
-    t = cfg.train
-    assert (t.optimizer.lr, t.checkpoint.save_every, t.heldout.best_on) == (2e-3, 7, {"mtbench": 1.0})
-    flat = to_dict(cfg)["train"]
-    assert sorted(flat) == sorted(names) and flat["lr"] == 2e-3
-    assert coerce(Config, to_dict(cfg), "") == cfg
-    with pytest.raises(ConfigError, match=r"^unknown config key 'train\.optimizer' \(known: best_on, "):
-        load_config(None, ["train.optimizer.lr=1"])  # one spelling: the flat one
-    with pytest.raises(ConfigError, match=r"^train\.lr must be positive, got -1\.0$"):
-        load_config(None, ["train.lr=-1"])
+    groups = [g.name for g in dataclasses.fields(TrainConfig)]
+    names = [f.name for g in groups for f in dataclasses.fields(hints[g])]
+    assert len(names) == len(set(names)) and not set(names) & set(groups)  # each flat name stands for one field
+    cfg = load_config(write(tmp_path, "train:\n  lr: 2.0e-3\n  save_every: 7\n"), ["train.max_len=99"])
+    assert (cfg.train.optimizer.lr, cfg.train.checkpoint.save_every, cfg.train.batch.max_len) == (2e-3, 7, 99)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert "train.lr as train.optimizer.lr, train.save_every as train.checkpoint.save_every" in err[0]
+    assert "--set train.max_len as train.batch.max_len" in err[1]
+    assert load_config(None, ["train.lr=4e-4"]) == load_config(None, ["train.optimizer.lr=4e-4"])
+    with pytest.raises(ConfigError, match=r"^train\.lr and train\.optimizer\.lr are both set"):
+        load_config(write(tmp_path, "train:\n  lr: 1.0e-3\n  optimizer: {lr: 2.0e-3}\n"), [])

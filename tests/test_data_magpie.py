@@ -93,7 +93,7 @@ def test_magpie_prompts_resume_and_regen(ending_model, monkeypatch, tmp_path):
     ids = {x["sample_id"]: x["input_ids"].tolist() for x in store.dataset("train")}
     names = dict(zip([x["sample_id"] for x in store.dataset("train")], store.sources("train")))
     kept = TrainData(
-        load_config(TINY, [sources, "train.features=online", "train.drop_sources=[magpie]"]), tmp_path / "a"
+        load_config(TINY, [sources, "train.data.features=online", "train.data.drop_sources=[magpie]"]), tmp_path / "a"
     )
     assert len(kept.dataset) == 3
     assert all(
@@ -155,6 +155,6 @@ def test_sampled_answers_beside_greedy(ending_model, monkeypatch, tmp_path):
     greedy, sampled = answers("t0"), answers("t1", "harvest.temperature=1.0")
     assert sampled == answers("t1b", "harvest.temperature=1.0")
     assert sampled.keys() == greedy.keys() and sampled != greedy
-    more = f"train.more_tokens=[{tmp_path / 't1' / 'tokens'}]"
-    both = TrainData(load_config(TINY, base + ["train.features=online", more]), tmp_path / "t0")
+    more = f"train.data.more_tokens=[{tmp_path / 't1' / 'tokens'}]"
+    both = TrainData(load_config(TINY, base + ["train.data.features=online", more]), tmp_path / "t0")
     assert len(both.dataset) == 16

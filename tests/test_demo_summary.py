@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from eagle3ft.config import REPO_ROOT, load_config
-from eagle3ft.data.harvest import run_harvest, sample_sources
+from eagle3ft.data.harvest import run_harvest
+from eagle3ft.data.sources import group_by_source, sample_sources
 from eagle3ft.data.store import FeatureStore
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter, load_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
+from eagle3ft.eval.bench import measure
 from eagle3ft.eval.offline.accept_len import evaluate
 from eagle3ft.eval.report import demo_summary
 
@@ -61,7 +63,7 @@ def test_humaneval_train_and_heldout_problems_are_disjoint(demo_run):
     train_ids = {int(train[i]["sample_id"]) for i in range(len(train))}
     held_ids = {int(held[i]["sample_id"]) for i in range(len(held))}
     assert len(train_ids) == 3 and len(held_ids) == 4 and not train_ids & held_ids
-    groups = demo_summary.group_heldout(store.sources("heldout"))
+    groups = group_by_source(store.sources("heldout"))
     assert {k: len(v) for k, v in groups.items()} == {"humaneval": 2, "mtbench": 2}
     assert sample_sources(store, cfg.harvest, "train") == ["humaneval"] * 3
 
@@ -82,7 +84,7 @@ def test_a_store_without_recorded_sources_finds_them_from_the_sample_ids(demo_ru
 
 def test_offline_per_set_adds_up_to_the_whole_heldout_split(demo_run):
     cfg, run = demo_run
-    res = demo_summary.run_offline(cfg, run, only=["shipped"], log=lambda *a: None)
+    res = measure.run_offline(cfg, run, only=["shipped"], log=lambda *a: None)
     assert list(res) == ["shipped"] and (run / "demo" / "offline-shipped.json").is_file()
     sets = res["shipped"]["sets"]
     held = FeatureStore(run / "features").dataset("heldout")
@@ -94,12 +96,12 @@ def test_offline_per_set_adds_up_to_the_whole_heldout_split(demo_run):
     for s in sets.values():
         assert 1.0 <= s["settings"]["3/1/4"] <= 4.0 and s["answer_tokens"] > 0
     with pytest.raises(ValueError, match="not a drafter of this config"):
-        demo_summary.run_offline(cfg, run, only=["nope"])
+        measure.run_offline(cfg, run, only=["nope"])
 
 
 def test_measure_then_headline(demo_run):
     cfg, run = demo_run
-    summary = demo_summary.run_measure(cfg, run, log=lambda *a: None)
+    summary = measure.run_measure(cfg, run, log=lambda *a: None)
     assert list(summary["prompt_sets"]) == ["humaneval", "mtbench"]
     for pset in summary["prompt_sets"].values():
         assert list(pset["drafters"]) == ["export", "shipped"]

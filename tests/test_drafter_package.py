@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 STAGES = ("eagle3ft.data", "eagle3ft.train", "eagle3ft.eval", "eagle3ft.targets")
-MODULES = ("config", "vocab", "model", "model_mla", "wgrad", "export")
+MODULES = ("config", "vocab", "model", "model_mla", "wgrad", "export", "folder")
 
 
 def test_drafter_package_imports_no_stage():

@@ -12,13 +12,13 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = "configs/tiny.yaml"
 TRAIN = [
     "--set",
-    "train.max_steps=8",
+    "train.schedule.max_steps=8",
     "--set",
-    "train.save_every=4",
+    "train.checkpoint.save_every=4",
     "--set",
-    "train.wandb_mode=disabled",
+    "train.logging.wandb_mode=disabled",
     "--set",
-    "train.ttt_steps=3",
+    "train.objective.ttt_steps=3",
 ]
 BENCH = ["--set", "bench.max_new_tokens=8", "--set", "bench.repetitions=3"]
 
@@ -50,7 +50,7 @@ def test_pipeline_end_to_end(tmp_path):
     manifest = json.loads((run / "features" / "manifest.json").read_text())
     assert manifest["counts"]["heldout"]["samples"] > 0
 
-    _train(run, "--set", "train.stop_after=4")  # a job cut short after 4 of 8 steps
+    _train(run, "--set", "train.schedule.stop_after=4")  # a job cut short after 4 of 8 steps
     assert (run / "ckpt" / "step-4").is_dir() and not (run / "export").exists()
     _train(run)
     steps = [json.loads(x)["step"] for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from eagle3ft.config import load_config
+from eagle3ft.data.render import load_prompt_sets
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.bench import live, schedule
 from eagle3ft.eval.bench.backend import BenchBackend
 from eagle3ft.eval.bench.format import format_summary
-from eagle3ft.eval.bench.prompts import load_prompt_sets
 from eagle3ft.eval.bench.summary import summarize
 from eagle3ft.eval.report.build import build as build_report
 from eagle3ft.setting import Setting

@@ -5,7 +5,7 @@ import pytest
 
 from eagle3ft.config import load_config
 from eagle3ft.eval import preflight
-from eagle3ft.eval.bench import live, sglang_backend
+from eagle3ft.eval.bench import live
 from eagle3ft.eval.economics import analysis
 from eagle3ft.eval.offline import accept_len
 from eagle3ft.eval.report import build
@@ -44,13 +44,12 @@ def test_offline_eval_needs_features_then_a_drafter(tmp_path, capsys):
     run = tmp_path / "run"
     err = _stop(accept_len.main, run, capsys)
     assert (
-        err.startswith("accept_len.py: error: no ")
-        and "features/manifest.json: harvest first: python data/harvest.py" in err
+        err.startswith("accept_len.py: error: no ") and "features/manifest.json: harvest first: eagle3ft harvest" in err
     )
     _touch(run / "features" / "manifest.json")
     err = _stop(accept_len.main, run, capsys)
-    assert f"no drafter at {run / 'export'}: train one: accelerate launch" in err
-    assert f"train/finetune.py --config {CONFIG} --run-dir {run} --resume auto" in err
+    assert f"no drafter at {run / 'export'}: train one: eagle3ft train --config" in err
+    assert f"eagle3ft train --config {CONFIG} --run-dir {run} --resume auto" in err
 
 
 def test_a_run_cut_short_before_the_export_is_told_to_resume(tmp_path, capsys):
@@ -58,19 +57,22 @@ def test_a_run_cut_short_before_the_export_is_told_to_resume(tmp_path, capsys):
     _touch(run / "features" / "manifest.json")
     for n in (4, 12, 8):
         (run / "ckpt" / f"step-{n}").mkdir(parents=True)
-    assert "training stopped at ckpt/step-12 before the export; resume it: accelerate launch" in _stop(
+    assert "training stopped at ckpt/step-12 before the export; resume it: eagle3ft train --config" in _stop(
         accept_len.main, run, capsys
     )
     _touch(run / "export" / "config.json")  # an export cut short
     assert f"{run / 'export'} has no model.safetensors" in _stop(accept_len.main, run, capsys)
 
 
-@pytest.mark.parametrize("main", [live.main, sglang_backend.main], ids=["bench", "bench_sglang"])
-def test_bench_needs_a_drafter(tmp_path, capsys, main):
+@pytest.mark.parametrize(
+    "sets", [[], ["bench.backend=sglang", "bench.sglang.launch=true"]], ids=["bench", "bench_sglang"]
+)
+def test_bench_needs_a_drafter(tmp_path, capsys, sets):
     run = tmp_path / "run"
-    assert "no drafter at" in _stop(main, run, capsys) and "train/finetune.py" in _stop(main, run, capsys)
+    err = _stop(live.main, run, capsys, *sets)
+    assert err.startswith("live.py: error: no drafter at") and "eagle3ft train --config" in err
     elsewhere = tmp_path / "nowhere"
-    err = _stop(main, run, capsys, f"eval.checkpoint={elsewhere}")
+    err = _stop(live.main, run, capsys, *sets, f"eval.checkpoint={elsewhere}")
     assert f"no drafter at {elsewhere} (eval.checkpoint): point --set eval.checkpoint=DIR" in err
 
 
@@ -95,12 +97,23 @@ def test_economics_and_report_name_the_stage_that_makes_their_input(tmp_path, ca
     assert "no drafter at" in _stop(build.main, run, capsys)
     _touch(run / "export" / "config.json")
     _touch(run / "export" / "model.safetensors")
-    assert f"bench/summary.json: run python eval/bench/live.py --config {CONFIG} --run-dir {run}" in _stop(
+    assert f"bench/summary.json: run eagle3ft bench --config {CONFIG} --run-dir {run}" in _stop(
         analysis.main, run, capsys
     )
-    assert "nothing to report" in _stop(build.main, run, capsys) and "eval/offline/accept_len.py" in _stop(
+    assert "nothing to report" in _stop(build.main, run, capsys) and "run eagle3ft eval --config" in _stop(
         build.main, run, capsys
     )
     _touch(tmp_path / "cal.json")
     err = _stop(analysis.main, run, capsys, f"bench.calibration={tmp_path / 'cal.json'}")
-    assert "eval/accept_len.json: run python eval/offline/accept_len.py" in err
+    assert "eval/accept_len.json: run eagle3ft eval" in err
+
+
+def test_a_stage_run_as_eagle3ft_names_that_command_in_its_errors(tmp_path, monkeypatch, capsys):
+    """`eagle3ft bench` (and its alias eagle3ft-bench) names itself in its errors, not the file behind it."""
+    from eagle3ft.commands import main
+
+    monkeypatch.setattr("sys.argv", ["eagle3ft"])
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--config", CONFIG, "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("eagle3ft bench: error: no drafter at"), err

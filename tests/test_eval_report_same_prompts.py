@@ -8,9 +8,9 @@ import torch
 from _eval_tiny import AUX, features, greedy_items, prompts, tiny_pair
 
 from eagle3ft.config import load_config
+from eagle3ft.data.render import load_prompt_sets
 from eagle3ft.eval.bench import schedule
 from eagle3ft.eval.bench.backend import RequestResult
-from eagle3ft.eval.bench.prompts import load_prompt_sets
 from eagle3ft.eval.decode.speculate import SpeculativeDecoder, greedy_decode
 from eagle3ft.eval.offline.accept_len import evaluate
 from eagle3ft.eval.offline.acceptance import SampleInputs, chain_accept_lengths, chain_acceptance, cycle_walk

@@ -342,8 +342,8 @@ def train_tiny_on_cuda(run: Path, *sets: str) -> tuple[list[dict], str]:
     )
     r = launch(
         run,
-        "train.max_steps=8",
-        "train.warmup_steps=2",
+        "train.schedule.max_steps=8",
+        "train.schedule.warmup_steps=2",
         *where,
         *sets,
         procs=1,
@@ -363,9 +363,9 @@ def test_trainer_defaults_on_cuda_compile_and_load_in_workers_like_eager(tmp_pat
 
     runs = {}
     for name, sets in (
-        ("eager", ("train.compile=false", "train.num_workers=0")),
+        ("eager", ("train.engine.compile=false", "train.data.num_workers=0")),
         ("default", ()),
-        ("online", ("train.features=online", "train.pack_tokens=256")),
+        ("online", ("train.data.features=online", "train.batch.pack_tokens=256")),
     ):
         write_store(tmp_path / name, n_train=32, seq=64)
         runs[name] = train_tiny_on_cuda(tmp_path / name, *sets)

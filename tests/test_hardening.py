@@ -174,7 +174,7 @@ def test_train_refuses_a_bad_warm_start_drafter_in_one_line_before_compute(run, 
                 "--set",
                 f"drafter.init={run / 'k2'}",
                 "--set",
-                "train.wandb_mode=disabled",
+                "train.logging.wandb_mode=disabled",
             ]
         )
     err = capsys.readouterr().err.strip().splitlines()

@@ -40,7 +40,9 @@ def started_training(calls: list):
 
 
 def finetune_cli(run_dir: Path, *extra: str) -> None:
-    finetune.main(["--config", str(TINY), "--run-dir", str(run_dir), "--set", "train.wandb_mode=disabled", *extra])
+    finetune.main(
+        ["--config", str(TINY), "--run-dir", str(run_dir), "--set", "train.logging.wandb_mode=disabled", *extra]
+    )
 
 
 def test_overwrite_refuses_a_folder_that_is_no_run_and_removes_nothing(tmp_path, monkeypatch, capsys):
@@ -184,12 +186,12 @@ def test_resume_auto_passes_over_a_checkpoint_whose_file_fails_its_checksum(tmp_
 # --------------------------------------------------------------------------- real launches on one process
 
 BASE = (
-    "train.max_steps=4",
-    "train.save_every=1",
-    "train.keep_checkpoints=0",
-    "train.ttt_steps=2",
-    "train.warmup_steps=2",
-    "train.lr=3e-3",
+    "train.schedule.max_steps=4",
+    "train.checkpoint.save_every=1",
+    "train.checkpoint.keep_checkpoints=0",
+    "train.objective.ttt_steps=2",
+    "train.schedule.warmup_steps=2",
+    "train.optimizer.lr=3e-3",
 )
 
 
@@ -224,15 +226,19 @@ def test_a_resume_runs_this_configs_rate_and_the_record_says_so(trained, tmp_pat
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     assert adam_rate(run / "ckpt" / "step-2", run / "ckpt" / "step-3", 3) == pytest.approx(3e-3, rel=1e-3)
-    r = launch(run, *BASE, "train.lr=0.3", procs=1, extra=("--resume", str(run / "ckpt" / "step-2")))
+    r = launch(run, *BASE, "train.optimizer.lr=0.3", procs=1, extra=("--resume", str(run / "ckpt" / "step-2")))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "resume: this config's train.lr 0.3 (the checkpoint ran 0.003) apply from step 3" in r.stdout
+    assert "resume: this config's train.optimizer.lr 0.3 (the checkpoint ran 0.003) apply from step 3" in r.stdout
     rows = {m["step"]: m for m in metrics(run)}
     assert rows[3]["lr"] == pytest.approx(0.3) and rows[4]["lr"] == pytest.approx(0.3 * 0.55)  # cosine, 2 of 4 steps
     assert adam_rate(run / "ckpt" / "step-2", run / "ckpt" / "step-3", 3) == pytest.approx(0.3, rel=1e-3)
     record = yaml.safe_load((run / "config.yaml").read_text())["stages"]["train"]
-    assert record["config"]["train"]["lr"] == 0.3
-    assert record["resumed"] == {"from": str(run / "ckpt" / "step-2"), "step": 2, "changed": {"train.lr": [3e-3, 0.3]}}
+    assert record["config"]["train"]["optimizer"]["lr"] == 0.3
+    assert record["resumed"] == {
+        "from": str(run / "ckpt" / "step-2"),
+        "step": 2,
+        "changed": {"train.optimizer.lr": [3e-3, 0.3]},
+    }
 
 
 @pytest.mark.slow
@@ -263,7 +269,7 @@ def test_a_diverging_loss_is_named_and_a_non_finite_one_names_the_last_good_chec
     manifest = json.loads((run / "features" / "manifest.json").read_text())
     manifest["shards"][0]["sha256"] = _sha256(shard)
     (run / "features" / "manifest.json").write_text(json.dumps(manifest))
-    r = launch(run, *BASE, "train.lr=10", "train.max_steps=6", procs=1)
+    r = launch(run, *BASE, "train.optimizer.lr=10", "train.schedule.max_steps=6", procs=1)
     assert r.returncode != 0
     first = metrics(run)[0]["loss"]
     warning = re.search(

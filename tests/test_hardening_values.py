@@ -21,10 +21,10 @@ TINY = REPO / "configs/tiny.yaml"
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("train.lr=.inf", "train.lr must be a finite number, got inf"),
-        ("train.lr=1e39", "train.lr must be <= 10, got 1e+39"),
-        ("train.lr=.nan", "train.lr must be positive, got nan"),
-        ("train.max_grad_norm=.inf", "train.max_grad_norm must be a finite number, got inf"),
+        ("train.optimizer.lr=.inf", "train.optimizer.lr must be a finite number, got inf"),
+        ("train.optimizer.lr=1e39", "train.optimizer.lr must be <= 10, got 1e+39"),
+        ("train.optimizer.lr=.nan", "train.optimizer.lr must be positive, got nan"),
+        ("train.optimizer.max_grad_norm=.inf", "train.optimizer.max_grad_norm must be a finite number, got inf"),
         ("harvest.sglang.timeout_s=.inf", "harvest.sglang.timeout_s must be a finite number, got inf"),
         ("bench.temperature=-.inf", "bench.temperature must be >= 0, got -inf"),
     ],
@@ -33,7 +33,7 @@ def test_config_refuses_non_finite_and_absurd_rates_naming_the_key(override, mes
     with pytest.raises(ConfigError) as e:
         load_config(TINY, [override])
     assert str(e.value) == message
-    load_config(TINY, ["train.lr=10"])  # the largest rate let through
+    load_config(TINY, ["train.optimizer.lr=10"])  # the largest rate let through
 
 
 def nan_drafter():

@@ -76,7 +76,7 @@ def _watch(cmd: list[str]) -> tuple[subprocess.CompletedProcess, dict[int, set[s
 def test_a_one_machine_launch_listens_on_loopback_only(tmp_path, path):
     run = tmp_path / "run"
     write_store(run, n_train=4, n_heldout=1)
-    cmd = launch_cmd(run, "train.max_steps=2")
+    cmd = launch_cmd(run, "train.schedule.max_steps=2")
     if path != "eagle3ft-train":
         i = cmd.index("--main_process_port")
         cmd[i:i] = ["--rdzv_backend", "eagle3ft-loopback"]

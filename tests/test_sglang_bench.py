@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from eagle3ft.config import REPO_ROOT, load_config
+from eagle3ft.data.render import load_prompt_sets
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import export_drafter
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.bench import schedule
-from eagle3ft.eval.bench.prompts import load_prompt_sets
 from eagle3ft.eval.bench.sglang_backend import SGLangBackend, run_concurrency
 from eagle3ft.eval.bench.sglang_requests import accept_lengths_from
 from eagle3ft.eval.decode.speculate import SpeculativeDecoder
@@ -183,6 +183,26 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
     )
     assert json.loads((tmp_path / "bench/concurrency.json").read_text())["levels"]["2"]["3/1/4"]["runs"]
     backend.close()
+
+
+def test_eagle3ft_bench_runs_the_concurrency_sweep(doubles, tmp_path, capsys, monkeypatch):
+    """`eagle3ft bench --set bench.concurrency=[1,2]`: the bench, its economics, then the levels above 1."""
+    from eagle3ft.commands import main
+
+    monkeypatch.setattr(sys, "argv", ["eagle3ft"])  # main names the stage there
+    base, spec = doubles
+    sets = BENCH + [f"bench.sglang.baseline_url={base.url}", f"bench.sglang.speculative_url={spec.url}"]
+    sets += ["bench.concurrency=[1,2]", "bench.repetitions=1"]
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(
+            ["bench", "--config", str(REPO_ROOT / "configs/tiny.yaml"), "--run-dir", str(run)]
+            + sum((["--set", x] for x in sets), [])
+        )
+    assert e.value.code in (0, None), capsys.readouterr().err[-2000:]
+    levels = json.loads((run / "bench/concurrency.json").read_text())["levels"]
+    assert list(levels) == ["2"] and levels["2"]["3/1/4"]["tok_s"]["median"] > 0
+    assert (run / "bench/summary.json").is_file() and (run / "bench/economics.json").is_file()
 
 
 def test_speculative_url_serves_only_its_setting(tiny, doubles, tmp_path):

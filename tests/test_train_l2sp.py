@@ -25,8 +25,14 @@ from eagle3ft.train.ttt import TTTObjective
 
 TINY = REPO / "configs/tiny.yaml"
 LAM = 0.5
-COMMON = ("train.warmup_steps=2", "train.lr=3e-3", "train.save_every=2", "train.ttt_steps=3", "train.max_steps=4")
-Z3 = "train.deepspeed=configs/deepspeed/zero3.json"
+COMMON = (
+    "train.schedule.warmup_steps=2",
+    "train.optimizer.lr=3e-3",
+    "train.checkpoint.save_every=2",
+    "train.objective.ttt_steps=3",
+    "train.schedule.max_steps=4",
+)
+Z3 = "train.engine.deepspeed=configs/deepspeed/zero3.json"
 
 
 def metrics(run: Path) -> list[dict]:

@@ -17,11 +17,11 @@ from eagle3ft.train.loop import OutOfMemoryHint, oom_hint, run_training
 
 TINY = REPO / "configs/tiny.yaml"
 COMMON = (
-    "train.warmup_steps=2",
-    "train.lr=3e-3",
-    "train.save_every=2",
-    "train.keep_checkpoints=2",
-    "train.ttt_steps=3",
+    "train.schedule.warmup_steps=2",
+    "train.optimizer.lr=3e-3",
+    "train.checkpoint.save_every=2",
+    "train.checkpoint.keep_checkpoints=2",
+    "train.objective.ttt_steps=3",
 )
 
 
@@ -79,7 +79,7 @@ def test_out_of_memory_gets_a_hint():
 def straight(tmp_path_factory):
     run = tmp_path_factory.mktemp("straight")
     write_store(run)
-    ok(launch(run, "train.max_steps=6", *COMMON))
+    ok(launch(run, "train.schedule.max_steps=6", *COMMON))
     return run
 
 
@@ -102,7 +102,7 @@ def test_two_ranks_split_the_data_and_a_run_leaves_checkpoints_and_export(straig
         assert (r["phase_s"]["between"] > 0) == (r["step"] % 2 == 0), r
     assert sorted(p.name for p in (straight / "ckpt").iterdir()) == ["step-4", "step-6"]  # keep 2
     state = json.loads((straight / "ckpt" / "step-6" / "trainer_state.json").read_text())
-    assert state["step"] == 6 and state["config"]["train"]["max_steps"] == 6
+    assert state["step"] == 6 and state["config"]["train"]["schedule"]["max_steps"] == 6
     exported = load_file(straight / "export" / "model.safetensors")
     assert set(exported) == set(export_keys())
     data = json.loads((straight / "train" / "data.json").read_text())  # what it trained on: tau_curve's x
@@ -116,7 +116,7 @@ def test_two_ranks_split_the_data_and_a_run_leaves_checkpoints_and_export(straig
 def test_loader_workers_give_the_same_batches_and_losses(straight, tmp_path):
     """train.num_workers (2 by default on CUDA) loads in worker processes: the same samples, the same losses."""
     write_store(tmp_path)
-    ok(launch(tmp_path, "train.max_steps=3", "train.num_workers=2", *COMMON))
+    ok(launch(tmp_path, "train.schedule.max_steps=3", "train.data.num_workers=2", *COMMON))
     for a, b in zip(metrics(tmp_path), metrics(straight)[:3], strict=True):
         assert (a["samples"], a["loss"], a["step_loss"]) == (b["samples"], b["loss"], b["step_loss"])
 
@@ -124,9 +124,9 @@ def test_loader_workers_give_the_same_batches_and_losses(straight, tmp_path):
 @pytest.mark.slow
 def test_resume_gives_the_same_losses_as_a_straight_run(straight, tmp_path):
     write_store(tmp_path)
-    ok(launch(tmp_path, "train.max_steps=6", "train.stop_after=4", *COMMON))
+    ok(launch(tmp_path, "train.schedule.max_steps=6", "train.schedule.stop_after=4", *COMMON))
     assert not (tmp_path / "export").exists()  # stopped early: checkpoint only
-    ok(launch(tmp_path, "train.max_steps=6", *COMMON, extra=("--resume", "auto")))
+    ok(launch(tmp_path, "train.schedule.max_steps=6", *COMMON, extra=("--resume", "auto")))
     resumed, ref = metrics(tmp_path), metrics(straight)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(resumed, ref):  # the same processes, the same order of sums: bit-identical
@@ -145,7 +145,7 @@ def test_resume_gives_the_same_losses_as_a_straight_run(straight, tmp_path):
 @pytest.mark.slow
 def test_zero3_trains_like_zero2_and_exports_whole_weights(straight, tmp_path):
     write_store(tmp_path)
-    ok(launch(tmp_path, "train.max_steps=6", *COMMON, "train.deepspeed=configs/deepspeed/zero3.json"))
+    ok(launch(tmp_path, "train.schedule.max_steps=6", *COMMON, "train.engine.deepspeed=configs/deepspeed/zero3.json"))
     for a, b in zip(metrics(tmp_path), metrics(straight)):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
     z3, z2 = load_file(tmp_path / "export" / "model.safetensors"), load_file(straight / "export" / "model.safetensors")
@@ -164,7 +164,7 @@ def test_zero3_trains_like_zero2_and_exports_whole_weights(straight, tmp_path):
 def test_warm_start_keeps_the_drafters_vocab_and_exports_every_key(tmp_path):
     write_store(tmp_path)
     init = write_k2_like(tmp_path / "k2")
-    r = launch(tmp_path, f"drafter.init={tmp_path / 'k2'}", "train.max_steps=2", *COMMON, procs=1)
+    r = launch(tmp_path, f"drafter.init={tmp_path / 'k2'}", "train.schedule.max_steps=2", *COMMON, procs=1)
     ok(r)
     out = load_file(tmp_path / "export" / "model.safetensors")
     assert set(out) == set(init) == set(export_keys())
@@ -197,7 +197,7 @@ def test_non_finite_loss_stops_naming_step_and_sample(tmp_path):
     manifest = json.loads((tmp_path / "features" / "manifest.json").read_text())
     manifest["shards"][0]["sha256"] = _sha256(shard)
     (tmp_path / "features" / "manifest.json").write_text(json.dumps(manifest))
-    r = launch(tmp_path, "train.max_steps=4", *COMMON, procs=1)
+    r = launch(tmp_path, "train.schedule.max_steps=4", *COMMON, procs=1)
     assert r.returncode != 0
     assert "non-finite loss at step" in r.stderr and "[[2]]" in r.stderr, r.stderr[-3000:]
 

@@ -60,7 +60,7 @@ def run(tmp_path_factory):
 
 
 def cfg(*overrides):
-    return load_config(TINY, ["train.features=online", "train.micro_batch_size=3", *overrides])
+    return load_config(TINY, ["train.data.features=online", "train.batch.micro_batch_size=3", *overrides])
 
 
 def batches(run, *overrides):
@@ -83,7 +83,7 @@ def test_answer_loops_hand_values():
 
 def test_loop_weight_one_leaves_batches_unchanged(run):
     _, plain = batches(run)
-    data, one = batches(run, "train.loop_weight=1.0")
+    data, one = batches(run, "train.objective.loop_weight=1.0")
     assert data.loop_tokens is None and len(plain) == len(one) == 1
     assert sorted(one[0].tensors) == sorted(plain[0].tensors) and "loss_weight" not in one[0].tensors
     for key, want in plain[0].tensors.items():
@@ -93,7 +93,7 @@ def test_loop_weight_one_leaves_batches_unchanged(run):
 
 
 def test_loop_weight_zero_cuts_exactly_the_loop_tokens(run):
-    data, cut = batches(run, "train.loop_weight=0")
+    data, cut = batches(run, "train.objective.loop_weight=0")
     assert data.loop_tokens == 20 and "loss_weight" not in cut[0].tensors
     for s, got in by_sample(cut[0], "loss_mask").items():
         want = list(SAMPLES[s][1])
@@ -103,7 +103,7 @@ def test_loop_weight_zero_cuts_exactly_the_loop_tokens(run):
 
 
 def test_fractional_loop_weight_weights_the_loop_tokens(run):
-    data, weighted = batches(run, "train.loop_weight=0.25")
+    data, weighted = batches(run, "train.objective.loop_weight=0.25")
     assert data.loop_tokens == 20
     t = weighted[0].tensors
     for s, got in by_sample(weighted[0], "loss_mask").items():
@@ -139,7 +139,7 @@ def test_weighted_loss_is_the_weighted_mean_of_the_two_parts():
 
 
 def test_data_summary_gives_the_loop_tokens_and_their_share(run, tmp_path, capsys):
-    data = TrainData(cfg("train.loop_weight=0.5"), run)
+    data = TrainData(cfg("train.objective.loop_weight=0.5"), run)
     log = tmp_path / "train" / "metrics.jsonl"
     fake = SimpleNamespace(
         cfg=data.cfg, dist=SimpleNamespace(print=print), metrics_file=log, step=0, data=data, total=1
@@ -154,12 +154,12 @@ def test_data_summary_gives_the_loop_tokens_and_their_share(run, tmp_path, capsy
 @pytest.mark.parametrize("bad", ["-0.1", "1.5"])
 def test_loop_weight_outside_0_1_is_refused(bad):
     with pytest.raises(ConfigError, match="loop_weight must be"):
-        cfg(f"train.loop_weight={bad}")
+        cfg(f"train.objective.loop_weight={bad}")
 
 
 def test_packed_rows_carry_the_weights(run):
     """Packed micro-batches (train.pack_tokens) carry loss_weight as the padded ones do: 0 on the padding."""
-    _, packed = batches(run, "train.loop_weight=0.25", "train.pack_tokens=256")
+    _, packed = batches(run, "train.objective.loop_weight=0.25", "train.batch.pack_tokens=256")
     answers = sum(sum(mask) for _, mask in SAMPLES)
     assert len(packed) == 1 and packed[0].tensors["loss_weight"].shape == (1, 256)
     assert packed[0].tensors["loss_weight"].sum().item() == pytest.approx(answers - 20 + 20 * 0.25)

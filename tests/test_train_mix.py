@@ -54,7 +54,7 @@ def test_a_source_is_drawn_as_often_as_its_weight(run):
 
 
 def test_packed_bins_hold_the_weighted_draws(run):
-    d = data(run, 2, "train.pack_tokens=64")
+    d = data(run, 2, "train.batch.pack_tokens=64")
     assert Counter(i for b in d.bins(0) for i in b) == Counter(d.order(0))
 
 

@@ -213,8 +213,15 @@ def test_a_warm_start_grown_by_a_layer_trains_from_the_drafters_loss_and_exports
         run = runs[layers] = tmp_path / f"layers-{layers}"
         write_store(run)
         write_k2_like(run / "k2")
-        over = (f"drafter.init={run / 'k2'}", f"drafter.num_hidden_layers={layers}", "train.max_steps=2")
-        r = launch(run, *over, "train.warmup_steps=1", "train.lr=3e-3", "train.ttt_steps=3", procs=1)
+        over = (f"drafter.init={run / 'k2'}", f"drafter.num_hidden_layers={layers}", "train.schedule.max_steps=2")
+        r = launch(
+            run,
+            *over,
+            "train.schedule.warmup_steps=1",
+            "train.optimizer.lr=3e-3",
+            "train.objective.ttt_steps=3",
+            procs=1,
+        )
         assert r.returncode == 0, r.stderr[-4000:]
     first = [json.loads((runs[n] / "train/metrics.jsonl").read_text().splitlines()[0])["loss"] for n in (1, 2)]
     assert first[1] == pytest.approx(first[0], rel=1e-6)
@@ -290,8 +297,15 @@ def test_a_warm_start_grown_in_vocab_trains_and_exports_it(tmp_path):
     vocab hold the drafter's 256 tokens and 128 more of the training answers', and every lm_head row trained."""
     write_store(tmp_path)
     init = write_k2_like(tmp_path / "k2")
-    over = (f"drafter.init={tmp_path / 'k2'}", "drafter.draft_vocab_size=384", "train.max_steps=2")
-    r = launch(tmp_path, *over, "train.warmup_steps=1", "train.lr=3e-3", "train.ttt_steps=3", procs=1)
+    over = (f"drafter.init={tmp_path / 'k2'}", "drafter.draft_vocab_size=384", "train.schedule.max_steps=2")
+    r = launch(
+        tmp_path,
+        *over,
+        "train.schedule.warmup_steps=1",
+        "train.optimizer.lr=3e-3",
+        "train.objective.ttt_steps=3",
+        procs=1,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     out = load_file(tmp_path / "export/model.safetensors")
     assert out["lm_head.weight"].shape[0] == 384 and out["d2t"].shape == (384,)

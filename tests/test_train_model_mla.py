@@ -213,7 +213,13 @@ def test_ttt_loss_falls_on_the_tiny_mla_drafter():
 
 @pytest.mark.slow
 def test_finetune_entry_trains_exports_and_warm_starts_keeping_the_vocab(tmp_path):
-    common = ("train.warmup_steps=1", "train.lr=3e-3", "train.ttt_steps=2", "train.max_steps=3", "train.save_every=100")
+    common = (
+        "train.schedule.warmup_steps=1",
+        "train.optimizer.lr=3e-3",
+        "train.objective.ttt_steps=2",
+        "train.schedule.max_steps=3",
+        "train.checkpoint.save_every=100",
+    )
     write_store(tmp_path / "a")
     r = launch(tmp_path / "a", f"drafter.config={TINY_MLA}", *common, procs=1)
     assert r.returncode == 0, r.stderr[-4000:]

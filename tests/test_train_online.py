@@ -57,10 +57,12 @@ def epoch_batches(cfg, run, epoch=0, skip=0):
 # --------------------------------------------------------------------------- online == offline
 
 
-@pytest.mark.parametrize("layout", [("train.micro_batch_size=3",), ("train.pack_tokens=96", "train.max_len=80")])
+@pytest.mark.parametrize(
+    "layout", [("train.batch.micro_batch_size=3",), ("train.batch.pack_tokens=96", "train.batch.max_len=80")]
+)
 def test_online_batches_equal_the_stores(harvested, layout):
     offline = epoch_batches(tiny_cfg(*layout), harvested)
-    online = epoch_batches(tiny_cfg("train.features=online", *layout), harvested)
+    online = epoch_batches(tiny_cfg("train.data.features=online", *layout), harvested)
     assert len(offline) == len(online) > 1
     for off, on in zip(offline, online):
         assert on.sample_ids == off.sample_ids and on.tokens == off.tokens
@@ -96,10 +98,10 @@ def test_online_fp8_aux_equals_an_fp8_store(harvested, tmp_path_factory):
     and aux layer), not the bf16 ones."""
     fp8_run = tmp_path_factory.mktemp("online-fp8")
     run_harvest(tiny_cfg("harvest.aux_dtype=fp8"), fp8_run)
-    layout = ("train.pack_tokens=96", "train.max_len=80")
+    layout = ("train.batch.pack_tokens=96", "train.batch.max_len=80")
     stored = epoch_batches(tiny_cfg("harvest.aux_dtype=fp8", *layout), fp8_run)
-    online = epoch_batches(tiny_cfg("harvest.aux_dtype=fp8", "train.features=online", *layout), fp8_run)
-    online_bf16 = epoch_batches(tiny_cfg("train.features=online", *layout), fp8_run)
+    online = epoch_batches(tiny_cfg("harvest.aux_dtype=fp8", "train.data.features=online", *layout), fp8_run)
+    online_bf16 = epoch_batches(tiny_cfg("train.data.features=online", *layout), fp8_run)
     real = torch.cat([b.tensors["attention_mask"].reshape(-1).bool() for b in stored])
     aux = {
         name: torch.cat([b.tensors["aux_hidden"].reshape(-1, b.tensors["aux_hidden"].shape[-1]) for b in run])[real]
@@ -113,7 +115,7 @@ def test_online_fp8_aux_equals_an_fp8_store(harvested, tmp_path_factory):
 def test_max_answer_tokens_takes_nested_seeded_subsets(harvested):
     """train.max_answer_tokens: whole samples of one seeded order until their answer tokens reach the limit; the
     subset of a smaller limit lies inside that of a larger one, and training sees only the subset."""
-    full = TrainData(tiny_cfg("train.micro_batch_size=1"), harvested)
+    full = TrainData(tiny_cfg("train.batch.micro_batch_size=1"), harvested)
     assert (
         full.answer_tokens
         == full.all_answer_tokens
@@ -121,7 +123,7 @@ def test_max_answer_tokens_takes_nested_seeded_subsets(harvested):
     )
     ids = {}
     for limit in (1, full.all_answer_tokens // 2, 10**9):
-        data = TrainData(tiny_cfg("train.micro_batch_size=1", f"train.max_answer_tokens={limit}"), harvested)
+        data = TrainData(tiny_cfg("train.batch.micro_batch_size=1", f"train.data.max_answer_tokens={limit}"), harvested)
         ids[limit] = {data.dataset[i]["sample_id"] for i in range(len(data))}
         assert data.all_answer_tokens == full.all_answer_tokens
         assert data.answer_tokens == sum(int(data.dataset[i]["loss_mask"].sum()) for i in range(len(data)))
@@ -130,7 +132,7 @@ def test_max_answer_tokens_takes_nested_seeded_subsets(harvested):
     assert len(ids[1]) == 1 and ids[1] < ids[half] < ids[10**9]
     assert len(ids[10**9]) == len(full)
     with pytest.raises(ValueError, match="max_answer_tokens must be positive"):
-        TrainData(tiny_cfg("train.max_answer_tokens=0"), harvested)
+        TrainData(tiny_cfg("train.data.max_answer_tokens=0"), harvested)
 
 
 def test_online_reads_the_token_store_when_there_is_one(harvested, tmp_path):
@@ -139,7 +141,7 @@ def test_online_reads_the_token_store_when_there_is_one(harvested, tmp_path):
     save_vocab(
         tmp_path / "vocab.safetensors", *build_vocab(torch.zeros(49152, dtype=torch.int64), 512)
     )  # as from an empty train split
-    cfg = tiny_cfg("train.features=online", "train.micro_batch_size=2")
+    cfg = tiny_cfg("train.data.features=online", "train.batch.micro_batch_size=2")
     data = TrainData(cfg, tmp_path)
     assert data.where == str(tmp_path / "tokens") and data.store is None
     for new, harvest in zip(load_vocab(tmp_path / "vocab.safetensors"), load_vocab(harvested / "vocab.safetensors")):
@@ -147,7 +149,7 @@ def test_online_reads_the_token_store_when_there_is_one(harvested, tmp_path):
             new, harvest
         )  # rewritten from the tokens it trains on: the harvest's counts of the same samples
     got = next(iter(data.epoch(OneRank(), 0)))
-    want = next(iter(TrainData(tiny_cfg("train.micro_batch_size=2"), harvested).epoch(OneRank(), 0)))
+    want = next(iter(TrainData(tiny_cfg("train.batch.micro_batch_size=2"), harvested).epoch(OneRank(), 0)))
     assert got.sample_ids == want.sample_ids
     torch.testing.assert_close(got.tensors["topk_logprobs"], want.tensors["topk_logprobs"], rtol=1e-4, atol=1e-5)
 
@@ -157,9 +159,10 @@ def test_more_token_stores_train_after_run_tokens_and_must_match_its_identity(ha
     prompts); one of another target is refused, and so is the key without online training."""
     write_tokens(tmp_path / "run", harvested)
     write_tokens(tmp_path / "second", harvested)
-    one = TrainData(tiny_cfg("train.features=online"), tmp_path / "run")
+    one = TrainData(tiny_cfg("train.data.features=online"), tmp_path / "run")
     both = TrainData(
-        tiny_cfg("train.features=online", f"train.more_tokens=[{tmp_path / 'second' / 'tokens'}]"), tmp_path / "run"
+        tiny_cfg("train.data.features=online", f"train.data.more_tokens=[{tmp_path / 'second' / 'tokens'}]"),
+        tmp_path / "run",
     )
     assert len(both) == 2 * len(one) and both.answer_tokens == 2 * one.answer_tokens
     assert [both.dataset[i]["input_ids"].tolist() for i in range(len(one), len(both))] == [
@@ -171,21 +174,23 @@ def test_more_token_stores_train_after_run_tokens_and_must_match_its_identity(ha
     m["identity"] = {"target": "another"}
     manifest.write_text(json.dumps(m))
     with pytest.raises(StoreError, match="another target"):
-        TrainData(tiny_cfg("train.features=online", f"train.more_tokens=[{manifest.parent}]"), tmp_path / "run")
+        TrainData(
+            tiny_cfg("train.data.features=online", f"train.data.more_tokens=[{manifest.parent}]"), tmp_path / "run"
+        )
     with pytest.raises(ValueError, match="online training only"):
-        TrainData(tiny_cfg(f"train.more_tokens=[{manifest.parent}]"), harvested)
+        TrainData(tiny_cfg(f"train.data.more_tokens=[{manifest.parent}]"), harvested)
 
 
 def test_online_without_any_store_names_both(tmp_path):
     with pytest.raises(Exception, match="neither a token store"):
-        TrainData(tiny_cfg("train.features=online"), tmp_path)
+        TrainData(tiny_cfg("train.data.features=online"), tmp_path)
 
 
 def test_bad_train_features_and_pack_tokens_are_refused(harvested):
     with pytest.raises(ValueError, match="train.features: 'disk' is not one of offline, online"):
-        tiny_cfg("train.features=disk")
+        tiny_cfg("train.data.features=disk")
     with pytest.raises(ValueError, match="train.pack_tokens must be positive"):
-        TrainData(tiny_cfg("train.pack_tokens=0"), harvested)
+        TrainData(tiny_cfg("train.batch.pack_tokens=0"), harvested)
 
 
 # --------------------------------------------------------------------------- packing
@@ -284,13 +289,13 @@ def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
     """2 CPU ranks, online features from a token store alone (its vocab built on the way), packed rows: each rank
     its own bins; a stop + resume sees the same samples."""
     common = (
-        "train.features=online",
-        "train.pack_tokens=128",
-        "train.max_len=96",
-        "train.max_steps=4",
-        "train.save_every=2",
-        "train.warmup_steps=1",
-        "train.ttt_steps=2",
+        "train.data.features=online",
+        "train.batch.pack_tokens=128",
+        "train.batch.max_len=96",
+        "train.schedule.max_steps=4",
+        "train.checkpoint.save_every=2",
+        "train.schedule.warmup_steps=1",
+        "train.objective.ttt_steps=2",
     )
     straight, split = tmp_path / "straight", tmp_path / "split"
     for run in (straight, split):
@@ -307,7 +312,7 @@ def test_online_packed_training_runs_and_resumes_exactly(harvested, tmp_path):
         if x["step"] % 2 == 0:  # it runs between steps (no such span right after a checkpoint, every 2 steps)
             assert x["online_prefill_s"] <= x["phase_s"]["between"], x
     assert (straight / "export" / "model.safetensors").is_file() and (straight / "vocab.safetensors").is_file()
-    r = launch(split, *common, "train.stop_after=2")
+    r = launch(split, *common, "train.schedule.stop_after=2")
     assert r.returncode == 0, r.stderr[-4000:]
     r = launch(split, *common, extra=("--resume", "auto"))
     assert r.returncode == 0, r.stderr[-4000:]
@@ -323,7 +328,7 @@ def test_online_heldout_tau_equals_the_offline_one(harvested):
 
     results = []
     for mode in ("offline", "online"):
-        cfg = tiny_cfg(f"train.features={mode}", "train.micro_batch_size=2")
+        cfg = tiny_cfg(f"train.data.features={mode}", "train.batch.micro_batch_size=2")
         data = TrainData(cfg, harvested)
         ds, _, features, _ = data.heldout(torch.device("cpu"))
         assert len(ds) == 2 and (features is None) == (mode == "offline")

@@ -32,14 +32,14 @@ from eagle3ft.train.checkpoint import (
 )
 
 COMMON = (
-    "train.warmup_steps=2",
-    "train.lr=3e-3",
-    "train.save_every=2",
-    "train.keep_checkpoints=3",
-    "train.ttt_steps=3",
-    "train.max_steps=6",
+    "train.schedule.warmup_steps=2",
+    "train.optimizer.lr=3e-3",
+    "train.checkpoint.save_every=2",
+    "train.checkpoint.keep_checkpoints=3",
+    "train.objective.ttt_steps=3",
+    "train.schedule.max_steps=6",
 )
-ONE_PROC = ("train.grad_accum=2",)  # 1 process x 2 micro-batches = the 2-process step
+ONE_PROC = ("train.batch.grad_accum=2",)  # 1 process x 2 micro-batches = the 2-process step
 
 
 def metrics(run: Path) -> list[dict]:
@@ -204,7 +204,7 @@ def straight(tmp_path_factory):
     ok(launch(run, *COMMON))
     stopped = tmp_path_factory.mktemp("stopped")
     write_store(stopped)
-    ok(launch(stopped, *COMMON, "train.stop_after=4"))
+    ok(launch(stopped, *COMMON, "train.schedule.stop_after=4"))
     return run, stopped
 
 
@@ -279,7 +279,7 @@ def test_two_processes_resume_on_one_and_continue_the_straight_run(straight, tmp
 def test_one_process_resumes_on_two(straight, tmp_path):
     ref, _ = straight
     write_store(tmp_path)
-    ok(launch(tmp_path, *COMMON, *ONE_PROC, "train.stop_after=4", procs=1))
+    ok(launch(tmp_path, *COMMON, *ONE_PROC, "train.schedule.stop_after=4", procs=1))
     ok(launch(tmp_path, *COMMON, extra=("--resume", "auto")))
     resumed, straight_rows = metrics(tmp_path), metrics(ref)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
@@ -293,8 +293,8 @@ def test_one_process_resumes_on_two(straight, tmp_path):
 def test_zero3_checkpoint_from_two_processes_resumes_on_one(straight, tmp_path):
     ref, _ = straight
     write_store(tmp_path)
-    z3 = "train.deepspeed=configs/deepspeed/zero3.json"
-    ok(launch(tmp_path, *COMMON, z3, "train.stop_after=4"))
+    z3 = "train.engine.deepspeed=configs/deepspeed/zero3.json"
+    ok(launch(tmp_path, *COMMON, z3, "train.schedule.stop_after=4"))
     ok(launch(tmp_path, *COMMON, z3, *ONE_PROC, procs=1, extra=("--resume", "auto")))
     resumed, straight_rows = metrics(tmp_path), metrics(ref)
     assert [len(r["samples"]) for r in resumed] == [2, 2, 2, 2, 1, 1]
@@ -310,7 +310,7 @@ def test_zero3_checkpoint_from_two_processes_resumes_on_one(straight, tmp_path):
 def test_a_position_that_does_not_split_over_the_processes_is_refused(straight, tmp_path):
     _, stopped = straight
     run = copy_run(stopped, tmp_path / "run")  # 8 samples consumed; 2 processes x micro batch 3 = rounds of 6
-    r = launch(run, *COMMON, "train.micro_batch_size=3", extra=("--resume", "auto"))
+    r = launch(run, *COMMON, "train.batch.micro_batch_size=3", extra=("--resume", "auto"))
     assert r.returncode != 0
     assert "8 samples of epoch 0 consumed do not split into rounds of 6" in r.stderr, r.stderr[-3000:]
 
@@ -334,12 +334,12 @@ def test_a_finished_run_is_never_restarted_silently_and_overwrite_starts_it_over
     ref, _ = straight
     run = copy_run(ref, tmp_path / "run")
     before = {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
-    r = launch(run, *COMMON, "train.max_steps=2")
+    r = launch(run, *COMMON, "train.schedule.max_steps=2")
     assert r.returncode != 0 and r.stderr.count("finetune.py: error: ") == 1, r.stderr[-3000:]  # from rank 0 alone
     outputs = "ckpt/step-2, ckpt/step-4, ckpt/step-6, export, export-best, train/metrics.jsonl, train/data.json"
     assert f"finetune.py: error: {run} already holds a training run ({outputs})" in r.stderr
     assert {p.relative_to(run): p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == before
-    r = launch(run, *COMMON, "train.max_steps=2", extra=("--overwrite",))
+    r = launch(run, *COMMON, "train.schedule.max_steps=2", extra=("--overwrite",))
     ok(r)
     assert f"--overwrite: removed {outputs} of {run}" in r.stderr
     assert sorted(p.name for p in (run / "ckpt").iterdir()) == ["step-2"]  # none of the old run's checkpoints
@@ -390,7 +390,12 @@ def test_killing_the_launchers_process_group_leaves_no_rank_and_the_lock_is_take
     write_store(tmp_path)
     log = open(tmp_path / "launch.log", "w")
     p = subprocess.Popen(
-        launch_cmd(tmp_path, "train.max_steps=100000", "train.save_every=100000", "train.ttt_steps=3"),
+        launch_cmd(
+            tmp_path,
+            "train.schedule.max_steps=100000",
+            "train.checkpoint.save_every=100000",
+            "train.objective.ttt_steps=3",
+        ),
         cwd=REPO,
         stdout=log,
         stderr=log,
@@ -418,7 +423,7 @@ def test_killing_the_launchers_process_group_leaves_no_rank_and_the_lock_is_take
         log.close()
     assert (tmp_path / LOCK_NAME).exists()  # the killed rank 0 could not remove it: stale
     r = subprocess.run(
-        launch_cmd(tmp_path, "train.max_steps=1", "train.ttt_steps=3", procs=1) + ["--overwrite"],
+        launch_cmd(tmp_path, "train.schedule.max_steps=1", "train.objective.ttt_steps=3", procs=1) + ["--overwrite"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -441,7 +446,7 @@ def test_a_second_training_on_a_locked_run_folder_stops_naming_the_owner(tmp_pat
             "started": "2026-11-30T10:00:00+0000",
         }
         (tmp_path / LOCK_NAME).write_text(json.dumps(owner))
-        r = launch(tmp_path, "train.max_steps=1", "train.ttt_steps=3")
+        r = launch(tmp_path, "train.schedule.max_steps=1", "train.objective.ttt_steps=3")
         assert r.returncode != 0
         assert f"finetune: error: {tmp_path} is in use by harvest (pid {holder.pid} on {owner['host']}" in r.stderr, (
             r.stderr[-3000:]

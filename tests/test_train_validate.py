@@ -95,12 +95,12 @@ def test_loop_logs_heldout_tau_and_keeps_the_best_export(tmp_path):
     write_store(tmp_path, n_train=12, n_heldout=3)
     r = launch(
         tmp_path,
-        "train.max_steps=5",
-        "train.eval_every=2",
-        "train.log_every=4",
-        "train.save_every=10",
-        "train.warmup_steps=1",
-        "train.loss=lk_hybrid",
+        "train.schedule.max_steps=5",
+        "train.heldout.eval_every=2",
+        "train.logging.log_every=4",
+        "train.checkpoint.save_every=10",
+        "train.schedule.warmup_steps=1",
+        "train.objective.loss=lk_hybrid",
         f"drafter.config={tmp_path / 'tiny31.json'}",
         "drafter.norm_output=true",
     )
@@ -208,12 +208,12 @@ def test_loop_gives_tau_per_heldout_set_and_keeps_the_best_by_the_named_mix(tmp_
     r = launch(
         tmp_path,
         f"harvest.sources={SOURCES}",
-        "train.max_steps=6",
-        "train.eval_every=2",
-        "train.save_every=10",
-        "train.warmup_steps=1",
-        "train.eval_samples=2",
-        "train.best_on={chat: 1}",
+        "train.schedule.max_steps=6",
+        "train.heldout.eval_every=2",
+        "train.checkpoint.save_every=10",
+        "train.schedule.warmup_steps=1",
+        "train.heldout.eval_samples=2",
+        "train.heldout.best_on={chat: 1}",
     )
     assert r.returncode == 0, r.stderr[-4000:]
     assert "chosen on {'chat': 1.0}" in r.stdout

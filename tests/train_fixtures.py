@@ -98,7 +98,7 @@ def launch_cmd(
         "--run-dir",
         str(run_dir),
         "--set",
-        "train.wandb_mode=disabled",
+        "train.logging.wandb_mode=disabled",
     ]
     for o in overrides:
         cmd += ["--set", o]

@@ -14,8 +14,8 @@ import torch
 
 from eagle3ft.config import Config, resolve_path
 from eagle3ft.data.store import StoreError
-from eagle3ft.drafter.config import DrafterConfig, capture_points, check_drafter, check_drafter_folder
-from eagle3ft.drafter.export import load_drafter
+from eagle3ft.drafter.config import DrafterConfig, capture_points, check_drafter
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.drafter.model_mla import new_drafter
 from eagle3ft.drafter.vocab import grow_vocab, load_vocab, save_vocab
@@ -45,8 +45,8 @@ def _build_drafter(cfg: Config, run_dir: Path, target: dict, token_counts=None) 
 
     features = str(RunDir(run_dir).features_manifest)
     if cfg.drafter.init:
-        folder = resolve_path(cfg.drafter.init)
-        spec = check_drafter_folder(folder, target, "warm start", features)
+        init = DrafterFolder(resolve_path(cfg.drafter.init), "warm start").check(target, features)
+        folder, spec = init.path, init.config
         if (cfg.drafter.draft_vocab_size or spec.draft_vocab_size) < spec.draft_vocab_size:
             raise ValueError(
                 f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} < the warm-start drafter's "
@@ -59,7 +59,7 @@ def _build_drafter(cfg: Config, run_dir: Path, target: dict, token_counts=None) 
                     f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} "
                     f"({folder}/config.json; its layout is kept)"
                 )
-        model = load_drafter(folder, load_input_embedding(cfg.target)).float()
+        model = init.load(load_input_embedding(cfg.target)).float()
         model = grow_drafter(model, cfg.drafter.num_hidden_layers, folder)
         size = cfg.drafter.draft_vocab_size
         if size is None or size == model.config.draft_vocab_size:

@@ -36,6 +36,7 @@ import torch
 
 from eagle3ft.config import Config, resolve_path
 from eagle3ft.data.prompts import source_name
+from eagle3ft.data.sources import sample_sources
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate, dequantize_aux, quantize_aux
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
@@ -267,8 +268,6 @@ class TrainData:
             self.dataset, self.where = self.store.dataset("train"), str(self.store.dir)
             self.target, self.has_last_hidden = self.store.target, self.store.manifest.get("has_last_hidden", False)
             if weighted(cfg):  # a store harvested before the sources were recorded: found from the sample ids
-                from eagle3ft.data.harvest import sample_sources
-
                 names = sample_sources(self.store, cfg.harvest, "train")
             else:
                 names = self.store.sources("train")
@@ -312,14 +311,12 @@ class TrainData:
         """(held-out items, where they are, features, each item's source name): the feature store's held-out split
         offline (features None); online, the held-out token samples and the function that adds the target's features
         to a collated batch. The names are those the store recorded; train.best_on also finds them from the sample
-        ids in a feature store written before they were recorded (data/harvest.py sample_sources)."""
+        ids in a feature store written before they were recorded (data/sources.py sample_sources)."""
         if self.online is None:
             if self.store is None:
                 return [], str(RunDir(self.run_dir).features), None, []
             names = self.store.sources("heldout")
             if self.cfg.train.heldout.best_on and None in names:
-                from eagle3ft.data.harvest import sample_sources
-
                 names = sample_sources(self.store, self.cfg.harvest, "heldout")
             return self.store.dataset("heldout"), str(RunDir(self.run_dir).features), None, names
         ds, where, names = token_dataset(self.run_dir, self.store, "heldout")

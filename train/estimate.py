@@ -13,7 +13,7 @@ head's rows until the weight's last use, then concatenate one weight's rows for 
 the activations.
 The fp32 gradient DeepSpeed builds for the update (4 B per parameter, partitioned) lives only in the optimizer step,
 after the backward has freed the activations, so the peak holds the larger of the two, not their sum (the sum was
-14-19% above the H200's measured peaks at 1 and 2 GPUs; records: "Several GPUs (ZeRO) at K2 dimensions").
+14-19% above the measured peaks at 1 and 2 GPUs).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eagle3ft.config import Config, to_dict
-from eagle3ft.config_train import TrainConfig
+from eagle3ft.config_train import MISSING, TrainConfig, written_value
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.checkpoint import (
@@ -128,14 +128,14 @@ class Run:
 # batch: on a resume this invocation's values run from the next step (apply_rates), and resume() names each that
 # differs from the checkpoint's
 RESUME_APPLIES = (
-    "lr",
-    "weight_decay",
-    "warmup_steps",
-    "min_lr_ratio",
-    "max_steps",
-    "epochs",
-    "micro_batch_size",
-    "grad_accum",
+    "optimizer.lr",
+    "optimizer.weight_decay",
+    "schedule.warmup_steps",
+    "schedule.min_lr_ratio",
+    "schedule.max_steps",
+    "schedule.epochs",
+    "batch.micro_batch_size",
+    "batch.grad_accum",
 )
 
 
@@ -182,7 +182,11 @@ def resume(run: Run) -> dict | None:
         return None
     apply_rates(run)
     before, now = (st.get("config") or {}).get("train") or {}, to_dict(run.cfg.train)
-    changed = {f"train.{k}": [before[k], now[k]] for k in RESUME_APPLIES if k in before and before[k] != now[k]}
+    changed = {}
+    for key in RESUME_APPLIES:
+        old, new = written_value(before, key), written_value(now, key)
+        if old is not MISSING and old != new:
+            changed[f"train.{key}"] = [old, new]
     if changed:
         what = ", ".join(f"{k} {new!r} (the checkpoint ran {old!r})" for k, (old, new) in changed.items())
         run.dist.print(f"resume: this config's {what} apply from step {run.step + 1}")

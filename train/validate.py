@@ -22,7 +22,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from eagle3ft.data.store import collate
+from eagle3ft.data.store import FeatureStore, collate
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 
@@ -273,19 +274,16 @@ class HeldoutTracker:
 def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     """Held-out τ of an exported drafter (default eval.checkpoint) as training computes it, on one device;
     writes RUN/eval/heldout_tau.json. Its counts are eval/offline/accept_len.py's greedy chain counts on greedy data."""
-    from eagle3ft.config import resolve_path
-    from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter.config import check_drafter_folder
-    from eagle3ft.drafter.export import load_drafter
     from eagle3ft.targets.hf import load_input_embedding, pick_device
     from eagle3ft.train.ttt import TTTObjective
 
     tcfg, depth = cfg.train, cfg.eval.steps
-    ckpt = resolve_path(checkpoint or cfg.eval.checkpoint, base=Path(run_dir))
+    folder = DrafterFolder.of_run(run_dir, checkpoint or cfg.eval.checkpoint, "checkpoint")
     store = FeatureStore(RunDir(run_dir).features)
-    check_drafter_folder(ckpt, store.target, "checkpoint", str(store.dir / MANIFEST))  # before any compute
+    store.check_drafter(folder)  # before any compute
     device = pick_device(cfg.target)
-    drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
+    drafter = folder.load(load_input_embedding(cfg.target)).to(device).eval()
+    ckpt = folder.path
     objective = TTTObjective(drafter, depth, tcfg.objective.step_decay)
     ds = store.dataset("heldout")
     n = len(ds) if cfg.eval.max_samples is None else min(len(ds), cfg.eval.max_samples)

@@ -6,4 +6,5 @@ model.py      the Llama-layout drafter (LlamaForCausalLMEagle3) and its draft KV
 model_mla.py  the DeepSeek-V2 MLA layout (Eagle3DeepseekV2ForCausalLM); new_drafter picks the layout
 wgrad.py      the deferred weight gradient: one GEMM per weight over the TTT steps
 export.py     a drafter folder in SGLang's form (also vLLM's eagle3): write, check every key, load
+folder.py     DrafterFolder: the one place a drafter folder is opened (config read once, one check, one load)
 """

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
-from eagle3ft.files import check_finite_file, read_json
+from eagle3ft.drafter.vocab import check_vocab
+from eagle3ft.files import read_json
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # On a Llama target SGLang's aux id i is the output of decoder layer i; vLLM's id j is the hidden state entering
@@ -28,9 +28,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 VLLM_AUX_ID_OFFSET = 1
 # Targets whose SGLang 0.5.17 class inherits DeepseekV2ForCausalLM.set_eagle3_layers_to_capture (models/deepseek_v2.py,
 # kimi_k25.py, mistral_large_3.py, glm4_moe.py's DSA model). It adds 1 to the ids only when the first id is 1, and
-# otherwise captures the state entering layer i, i.e. the output of layer i - 1 (for id 0: the embeddings). Measured on
-# the K2-width rehearsal target (H200, 2026-12-06): ids [0, 1, 2] returned the embeddings and the outputs of layers
-# 0 and 1. So AQ-MedAI's [2, 30, 58] and SGLang's default [1, 29, 57] name the same three states of Kimi-K2.
+# otherwise captures the state entering layer i, i.e. the output of layer i - 1 (for id 0: the embeddings): on a
+# DeepSeek-V3 target served by SGLang, ids [0, 1, 2] return the embeddings and the outputs of layers 0 and 1. So
+# AQ-MedAI's [2, 30, 58] and SGLang's default [1, 29, 57] name the same three states of Kimi-K2.
 SGLANG_AS_GIVEN_CAPTURE = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
@@ -283,24 +283,3 @@ def check_drafter(
     if d2t is not None or t2d is not None:
         check_vocab(d2t, t2d, target["vocab_size"], drafter.draft_vocab_size, f"{where}: draft vocabulary")
     return ids
-
-
-def check_drafter_folder(folder: str | Path, target: dict, where: str, features: str | None = None) -> DrafterConfig:
-    """check_drafter for a drafter folder in SGLang's form (config.json + *.safetensors with its d2t/t2d), before any
-    model is built: a truncated weights file, a mismatch, an inconsistent vocab or a NaN/inf weight is named here."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
-    cfg = DrafterConfig.from_json(folder / "config.json")
-    check_drafter(cfg, target, f"{where} {folder}", features)
-    d2t, t2d = vocab_from_drafter(folder)
-    check_drafter(cfg, target, f"{where} {folder}", features, d2t, t2d)
-    check_weights_finite(folder, where)
-    return cfg
-
-
-def check_weights_finite(folder: str | Path, where: str) -> None:
-    """NonFinite naming the file and tensor when a drafter folder's weights hold a NaN or inf: such a drafter drafts
-    nothing (τ 1.0) and its numbers would look like a result. Reads one tensor at a time."""
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        check_finite_file(f, f"{where}: the drafter's weights")

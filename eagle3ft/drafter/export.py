@@ -275,13 +275,16 @@ def check_weight_shapes(folder: str | Path, cfg: DrafterConfig | None = None) ->
                     )
 
 
-def load_drafter(folder: str | Path, embedding: torch.Tensor | None = None) -> Eagle3Drafter:
+def load_drafter(
+    folder: str | Path, embedding: torch.Tensor | None = None, cfg: DrafterConfig | None = None
+) -> Eagle3Drafter:
     """A drafter from SGLang's form (either layout: model_mla.py's new_drafter); `embedding` (V, H) is the
-    target's input embedding."""
+    target's input embedding; `cfg` the folder's config.json when already read (folder.py's DrafterFolder)."""
     folder = Path(folder)
-    if not (folder / CONFIG).is_file():
-        raise FileNotFoundError(f"{folder}: no {CONFIG} (expected a drafter in SGLang's form)")
-    cfg = DrafterConfig.from_json(folder / CONFIG)
+    if cfg is None:
+        if not (folder / CONFIG).is_file():
+            raise FileNotFoundError(f"{folder}: no {CONFIG} (expected a drafter in SGLang's form)")
+        cfg = DrafterConfig.from_json(folder / CONFIG)
     check_weight_shapes(folder, cfg)
     tensors = read_drafter_tensors(folder)
     if cfg.architecture == MLA_EAGLE3:  # SGLang's MLA loader reads checkpoints that name the midlayer layers.0

@@ -2,7 +2,7 @@
 
 The drafter's midlayer and lm_head run once per TTT step, so autograd computes each of their weight gradients K
 times (one GEMM per step) and adds them up: K - 1 weight-sized additions. At Kimi-K2 dimensions, deferring them
-took 7.5 ms off the step for 3.9 GiB more memory on the H200 (records: "Ours against SpecForge 0.2.0, side by side").
+took 7.5 ms off the step for 3.9 GiB more memory on one GPU.
 
 Inside `deferred()` (train/ttt.py's unroll) each use is counted in the forward. In the backward every use but the
 weight's last hands its (grad_output, input) rows to the stash and returns no weight gradient; the last use returns

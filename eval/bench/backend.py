@@ -1,9 +1,9 @@
-"""What a live bench backend is: the interface the schedule drives, the result of one request, and the drafter both
-backends load (checked against the run before any compute, then put on the target).
+"""What a live bench backend is: the interface the schedule drives, the result of one request, and the drafters of a
+bench (`bench_drafters`: eval.checkpoint and bench.drafters, each a DrafterFolder read once).
 
     class BenchBackend(Protocol):
         name: str
-        tokenizer            the target's: the caller renders the prompts with it (eval/bench/prompts.py)
+        tokenizer            the target's: the caller renders the prompts with it (data/render.py)
         def run_baseline(self, prompts: list[list[int]], max_new_tokens: int, first_index: int = 0)
             -> list[RequestResult]
         def run_speculative(
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from eagle3ft.run_dir import RunDir
+from eagle3ft.config import resolve_path
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.setting import Setting
 
 
@@ -76,35 +77,13 @@ class BenchBackend(Protocol):
     def environment(self) -> dict: ...
 
 
-def check_drafter_for_run(folder: Path, run_dir: Path, where: str):
-    """check_drafter_folder against the run's features when they exist (the drafter must fit what it was trained on),
-    else the folder alone (readable finite weights, consistent d2t/t2d), and the weights' shapes against its config.json;
-    returns its DrafterConfig. Before any compute."""
-    from eagle3ft.data.store import FeatureStore
-    from eagle3ft.drafter.config import DrafterConfig, check_drafter_folder, check_weights_finite
-    from eagle3ft.drafter.export import check_weight_shapes
-    from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
-
-    manifest = RunDir(run_dir).features_manifest
-    if manifest.is_file():
-        spec = check_drafter_folder(folder, FeatureStore(manifest.parent, verify=False).target, where, str(manifest))
-    else:
-        if not (Path(folder) / "config.json").is_file():
-            raise FileNotFoundError(f"{where}: {folder} has no config.json (expected a drafter in SGLang's form)")
-        spec = DrafterConfig.from_json(Path(folder) / "config.json")
-        check_vocab(
-            *vocab_from_drafter(folder), spec.vocab_size, spec.draft_vocab_size, f"{where} {folder}: draft vocabulary"
-        )
-        check_weights_finite(folder, where)
-    check_weight_shapes(folder, spec)
-    return spec
-
-
-def drafter_on_target(model, folder: Path, spec):
-    """(the drafter of `folder` on `model`: its embedding, device and dtype; its aux layer ids, checked against the
-    target's dimensions). `spec` is the folder's DrafterConfig, from check_drafter_for_run."""
-    from eagle3ft.drafter.export import load_drafter
-
-    c, emb = model.config, model.get_input_embeddings().weight.detach()
-    aux_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
-    return load_drafter(folder, embedding=emb.float()).to(device=emb.device, dtype=emb.dtype).eval(), aux_ids
+def bench_drafters(cfg, run_dir: Path, labels: list[str] | None = None) -> dict[str, DrafterFolder]:
+    """label -> drafter folder, each read once: eval.checkpoint (relative to the run, labelled as written) and
+    bench.drafters (relative to the repository); with `labels`, only those."""
+    folders = {}
+    for label in labels if labels is not None else [cfg.eval.checkpoint, *cfg.bench.drafters]:
+        if label == cfg.eval.checkpoint:
+            folders[label] = DrafterFolder.of_run(run_dir, cfg.eval.checkpoint)
+        else:
+            folders[label] = DrafterFolder(resolve_path(cfg.bench.drafters[label]), f"bench.drafters.{label}")
+    return folders

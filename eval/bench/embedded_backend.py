@@ -18,11 +18,17 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.eval.bench.backend import RequestResult, check_drafter_for_run, drafter_on_target
+from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.store import check_run_drafter
+from eagle3ft.drafter.folder import DrafterFolder
+from eagle3ft.eval.bench.backend import RequestResult, bench_drafters
 from eagle3ft.eval.bench.environment import base_environment
 from eagle3ft.eval.decode import chain_attention
 from eagle3ft.eval.decode.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
+from eagle3ft.eval.offline.same_prompts import offline_tau
+from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
+from eagle3ft.targets.hf import load_target
 
 
 def sync(device: torch.device) -> None:
@@ -115,25 +121,23 @@ class EmbeddedBackend:
 
     name = "embedded"
 
-    def __init__(self, cfg, run_dir: Path):
-        from eagle3ft.config import resolve_path
-        from eagle3ft.data.chat import ChatFormat
-        from eagle3ft.targets.hf import load_target
+    def __init__(self, cfg, run_dir: Path, folders: dict[str, DrafterFolder] | None = None):
+        """`folders`: bench_drafters' folders, already checked; None reads and checks them here (against the run's
+        features when there are any), all before the target loads."""
 
         self.cfg = cfg
         if cfg.bench.embedded.threads:
             torch.set_num_threads(cfg.bench.embedded.threads)
-        folders = {cfg.eval.checkpoint: (resolve_path(cfg.eval.checkpoint, base=run_dir), "eval.checkpoint")}
-        folders.update({k: (resolve_path(v), f"bench.drafters.{k}") for k, v in cfg.bench.drafters.items()})
-        specs = {
-            k: check_drafter_for_run(f, run_dir, where) for k, (f, where) in folders.items()
-        }  # all, before the target
+        if folders is None:
+            folders = {
+                k: check_run_drafter(f, RunDir(run_dir).features) for k, f in bench_drafters(cfg, run_dir).items()
+            }
         self.model, self.tokenizer = load_target(cfg.target)
         chain_attention.use(self.model, cfg.bench.embedded.attention)
         self.device = next(self.model.parameters()).device
         self.drafters, self.aux_ids = {}, {}
-        for label, (folder, _) in folders.items():  # each in the target's dtype: a bf16 folder runs as the target does
-            self.drafters[label], self.aux_ids[label] = drafter_on_target(self.model, folder, specs[label])
+        for label, folder in folders.items():  # each in the target's dtype: a bf16 folder runs as the target does
+            self.drafters[label], self.aux_ids[label] = folder.on_target(self.model)
         self.use_drafter(cfg.eval.checkpoint)
         self.eos_ids = ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids
         self.temperature = cfg.bench.temperature
@@ -211,7 +215,6 @@ class EmbeddedBackend:
 
     def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
         """The drafter's offline tau on these prompts and the plain pass's answers (eval/offline/same_prompts.py)."""
-        from eagle3ft.eval.offline.same_prompts import offline_tau
 
         return offline_tau(self.model, self.drafter, self.aux_layer_ids, prompts, answers, settings)
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.cli import code_version
+
 
 def cpu_model() -> str:
     try:
@@ -39,8 +41,6 @@ def gpu_clocks() -> list[dict] | None:
 
 def base_environment(device: torch.device | str | None = None) -> dict:
     import transformers
-
-    from eagle3ft.cli import code_version
 
     dev = torch.device(device) if device is not None else torch.device("cpu")
     env = {

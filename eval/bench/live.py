@@ -1,12 +1,14 @@
 """Live benchmark: plain decoding against speculative decoding on the same prompts.
 
-    python eval/bench/live.py --config CFG --run-dir RUN [--set bench.repetitions=5]
+    eagle3ft bench --config CFG --run-dir RUN [--set bench.repetitions=5] [--set bench.concurrency=[1,8]]
+    (the same: eagle3ft-bench, python eval/bench/live.py)
 
 The stage in order: the backend `bench.backend` selects, `embedded` (eval/bench/embedded_backend.py: transformers
 target + eval/decode/speculate.py, batch 1, chain drafting: topk 1) or `sglang` (eval/bench/sglang_backend.py: live
-SGLang servers); the prompt sets rendered once with its target's tokenizer (eval/bench/prompts.py); the interleaved
+SGLang servers); the prompt sets rendered once with its target's tokenizer (data/render.py); the interleaved
 runs (eval/bench/schedule.py: runs.jsonl, summary.json); then the run's economics (eval/economics/analysis.py:
-economics.json, calibration.json). With the embedded backend, `bench.drafters` and `bench.more_prompts` bench more
+economics.json, calibration.json); on SGLang, the `bench.concurrency` levels above 1 (concurrency.json). With the
+embedded backend, `bench.drafters` and `bench.more_prompts` bench more
 drafters and prompt sets in the same interleaved run.
 """
 
@@ -14,16 +16,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3ft.cli import cli_errors, command_name, error_log, parse_cli
+from eagle3ft.data.render import load_prompt_sets
+from eagle3ft.data.store import StoreError
 from eagle3ft.eval.bench import schedule
 from eagle3ft.eval.bench.backend import BenchBackend
 from eagle3ft.eval.bench.embedded_backend import EmbeddedBackend
-from eagle3ft.eval.bench.prompts import load_prompt_sets
-from eagle3ft.eval.bench.sglang_backend import SGLangBackend
+from eagle3ft.eval.bench.format import format_summary
+from eagle3ft.eval.bench.sglang_backend import SGLangBackend, run_concurrency
 from eagle3ft.eval.economics.analysis import after_bench
+from eagle3ft.eval.preflight import check_or_exit
+from eagle3ft.runlock import holding
+from eagle3ft.targets.sglang_http import SGLangError
 
 
 def make_backend(cfg, run_dir: Path) -> BenchBackend:
     if cfg.bench.backend == "embedded":
+        if any(c > 1 for c in cfg.bench.concurrency):
+            raise ValueError(
+                f"bench.concurrency {cfg.bench.concurrency}: levels above 1 run on the sglang backend; the embedded "
+                "backend decodes one request at a time"
+            )
         return EmbeddedBackend(cfg, run_dir)
     if cfg.bench.backend == "sglang":
         if cfg.bench.drafters:
@@ -33,31 +46,29 @@ def make_backend(cfg, run_dir: Path) -> BenchBackend:
 
 
 def run(cfg, run_dir: Path, log=print) -> dict:
-    """The benchmark on the configured backend, closed (servers stopped) at the end, then the run's economics;
-    returns the bench's summary."""
+    """The benchmark on the configured backend, then the run's economics, then (SGLang) the bench.concurrency levels
+    above 1 on the first prompt set (RUN/bench/concurrency.json); the backend closed (servers stopped) at the end.
+    Returns the bench's summary."""
     backend = make_backend(cfg, run_dir)
     try:
-        summary = schedule.run(cfg, run_dir, backend, load_prompt_sets(cfg, backend.tokenizer), log)
+        sets = load_prompt_sets(cfg, backend.tokenizer)
+        summary = schedule.run(cfg, run_dir, backend, sets, log)
+        after_bench(run_dir, cfg, log)
+        if isinstance(backend, SGLangBackend):
+            run_concurrency(cfg, run_dir, backend, sets[0].prompts, log)
     finally:
         if hasattr(backend, "close"):
             backend.close()
-    after_bench(run_dir, cfg, log)
     return summary
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, error_log, parse_cli
-    from eagle3ft.data.store import StoreError
-    from eagle3ft.eval.bench.format import format_summary
-    from eagle3ft.eval.preflight import check_or_exit
-    from eagle3ft.runlock import holding
-    from eagle3ft.targets.sglang_http import SGLangError
-
+    prog = command_name("live.py")  # in errors: the command the user typed
     cfg, run_dir, args = parse_cli("Live benchmark: plain against speculative decoding.", stage="bench", argv=argv)
-    check_or_exit("live.py", "bench", cfg, run_dir, args.config)
+    check_or_exit(prog, "bench", cfg, run_dir, args.config)
     with (
-        holding(run_dir, "bench", "live.py"),
-        cli_errors("live.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
+        holding(run_dir, "bench", prog),
+        cli_errors(prog, StoreError, SGLangError, log=error_log(run_dir, "bench")),
     ):
         print(format_summary(run(cfg, run_dir)))
 

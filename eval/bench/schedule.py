@@ -9,7 +9,7 @@ untimed warm-up (`bench.warmup`). Writes RUN/bench/runs.jsonl (one line per requ
 measured cost model, the environment).
 
 Several drafters and prompt sets in one run (embedded backend): `bench.drafters` (label -> folder) are benched next to
-`eval.checkpoint`, and each prompt set the caller loaded (eval/bench/prompts.py: `bench.prompts`, then
+`eval.checkpoint`, and each prompt set the caller loaded (data/render.py: `bench.prompts`, then
 `bench.more_prompts`) in turn. Per repetition and prompt set: the baseline pass, then each drafter's pass per setting
 (plain, A, B, plain, A, B, ...). summary.json's top level stays `eval.checkpoint` on the first set (what economics and
 the report read); `prompt_sets` holds every set: its prompts and baseline, and per drafter its speculative rows, costs
@@ -22,9 +22,10 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from eagle3ft.data.render import PromptSet
 from eagle3ft.eval.bench.backend import BenchBackend, RequestResult
-from eagle3ft.eval.bench.prompts import PromptSet
-from eagle3ft.eval.bench.summary import first_answers, pass_tok_s, summarize
+from eagle3ft.eval.bench.summary import pass_tok_s, summarize
+from eagle3ft.eval.runs import first_answers
 from eagle3ft.files import json_text, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting

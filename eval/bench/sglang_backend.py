@@ -26,7 +26,8 @@ Throughput at concurrency (``bench.concurrency`` levels above 1): ``run_concurre
 the prompts with that many requests in flight, baseline and each setting interleaved per
 repetition, and writes RUN/bench/concurrency.json (output tok/s = all new tokens / wall time).
 
-    python eval/bench/sglang_backend.py --config CFG --run-dir RUN   # eval/bench/live.py's stage, then the concurrency sweep
+    eagle3ft bench --config CFG --run-dir RUN --set bench.backend=sglang --set "bench.concurrency=[1,8]"
+    (python eval/bench/sglang_backend.py ARGS is that command with bench.backend sglang)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import atexit
 import os
 import signal
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,8 +44,10 @@ from pathlib import Path
 
 import requests
 
-from eagle3ft.config import resolve_path
-from eagle3ft.eval.bench.backend import RequestResult, check_drafter_for_run
+from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.store import check_run_drafter
+from eagle3ft.drafter.folder import DrafterFolder
+from eagle3ft.eval.bench.backend import RequestResult
 from eagle3ft.eval.bench.environment import base_environment, gpu_clocks
 from eagle3ft.eval.bench.live_splits import spread
 from eagle3ft.eval.bench.sglang_requests import accept_lengths_from, finished, stream_generate, whole_generate
@@ -72,8 +76,7 @@ class SGLangBackend:
     name = "sglang"
 
     def __init__(self, cfg, run_dir: Path):
-        from eagle3ft.data.chat import ChatFormat
-        from eagle3ft.targets.hf import load_tokenizer
+        from eagle3ft.targets.hf import load_tokenizer  # transformers: off this module's --help path
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
         arms = 1 + len(cfg.bench.settings)
@@ -82,10 +85,12 @@ class SGLangBackend:
                 f"bench.interleave prompt with serve.max_servers {cfg.serve.max_servers} and {arms} arms would restart a "
                 "server for every prompt: set bench.interleave: pass (a server per pass), or serve.max_servers 0"
             )
-        if (
-            cfg.bench.sglang.launch
-        ):  # the EAGLE3 servers will load eval.checkpoint: it must fit the features, before any server starts
-            check_drafter_for_run(resolve_path(cfg.eval.checkpoint, base=self.run_dir), self.run_dir, "eval.checkpoint")
+        # the EAGLE3 servers load eval.checkpoint, same_prompts drafts with it: it must fit the features, before any
+        # server starts
+        self.drafter = None
+        if cfg.bench.sglang.launch or cfg.bench.sglang.same_prompts:
+            folder = DrafterFolder.of_run(self.run_dir, cfg.eval.checkpoint)
+            self.drafter = check_run_drafter(folder, RunDir(self.run_dir).features)
         if not cfg.bench.sglang.requests:
             raise ValueError("bench.sglang.requests is empty: name whole, stream or both")
         self.tokenizer = load_tokenizer(cfg.target)  # the served target's: the caller renders the prompts with it
@@ -179,8 +184,7 @@ class SGLangBackend:
         if setting is None:
             server = server_for(self.cfg, self.run_dir, "baseline", port)
         else:
-            drafter = resolve_path(self.cfg.eval.checkpoint, base=self.run_dir)
-            server = server_for(self.cfg, self.run_dir, "speculative", port, drafter, setting)
+            server = server_for(self.cfg, self.run_dir, "speculative", port, self.drafter.path, setting)
         server.start()
         try:
             server.wait_healthy()
@@ -322,9 +326,9 @@ class SGLangBackend:
         runs decoded), the target's features from a copy of the target in this process (eval/offline/same_prompts.py)."""
         if not self.cfg.bench.sglang.same_prompts:
             return None
-        from eagle3ft.eval.offline.same_prompts import checkpoint_offline_tau
+        from eagle3ft.eval.offline.same_prompts import checkpoint_offline_tau  # loads transformers: only when asked
 
-        return checkpoint_offline_tau(self.cfg, self.run_dir, prompts, answers, settings)
+        return checkpoint_offline_tau(self.cfg, self.drafter, prompts, answers, settings)
 
     def environment(self) -> dict:
         servers = {}
@@ -377,39 +381,7 @@ def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[li
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, error_log, parse_cli
-    from eagle3ft.data.store import StoreError
-    from eagle3ft.eval.bench import schedule
-    from eagle3ft.eval.bench.format import format_summary
-    from eagle3ft.eval.bench.prompts import load_prompt_sets
-    from eagle3ft.eval.economics.analysis import after_bench
-    from eagle3ft.eval.preflight import check_or_exit
+if __name__ == "__main__":  # the older door, kept for scripts: an alias of `eagle3ft bench` with bench.backend sglang
+    from eagle3ft.commands import main
 
-    cfg, run_dir, args = parse_cli(
-        "Live benchmark on SGLang servers: batch 1 (eval/bench/live.py), then the concurrency levels.",
-        stage="bench",
-        argv=argv,
-    )
-    check_or_exit("sglang_backend.py", "bench", cfg, run_dir, args.config)
-    if cfg.bench.backend != "sglang":
-        raise SystemExit(f"bench.backend is {cfg.bench.backend!r}; this entry point runs the sglang backend")
-    from eagle3ft.runlock import holding
-
-    with (
-        holding(run_dir, "bench", "sglang_backend.py"),
-        cli_errors("sglang_backend.py", StoreError, SGLangError, log=error_log(run_dir, "bench")),
-    ):
-        backend = SGLangBackend(cfg, run_dir)
-        try:
-            sets = load_prompt_sets(cfg, backend.tokenizer)
-            summary = schedule.run(cfg, run_dir, backend, sets)
-            after_bench(run_dir, cfg)
-            print(format_summary(summary))
-            run_concurrency(cfg, run_dir, backend, sets[0].prompts)
-        finally:
-            backend.close()
-
-
-if __name__ == "__main__":
-    main()
+    main(["bench", *sys.argv[1:], "--set", "bench.backend=sglang"])

@@ -22,17 +22,6 @@ def pass_tok_s(results: list[RequestResult]) -> float:
     return sum(r.new_tokens - 1 for r in results) / sum(r.decode_s for r in results)
 
 
-def first_answers(runs: list[dict], pset: str, setting: str | None = None) -> dict[int, list[int]]:
-    """Prompt index -> output ids of the first repetition of prompt set `pset` in a bench's raw runs (runs.jsonl's
-    rows): the plain pass's, or with `setting` (a key such as "3/1/4") the speculative pass's."""
-    mode = "baseline" if setting is None else "speculative"
-    return {
-        r["prompt_index"]: r["output_ids"]
-        for r in runs
-        if r["mode"] == mode and r["setting"] == setting and r["repetition"] == 0 and r["prompts"] == pset
-    }
-
-
 def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int, float] | None) -> dict:
     """Aggregate raw runs (dicts of RequestResult fields plus mode/setting/repetition)."""
 

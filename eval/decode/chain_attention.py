@@ -6,9 +6,8 @@ one-token step (6,595 against 7,510 on transformers 5.24), which is what a verif
 launches bound the forward. Here every query sees the whole cache and the new tokens causally, the
 lower-right causal pattern, which `torch.nn.attention.bias.causal_lower_right` hands to CUDA's flash kernel without
 materialising it (the CPU materialises it per layer), and grouped heads go to SDPA as they are (`enable_gqa`). The
-GPU path is checked by tests/test_gpu.py. On the H200 a 6-token SmolLM2 verify then took 22.1 ms against 21.6 ms for a
-plain step, where sdpa's took 25.8 against 21.5 ms on another lease (records, "The embedded bench at x2.03-x2.26:
-the draft chain as one CUDA graph, chain attention").
+GPU path is checked by tests/test_gpu.py. On a GPU a 6-token SmolLM2 verify then costs about a plain step (22.1 ms
+against 21.6 ms), where sdpa's cost 20% more (25.8 against 21.5 ms).
 
 Valid only for one sequence without padding, which is what eval/decode/speculate.py's decoders run (prompt prefill, plain
 steps, verifies) and eval/offline/same_prompts.py's features (one sequence, no cache). Batched, padded forwards (the harvest)

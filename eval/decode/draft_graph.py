@@ -2,9 +2,8 @@
 
 eval/decode/speculate.py drafts a chain one drafter forward at a time: each draft token goes to the host (`int`) and back
 as the next forward's input, and each forward launches ~110 small ops. Where launches bound a forward (a 1-layer
-drafter at batch 1 on a GPU: 1.1-1.3 ms a forward on the H200) that is most of a draft step. Here the chain after
-the extend stays on the device, draft ids included, so it can be captured once as a CUDA graph: 0.19 ms a forward on
-the H200 (records, "The embedded bench at x2.03-x2.26: the draft chain as one CUDA graph, chain attention"):
+drafter at batch 1 on a GPU: 1.1-1.3 ms a forward) that is most of a draft step. Here the chain after the extend
+stays on the device, draft ids included, so it can be captured once as a CUDA graph (0.19 ms a forward):
 
   d_0 = argmax(logits of the extend)                                  (target ids through d2t)
   for j in 1..steps-1:  h, logits = drafter forward on (d_{j-1}, h) at position pos + j - 1,
@@ -14,8 +13,8 @@ the H200 (records, "The embedded bench at x2.03-x2.26: the draft chain as one CU
 
 With `extend` (`bench.embedded.draft_graph_extend`), the extend after a verify (the drafter over the T = 1..steps+1
 accepted tokens and their aux features) is captured too, one graph per T, and writes the chain's inputs in place;
-the prompt's extend stays eager. tests/test_gpu.py holds that capture to the eager extend; it passed on the H200,
-and its speed is not measured yet.
+the prompt's extend stays eager. tests/test_gpu.py holds that capture to the eager extend; its speed is not
+measured yet.
 
 Attention reads the whole static buffer with a mask of the rows <= each query's position, where the eager step
 reads the rows so far: the same keys, another kernel, so bf16 logits may differ in the last bits. `static_forward`

@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagle3ft.cli import build_parser, command_name, parse_cli
 from eagle3ft.eval.economics.calibration import (
     CalibrationError,
     format_prediction,
@@ -24,8 +25,10 @@ from eagle3ft.eval.economics.calibration import (
     write_prediction,
 )
 from eagle3ft.eval.economics.cost_model import GOAL_SPEEDUPS, cost_model_from_summary, fmt, reach, reach_text
+from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.runlock import holding
 from eagle3ft.setting import Setting
 
 
@@ -251,8 +254,7 @@ def after_bench(run_dir: Path, cfg, log=print) -> Economics:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, parse_cli
-    from eagle3ft.eval.preflight import check_or_exit
+    prog = command_name("analysis.py")  # in errors: the command the user typed
 
     desc = "Speculation economics from a benchmark run; with bench.calibration, tok/s predicted from offline tau."
     parser = build_parser(desc)
@@ -260,11 +262,10 @@ def main(argv: list[str] | None = None) -> None:
         "--tok-s", type=float, default=None, help="a decode throughput to price: the tau each setting needs for it"
     )
     cfg, run_dir, args = parse_cli(desc, stage="economics", argv=argv, parser=parser)
-    check_or_exit("analysis.py", "economics", cfg, run_dir, args.config)
-    from eagle3ft.runlock import holding
+    check_or_exit(prog, "economics", cfg, run_dir, args.config)
 
     try:
-        with holding(run_dir, "economics", "analysis.py"):
+        with holding(run_dir, "economics", prog):
             ec, pred = run(run_dir, cfg, args.tok_s)
     except CalibrationError as e:
         parser.exit(2, f"economics.py: error: {e}\n")

@@ -12,9 +12,8 @@ slows both) and held against the measured speed-up of each repetition over its o
 Priced at this run's plain tok/s (`predicted_tok_s_at_plain`), the same speed-up gives tok/s without the host's drift
 between the two runs: no speculative figure of this run goes in, only its plain pass.
 
-A calibration of 16 prompts pins a setting's cycle to about 5-10%: 2.49-2.82 plain steps for 7/1/8 over seven runs
-of one plan on the H200 (records, "SGLang again with the mended walk, and the calibration again after the
-measurement"). `bench.calibration_pool` lists earlier runs' calibration.json files of the same backend,
+A calibration of 16 prompts pins a setting's cycle to about 5-10% (2.49-2.82 plain steps for 7/1/8 over seven runs
+of one plan on one GPU). `bench.calibration_pool` lists earlier runs' calibration.json files of the same backend,
 target and answer length: each setting's cycle in plain steps is then their mean with bench.calibration's, weighted by
 prompts, and priced at bench.calibration's plain step (the host of the latest run; `pool`). A pooled SGLang run
 whose servers ran other args than bench.calibration's is named in the prediction's warnings.

@@ -21,7 +21,10 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.cli import cli_errors, command_name, error_log, parse_cli
 from eagle3ft.data.loops import answer_loops as loop_of_answers
+from eagle3ft.data.store import FeatureStore, StoreError
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.drafter.model import Eagle3Drafter
 from eagle3ft.eval.offline.acceptance import (
     SampleInputs,
@@ -30,8 +33,10 @@ from eagle3ft.eval.offline.acceptance import (
     cycle_walk_rows,
     tree_accept,
 )
+from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.runlock import holding
 
 # --------------------------------------------------------------------------- counts -> tau
 
@@ -244,7 +249,7 @@ def walk_interval(
     """The `level` interval of the walk's tau over the samples drawn again with replacement (a bootstrap): how far
     the same drafter's tau moves on another draw of as many prompts and answers. A live bench whose answers part
     from these (bf16 numerics at near-ties) decodes partly other answers: a scale of how far its tau may move, not a
-    bound (records, "Why the tree's τ input misses: answers that part and stop looping")."""
+    bound."""
     if len(per_sample) < 2:
         return None
     t = torch.tensor(per_sample, dtype=torch.float64)  # (n, 2): tokens, cycles
@@ -283,19 +288,14 @@ def format_report(rep: AcceptReport) -> str:
 
 def run(cfg, run_dir: Path) -> AcceptReport:
     """Load the exported drafter and the held-out features of `run_dir`, evaluate, write eval/accept_len.json."""
-    from eagle3ft.config import resolve_path
-    from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter.config import check_drafter_folder
-    from eagle3ft.drafter.export import check_weight_shapes, load_drafter
-    from eagle3ft.targets.hf import load_input_embedding, pick_device
+    from eagle3ft.targets.hf import load_input_embedding, pick_device  # transformers: off the --help path
 
     ec = cfg.eval
-    ckpt = resolve_path(ec.checkpoint, base=run_dir)
+    folder = DrafterFolder.of_run(run_dir, ec.checkpoint)
     store = FeatureStore(RunDir(run_dir).features)
-    spec = check_drafter_folder(ckpt, store.target, "eval.checkpoint", str(store.dir / MANIFEST))  # before any compute
-    check_weight_shapes(ckpt, spec)
+    store.check_drafter(folder)  # before any compute
     device = pick_device(cfg.target)
-    drafter = load_drafter(ckpt, embedding=load_input_embedding(cfg.target)).to(device).eval()
+    drafter = folder.load(load_input_embedding(cfg.target)).to(device).eval()
     ds = store.dataset("heldout")
     n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
     items = (ds[i] for i in range(n))
@@ -312,24 +312,21 @@ def run(cfg, run_dir: Path) -> AcceptReport:
         "sources": held_out,
         "heldout_fraction": cfg.harvest.heldout_fraction,
     }
-    write_json(out, {**rep.to_dict(), "checkpoint": str(ckpt), "data": data}, indent=2)
+    write_json(out, {**rep.to_dict(), "checkpoint": str(folder.path), "data": data}, indent=2)
     return rep
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, error_log, parse_cli
-    from eagle3ft.data.store import StoreError
-    from eagle3ft.eval.preflight import check_or_exit
+    prog = command_name("accept_len.py")  # in errors: the command the user typed
 
     cfg, run_dir, args = parse_cli(
         "Offline accept length of the drafter on held-out features.", stage="eval", argv=argv
     )
-    check_or_exit("accept_len.py", "eval", cfg, run_dir, args.config)
-    from eagle3ft.runlock import holding
+    check_or_exit(prog, "eval", cfg, run_dir, args.config)
 
     with (
-        holding(run_dir, "eval", "accept_len.py"),
-        cli_errors("accept_len.py", StoreError, log=error_log(run_dir, "eval")),
+        holding(run_dir, "eval", prog),
+        cli_errors(prog, StoreError, log=error_log(run_dir, "eval")),
     ):
         print(format_report(run(cfg, run_dir)))
 

@@ -33,7 +33,7 @@ Cycle walk (cycle_walk). The figures above average over every answer token as a 
 a cycle only where the last one ended: at root r it emits the accepted drafts plus the bonus, n tokens, and the next
 cycle's root is r + n. Its roots lean towards the tokens right after a rejection, which are harder to draft than the
 average token, so its tau is lower: 1.684 against 1.864 over every root at 3/1/4 on HumanEval prompts, where the
-live decoder's was 1.692 (records, "Offline τ as a live decoder sees it: the cycle walk"). Walking the same per-root
+live decoder's was 1.692. Walking the same per-root
 accept lengths from the first answer token, cycle by cycle, gives the tau a live greedy decoder has on these tokens.
 """
 
@@ -207,7 +207,7 @@ def tree_accept(
     (T-1,) bool whether every depth of it is in the data. As the chain's (chain_accept_lengths), a depth that is not
     in the data (past the answer's end, or fed a stored token that is not the target's argmax) ends the accepted path
     there: the cycle walk then steps over every root, where skipping the roots with a missing depth would skip the
-    ones next to the target's near-ties and the answer's last tokens (records, "Why the tree walks ran high").
+    ones next to the target's near-ties and the answer's last tokens.
 
     context: what a frontier node attends to besides the prefix. "slots" is SGLang's draft decode: the frontier is
     topk slots in score order, and the node in slot j attends to the nodes that held slot j at the earlier depths

@@ -4,7 +4,7 @@
 
 `--before` defaults to drafter.init (the drafter the fine-tune started from), `--after` to eval.checkpoint (the
 run's export); both are measured on RUN's held-out features, each sample in the set of the source it was harvested
-from (data/harvest.py sample_sources). Per set, at the eval setting's greedy chain (eval.steps/1/eval.steps+1):
+from (data/sources.py sample_sources). Per set, at the eval setting's greedy chain (eval.steps/1/eval.steps+1):
 - τ as a live decoder walks the answers cycle by cycle (eval/offline/accept_len.py's walk), on all answer tokens and on
   the loop-free ones (data/loops.py), before -> after;
 - the change, and its 90% interval over the conversations drawn again (a paired bootstrap: the same draw for both
@@ -23,6 +23,12 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
+from eagle3ft.config import resolve_path
+from eagle3ft.data.sources import heldout_sets
+from eagle3ft.data.store import FeatureStore, StoreError
+from eagle3ft.drafter.folder import DrafterFolder
+from eagle3ft.eval.offline.accept_len import walk_totals
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 
@@ -49,7 +55,6 @@ class SetTotals:
 
 def measure(drafter, items, steps: int, device) -> SetTotals:
     """The walk of `drafter` over the held-out items at steps/1/steps+1."""
-    from eagle3ft.eval.offline.accept_len import walk_totals
 
     return SetTotals([walk_totals(drafter, item, steps, device) for item in items])
 
@@ -154,28 +159,21 @@ def compare(
     return {"before": labels[0], "after": labels[1], "setting": setting, "sets": sets, "verdict": verdict_line(sets)}
 
 
-def drafter_walks(cfg, run_dir: Path, folders: dict[str, Path]) -> dict[str, dict[str, SetTotals]]:
+def drafter_walks(cfg, run_dir: Path, folders: dict[str, DrafterFolder]) -> dict[str, dict[str, SetTotals]]:
     """label -> held-out set -> the walk of that drafter folder on RUN's held-out features, each drafter in the
     target's dtype (every folder is checked against the features before any is loaded)."""
-    from eagle3ft.data.harvest import sample_sources
-    from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter.config import check_drafter_folder
-    from eagle3ft.drafter.export import load_drafter
-    from eagle3ft.eval.report.demo_summary import group_heldout
-    from eagle3ft.targets.hf import load_input_embedding, pick_device
+    from eagle3ft.targets.hf import load_input_embedding, pick_device  # transformers: off the --help path
 
     store = FeatureStore(RunDir(run_dir).features)
-    for label, folder in folders.items():
-        check_drafter_folder(folder, store.target, label, str(store.dir / MANIFEST))
+    for folder in folders.values():
+        store.check_drafter(folder)
     ds = store.dataset("heldout")
-    groups = group_heldout(sample_sources(store, cfg.harvest, "heldout"))
-    if not groups:
-        raise ValueError(f"{store.dir} has no held-out samples (harvest.sources with split heldout)")
+    groups = heldout_sets(store, cfg.harvest)
     device = pick_device(cfg.target)
     emb = load_input_embedding(cfg.target)
     walks = {}
     for label, folder in folders.items():
-        drafter = load_drafter(folder, embedding=emb.float()).to(device=device, dtype=emb.dtype).eval()
+        drafter = folder.load_like(emb, device)
         with torch.no_grad():
             walks[label] = {
                 name: measure(drafter, [ds[i] for i in idx], cfg.eval.steps, device) for name, idx in groups.items()
@@ -185,33 +183,32 @@ def drafter_walks(cfg, run_dir: Path, folders: dict[str, Path]) -> dict[str, dic
 
 def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None) -> dict:
     """Both drafters' walks on every held-out set of RUN; the comparison (with each conversation's counts)."""
-    from eagle3ft.config import resolve_path
 
     if before is None and not cfg.drafter.init:
         raise ValueError("--before: no drafter to compare against (drafter.init is not set)")
     folders = {
-        "--before": resolve_path(before) if before else resolve_path(cfg.drafter.init),
-        "--after": resolve_path(after) if after else resolve_path(cfg.eval.checkpoint, base=run_dir),
+        "--before": DrafterFolder(resolve_path(before or cfg.drafter.init), "--before"),
+        "--after": DrafterFolder(resolve_path(after), "--after")
+        if after
+        else DrafterFolder.of_run(run_dir, cfg.eval.checkpoint, "--after"),
     }
     walks = drafter_walks(cfg, run_dir, folders)
     setting = f"{cfg.eval.steps}/1/{cfg.eval.steps + 1}"
     costs = break_even(run_dir, setting, cfg.eval.checkpoint)
-    labels = (before or cfg.drafter.init, after or str(Path(run_dir) / cfg.eval.checkpoint))  # as the user named them
+    labels = (before or cfg.drafter.init, after or str(folders["--after"].path))  # as the user named them
     result = compare(walks["--before"], walks["--after"], labels, setting, costs)
     result["per_sample"] = {w.lstrip("-"): {n: t.per_sample for n, t in sets.items()} for w, sets in walks.items()}
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
-    from eagle3ft.data.store import StoreError
 
     ap = build_parser("The drafter before and after a fine-tune, per held-out prompt set: τ, its change, a verdict.")
     ap.add_argument("--before", help="drafter folder before the fine-tune (default drafter.init)")
     ap.add_argument("--after", help="drafter folder after (default eval.checkpoint, relative to the run folder)")
     ap.add_argument("--out", type=Path, help="where the figures go (default RUN/eval/compare.json)")
     cfg, run_dir, args = parse_cli(ap.description, stage="compare", argv=argv, parser=ap)
-    with cli_errors("compare", StoreError, log=error_log(run_dir, "compare")):
+    with cli_errors(command_name("compare.py"), StoreError, log=error_log(run_dir, "compare")):
         result = run(cfg, run_dir, args.before, args.after)
     out = args.out or RunDir(run_dir).eval / "compare.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,12 +27,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle3ft.eval.bench.summary import first_answers
+from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
+from eagle3ft.data.render import load_prompts, set_labels
+from eagle3ft.data.store import check_run_drafter
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.decode.speculate import aux_from_hidden_states
 from eagle3ft.eval.offline.accept_len import evaluate
+from eagle3ft.eval.runs import first_answers
 from eagle3ft.files import json_text, read_json, write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.runlock import holding
 from eagle3ft.setting import Setting
+from eagle3ft.targets.hf import load_target, load_tokenizer
 
 
 @torch.no_grad()
@@ -124,26 +130,20 @@ def offline_tau(
 
 def checkpoint_offline_tau(
     cfg,
-    run_dir: Path,
+    folder: DrafterFolder,
     prompts: list[list[int]],
     answers: list[list[int]],
     settings: list[Setting],
     keep: list[bool] | None = None,
     emitted: bool = False,
 ) -> dict | None:
-    """offline_tau of the drafter `eval.checkpoint` (checked against `run_dir`'s features when there are any), on a
-    copy of `cfg.target` loaded here: what a bench backend without the target in this process (SGLang) uses. With
-    `keep`, also on the answers it marks, as `rep["kept"]` (None when it marks none). With `emitted`, scored against
-    the answers' own tokens, and against this copy's argmax too as `rep["argmax"]`: the gap between the two is what
-    the engines' disagreement costs."""
-    from eagle3ft.config import resolve_path
-    from eagle3ft.eval.bench.backend import check_drafter_for_run, drafter_on_target
-    from eagle3ft.targets.hf import load_target
+    """offline_tau of the drafter `folder` (eval.checkpoint, checked already), on a copy of `cfg.target` loaded here:
+    what a bench backend without the target in this process (SGLang) uses. With `keep`, also on the answers it marks,
+    as `rep["kept"]` (None when it marks none). With `emitted`, scored against the answers' own tokens, and against
+    this copy's argmax too as `rep["argmax"]`: the gap between the two is what the engines' disagreement costs."""
 
-    folder = resolve_path(cfg.eval.checkpoint, base=run_dir)
-    spec = check_drafter_for_run(folder, run_dir, "eval.checkpoint")
     model, _ = load_target(cfg.target)
-    drafter, aux_ids = drafter_on_target(model, folder, spec)
+    drafter, aux_ids = folder.on_target(model)
     rep = offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context, emitted)
     if rep is not None and keep is not None:
         idx = [i for i, k in enumerate(keep) if k]
@@ -177,11 +177,7 @@ def bench_answers(run: Path, label: str, count: int, setting: str | None = None)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
-    from eagle3ft.config import resolve_path
-    from eagle3ft.eval.bench.prompts import load_prompts, set_labels
-    from eagle3ft.runlock import holding
-    from eagle3ft.targets.hf import load_tokenizer
+    prog = command_name("same_prompts.py")  # in errors: the command the user typed
 
     desc = "Offline tau of eval.checkpoint on another bench run's greedy answers (RUN/eval/accept_len.json)."
     parser = build_parser(desc)
@@ -201,16 +197,15 @@ def main(argv: list[str] | None = None) -> None:
         "and the positions where the two differ are reported beside",
     )
     cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser)
-    with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py", log=error_log(run_dir, "eval")):
-        if not cfg.eval.checkpoint:
-            raise ValueError("eval.checkpoint: name the drafter folder to evaluate")
+    with holding(run_dir, "eval", prog), cli_errors(prog, log=error_log(run_dir, "eval")):
+        folder = check_run_drafter(DrafterFolder.of_run(run_dir, cfg.eval.checkpoint), RunDir(run_dir).features)
         label, src = set_labels(cfg)[0]
         prompts = load_prompts(cfg, load_tokenizer(cfg.target), src)
         source = Path(args.answers_from)
         answers, finished = bench_answers(source, label, len(prompts), args.answers_of)
         # also on the answers that finished: a cap cut none of them, so no loop ran them long
         emitted = args.score == "emitted"
-        rep = checkpoint_offline_tau(cfg, run_dir, prompts, answers, cfg.bench.settings, keep=finished, emitted=emitted)
+        rep = checkpoint_offline_tau(cfg, folder, prompts, answers, cfg.bench.settings, keep=finished, emitted=emitted)
         if rep is None:
             raise ValueError("bench.settings is empty: nothing to evaluate")
         done, argmax = rep.pop("kept"), rep.pop("argmax", None)
@@ -218,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
             **rep,
             "source": f"the {args.answers_of or 'plain'} greedy answers of {source}/bench/runs.jsonl (repetition 0, "
             f"prompt set {label})",
-            "checkpoint": str(resolve_path(cfg.eval.checkpoint, base=run_dir)),
+            "checkpoint": str(folder.path),
             "settings": {
                 k: {
                     "tau": v,

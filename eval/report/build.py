@@ -24,12 +24,16 @@ import json
 import statistics
 from pathlib import Path
 
+from eagle3ft.cli import cli_errors, command_name, error_log, parse_cli
+from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.economics.analysis import analyse, read_offline_tau
 from eagle3ft.eval.economics.calibration import from_config, join, predict
+from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.eval.report.md import divergence_text, headline_text, markdown
 from eagle3ft.eval.report.plots import plot_accept, plot_tau, plot_tok_s, plot_train
 from eagle3ft.files import write_atomic, write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.runlock import holding
 from eagle3ft.setting import Setting
 from eagle3ft.train.metrics import divergence
 
@@ -127,15 +131,13 @@ def step_time(metrics: list[dict]) -> dict | None:
 def check_drafters(run_dir: Path, cfg, acc: dict | None) -> None:
     """NonFinite (one line, nothing written) when a drafter the report speaks for holds a NaN or inf weight:
     eval.checkpoint, and the drafter eval/accept_len.json was measured on."""
-    from eagle3ft.config import resolve_path
-    from eagle3ft.drafter.config import check_weights_finite
 
-    folders = {"eval.checkpoint": resolve_path(cfg.eval.checkpoint, base=Path(run_dir))} if cfg is not None else {}
+    folders = {"eval.checkpoint": RunDir(run_dir).drafter(cfg.eval.checkpoint)} if cfg is not None else {}
     if acc and acc.get("checkpoint"):
         folders["eval/accept_len.json's checkpoint"] = Path(acc["checkpoint"])
     for where, folder in folders.items():
         if (folder / "config.json").is_file():
-            check_weights_finite(folder, where)
+            DrafterFolder(folder, where).check_finite()
 
 
 def build(run_dir: Path, cfg=None) -> dict:
@@ -226,16 +228,14 @@ def build(run_dir: Path, cfg=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import cli_errors, error_log, parse_cli
-    from eagle3ft.eval.preflight import check_or_exit
+    prog = command_name("build.py")  # in errors: the command the user typed
 
     cfg, run_dir, args = parse_cli(
         "Report: training, offline accept length, live benchmark.", stage="report", argv=argv
     )
-    check_or_exit("build.py", "report", cfg, run_dir, args.config)
-    from eagle3ft.runlock import holding
+    check_or_exit(prog, "report", cfg, run_dir, args.config)
 
-    with holding(run_dir, "report", "build.py"), cli_errors("build.py", log=error_log(run_dir, "report")):
+    with holding(run_dir, "report", prog), cli_errors(prog, log=error_log(run_dir, "report")):
         rep = build(run_dir, cfg)
     print(f"report: {RunDir(run_dir).report_md}")
     print(headline_text(rep["headline"]))

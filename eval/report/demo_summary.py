@@ -11,7 +11,7 @@ The drafters are the bench's: `eval.checkpoint` (the run's fine-tuned export, la
 live bench (eval/bench/schedule.py on the embedded backend) with the drafters already loaded.
 
 `offline` measures each drafter's offline tau on RUN's held-out features, one figure per held-out
-source (HumanEval apart from MT-Bench: the source each sample was harvested from, data/harvest.py sample_sources), and
+source (HumanEval apart from MT-Bench: the source each sample was harvested from, data/sources.py sample_sources), and
 writes RUN/demo/offline-<label>.json. Each drafter runs in the target's dtype, as the bench runs it.
 
 `headline` joins those files with RUN/bench/summary.json (plain decoding and both drafters timed in one
@@ -29,135 +29,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
+from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
+from eagle3ft.data.store import StoreError
+from eagle3ft.eval.bench.measure import run_measure, run_offline
+from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.files import write_atomic, write_json
 from eagle3ft.run_dir import RunDir
-
-# --------------------------------------------------------------------------- held-out samples by source
-
-
-def group_heldout(names: list[str | None]) -> dict[str, list[int]]:
-    """Indices of the held-out dataset per source name ("other" where a sample's source is not known), given each
-    sample's source in dataset order (data/harvest.py sample_sources)."""
-    groups: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        groups.setdefault(name or "other", []).append(i)
-    return groups
-
-
-def offline_by_source(drafter, ds, groups: dict[str, list[int]], steps: int, device) -> dict:
-    """Chain greedy offline tau per group: conversations, roots, answer tokens, tau per d/1/d+1 setting, per depth."""
-    from eagle3ft.eval.offline.accept_len import evaluate
-
-    out = {}
-    for kind, idx in groups.items():
-        items = [ds[i] for i in idx]
-        rep = evaluate(drafter, iter(items), steps, 1, steps + 1, 0.0, device)
-        out[kind] = {
-            "conversations": rep.samples,
-            "roots": rep.roots,
-            "answer_tokens": int(sum(int(it["loss_mask"].sum()) for it in items)),
-            "settings": {k: v["tau"] for k, v in rep.settings.items()},
-            "per_depth": rep.greedy["per_depth"],
-        }
-    return out
-
-
-def drafter_folders(cfg, run_dir: Path) -> dict[str, Path]:
-    """label -> folder: eval.checkpoint (relative to the run) and bench.drafters (relative to the repository)."""
-    from eagle3ft.config import resolve_path
-
-    folders = {cfg.eval.checkpoint: resolve_path(cfg.eval.checkpoint, base=run_dir)}
-    folders.update({k: resolve_path(v) for k, v in cfg.bench.drafters.items()})
-    return folders
-
-
-def _check_drafters(cfg, run_dir: Path, folders: dict[str, Path]):
-    """Every folder against the run's features, before anything is loaded; returns (the held-out dataset, each of its
-    samples' source)."""
-    from eagle3ft.data.harvest import sample_sources
-    from eagle3ft.data.store import MANIFEST, FeatureStore
-    from eagle3ft.drafter.config import check_drafter_folder
-
-    store = FeatureStore(RunDir(run_dir).features)
-    for label, folder in folders.items():
-        check_drafter_folder(folder, store.target, label, str(store.dir / MANIFEST))
-    return store.dataset("heldout"), sample_sources(store, cfg.harvest, "heldout")
-
-
-def offline_all(
-    cfg, run_dir: Path, drafters: dict, folders: dict[str, Path], held, device, log=print
-) -> dict[str, dict]:
-    """Offline tau per held-out source for each loaded drafter; writes RUN/demo/offline-<label>.json. `held` is
-    _check_drafters' (dataset, sources)."""
-    ds, names = held
-    groups = group_heldout(names)
-    if not groups:
-        raise ValueError(f"{RunDir(run_dir).features} has no held-out samples (harvest.sources with split heldout)")
-    out_dir = RunDir(run_dir).demo
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for label, drafter in drafters.items():
-        with torch.no_grad():
-            sets = offline_by_source(drafter, ds, groups, cfg.eval.steps, device)
-        res = {"label": label, "checkpoint": str(folders[label]), "depth": cfg.eval.steps, "sets": sets}
-        write_json(out_dir / f"offline-{label}.json", res, indent=2, newline=True)
-        results[label] = res
-        for kind, s in sets.items():
-            taus = ", ".join(f"{k} {v:.3f}" for k, v in s["settings"].items())
-            log(
-                f"{label:>10} on held-out {kind}: {s['conversations']} conversations, "
-                f"{s['answer_tokens']} answer tokens: tau {taus}"
-            )
-    return results
-
-
-def _pick(folders: dict[str, Path], only: list[str] | None) -> dict[str, Path]:
-    unknown = sorted(set(only or []) - set(folders))
-    if unknown:
-        raise ValueError(
-            f"--only {unknown}: not a drafter of this config (eval.checkpoint or bench.drafters: {list(folders)})"
-        )
-    return {k: v for k, v in folders.items() if not only or k in only}
-
-
-def run_offline(cfg, run_dir: Path, only: list[str] | None = None, log=print) -> dict[str, dict]:
-    """Offline tau per held-out source for each drafter (or those in `only`), in the target's dtype."""
-    from eagle3ft.drafter.export import load_drafter
-    from eagle3ft.targets.hf import load_input_embedding, pick_device
-
-    folders = _pick(drafter_folders(cfg, run_dir), only)
-    held = _check_drafters(cfg, run_dir, folders)
-    device = pick_device(cfg.target)
-    emb = load_input_embedding(cfg.target)
-    drafters = {
-        k: load_drafter(f, embedding=emb.float()).to(device=device, dtype=emb.dtype).eval() for k, f in folders.items()
-    }
-    return offline_all(cfg, run_dir, drafters, folders, held, device, log)
-
-
-def run_measure(cfg, run_dir: Path, log=print) -> dict:
-    """One process, one target load: every drafter's offline tau per held-out set, then the live bench (plain
-    against eval.checkpoint and bench.drafters, interleaved, every prompt set) with the drafters the bench loaded, then
-    the bench's economics."""
-    from eagle3ft.eval.bench import schedule
-    from eagle3ft.eval.bench.embedded_backend import EmbeddedBackend
-    from eagle3ft.eval.bench.format import format_summary
-    from eagle3ft.eval.bench.prompts import load_prompt_sets
-    from eagle3ft.eval.economics.analysis import after_bench
-
-    if cfg.bench.backend != "embedded":
-        raise ValueError(f"bench.backend {cfg.bench.backend!r}: the demo measures with the embedded backend")
-    folders = drafter_folders(cfg, run_dir)
-    held = _check_drafters(cfg, run_dir, folders)
-    backend = EmbeddedBackend(cfg, run_dir)
-    offline_all(cfg, run_dir, backend.drafters, folders, held, backend.device, log)
-    summary = schedule.run(cfg, run_dir, backend, load_prompt_sets(cfg, backend.tokenizer), log)
-    after_bench(run_dir, cfg, log)
-    log(format_summary(summary))
-    return summary
-
+from eagle3ft.runlock import holding
 
 # --------------------------------------------------------------------------- headline
 
@@ -328,8 +206,7 @@ def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    from eagle3ft.cli import build_parser, cli_errors, error_log, parse_cli
-    from eagle3ft.data.store import StoreError
+    prog = command_name("demo_summary.py")  # in errors: the command the user typed
 
     ap = build_parser("The demo's before/after: offline tau per held-out set, then the headline.")
     ap.add_argument("command", choices=("offline", "measure", "headline"))
@@ -338,14 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--after", help="headline: the drafter after (default: eval.checkpoint)")
     cfg, run_dir, args = parse_cli(ap.description, stage="demo", argv=argv, parser=ap)
     if args.command == "measure":
-        from eagle3ft.eval.preflight import check_or_exit
-
-        check_or_exit("demo_summary.py", "bench", cfg, run_dir, args.config)
-    from eagle3ft.runlock import holding
+        check_or_exit(prog, "bench", cfg, run_dir, args.config)
 
     with (
-        holding(run_dir, "demo", "demo_summary.py"),
-        cli_errors("demo_summary.py", StoreError, log=error_log(run_dir, "demo")),
+        holding(run_dir, "demo", prog),
+        cli_errors(prog, StoreError, log=error_log(run_dir, "demo")),
     ):
         if args.command == "offline":
             run_offline(cfg, run_dir, args.only or None)

@@ -1,11 +1,14 @@
-"""The bench's prompt sets, rendered once by the caller with the target's tokenizer: `bench.prompts` (MT-Bench by
-default) and each `bench.more_prompts`, the first user turn of each conversation through the target's chat template
-into token ids, so every backend decodes exactly the same tokens."""
+"""Prompt sets rendered with the target's tokenizer: `bench.prompts` (MT-Bench by default) and each
+`bench.more_prompts`, the first user turn of each conversation through the target's chat template into token ids, so
+every bench backend, and the offline τ on a bench's answers, read exactly the same tokens."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+
+from eagle3ft.data.chat import ChatFormat
+from eagle3ft.data.prompts import collect
 
 
 @dataclass
@@ -17,9 +20,6 @@ class PromptSet:
 
 def load_prompts(cfg, tokenizer, source) -> list[list[int]]:
     """First user turn of each conversation of `source` (a SourceConfig), chat-templated into token ids."""
-    from eagle3ft.data.chat import ChatFormat
-    from eagle3ft.data.prompts import collect
-
     convs = collect([source], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
     chat = ChatFormat(tokenizer, cfg.target.chat_template)
     out = []
