@@ -127,7 +127,8 @@ def facts(url: str, hidden_size: int) -> dict:
             f["output_top_len_minus_new"] = len(outp) - n
             f["input_token_logprobs_first"] = repr(meta["input_token_logprobs"][0][0])
         if f["spec_keys"]:
-            hist = meta.get("spec_accept_histogram")
+            # 0.5.23 sends only spec_correct_drafts_histogram; 0.5.17 also its old twin spec_accept_histogram
+            hist = meta.get("spec_correct_drafts_histogram") or meta.get("spec_accept_histogram")
             f["spec_accept_length_is_completion_over_verify"] = (
                 abs(meta["spec_accept_length"] - n / meta["spec_verify_ct"]) < 1e-6
             )

@@ -242,7 +242,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
             f"serve.port={port}",
             "serve.max_servers=1",
             "serve.startup_timeout_s=120",
-            f"serve.extra_args=[--double-config, {REPO_ROOT / 'configs/tiny.yaml'}]",
+            f"serve.env={{SGLANG_DOUBLE_CONFIG: {REPO_ROOT / 'configs/tiny.yaml'}}}",
         ],
     )
     with pytest.raises(ValueError, match="would restart a server for every prompt: set bench.interleave: pass"):
