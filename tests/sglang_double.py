@@ -6,7 +6,8 @@ SGLang returns, computed with a transformers model (and, for an EAGLE3 server,
 the embedded speculative decoder of eval/decode/speculate.py). The shapes mirror
 /work/shared/sglang-h200/README.md (measured on SGLang 0.5.17) and SGLang's
 sources (http_server.py, tokenizer_manager.py, scheduler output processing). The model side is
-tests/sglang_double_engine.py; this file is the HTTP side and the command line:
+tests/sglang_double_engine.py, each version's rules tests/sglang_double_rules.py; this file is the HTTP side
+and the command line:
 
 - ``POST /generate`` -> ``{"text", "output_ids", "meta_info"}``; meta_info has
   ``id, finish_reason {type: length|stop, length|matched}, prompt_tokens,
@@ -86,31 +87,12 @@ from pathlib import Path
 # folder off sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_double_engine import BadRequest, DoubleEngine  # noqa: E402
+from sglang_double_rules import AUX_CAPTURE_FROM, REMOVED_IN_0_5_23, SAMPLING, VERSIONS, aux_capture, vt  # noqa: E402
 
-VERSIONS = ("0.5.17", "0.5.23")
 NO_TOKENIZER = (  # SGLang 0.5.17 srt/managers/tokenizer_manager.py, a text prompt on a --skip-tokenizer-init server
     "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide input_ids or "
     "re-initialize the engine with skip_tokenizer_init=False."
 )
-AUX_CAPTURE_FROM = (0, 5, 23)
-REMOVED_IN_0_5_23 = ("spec_accept_histogram", "spec_accepted_drafts", "spec_proposed_drafts")
-SAMPLING = {  # sampled verification's settings at their defaults (srt/server_args.py, fields/spec.py)
-    "0.5.17": {
-        "speculative_accept_threshold_single": 1.0,
-        "speculative_accept_threshold_acc": 1.0,
-        "speculative_use_rejection_sampling": False,
-    },
-    "0.5.23": {
-        "speculative_accept_threshold_single": 1.0,
-        "speculative_accept_threshold_acc": 1.0,
-        "speculative_use_rejection_sampling": False,
-        "speculative_use_block_verification": False,
-    },
-}
-
-
-def _vt(v: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in v.split("."))
 
 
 def _is_batch(req: dict) -> bool:
@@ -157,7 +139,7 @@ class SGLangDouble:
             "max_running_requests": 48 if engine.speculative else None,  # an EAGLE3 server's cap when unset
         }
         args.update(SAMPLING[version])
-        if _vt(version) >= AUX_CAPTURE_FROM:
+        if vt(version) >= AUX_CAPTURE_FROM:
             aux_only = engine.aux_layer_ids is not None and not engine.speculative
             args["enable_return_aux_hidden_states"] = aux_only
             args["return_aux_hidden_state_layer_ids"] = engine.aux_layer_ids if aux_only else None
@@ -287,7 +269,7 @@ class SGLangDouble:
                 for o in out if isinstance(out, list) else [out]:
                     if double.server_args.get("skip_tokenizer_init"):
                         o.pop("text", None)
-                    if _vt(double.version) >= AUX_CAPTURE_FROM:
+                    if vt(double.version) >= AUX_CAPTURE_FROM:
                         for k in REMOVED_IN_0_5_23:
                             o["meta_info"].pop(k, None)
                 if req.get("stream"):
@@ -369,38 +351,12 @@ class SGLangDouble:
         self.stop()
 
 
-def _aux_capture(ap: argparse.ArgumentParser, args) -> list[int] | None:
-    """0.5.23's launch check of aux capture (srt/arg_groups/validation_hook.py:697-754): the layer ids it captures,
-    or None when it is off. EAGLE3 names the convention and is then reset, so no draft loads."""
-    if not args.enable_return_aux_hidden_states:
-        if args.return_aux_hidden_state_layer_ids is not None:
-            ap.error("--return-aux-hidden-state-layer-ids requires --enable-return-aux-hidden-states.")
-        return None
-    method = (args.speculative_algorithm or "").upper()
-    if method not in ("EAGLE3", "DFLASH", "DSPARK"):
-        ap.error(
-            "--enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3, DFLASH or DSPARK to name the "
-            f"capture convention, got {args.speculative_algorithm!r}."
-        )
-    if method != "EAGLE3":
-        ap.error(f"the double captures with the EAGLE3 convention, not {method}")
-    if args.speculative_draft_model_path is not None:
-        ap.error("--enable-return-aux-hidden-states captures without a draft; drop --speculative-draft-model-path.")
-    ids = args.return_aux_hidden_state_layer_ids
-    if ids is not None and (any(i < 0 for i in ids) or len(set(ids)) != len(ids)):
-        ap.error(f"--return-aux-hidden-state-layer-ids must be non-negative and not repeat a layer, got {ids}.")
-    if ids is None:  # the real server takes the model's own EAGLE3 layers; the double does not mirror that
-        ap.error("the double captures the layers named by --return-aux-hidden-state-layer-ids only")
-    args.speculative_algorithm = None
-    return list(ids)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Serve the double in the foreground with SGLang's launch flags (those the launcher emits)."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--double-version", default=os.environ.get("SGLANG_DOUBLE_VERSION", "0.5.17"), choices=VERSIONS)
     version = pre.parse_known_args(argv)[0].double_version
-    aux = _vt(version) >= AUX_CAPTURE_FROM
+    aux = vt(version) >= AUX_CAPTURE_FROM
     ap = argparse.ArgumentParser(description="SGLang protocol double")
     ap.add_argument(
         "--double-config",
@@ -441,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.host not in ("127.0.0.1", "localhost"):
         ap.error("the double serves on loopback only")
-    aux_ids = _aux_capture(ap, args) if aux else None
+    aux_ids = aux_capture(ap, args) if aux else None
 
     from eagle3ft.config import Config, TargetConfig, load_config
     from eagle3ft.targets.hf import load_target
