@@ -127,7 +127,8 @@ def facts(url: str, hidden_size: int) -> dict:
             f["output_top_len_minus_new"] = len(outp) - n
             f["input_token_logprobs_first"] = repr(meta["input_token_logprobs"][0][0])
         if f["spec_keys"]:
-            hist = meta.get("spec_accept_histogram")
+            # 0.5.23 sends only spec_correct_drafts_histogram; 0.5.17 also its old twin spec_accept_histogram
+            hist = meta.get("spec_correct_drafts_histogram") or meta.get("spec_accept_histogram")
             f["spec_accept_length_is_completion_over_verify"] = (
                 abs(meta["spec_accept_length"] - n / meta["spec_verify_ct"]) < 1e-6
             )
@@ -174,7 +175,9 @@ def facts(url: str, hidden_size: int) -> dict:
     return f
 
 
-def double_facts(kind: str, hidden_size_check: int) -> dict:
+def double_facts(kind: str, hidden_size_check: int, version: str | None = None) -> dict:
+    """The facts of the double serving the tiny target as `kind` (plain, eagle3, aux), playing `version` (default:
+    0.5.23 for aux, the only one with it, else 0.5.17)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     import torch
     from sglang_double import DoubleEngine, SGLangDouble
@@ -192,12 +195,12 @@ def double_facts(kind: str, hidden_size_check: int) -> dict:
         torch.manual_seed(0)
         d = Eagle3Drafter(DrafterConfig.from_json(REPO_ROOT / cfg.drafter.config))
         d.embed_tokens.weight.data.copy_(model.get_input_embeddings().weight)
-        engine, version = DoubleEngine(model, tok, drafter=d.eval()), "0.5.17"
+        engine, default = DoubleEngine(model, tok, drafter=d.eval()), "0.5.17"
     elif kind == "aux":
-        engine, version = DoubleEngine(model, tok, aux_layer_ids=[0, 1, 2]), "0.5.23"
+        engine, default = DoubleEngine(model, tok, aux_layer_ids=[0, 1, 2]), "0.5.23"
     else:
-        engine, version = DoubleEngine(model, tok), "0.5.17"
-    with SGLangDouble(engine, version=version) as double:
+        engine, default = DoubleEngine(model, tok), "0.5.17"
+    with SGLangDouble(engine, version=version or default) as double:
         return facts(double.url, model.config.hidden_size)
 
 

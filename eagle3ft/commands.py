@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "economics": ("eagle3ft.eval.economics.analysis:main", "break-even accept length and predicted tok/s"),
     "report": ("eagle3ft.eval.report.build:main", "offline and live results joined -> RUN/report.md"),
     "compare": ("eagle3ft.eval.offline.compare:main", "two drafters' τ per held-out set, and a verdict"),
+    "sglang-check": ("eagle3ft.targets.sglang_check:main", "a running SGLang server: version, aux ids, hidden states"),
 }
 # stages whose torch runs on the CPU beside other work: spinning OpenMP threads slow it on a busy CPU (shared CI,
 # 2 cores) by 10-25x, so they wait passively; set before the stage's module loads torch

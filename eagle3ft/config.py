@@ -334,13 +334,23 @@ class ServeConfig:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 1800.0
     launch_cmd: list[str] = field(default_factory=lambda: ["-m", "sglang.launch_server"])  # after `python`
-    # eagle3: a draft model makes the server return its aux layers (any version) | aux_flag: SGLang >= 0.5.23, no draft
+    # the SGLang that `python` runs: every server command is checked against its flags and launch rules before it
+    # starts (eagle3ft/targets/sglang_versions.py); `eagle3ft sglang-check --url URL` reads a running server's
+    sglang_version: Literal["0.5.17", "0.5.23"] = "0.5.17"
+    # eagle3: a draft model makes the server return its aux layers (any version) | aux_flag: SGLang 0.5.23, no draft
     harvest_capture: Literal["eagle3", "aux_flag"] = "eagle3"
     harvest_draft: str | None = None  # drafter folder (SGLang form) for harvest_capture=eagle3; default drafter.init
     harvest_setting: Setting = field(default_factory=lambda: Setting(1, 1, 2))  # the cheapest speculation, harvesting
+    # harvest_capture=aux_flag; the ids follow the last one. 0.5.23 takes the aux flag only beside the algorithm that
+    # names the capture convention, and no draft
     aux_capture_args: list[str] = field(
-        default_factory=lambda: ["--enable-return-aux-hidden-states", "--return-aux-hidden-state-layer-ids"]
-    )  # harvest_capture=aux_flag; the ids follow the last one
+        default_factory=lambda: [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--enable-return-aux-hidden-states",
+            "--return-aux-hidden-state-layer-ids",
+        ]  # fmt: skip
+    )
     harvest_env: dict[str, str] = field(
         default_factory=lambda: {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
     )  # logprobs before temperature, as the store wants

@@ -6,7 +6,8 @@ SGLang returns, computed with a transformers model (and, for an EAGLE3 server,
 the embedded speculative decoder of eval/decode/speculate.py). The shapes mirror
 /work/shared/sglang-h200/README.md (measured on SGLang 0.5.17) and SGLang's
 sources (http_server.py, tokenizer_manager.py, scheduler output processing). The model side is
-tests/sglang_double_engine.py; this file is the HTTP side and the command line:
+tests/sglang_double_engine.py, each version's rules tests/sglang_double_rules.py; this file is the HTTP side
+and the command line:
 
 - ``POST /generate`` -> ``{"text", "output_ids", "meta_info"}``; meta_info has
   ``id, finish_reason {type: length|stop, length|matched}, prompt_tokens,
@@ -27,10 +28,11 @@ tests/sglang_double_engine.py; this file is the HTTP side and the command line:
   are bf16, as the served model computes them. A finished request on a speculative
   server adds ``spec_verify_ct, spec_accept_length (= completion_tokens / verify_ct),
   spec_accept_rate, spec_num_correct_drafts, spec_num_proposed_drafts (= verify_ct *
-  (num_draft_tokens - 1)), spec_accept_histogram`` (verify steps by drafts accepted, as long as
-  the most drafts accepted + 1) and their 0.5.17 twins ``spec_accepted_drafts,
-  spec_proposed_drafts, spec_correct_drafts_histogram`` (equal values in the real server's
-  answers, benchmarks/results/sglang-vs-embedded-run1/sglres/bench/bench/sglang_requests.jsonl).
+  (num_draft_tokens - 1)), spec_correct_drafts_histogram`` (verify steps by drafts accepted, as long as
+  the most drafts accepted + 1); 0.5.17 adds the twins ``spec_accepted_drafts,
+  spec_proposed_drafts, spec_accept_histogram`` (equal values in the real server's
+  answers, benchmarks/results/sglang-vs-embedded-run1/sglres/bench/bench/sglang_requests.jsonl),
+  which 0.5.23 removed (its srt/managers/tokenizer_manager.py:3164-3201 sends only the first six).
 - ``max_new_tokens: 0`` (prefill only), on a plain or a speculative server: completion_tokens 0,
   no hidden-state entry, and one ``output_top_logprobs`` entry (the next-token distribution
   the prefill computed), as the real 0.5.17 server answered; ``output_token_logprobs`` is
@@ -39,7 +41,7 @@ tests/sglang_double_engine.py; this file is the HTTP side and the command line:
   scheduler info, ``internal_states[0].avg_spec_accept_length`` (lifetime; only once a
   speculative request has been verified, as SGLang's Scheduler.get_internal_state adds it
   only when cum_spec_accept_count > 0 and the real server had none before its first request)
-  and ``version``. Where 0.5.23's answers are unrecorded, the 0.5.23 double answers as 0.5.17.
+  and ``version``; the sampled-verification settings each version has, at their defaults.
   ``GET /health``, ``/health_generate``, ``/get_model_info``; ``/flush_cache``.
 - A batch (``input_ids`` a list of id lists, or ``text`` a list; ``sampling_params`` one dict or one
   per prompt, as SGLang's GenerateReqInput takes them) -> a JSON list of those answers, in order.
@@ -56,7 +58,14 @@ What it does not mirror is refused with a 400 naming it (streamed hidden states 
 tree drafting), never made up.
 Faults for the retry tests are queued in-process: ``double.faults.append("500")``.
 
-Run it alone with SGLang's launch flags (the launcher's tests do), serving an HF folder or a config's target:
+Launch flags are each version's own (read from its wheel): 0.5.17 takes ``--cuda-graph-max-bs`` as an alias and
+has no aux capture; 0.5.23 refuses that alias as ambiguous, and takes ``--enable-return-aux-hidden-states`` only
+beside ``--speculative-algorithm EAGLE3`` and without a draft model (then reports ``speculative_algorithm`` null),
+as its srt/arg_groups/validation_hook.py:697-754 checks.
+
+Run it alone with SGLang's launch flags (the launcher's tests do), serving an HF folder or a config's target; the
+launcher passes the double's own two settings in the environment (SGLANG_DOUBLE_CONFIG, SGLANG_DOUBLE_VERSION: the
+flags below), so its command line is one the real server's parser takes:
     python tests/sglang_double.py [--double-config configs/tiny.yaml] --model-path HF_DIR --port 30000 \
         --enable-return-hidden-states [--speculative-algorithm EAGLE3 --speculative-draft-model-path D ...]
 """
@@ -65,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -77,17 +87,12 @@ from pathlib import Path
 # folder off sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_double_engine import BadRequest, DoubleEngine  # noqa: E402
+from sglang_double_rules import AUX_CAPTURE_FROM, REMOVED_IN_0_5_23, SAMPLING, VERSIONS, aux_capture, vt  # noqa: E402
 
-VERSIONS = ("0.5.17", "0.5.23")
 NO_TOKENIZER = (  # SGLang 0.5.17 srt/managers/tokenizer_manager.py, a text prompt on a --skip-tokenizer-init server
     "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide input_ids or "
     "re-initialize the engine with skip_tokenizer_init=False."
 )
-AUX_CAPTURE_FROM = (0, 5, 23)
-
-
-def _vt(v: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in v.split("."))
 
 
 def _is_batch(req: dict) -> bool:
@@ -131,11 +136,14 @@ class SGLangDouble:
             "speculative_num_steps": engine.spec[0] if engine.speculative else None,
             "speculative_eagle_topk": engine.spec[1] if engine.speculative else None,
             "speculative_num_draft_tokens": engine.spec[2] if engine.speculative else None,
+            "max_running_requests": 48 if engine.speculative else None,  # an EAGLE3 server's cap when unset
         }
-        if _vt(version) >= AUX_CAPTURE_FROM:
+        args.update(SAMPLING[version])
+        if vt(version) >= AUX_CAPTURE_FROM:
             aux_only = engine.aux_layer_ids is not None and not engine.speculative
             args["enable_return_aux_hidden_states"] = aux_only
             args["return_aux_hidden_state_layer_ids"] = engine.aux_layer_ids if aux_only else None
+            args["aux_hidden_state_capture"] = "eagle3" if aux_only else None
         elif engine.aux_layer_ids is not None and not engine.speculative:
             raise ValueError(
                 f"aux capture without a draft model needs SGLang >= {AUX_CAPTURE_FROM}, the double plays {version}"
@@ -258,9 +266,12 @@ class SGLangDouble:
                         out, timeline = double.engine.generate(req)
                 except BadRequest as e:
                     return self._error(400, str(e))
-                if double.server_args.get("skip_tokenizer_init"):
-                    for o in out if isinstance(out, list) else [out]:
+                for o in out if isinstance(out, list) else [out]:
+                    if double.server_args.get("skip_tokenizer_init"):
                         o.pop("text", None)
+                    if vt(double.version) >= AUX_CAPTURE_FROM:
+                        for k in REMOVED_IN_0_5_23:
+                            o["meta_info"].pop(k, None)
                 if req.get("stream"):
                     return self._stream(out, timeline)
                 data = json.dumps(out, separators=(",", ":")).encode()
@@ -342,11 +353,17 @@ class SGLangDouble:
 
 def main(argv: list[str] | None = None) -> None:
     """Serve the double in the foreground with SGLang's launch flags (those the launcher emits)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--double-version", default=os.environ.get("SGLANG_DOUBLE_VERSION", "0.5.17"), choices=VERSIONS)
+    version = pre.parse_known_args(argv)[0].double_version
+    aux = vt(version) >= AUX_CAPTURE_FROM
     ap = argparse.ArgumentParser(description="SGLang protocol double")
     ap.add_argument(
-        "--double-config", help="eagle3ft config whose target the double serves (default: the HF folder --model-path)"
+        "--double-config",
+        default=os.environ.get("SGLANG_DOUBLE_CONFIG"),
+        help="eagle3ft config whose target the double serves (default: the HF folder --model-path)",
     )
-    ap.add_argument("--double-version", default="0.5.17", choices=VERSIONS)
+    ap.add_argument("--double-version", default=version, choices=VERSIONS)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--tokenizer-path")
     ap.add_argument("--host", default="127.0.0.1")
@@ -365,10 +382,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--speculative-num-steps", type=int, default=3)
     ap.add_argument("--speculative-eagle-topk", type=int, default=1)
     ap.add_argument("--speculative-num-draft-tokens", type=int, default=4)
-    ap.add_argument("--enable-return-aux-hidden-states", action="store_true")
-    ap.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+")
+    if aux:
+        ap.add_argument("--enable-return-aux-hidden-states", action="store_true")
+        ap.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+")
     ap.add_argument("--skip-tokenizer-init", action="store_true")
-    ap.add_argument("--cuda-graph-max-bs", type=int)
+    if not aux:  # 0.5.17's deprecated alias; 0.5.23's parser finds it ambiguous between the two below
+        ap.add_argument("--cuda-graph-max-bs", type=int, dest="cuda_graph_max_bs_decode")
+    ap.add_argument("--cuda-graph-max-bs-decode", type=int)
+    ap.add_argument("--cuda-graph-max-bs-prefill", type=int)
     ap.add_argument("--cuda-graph-backend-prefill")  # 0.5.17: disabled leaves prefill graphs out
     ap.add_argument("--max-running-requests", type=int)
     ap.add_argument("--log-level")
@@ -376,8 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.host not in ("127.0.0.1", "localhost"):
         ap.error("the double serves on loopback only")
-    if args.enable_return_aux_hidden_states and _vt(args.double_version) < AUX_CAPTURE_FROM:
-        ap.error(f"unrecognized arguments: --enable-return-aux-hidden-states (SGLang {args.double_version})")
+    aux_ids = aux_capture(ap, args) if aux else None
 
     from eagle3ft.config import Config, TargetConfig, load_config
     from eagle3ft.targets.hf import load_target
@@ -389,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     model, tok = load_target(cfg.target)
     drafter = None
-    if args.speculative_algorithm:
+    if args.speculative_algorithm and aux_ids is None:
         if args.speculative_algorithm != "EAGLE3" or not args.speculative_draft_model_path:
             ap.error("the double mirrors --speculative-algorithm EAGLE3 with --speculative-draft-model-path")
         from eagle3ft.drafter.export import load_drafter
@@ -399,7 +419,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = DoubleEngine(
         model,
         tok,
-        args.return_aux_hidden_state_layer_ids,
+        aux_ids,
         drafter,
         args.speculative_num_steps,
         args.speculative_eagle_topk,
@@ -413,6 +433,8 @@ def main(argv: list[str] | None = None) -> None:
         "enable_return_hidden_states": args.enable_return_hidden_states,
         "skip_tokenizer_init": args.skip_tokenizer_init,
     }
+    if args.max_running_requests is not None:
+        names["max_running_requests"] = args.max_running_requests
     double = SGLangDouble(engine, args.double_version, names, port=args.port)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=double.httpd.shutdown, daemon=True).start())
     print(f"double serving {double.url} (SGLang {args.double_version})", flush=True)

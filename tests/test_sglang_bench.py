@@ -170,8 +170,9 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
     )
     requests_log = [json.loads(line) for line in (tmp_path / "bench/sglang_requests.jsonl").read_text().splitlines()]
     assert {r["setting"] for r in requests_log} == {"baseline", "3/1/4"} and all(
-        "spec_accept_histogram" in r for r in requests_log if r["setting"] != "baseline"
-    )
+        "spec_correct_drafts_histogram" in r for r in requests_log if r["setting"] != "baseline"
+    )  # the key both versions send (0.5.23 dropped its twin spec_accept_histogram)
+    assert env["speculative_sampling"] == {}  # greedy: the sampled-verification settings do not apply
 
     econ = json.loads((tmp_path / "bench/economics.json").read_text())
     assert econ and summary["costs"]["verify_s"]["4"] > 0  # cycle time measured from the server per setting
@@ -238,7 +239,43 @@ def test_each_setting_runs_on_the_listed_server_that_serves_it(tiny, doubles, tm
         spec2.stop()
 
 
+def test_sampled_bench_records_the_servers_verify_settings(tiny, doubles, tmp_path):
+    """At T > 0, tau moves with the server's sampled-verification settings: summary.json keeps them per setting."""
+    cfg0, model, tok, drafter = tiny
+    base, _ = doubles
+    spec = SGLangDouble(
+        DoubleEngine(model, tok, drafter=drafter, spec_steps=3, spec_topk=1, spec_num_draft_tokens=4), version="0.5.23"
+    ).start()
+    try:
+        sets = [
+            f"bench.sglang.baseline_url={base.url}",
+            f"bench.sglang.speculative_url={spec.url}",
+            "bench.temperature=0.8",
+            "bench.prompts={kind: mtbench, limit: 1}",
+            "bench.max_new_tokens=8",
+            "bench.repetitions=1",
+            "bench.sglang.requests=[whole]",
+        ]
+        cfg = load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + sets)
+        backend = SGLangBackend(cfg, tmp_path)
+        schedule.run(cfg, tmp_path, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *_: None)
+        backend.close()
+    finally:
+        spec.stop()
+    summary = json.loads((tmp_path / "bench/summary.json").read_text())
+    assert summary["temperature"] == 0.8
+    assert summary["environment"]["speculative_sampling"] == {
+        "3/1/4": {
+            "speculative_accept_threshold_single": 1.0,
+            "speculative_accept_threshold_acc": 1.0,
+            "speculative_use_rejection_sampling": False,
+            "speculative_use_block_verification": False,
+        }
+    }
+
+
 def test_accept_lengths_from_histogram_or_counts():
+    assert accept_lengths_from({"spec_verify_ct": 3, "spec_correct_drafts_histogram": [1, 0, 2, 0]}, 8) == [1, 3, 3]
     assert accept_lengths_from({"spec_verify_ct": 3, "spec_accept_histogram": [1, 0, 2, 0]}, 8) == [1, 3, 3]
     assert sorted(accept_lengths_from({"spec_verify_ct": 3}, 8)) == [2, 2, 3]
     assert accept_lengths_from({"spec_verify_ct": 0}, 8) is None and accept_lengths_from({}, 8) is None
@@ -262,7 +299,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
             f"serve.port={port}",
             "serve.max_servers=1",
             "serve.startup_timeout_s=120",
-            f"serve.extra_args=[--double-config, {REPO_ROOT / 'configs/tiny.yaml'}]",
+            f"serve.env={{SGLANG_DOUBLE_CONFIG: {REPO_ROOT / 'configs/tiny.yaml'}}}",
         ],
     )
     with pytest.raises(ValueError, match="would restart a server for every prompt: set bench.interleave: pass"):

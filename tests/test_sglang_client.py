@@ -153,6 +153,16 @@ def test_version_from_server_info_or_the_older_get_server_info(tiny):
         assert si.version == (0, 5, 23) and si.aux_capture_ids == ids and si.returns_aux
 
 
+def test_a_server_of_an_unsupported_version_is_named_before_the_harvest(tiny, caplog):
+    cfg, model, tok, ids = tiny
+    with SGLangDouble(DoubleEngine(model, tok, aux_layer_ids=ids), version="0.5.23") as d:
+        d.version = "0.6.1"
+        with caplog.at_level("WARNING", logger="eagle3ft.targets.sglang"):
+            make_target(tiny, [d.url])
+    assert f"{d.url}: SGLang 0.6.1 is not a supported version (0.5.17, 0.5.23)" in caplog.text
+    assert "eagle3ft sglang-check" in caplog.text
+
+
 # --------------------------------------------------------------------------- faults
 
 FAST = {"timeout_s": 1.0, "retries": 2, "backoff_s": 0.01}

@@ -62,7 +62,7 @@ def test_kimi_flagship_validates_without_a_gpu(tmp_path):
     assert "--enable-return-hidden-states" in harvest.argv and harvest.env["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
     assert (
         flag(harvest.argv, "--speculative-num-draft-tokens") == "2"
-        and flag(harvest.argv, "--cuda-graph-max-bs") == "64"
+        and flag(harvest.argv, "--cuda-graph-max-bs-decode") == "64"
     )
 
 
@@ -74,12 +74,14 @@ def test_harvest_draft_must_capture_the_drafters_layers(tmp_path):
     with pytest.raises(LaunchError, match="needs a draft model folder"):
         build_command(cfg, "harvest")
     cfg.serve.harvest_capture = "aux_flag"
+    with pytest.raises(LaunchError, match=r"^SGLang 0\.5\.17 refuses --enable-return-aux-hidden-states"):
+        build_command(cfg, "harvest")  # 0.5.17 has no aux capture without a draft
+    cfg.serve.sglang_version = "0.5.23"
     argv = build_command(cfg, "harvest").argv
     i = argv.index("--enable-return-aux-hidden-states")
-    assert (
-        argv[i + 1 : i + 5] == ["--return-aux-hidden-state-layer-ids", "2", "30", "58"]
-        and "--speculative-algorithm" not in argv
-    )
+    assert argv[i + 1 : i + 5] == ["--return-aux-hidden-state-layer-ids", "2", "30", "58"]  # the ids unchanged
+    assert flag(argv, "--speculative-algorithm") == "EAGLE3" and "--speculative-draft-model-path" not in argv
+    assert "--max-running-requests" not in argv  # no draft, no cap of 48
 
 
 def test_settings_sglang_refuses_are_refused():
@@ -144,12 +146,9 @@ def _double_config(tmp_path: Path, extra: list[str]):
     cfg.serve.model_path = str(tmp_path / "model")
     cfg.serve.port = port
     cfg.serve.harvest_capture = "aux_flag"
-    cfg.serve.extra_args = [
-        "--double-config",
-        str(REPO_ROOT / "configs/tiny.yaml"),
-        "--double-version",
-        "0.5.23",
-    ] + extra
+    cfg.serve.sglang_version = "0.5.23"
+    cfg.serve.env = {"SGLANG_DOUBLE_CONFIG": str(REPO_ROOT / "configs/tiny.yaml"), "SGLANG_DOUBLE_VERSION": "0.5.23"}
+    cfg.serve.extra_args = extra
     cfg.serve.startup_timeout_s = 120.0
     cfg.serve.stop_grace_s = 10.0
     return cfg
@@ -193,13 +192,19 @@ def test_launch_run_a_command_against_the_server_then_stop_it(tmp_path):
     )
     assert not health(url, 1.0)  # stopped
     log = next((tmp_path / "serve").glob("harvest-*.log")).read_text()
-    assert "--enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids 0 1 2" in log
+    assert (
+        "--speculative-algorithm EAGLE3 --enable-return-aux-hidden-states --return-aux-hidden-state-layer-ids 0 1 2"
+        in log
+    )
+    assert info["speculative_algorithm"] is None and info["enable_return_aux_hidden_states"]  # as 0.5.23 reports it
 
 
 def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
-    cfg = _double_config(tmp_path, ["--no-such-flag"])
+    with pytest.raises(LaunchError, match=r"^SGLang 0\.5\.23 refuses --no-such-flag: unrecognized arguments"):
+        server_for(_double_config(tmp_path, ["--no-such-flag"]), tmp_path, "baseline")  # stopped before launch
+    cfg = _double_config(tmp_path, ["--enable-lora"])  # SGLang takes it, the double does not mirror it
     with pytest.raises(
-        LaunchError, match="(?s)exited with 2 before answering /health.*unrecognized arguments: --no-such-flag"
+        LaunchError, match="(?s)exited with 2 before answering /health.*unrecognized arguments: --enable-lora"
     ):
         with server_for(cfg, tmp_path, "baseline"):
             pass

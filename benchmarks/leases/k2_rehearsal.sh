@@ -58,7 +58,7 @@ GPUS=${GPUS:-0}  # nvidia-h200-x2: GPUS=0,1 TP=2 NPROC=2 ACCEL=configs/accelerat
 export TOKENIZERS_PARALLELISM=false CUDA_VISIBLE_DEVICES=$GPUS
 say() { printf '\n== %s (%s, %s)\n' "$1" "$(date +%T)" "$(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2> /dev/null)"; }
 
-GRAPHS="--max-total-tokens, '65536', --cuda-graph-max-bs, '4', --cuda-graph-backend-prefill, disabled"
+GRAPHS="--max-total-tokens, '65536', --cuda-graph-max-bs-decode, '4', --cuda-graph-backend-prefill, disabled"
 MTB="{kind: mtbench, path: $C/mtbench-questions.jsonl, limit: 8}"
 SOURCES="[{kind: file, path: $C/sharegpt-first-turns.jsonl, limit: ${CONVS:-96}, name: sharegpt}, {kind: mtbench, path: $C/mtbench-questions.jsonl, limit: 16, split: heldout}]"
 K2=(--set target.kind=hf --set "target.path=$W" --set "target.tokenizer=$TOKENIZER" --set "target.device=$DEVICE"

@@ -44,7 +44,7 @@ SGL=(--set target.kind=hf --set "target.path=$MODEL" --set target.gguf_file=null
      --set "drafter.config=$SHIPPED/config.json" --set "eval.checkpoint=$SHIPPED" --set "serve.python=$PY"
      --set "serve.model_path=$MODEL" --set serve.attention_backend=triton --set serve.sampling_backend=pytorch
      --set serve.startup_timeout_s=600 --set "serve.log_dir=$L"
-     --set "serve.extra_args=[--sleep-on-idle, --cuda-graph-max-bs, '8', --cuda-graph-backend-prefill, disabled]"
+     --set "serve.extra_args=[--sleep-on-idle, --cuda-graph-max-bs-decode, '8', --cuda-graph-backend-prefill, disabled]"
      --set "serve.env={PYTHONPATH: '$SGL_DIR', SGLANG_ENABLE_JIT_DEEPGEMM: '0', CUDA_VISIBLE_DEVICES: '0'}")
 MTB="{kind: mtbench, path: $C/mtbench-questions.jsonl, per_category: 3, skip: 7}"
 EVERYDAY="{kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout}"
@@ -165,7 +165,7 @@ print('speed-ups', {k: {c: round(x, 4) for c, x in v.items()} for k, v in s.get(
 regen_server() {  # regen_server PORT SHARE USED: a plain server with SHARE of the GPU while USED of it is taken, for regen
   PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" --host 127.0.0.1 \
     --port "$1" --attention-backend triton --sampling-backend pytorch --skip-tokenizer-init \
-    --mem-fraction-static "$(awk -v s="$2" -v u="$3" 'BEGIN { printf "%.3f", s / (1 - u) }')" --cuda-graph-max-bs 352 \
+    --mem-fraction-static "$(awk -v s="$2" -v u="$3" 'BEGIN { printf "%.3f", s / (1 - u) }')" --cuda-graph-max-bs-decode 352 \
     --max-running-requests 341 --cuda-graph-backend-prefill disabled --enable-priority-scheduling \
     --disable-priority-preemption > "$L/server$1.log" 2>&1 &
   echo $! >> "$L/regen.pids"

@@ -29,7 +29,7 @@ PORT=${PORT:-30000}
 SERVERS=${SERVERS:-1}
 SERVER_CMD=${SERVER_CMD:--m sglang.launch_server}
 MEM=$($PY -c "print(round(0.85 / $SERVERS, 3))")
-EXTRA="--cuda-graph-max-bs, 512, --max-running-requests, 1024"
+EXTRA="--cuda-graph-max-bs-decode, 512, --max-running-requests, 1024"
 [ "${SKIP_TOKENIZER_INIT:-1}" = 1 ] && EXTRA="$EXTRA, --skip-tokenizer-init"
 mkdir -p "$OUT"
 

@@ -60,6 +60,7 @@ from eagle3ft.targets.sglang_http import (
     server_info,
     topk_arrays,
 )
+from eagle3ft.targets.sglang_versions import SUPPORTED, nearest
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,12 @@ class SGLangTarget:
                 timeout_s=min(30.0, self.policy.timeout_s), retries=self.policy.retries, backoff_s=self.policy.backoff_s
             ),
         )
+        if nearest(si.version) is None:
+            log.warning(
+                "%s: SGLang %s is not a supported version (%s): its flags and meta_info keys are unchecked; "
+                "`eagle3ft sglang-check --url %s` says what it returns",
+                url, si.raw.get("version"), ", ".join(SUPPORTED), url,
+            )  # fmt: skip
         if not si.raw.get("enable_return_hidden_states"):
             raise SGLangError(f"{url}: start the server with --enable-return-hidden-states")
         if not si.returns_aux:

@@ -5,16 +5,18 @@ Three roles, one command builder:
 - ``harvest``: the target with ``--enable-return-hidden-states`` and a way to make the
   hidden states the drafter's aux layers: ``serve.harvest_capture: eagle3`` loads a draft
   model (its ``eagle_aux_hidden_state_layer_ids`` pick the layers; works on every SGLang
-  with EAGLE3) at the cheapest setting ``serve.harvest_setting``; ``aux_flag`` passes
-  ``serve.aux_capture_args`` plus the ids (SGLang >= 0.5.23, no draft model).
+  with EAGLE3) at the cheapest setting ``serve.harvest_setting``, running as many requests
+  as the harvest sends (an EAGLE3 server caps them at 48 unless told); ``aux_flag`` passes
+  ``serve.aux_capture_args`` plus the ids unchanged (SGLang 0.5.23, no draft model).
 - ``baseline``: plain serving, for the live benchmark.
 - ``speculative``: EAGLE3 with the exported drafter and one steps/topk/draft-tokens setting.
 
     python -m eagle3ft.targets.sglang_server --config CFG --run-dir RUN --role speculative \
         --drafter RUN/export --setting 3/1/4 [--port 30001] [--print] [-- COMMAND ...]
 
-runs one server in the foreground until SIGINT/SIGTERM; with ``-- COMMAND``, runs the command
-once the server is healthy, then stops the server and exits with the command's status (the
+Every command is checked against ``serve.sglang_version``'s flags and launch rules
+(eagle3ft/targets/sglang_versions.py) before it starts. ``main`` runs one server in the
+foreground until SIGINT/SIGTERM; with ``-- COMMAND``, runs the command once the server is healthy, then stops the server and exits with the command's status (the
 harvest recipe); ``--print`` only prints the server command. ``SGLangServer`` does the same
 from Python (the bench's ``bench.sglang.launch``).
 """
@@ -38,6 +40,7 @@ from eagle3ft.config import Config, resolve_path
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
+from eagle3ft.targets import sglang_versions
 
 ROLES = ("harvest", "baseline", "speculative")
 
@@ -162,8 +165,24 @@ def build_command(
             resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else Setting())
         )
     argv += list(sv.extra_args)
+    running = _running_wanted(cfg, role)
+    try:
+        given = sglang_versions.check_args(sv.sglang_version, sglang_versions.server_args_after(sv.launch_cmd, argv))
+        if running > sglang_versions.EAGLE3_RUNNING_DEFAULT and "max_running_requests" not in given:
+            argv += ["--max-running-requests", str(running)]
+    except sglang_versions.VersionError as e:
+        raise LaunchError(f"{e} (serve.sglang_version {sv.sglang_version})") from None
     host = "127.0.0.1" if sv.host in ("0.0.0.0", "::") else sv.host
     return ServerCommand(argv=argv, env=env, url=f"http://{host}:{port}", role=role)
+
+
+def _running_wanted(cfg: Config, role: str) -> int:
+    """Requests the role's client keeps in flight on one EAGLE3 server (0 on a server without a draft)."""
+    if role == "harvest" and cfg.serve.harvest_capture == "eagle3":
+        return int(cfg.harvest.sglang.concurrency)
+    if role == "speculative":
+        return max(cfg.bench.concurrency, default=1)
+    return 0
 
 
 def _die_with_parent() -> None:

@@ -14,7 +14,8 @@ prefill and transport included), and ``stream``, the same with ``"stream": true`
 the prefill; decode_s runs from it to the last event, so tok/s = (new_tokens - 1) / decode_s as for the embedded
 backend, and each event's arrival is kept (SGLang 0.5.17 sends one per verify at batch 1: the spans
 eval/bench/live_splits.py splits loops off by). With ``whole`` alone, its wall time stands for the decode too. The last event's
-``spec_verify_ct`` and ``spec_accept_histogram`` (verify steps by drafts accepted) give the
+``spec_verify_ct`` and ``spec_correct_drafts_histogram`` (verify steps by drafts accepted; 0.5.17's old twin
+``spec_accept_histogram`` where only it came) give the
 verify count and the tokens per verify (bonus included); without a histogram the tokens after
 the first are spread over the verifies. Every request's ``meta_info`` spec fields go to
 RUN/bench/sglang_requests.jsonl, and after each speculative pass the server's own
@@ -56,15 +57,17 @@ from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 from eagle3ft.targets.sglang_http import HTTPPolicy, SGLangError, call, server_info
 from eagle3ft.targets.sglang_server import SGLangServer, server_for
+from eagle3ft.targets.sglang_versions import SAMPLING_KEYS, sampling_settings
 
 ENV_PREFIXES = ("NCCL_", "SGLANG_", "CUDA_", "TORCH_", "NVIDIA_", "PYTORCH_")
 SERVER_ARGS_KEPT = (
     "model_path", "tp_size", "dp_size", "ep_size", "dtype", "quantization", "kv_cache_dtype", "context_length",
     "mem_fraction_static", "max_running_requests", "chunked_prefill_size", "attention_backend", "sampling_backend",
-    "disable_cuda_graph", "cuda_graph_max_bs", "disable_radix_cache", "enable_return_hidden_states",
+    "disable_cuda_graph", "cuda_graph_max_bs", "cuda_graph_max_bs_decode", "disable_radix_cache",
+    "enable_return_hidden_states",
     "speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
     "speculative_num_draft_tokens", "trust_remote_code", "chat_template", "cuda_graph_backend_prefill", "sleep_on_idle",
-    "disable_overlap_schedule",
+    "disable_overlap_schedule", *SAMPLING_KEYS,
 )  # fmt: skip
 
 
@@ -341,11 +344,15 @@ class SGLangBackend:
                 "server_avg_spec_accept_length": self.server_tau.get(key),
                 "request_spec_accept_length_mean": statistics.mean(req) if req else None,
             }
+        sampled = {}  # at T > 0 the verify rule's settings move tau: each EAGLE3 server's, None where unreported
+        if self.cfg.bench.temperature > 0:
+            sampled = {k: sampling_settings(raw) for k, raw in self.infos.items() if raw.get("speculative_algorithm")}
         return {
             **base_environment(),
             "backend": self.name,
             "nvidia_smi": gpu_clocks(),
             "servers": servers,
+            "speculative_sampling": sampled,
             "sglang_tau": taus,
             "launch_env": {k: v for k, v in {**os.environ, **self.cfg.serve.env}.items() if k.startswith(ENV_PREFIXES)},
             "launched": {k: s.command.shell() for k, s in self.launched.items()},

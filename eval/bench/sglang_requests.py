@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import requests
 
 from eagle3ft.targets.sglang_http import SGLangError
+from eagle3ft.targets.sglang_versions import correct_drafts_histogram
 
 
 def accept_lengths_from(meta: dict, new_tokens: int) -> list[int] | None:
@@ -18,7 +19,7 @@ def accept_lengths_from(meta: dict, new_tokens: int) -> list[int] | None:
     verifies = int(meta.get("spec_verify_ct") or 0)
     if verifies <= 0:
         return None
-    hist = meta.get("spec_accept_histogram") or meta.get("spec_correct_drafts_histogram")
+    hist = correct_drafts_histogram(meta)
     if hist and sum(hist) == verifies:
         return [k + 1 for k, n in enumerate(hist) for _ in range(int(n))]
     per, extra = divmod(max(new_tokens - 1, verifies), verifies)

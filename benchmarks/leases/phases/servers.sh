@@ -16,7 +16,7 @@ server_start() {  # server_start J BACKEND: plain server J on GPU GPU_BASE + J /
     CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$SGL_DIR SGLANG_ENABLE_JIT_DEEPGEMM=0 $PY -m sglang.launch_server --model-path "$MODEL" \
       --host 127.0.0.1 --port $((30000 + j)) --attention-backend "$2" --sampling-backend pytorch \
       --mem-fraction-static "$(mem_fraction "$(awk -v k="$k" 'BEGIN { printf "%.4f", 0.85 / k }')" $((j % k)))" \
-      --cuda-graph-max-bs "$graph_bs" --max-running-requests "$running" --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
+      --cuda-graph-max-bs-decode "$graph_bs" --max-running-requests "$running" --skip-tokenizer-init --cuda-graph-backend-prefill disabled \
       "${PRIO_ARGS[@]}" "${SERVER_EXTRA_ARGS[@]}" > "$L/server$j.log" 2>&1 &
   fi
   PIDS[j]=$!

@@ -54,7 +54,7 @@ s17() {
   [[ ${SGL_BENCH:-1} != 0 ]] || return 0
   say "2. SGLang servers: plain, then $SGL_SETTINGS with the shipped drafter, staggered"
   wait_for 600 "$SGL_DIR/.ready"
-  SGL+=(--set "serve.extra_args=[${SGL_SERVER_FLAGS-"--sleep-on-idle, --cuda-graph-max-bs, '8', --cuda-graph-backend-prefill, disabled"}]")
+  SGL+=(--set "serve.extra_args=[${SGL_SERVER_FLAGS-"--sleep-on-idle, --cuda-graph-max-bs-decode, '8', --cuda-graph-backend-prefill, disabled"}]")
   t=$SECONDS
   SGL_STAGGER=${SGL_STAGGER:-1} sgl_servers > "$L/sgl-up.txt" 2>&1; cat "$L/sgl-up.txt"; echo "phase sgl_servers: $((SECONDS - t)) s"
   if [[ -f $L/.sgl-up ]]; then
