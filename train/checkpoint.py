@@ -269,6 +269,7 @@ def truncate_metrics(path: Path, step: int) -> int:
     if len(keep) == len(lines):
         return 0
     tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # a killed run's, or a link: replaced, never written through
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
     return len(lines) - len(keep)
