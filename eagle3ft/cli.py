@@ -54,13 +54,72 @@ def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str, extra: di
     """
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     out = RunDir(run_dir).config
-    doc = yaml.safe_load(out.read_text()) if out.exists() else {}
-    doc = doc if isinstance(doc, dict) else {}
+    doc = read_record(out)
     doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg), **(extra or {})}
     write_atomic(
         out, yaml.safe_dump(doc, sort_keys=False), f".config.yaml.{os.getpid()}.tmp"
     )  # ranks may write at once
     return out
+
+
+def read_record(path: Path) -> dict:
+    """A run's config.yaml as save_resolved wrote it ({} when absent or empty); ConfigError naming the file when it is
+    unparsable or something else (a user's own config file in the run folder), which is then never rewritten."""
+    if not path.exists() and not path.is_symlink():
+        return {}
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(
+            f"{path}: not a run's record, unreadable ({reason}); nothing was written: move it away"
+        ) from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("stages"), dict):
+        raise ConfigError(
+            f"{path}: not a run's record (a mapping with `stages`, which every stage writes); nothing was written: "
+            "check --run-dir, or move that file away"
+        )
+    return doc
+
+
+# the stages that read what earlier stages wrote: their --run-dir must already be a run
+READ_SIDE = ("eval", "bench", "economics", "report", "compare")
+# what an earlier stage leaves in a run folder, beside its config.yaml record
+RUN_OUTPUTS = (
+    "features/manifest.json",
+    "tokens/manifest.json",
+    "export",
+    "export-best",
+    "ckpt",
+    "train",
+    "eval",
+    "bench",
+)
+
+
+def run_dir_problem(run_dir: Path, stage: str) -> str | None:
+    """Why `stage` may not record itself in `run_dir` (None: it may): --run-dir naming a file; a config.yaml that is
+    not a run's record (read_record); for the read-side stages, a folder that does not exist (it is not created) or
+    that holds things but no run (no record, none of RUN_OUTPUTS)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"--run-dir {run_dir} is a file, not a run folder"
+    try:
+        record = read_record(RunDir(run_dir).config)
+    except ConfigError as e:
+        return str(e)
+    if stage not in READ_SIDE:
+        return None
+    if not run_dir.is_dir():
+        alone = "; to benchmark running servers alone, create it first" if stage == "bench" else ""
+        return f"no run folder {run_dir}: {stage} reads what earlier stages wrote there (check --run-dir){alone}"
+    if not record and any(run_dir.iterdir()) and not any((run_dir / n).exists() for n in RUN_OUTPUTS):
+        return (
+            f"{run_dir} is not a run folder (no config.yaml of a stage, no {', '.join(RUN_OUTPUTS)}): nothing was "
+            "written; check --run-dir"
+        )
+    return None
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -194,6 +253,8 @@ def parse_cli(
     except ConfigError as e:
         ap.exit(2, f"{ap.prog}: error: {e}\n")
     run_dir = Path(args.run_dir)
+    if problem := run_dir_problem(run_dir, stage):
+        ap.exit(2, f"{ap.prog}: error: {problem}\n")
     if record:
         from eagle3ft.runlock import holding
 
