@@ -147,3 +147,216 @@ def test_metrics_are_never_written_through_a_link(tmp_path):
 class _Bar:
     def set_postfix(self, **kw) -> None:
         pass
+
+
+# --------------------------------------------------------------------------- the read-side stages' --run-dir
+
+
+def read_side_mains():
+    from eagle3ft.eval.bench import live
+    from eagle3ft.eval.economics import analysis
+    from eagle3ft.eval.offline import accept_len, compare
+    from eagle3ft.eval.report import build
+
+    return {
+        "eval": accept_len.main,
+        "bench": live.main,
+        "economics": analysis.main,
+        "report": build.main,
+        "compare": compare.main,
+    }
+
+
+STAGES = ("eval", "bench", "economics", "report", "compare")
+
+
+def stop(stage: str, run_dir: Path, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        read_side_mains()[stage](["--config", str(TINY), "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_read_side_stage_refuses_a_run_dir_that_is_a_file(tmp_path, capsys, stage):
+    mistyped = tmp_path / "notes.txt"
+    mistyped.write_text("mine\n")
+    assert stop(stage, mistyped, capsys).endswith(f"error: --run-dir {mistyped} is a file, not a run folder")
+    assert mistyped.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("- a\n- list\n", "not a run's record (a mapping with `stages`"),
+        ("# my settings\nseed: 3\n", "not a run's record (a mapping with `stages`"),
+        ("seed: [3\n", "not a run's record, unreadable"),
+    ],
+    ids=["list", "mapping", "unparsable"],
+)
+def test_a_read_side_stage_never_rewrites_a_config_yaml_that_is_no_runs_record(tmp_path, capsys, stage, text, why):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.yaml").write_text(text)
+    (folder / "export").mkdir()
+    assert f"error: {folder / 'config.yaml'}: {why}" in stop(stage, folder, capsys)
+    assert (folder / "config.yaml").read_text() == text
+    assert sorted(p.name for p in folder.iterdir()) == ["config.yaml", "export"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_read_side_stage_creates_no_folder_and_writes_none_that_is_no_run(tmp_path, capsys, stage):
+    missing = tmp_path / "typo"
+    assert f"error: no run folder {missing}: {stage} reads what earlier stages wrote there" in stop(
+        stage, missing, capsys
+    )
+    assert not missing.exists()
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("mine\n")
+    assert f"error: {home} is not a run folder" in stop(stage, home, capsys)
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt"]
+
+
+def test_training_refuses_a_run_dir_that_is_a_file_in_one_line(tmp_path, capsys):
+    mistyped = tmp_path / "notes.txt"
+    mistyped.write_text("mine\n")
+    with pytest.raises(SystemExit) as e:
+        finetune_cli(mistyped)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"finetune.py: error: --run-dir {mistyped} is a file, not a run folder"]
+
+
+# --------------------------------------------------------------------------- compare
+
+
+@pytest.fixture
+def compare_run(tmp_path):
+    from test_eval_compare import X, Y, constant_drafter, write_heldout
+
+    run = tmp_path / "run"
+    write_heldout(run)
+    constant_drafter(run / "drafts-x", X)
+    constant_drafter(run / "drafts-y", Y)
+    (run / "bench").mkdir()
+    return run
+
+
+def compare_stop(run: Path, capsys, before: Path, after: Path) -> str:
+    from eagle3ft.eval.offline import compare
+
+    with pytest.raises(SystemExit) as e:
+        compare.main(["--config", str(TINY), "--run-dir", str(run), "--before", str(before), "--after", str(after)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("economics.json", '{"settings": [{"setting": "3/1/4", "break_e'),
+        ("economics.json", "[1, 2]"),
+        (
+            "summary.json",
+            '{"prompt_sets": {"code": {"baseline": {}, "drafters": {"a": {"speculative": [{"key": "3/1/4", '
+            '"cycle_s": 0.1}]}}}}}',
+        ),
+        ("summary.json", '{"prompt_sets": {"code": {"bas'),
+    ],
+    ids=["truncated-economics", "list-economics", "no-baseline-summary", "truncated-summary"],
+)
+def test_compare_names_a_damaged_cost_file_before_it_measures_anything(compare_run, capsys, monkeypatch, name, text):
+    from eagle3ft.eval.offline import compare
+
+    def measured(*a, **k):
+        raise AssertionError("both drafters were measured before the cost files were read")
+
+    monkeypatch.setattr(compare, "drafter_walks", measured)
+    (compare_run / "bench" / name).write_text(text)
+    line = compare_stop(compare_run, capsys, compare_run / "drafts-x", compare_run / "drafts-y")
+    assert line.startswith(f"compare: error: {compare_run / 'bench' / name}: "), line
+
+
+def test_compare_gives_one_conversation_no_interval_and_no_verdict_of_certainty():
+    from eagle3ft.eval.offline import compare
+
+    c = compare.change(compare.SetTotals([(10, 10, 10, 10)]), compare.SetTotals([(10, 5, 10, 5)]))
+    assert c["tau"]["interval"] is None and c["tau_loop_free"]["interval"] is None
+    assert compare.verdict_line({"s": c}) == (
+        "verdict: no clear change s +1.00 τ (+100.0% [no interval: one conversation])"
+    )
+
+
+def test_compare_refuses_a_training_checkpoint_as_drafter_weights(compare_run, capsys, tmp_path):
+    ckpt = compare_run / "ckpt" / "step-2"
+    shutil.copytree(compare_run / "drafts-y", ckpt)
+    (ckpt / "state.safetensors").write_bytes(b"optimizer state")
+    (ckpt / "trainer_state.json").write_text('{"step": 2}')
+    line = compare_stop(compare_run, capsys, compare_run / "drafts-x", ckpt)
+    assert line.startswith(f"compare: error: --after {ckpt} is a training checkpoint"), line
+
+
+def test_compare_on_a_full_disk_is_one_line_naming_its_result(compare_run, capsys, monkeypatch):
+    import errno
+
+    from eagle3ft.eval.offline import compare
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(compare, "write_json", full)
+    line = compare_stop(compare_run, capsys, compare_run / "drafts-x", compare_run / "drafts-y")
+    assert line.startswith(f"compare: error: {compare_run / 'eval' / 'compare.json'}: no space left"), line
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+def test_safetensors_08s_real_disk_full_error_is_a_disk_full_naming_the_file(tmp_path):
+    from safetensors import SafetensorError
+
+    from eagle3ft.files import DiskFull, disk_full
+
+    # safetensors 0.8.0's save_file on a full tmpfs raises exactly this (no errno on the exception)
+    real = "Error while serializing: I/O error: No space left on device (os error 28)"
+    with pytest.raises(DiskFull, match=rf"^{re.escape(str(tmp_path / 'w.safetensors'))}: no space left"):
+        with disk_full(tmp_path / "w.safetensors"):
+            raise SafetensorError(real)
+    with pytest.raises(SafetensorError):  # another I/O error stays itself
+        with disk_full(tmp_path / "w.safetensors"):
+            raise SafetensorError("Error while serializing: I/O error: Permission denied (os error 13)")
+
+
+def test_a_full_disk_at_the_run_lock_is_one_line_and_leaves_no_empty_lock(tmp_path, capsys, monkeypatch):
+    import errno
+    import os
+
+    from eagle3ft.runlock import holding
+
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, fd):
+            self.f = real_fdopen(fd, "w")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: Full(fd))
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(SystemExit) as e:
+        with holding(run, "eval", "accept_len.py"):
+            raise AssertionError("the lock was taken on a full disk")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and err[0].startswith(f"accept_len.py: error: {run / '.lock'}: no space")
+    assert list(run.iterdir()) == []
