@@ -21,7 +21,7 @@ import yaml
 
 from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, to_dict
 from eagle3ft.files import FULL, DiskFull, disk_full_error, json_text, write_atomic
-from eagle3ft.run_dir import RunDir
+from eagle3ft.run_dir import LOCK_NAME, RunDir
 
 
 def code_version() -> str:
@@ -88,6 +88,7 @@ def read_record(path: Path) -> dict:
 READ_SIDE = ("eval", "bench", "economics", "report", "compare")
 # what an earlier stage leaves in a run folder, beside its config.yaml record
 RUN_OUTPUTS = (
+    LOCK_NAME,  # a stage is writing there (its lock names it)
     "features/manifest.json",
     "tokens/manifest.json",
     "export",
@@ -99,7 +100,7 @@ RUN_OUTPUTS = (
 )
 
 
-def run_dir_problem(run_dir: Path, stage: str) -> str | None:
+def run_dir_problem(run_dir: Path, stage: str, read_side: bool | None = None) -> str | None:
     """Why `stage` may not record itself in `run_dir` (None: it may): --run-dir naming a file; a config.yaml that is
     not a run's record (read_record); for the read-side stages, a folder that does not exist (it is not created) or
     that holds things but no run (no record, none of RUN_OUTPUTS)."""
@@ -109,7 +110,7 @@ def run_dir_problem(run_dir: Path, stage: str) -> str | None:
         record = read_record(RunDir(run_dir).config)
     except ConfigError as e:
         return str(e)
-    if stage not in READ_SIDE:
+    if not (stage in READ_SIDE if read_side is None else read_side):
         return None
     if not run_dir.is_dir():
         alone = "; to benchmark running servers alone, create it first" if stage == "bench" else ""
@@ -238,10 +239,12 @@ def parse_cli(
     argv: list[str] | None = None,
     parser: argparse.ArgumentParser | None = None,
     record: bool = True,
+    read_side: bool | None = None,
 ):
     """Parse the three shared options (plus any the stage's parser adds), load, save.
 
-    Returns (config, run_dir, namespace). A bad config exits 2 with a one-line message. With
+    Returns (config, run_dir, namespace). A bad config exits 2 with a one-line message, and so does a run_dir that
+    run_dir_problem refuses (read_side: the stage needs a run there; None: by its name, READ_SIDE). With
     record=False the caller writes run_dir/config.yaml itself (save_resolved), e.g. on one rank only.
     """
     ap = parser or build_parser(description)
@@ -253,7 +256,7 @@ def parse_cli(
     except ConfigError as e:
         ap.exit(2, f"{ap.prog}: error: {e}\n")
     run_dir = Path(args.run_dir)
-    if problem := run_dir_problem(run_dir, stage):
+    if problem := run_dir_problem(run_dir, stage, read_side):
         ap.exit(2, f"{ap.prog}: error: {problem}\n")
     if record:
         from eagle3ft.runlock import holding

@@ -360,3 +360,22 @@ def test_a_full_disk_at_the_run_lock_is_one_line_and_leaves_no_empty_lock(tmp_pa
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1 and err[0].startswith(f"accept_len.py: error: {run / '.lock'}: no space")
     assert list(run.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- bounds at config time
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("train.l2sp=1e30", "l2sp"),
+        ("train.l2sp=1e39", "l2sp"),
+        ("harvest.sources=[{kind: sharegpt, weight: 1e300}]", "weight"),
+    ],
+)
+def test_a_weight_that_cannot_train_is_refused_when_the_config_loads(override, key):
+    from eagle3ft.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"{key}.*<= "):
+        load_config(TINY, [override])
+    load_config(TINY, ["train.l2sp=1e4", "harvest.sources=[{kind: sharegpt, weight: 100}]"])

@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         help="that run's speculative answers at this setting (e.g. 3/1/4) instead of its plain ones: offline tau on "
         "the very tokens the live tau was counted on (on a GPU the two passes' bf16 answers part at near-ties)",
     )
-    cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser)
+    # its run folder may be new: it holds this tool's output, the answers come from --answers-from
+    cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser, read_side=False)
     with holding(run_dir, "eval", "same_prompts.py"), cli_errors("same_prompts.py", log=error_log(run_dir, "eval")):
         if not cfg.eval.checkpoint:
             raise ValueError("eval.checkpoint: name the drafter folder to evaluate")
