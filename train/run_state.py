@@ -139,7 +139,15 @@ RESUME_APPLIES = (
     "epochs",
     "micro_batch_size",
     "grad_accum",
+    "max_grad_norm",  # the clip DeepSpeed applies from the next step
+    "l2sp",  # λ of the pull toward the weights the run started from (w0 is checked: check_w0)
+    "step_decay",  # the unroll steps' loss weights
+    "lk_eta",
 )
+# train.* keys that change what the loss is (its kind, the unroll it sums over): a resume under another value is
+# refused, so that metrics.jsonl never logs two losses under one name; a warm start from the checkpoint in a new
+# --run-dir (drafter.init) trains it under the new one
+RESUME_REFUSES = ("loss", "ttt_steps", "target_source")
 
 
 def apply_rates(run: Run) -> None:
@@ -166,6 +174,7 @@ def resume(run: Run) -> dict | None:
         run.dist.print(f"--resume auto: no checkpoint in {RunDir(run.run_dir).ckpt}; starting at step 0")
     if ckpt is not None:
         st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed, verify=run.cfg.train.checkpoint.resume != "auto")
+        check_objective(run, st, ckpt)
         check_w0(run, st, ckpt)
         check_identity(run, st, ckpt)
         run.step, run.first_loss = st["step"], st.get("first_loss")
@@ -191,6 +200,20 @@ def resume(run: Run) -> dict | None:
         what = ", ".join(f"{k} {new!r} (the checkpoint ran {old!r})" for k, (old, new) in changed.items())
         run.dist.print(f"resume: this config's {what} apply from step {run.step + 1}")
     return {"from": str(ckpt), "step": run.step, "changed": changed}
+
+
+def check_objective(run: Run, st: dict, ckpt: Path) -> None:
+    """CheckpointError naming each RESUME_REFUSES key this config changes from the checkpoint's."""
+    before, now = (st.get("config") or {}).get("train") or {}, to_dict(run.cfg.train)
+    changed = [
+        f"train.{k} {now[k]!r} (it ran {before[k]!r})" for k in RESUME_REFUSES if k in before and before[k] != now[k]
+    ]
+    if changed:
+        raise CheckpointError(
+            f"{ckpt}: this config's {', '.join(changed)} would change what the loss is in the middle of the run, "
+            f"so it is not resumed: resume with the checkpoint's values, or warm-start a new --run-dir from it "
+            f"(--set drafter.init={ckpt})"
+        )
 
 
 def data_identity(data: TrainData, d2t: torch.Tensor) -> dict:
