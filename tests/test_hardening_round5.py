@@ -403,3 +403,25 @@ def test_a_weight_that_cannot_train_is_refused_when_the_config_loads(override, k
     with pytest.raises(ConfigError, match=rf"{key}.*<= "):
         load_config(TINY, [override])
     load_config(TINY, ["train.l2sp=1e4", "harvest.sources=[{kind: sharegpt, weight: 100}]"])
+
+
+def test_a_changed_source_weight_is_refused_with_the_right_counts(tmp_path):
+    from types import SimpleNamespace
+
+    from eagle3ft.train.checkpoint import CheckpointError, resume_position
+    from eagle3ft.train.run_state import order_entries
+
+    class Data(SimpleNamespace):
+        def __len__(self) -> int:
+            return 12
+
+    data = Data(weights=[2.0] * 12, lengths=None)
+    st = {"data": {"epoch": 0, "samples_in_epoch": 4, "n_train": 12}}  # written at weight 1: 12 draws
+    with pytest.raises(CheckpointError) as e:
+        resume_position(st, tmp_path, 24, 1, 1, order_entries(data))  # weight 2 now: 24 draws of the 12 samples
+    assert str(e.value) == (
+        f"{tmp_path / 'trainer_state.json'}: written for an epoch of 12 entries, this run's has 24 (draws of its 12 "
+        "training samples by harvest.sources' weights); resume with the checkpoint's store and settings, or start "
+        "over with --overwrite"
+    )
+    assert "the store has" not in str(e.value)

@@ -224,10 +224,13 @@ def load_checkpoint(dist, path: Path, seed: int, verify: bool = True) -> tuple[d
     return st, note
 
 
-def resume_position(st: dict, path: Path, n_train: int, micro_batch_size: int, world: int) -> tuple[int, int]:
+def resume_position(
+    st: dict, path: Path, n_train: int, micro_batch_size: int, world: int, entries: str | None = None
+) -> tuple[int, int]:
     """(epoch, micro-batches per rank to skip) to continue the seeded global sample order where `st` left it.
 
-    The position is stored as samples consumed; on W processes of micro batch B, rank r reads global
+    The position is stored as samples consumed (`entries`: what the order holds instead, when it is not the samples
+    themselves: draws by the sources' weights, packed bins); on W processes of micro batch B, rank r reads global
     micro-batches r, r+W, ... of the epoch's order, so the position must split into rounds of W x B.
     """
     data = st.get("data")
@@ -235,9 +238,14 @@ def resume_position(st: dict, path: Path, n_train: int, micro_batch_size: int, w
         raise CheckpointError(
             f"{Path(path) / TRAINER_STATE}: no data position (data.epoch, data.samples_in_epoch, data.n_train)"
         )
-    if data["n_train"] != n_train:
+    if data["n_train"] != n_train and entries is None:
         raise CheckpointError(
             f"{Path(path) / TRAINER_STATE}: written for {data['n_train']} training samples, the store has {n_train}"
+        )
+    if data["n_train"] != n_train:  # the epoch's order is of draws by the sources' weights, or of packed bins
+        raise CheckpointError(
+            f"{Path(path) / TRAINER_STATE}: written for an epoch of {data['n_train']} entries, this run's has "
+            f"{n_train} ({entries}); resume with the checkpoint's store and settings, or start over with --overwrite"
         )
     epoch, done = data["epoch"], data["samples_in_epoch"]
     if done >= n_train:

@@ -179,7 +179,12 @@ def resume(run: Run) -> dict | None:
         check_identity(run, st, ckpt)
         run.step, run.first_loss = st["step"], st.get("first_loss")
         run.epoch, run.batch_in_epoch = resume_position(
-            st, ckpt, run.data.order_len(st.get("data", {}).get("epoch", 0)), run.data.per_micro_batch, run.dist.world
+            st,
+            ckpt,
+            run.data.order_len(st.get("data", {}).get("epoch", 0)),
+            run.data.per_micro_batch,
+            run.dist.world,
+            order_entries(run.data),
         )
         run.dist.print(
             f"resumed from {ckpt} at step {run.step} (epoch {run.epoch}, {st['data']['samples_in_epoch']} samples "
@@ -200,6 +205,16 @@ def resume(run: Run) -> dict | None:
         what = ", ".join(f"{k} {new!r} (the checkpoint ran {old!r})" for k, (old, new) in changed.items())
         run.dist.print(f"resume: this config's {what} apply from step {run.step + 1}")
     return {"from": str(ckpt), "step": run.step, "changed": changed}
+
+
+def order_entries(data: TrainData) -> str | None:
+    """What an epoch's order of `data` holds when it is not one entry per training sample (None when it is)."""
+    held = []
+    if data.weights is not None:
+        held.append(f"draws of its {len(data)} training samples by harvest.sources' weights")
+    if data.lengths is not None:
+        held.append(f"packed into bins of train.pack_tokens {data.cfg.train.batch.pack_tokens}")
+    return ", ".join(held) or None
 
 
 def check_objective(run: Run, st: dict, ckpt: Path) -> None:
