@@ -425,3 +425,35 @@ def test_a_changed_source_weight_is_refused_with_the_right_counts(tmp_path):
         "over with --overwrite"
     )
     assert "the store has" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- exclude_heldout and split: auto
+
+
+def test_exclude_heldout_drops_what_shares_an_8gram_with_a_conversation_split_auto_holds_out(tmp_path):
+    import json
+
+    from eagle3ft.config import load_config
+    from eagle3ft.data.harvest import conversations
+
+    texts = [" ".join(f"w{i}x{j}" for j in range(10)) for i in range(12)]  # no 8-gram shared between two
+    auto = tmp_path / "auto.jsonl"
+    auto.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}]}) + "\n" for t in texts))
+    replay = tmp_path / "replay.jsonl"
+    replay.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": f"Quoted: {t}"}]}) + "\n" for t in texts)
+    )
+    cfg = load_config(
+        TINY,
+        [
+            f"harvest.sources=[{{kind: file, path: {auto}, exclude_heldout: true}}, "
+            f"{{kind: file, path: {replay}, split: train, exclude_heldout: true}}]",
+            "harvest.heldout_fraction=0.5",
+        ],
+    )
+    convs, skips = conversations(cfg.harvest, lambda m: None, True)
+    split = {c.messages[0]["content"]: c.split for c in convs}
+    held = {t for t in texts if split.get(t) == "heldout"}
+    assert 0 < len(held) < len(texts) and all(t in split for t in texts)  # none of its own dropped
+    replayed = {t for t in texts if f"Quoted: {t}" in split}
+    assert replayed == set(texts) - held and skips["heldout_ngram"] == len(held)
