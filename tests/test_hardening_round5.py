@@ -457,3 +457,50 @@ def test_exclude_heldout_drops_what_shares_an_8gram_with_a_conversation_split_au
     assert 0 < len(held) < len(texts) and all(t in split for t in texts)  # none of its own dropped
     replayed = {t for t in texts if f"Quoted: {t}" in split}
     assert replayed == set(texts) - held and skips["heldout_ngram"] == len(held)
+
+
+# --------------------------------------------------------------------------- one line for each wrong input
+
+
+@pytest.mark.parametrize("rate", ["nan", "inf", "-5", "0", "fast"])
+def test_economics_refuses_a_decode_rate_that_is_no_rate(tmp_path, capsys, rate):
+    from eagle3ft.eval.economics import analysis
+
+    run = tmp_path / "run"
+    (run / "bench").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        analysis.main(["--config", str(TINY), "--run-dir", str(run), "--tok-s", rate])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1].endswith(f"error: argument --tok-s: {rate!r}: a decode rate in tokens/s, a finite number above 0")
+    assert sorted(p.name for p in run.iterdir()) == ["bench"]  # nothing recorded
+
+
+@pytest.mark.parametrize("stage", ["economics", "report"])
+def test_a_truncated_bench_summary_is_one_line_naming_it(tmp_path, capsys, stage):
+    run = tmp_path / "run"
+    (run / "bench").mkdir(parents=True)
+    (run / "bench" / "summary.json").write_text('{"prompt_sets": {"chat": {"baseline": {"ms_per')
+    with pytest.raises(SystemExit) as e:
+        read_side_mains()[stage](["--config", str(TINY), "--run-dir", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1, err
+    assert err[0].startswith(f"{stage}: error: {run / 'bench' / 'summary.json'}: ") or err[0].startswith(
+        f"build.py: error: {run / 'bench' / 'summary.json'}: "
+    ), err
+
+
+@pytest.mark.parametrize("text", [None, "- a\n- list\n", "num_machines: [1\n"])
+def test_eagle3ft_train_refuses_an_accelerate_config_that_is_none_in_one_line(tmp_path, capsys, text):
+    from eagle3ft.train import launcher
+
+    accel = tmp_path / "accel.yaml"
+    if text is not None:
+        accel.write_text(text)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        launcher.main(["--accelerate-config", str(accel), "--config", str(TINY), "--run-dir", str(run)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"eagle3ft train: error: --accelerate-config {accel}: "), err
+    assert not run.exists()
