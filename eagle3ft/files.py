@@ -157,6 +157,15 @@ def os_error_code(message: str) -> int | None:
     return int(code[1] or code[2]) if code else None
 
 
+def as_umask_allows(path: str | Path) -> None:
+    """Give `path` the mode a plain open() gives a new file (0666 less the umask): safetensors 0.8 writes through a
+    temporary file of mode 0600 and renames it, so its weights would be unreadable by a group that reads the
+    config.json beside them."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def write_atomic(path: str | Path, data: bytes | str, tmp_name: str | None = None) -> None:
     """Write `data` to `path` whole or not at all: a temporary file beside it (`.NAME.tmp`, or `tmp_name`), fsync,
     os.replace, fsync of the folder.

@@ -504,3 +504,28 @@ def test_eagle3ft_train_refuses_an_accelerate_config_that_is_none_in_one_line(tm
     assert e.value.code == 2 and len(err) == 1, err
     assert err[0].startswith(f"eagle3ft train: error: --accelerate-config {accel}: "), err
     assert not run.exists()
+
+
+# --------------------------------------------------------------------------- modes and leftovers
+
+
+def test_exported_weights_are_readable_as_their_config_json_under_umask_022(tmp_path):
+    import os
+    import stat
+
+    from test_hardening_train import SavingDist, tiny_drafter
+
+    from eagle3ft.drafter.export import export_drafter
+    from eagle3ft.train.checkpoint import save_checkpoint
+
+    old = os.umask(0o022)
+    try:
+        model = tiny_drafter()
+        export_drafter(model, tmp_path / "export")
+        save_checkpoint(SavingDist(), model, model.config, tmp_path, 2, {"step": 2}, keep=0)
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "export", tmp_path / "ckpt" / "step-2"):
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
+        assert modes["config.json"] == 0o644 and modes["model.safetensors"] == 0o644, (folder, modes)
+    assert stat.S_IMODE((tmp_path / "ckpt" / "step-2" / "state.safetensors").stat().st_mode) == 0o644

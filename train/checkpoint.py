@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import drafter_tensors, write_drafter
-from eagle3ft.files import disk_full, json_text, sha256_file
+from eagle3ft.files import as_umask_allows, disk_full, json_text, sha256_file
 from eagle3ft.run_dir import RunDir
 
 TRAINER_STATE, STATE_TENSORS, STATE_JSON = "trainer_state.json", "state.safetensors", "state.json"
@@ -160,6 +160,7 @@ def save_checkpoint(dist, module, cfg: DrafterConfig, run_dir: Path, step: int, 
             write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
             with disk_full(tmp / STATE_TENSORS):
                 save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": FORMAT})
+            as_umask_allows(tmp / STATE_TENSORS)
             with disk_full(tmp / STATE_JSON):
                 (tmp / STATE_JSON).write_text(json_text(meta, str(tmp / STATE_JSON), indent=1) + "\n")
             sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
