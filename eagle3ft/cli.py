@@ -55,11 +55,36 @@ def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str, extra: di
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     out = RunDir(run_dir).config
     doc = read_record(out)
+    remove_stale_records(Path(run_dir))
     doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg), **(extra or {})}
     write_atomic(
         out, yaml.safe_dump(doc, sort_keys=False), f".config.yaml.{os.getpid()}.tmp"
     )  # ranks may write at once
     return out
+
+
+STALE_TMP_S = 60.0  # a record's temporary file untouched this long, of a process gone, was left by a kill
+
+
+def remove_stale_records(run_dir: Path) -> list[Path]:
+    """Remove the `.config.yaml.<pid>.tmp` files that a process killed while it wrote config.yaml left (its pid gone
+    from this host, the file untouched for STALE_TMP_S); returns them."""
+    import time
+
+    from eagle3ft.runlock import pid_alive
+
+    removed = []
+    for p in run_dir.glob(".config.yaml.*.tmp"):
+        pid = p.name.removeprefix(".config.yaml.").removesuffix(".tmp")
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+            continue
+        try:
+            if time.time() - p.lstat().st_mtime >= STALE_TMP_S and not p.is_dir():
+                p.unlink()
+                removed.append(p)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def read_record(path: Path) -> dict:

@@ -529,3 +529,28 @@ def test_exported_weights_are_readable_as_their_config_json_under_umask_022(tmp_
         modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in folder.iterdir()}
         assert modes["config.json"] == 0o644 and modes["model.safetensors"] == 0o644, (folder, modes)
     assert stat.S_IMODE((tmp_path / "ckpt" / "step-2" / "state.safetensors").stat().st_mode) == 0o644
+
+
+def test_a_record_left_half_written_by_a_killed_run_is_removed_by_the_next(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from eagle3ft.cli import save_resolved
+    from eagle3ft.config import load_config
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    run = tmp_path / "run"
+    run.mkdir()
+    stale = run / f".config.yaml.{dead}.tmp"
+    stale.write_text("stages: {harv")
+    os.utime(stale, (0, 0))  # long ago
+    alive = run / f".config.yaml.{os.getppid()}.tmp"  # a live process's: it may be writing now
+    alive.write_text("x")
+    os.utime(alive, (0, 0))
+    fresh = run / f".config.yaml.{dead + 1_000_000}.tmp"  # just written: left alone this time
+    fresh.write_text("x")
+    save_resolved(load_config(TINY), run, "harvest")
+    assert not stale.exists() and alive.exists() and fresh.exists()
+    assert (run / "config.yaml").is_file()
