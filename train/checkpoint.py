@@ -8,8 +8,10 @@ A training checkpoint `ckpt/step-N/` is the drafter folder plus the state to res
   state.json          optimizer (class, step count, hyper-parameters per group, parameter names),
                       LR scheduler state, engine counters, the Python/NumPy RNG scalars per rank
   trainer_state.json  format, step, data position (epoch, samples of its seeded order consumed),
-                      world size, batch shape, total steps, resolved config, last metrics, and the sha256 of every
-                      other file of the folder; written last
+                      world size, batch shape, total steps, resolved config, last metrics, the identity of the data
+                      and vocabulary it was trained on (data_identity: the training shards' and d2t's sha256, which a
+                      resume checks, train/run_state.py), and the sha256 of every other file of the folder; written
+                      last
 Folders are written under a temporary name and renamed, so a reader never sees half a checkpoint; a resume checks
 every file against its sha256 (a checkpoint written before the checksums is checked for whole files only).
 """
