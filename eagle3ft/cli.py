@@ -159,7 +159,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         metavar="SECTION.KEY=VALUE",
         help="dotted override, repeatable",
     )
-    ap.add_argument("--run-dir", required=True, help="the run folder (created if missing)")
+    ap.add_argument(
+        "--run-dir", required=True, help="the run folder (created if missing, except by the stages that read a run)"
+    )
     ap.add_argument("--debug", action="store_true", help=f"show the traceback behind an error (or set {DEBUG_ENV}=1)")
     return ap
 
