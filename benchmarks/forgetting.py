@@ -165,6 +165,8 @@ def compare_arms(out: Path, arms: tuple[str, ...]) -> dict:
 
 
 def cell(t: dict) -> str:
+    if t["interval"] is None:  # one conversation: compare gives no interval
+        return f"{t['after']:.3f} ({100 * t['relative']:+.1f}%, one conversation)"
     lo, hi = t["interval"]
     return f"{t['after']:.3f} ({100 * t['relative']:+.1f}% [{100 * lo:+.1f}, {100 * hi:+.1f}])"
 

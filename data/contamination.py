@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from eagle3ft.config import SourceConfig
-from eagle3ft.data.prompts import Skip, iter_records, raw_messages
+from eagle3ft.data.prompts import Skip, content_key, iter_records, normalize, raw_messages, split_of
 from eagle3ft.files import json_text
 
 N = 8
@@ -68,13 +68,37 @@ class HeldoutGrams:
         return {self.grams[g] for g in ngrams(text) if g in self.grams}
 
 
-def heldout_filter(sources: Iterable[SourceConfig], more: Iterable[SourceConfig] = ()):
+def auto_heldout_turns(src: SourceConfig, max_turns: int, regenerate: bool, fraction: float) -> Iterable[str]:
+    """The user turns of the conversations of a `split: auto` source that prompts.collect puts in the held-out split
+    (prompts.split_of on their content key)."""
+    for record in iter_records(src, Counter()):
+        try:
+            messages = normalize(record, max_turns, regenerate)
+        except Skip:
+            continue
+        if split_of(content_key(messages, regenerate), fraction) == "heldout":
+            yield from (m["content"] for m in messages if m["role"] == "user")
+
+
+def heldout_filter(
+    sources: Iterable[SourceConfig],
+    more: Iterable[SourceConfig] = (),
+    auto: tuple[int, bool, float] | None = None,
+):
     """For prompts.collect: whether a conversation's user turns share an 8-gram with the sources of split heldout
-    among `sources` or with `more` (harvest.magpie.heldout); None when no source sets exclude_heldout."""
+    among `sources`, with `more` (harvest.magpie.heldout), or, given `auto` (harvest.max_turns, regenerate,
+    harvest.heldout_fraction), with the conversations that `split: auto` sources draw into the held-out split; None
+    when no source sets exclude_heldout."""
     sources = list(sources)
     if not any(s.exclude_heldout for s in sources):
         return None
     grams = HeldoutGrams([s for s in sources if s.split == "heldout"] + list(more))
+    if auto is not None and auto[2] > 0:
+        for src in sources:
+            if src.split == "auto" and src.kind != "tokens":
+                name = src.kind if src.kind != "file" else str(src.path)
+                for text in auto_heldout_turns(src, *auto):
+                    grams.grams.update(dict.fromkeys(ngrams(text), name))
     return lambda messages: any(grams.hits(m["content"]) for m in messages if m["role"] == "user")
 
 

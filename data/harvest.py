@@ -227,7 +227,7 @@ def conversations(
         dedupe=h.dedupe,
         skips=prompt_skips,
         check=prompt_fits,
-        heldout=heldout_filter(h.sources, h.magpie.heldout),
+        heldout=heldout_filter(h.sources, h.magpie.heldout, (h.max_turns, regenerate, h.heldout_fraction)),
     )
     if not convs:
         raise ValueError(f"no usable conversation in harvest.sources (skips: {dict(prompt_skips)})")

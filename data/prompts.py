@@ -403,13 +403,13 @@ def collect(
                 skip(skips, "duplicate")
                 continue
             reason = check(messages)
-            if not reason and src.exclude_heldout and heldout(messages):
-                reason = "heldout_ngram"
+            split = src.split if src.split != "auto" else split_of(key, heldout_fraction)
+            if not reason and src.exclude_heldout and split == "train" and heldout(messages):
+                reason = "heldout_ngram"  # a held-out conversation is not checked against itself
             if reason:
                 skip(skips, reason)
                 continue
             seen.add(key)
-            split = src.split if src.split != "auto" else split_of(key, heldout_fraction)
             out.append(Conversation(messages, name, key, split))
             kept += 1
     return out

@@ -21,7 +21,7 @@ import yaml
 
 from eagle3ft.config import REPO_ROOT, Config, ConfigError, load_config, to_dict
 from eagle3ft.files import FULL, DiskFull, disk_full_error, json_text, write_atomic
-from eagle3ft.run_dir import RunDir
+from eagle3ft.run_dir import LOCK_NAME, RunDir
 
 
 def code_version() -> str:
@@ -54,13 +54,98 @@ def save_resolved(cfg: Config, run_dir: str | os.PathLike, stage: str, extra: di
     """
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     out = RunDir(run_dir).config
-    doc = yaml.safe_load(out.read_text()) if out.exists() else {}
-    doc = doc if isinstance(doc, dict) else {}
+    doc = read_record(out)
+    remove_stale_records(Path(run_dir))
     doc.setdefault("stages", {})[stage] = {"code_version": code_version(), "config": to_dict(cfg), **(extra or {})}
     write_atomic(
         out, yaml.safe_dump(doc, sort_keys=False), f".config.yaml.{os.getpid()}.tmp"
     )  # ranks may write at once
     return out
+
+
+STALE_TMP_S = 60.0  # a record's temporary file untouched this long, of a process gone, was left by a kill
+
+
+def remove_stale_records(run_dir: Path) -> list[Path]:
+    """Remove the `.config.yaml.<pid>.tmp` files that a process killed while it wrote config.yaml left (its pid gone
+    from this host, the file untouched for STALE_TMP_S); returns them."""
+    import time
+
+    from eagle3ft.runlock import pid_alive
+
+    removed = []
+    for p in run_dir.glob(".config.yaml.*.tmp"):
+        pid = p.name.removeprefix(".config.yaml.").removesuffix(".tmp")
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+            continue
+        try:
+            if time.time() - p.lstat().st_mtime >= STALE_TMP_S and not p.is_dir():
+                p.unlink()
+                removed.append(p)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def read_record(path: Path) -> dict:
+    """A run's config.yaml as save_resolved wrote it ({} when absent or empty); ConfigError naming the file when it is
+    unparsable or something else (a user's own config file in the run folder), which is then never rewritten."""
+    if not path.exists() and not path.is_symlink():
+        return {}
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise ConfigError(
+            f"{path}: not a run's record, unreadable ({reason}); nothing was written: move it away"
+        ) from None
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("stages"), dict):
+        raise ConfigError(
+            f"{path}: not a run's record (a mapping with `stages`, which every stage writes); nothing was written: "
+            "check --run-dir, or move that file away"
+        )
+    return doc
+
+
+# the stages that read what earlier stages wrote: their --run-dir must already be a run
+READ_SIDE = ("eval", "bench", "economics", "report", "compare")
+# what an earlier stage leaves in a run folder, beside its config.yaml record
+RUN_OUTPUTS = (
+    LOCK_NAME,  # a stage is writing there (its lock names it)
+    "features/manifest.json",
+    "tokens/manifest.json",
+    "export",
+    "export-best",
+    "ckpt",
+    "train",
+    "eval",
+    "bench",
+)
+
+
+def run_dir_problem(run_dir: Path, stage: str, read_side: bool | None = None) -> str | None:
+    """Why `stage` may not record itself in `run_dir` (None: it may): --run-dir naming a file; a config.yaml that is
+    not a run's record (read_record); for the read-side stages, a folder that does not exist (it is not created) or
+    that holds things but no run (no record, none of RUN_OUTPUTS)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"--run-dir {run_dir} is a file, not a run folder"
+    try:
+        record = read_record(RunDir(run_dir).config)
+    except ConfigError as e:
+        return str(e)
+    if not (stage in READ_SIDE if read_side is None else read_side):
+        return None
+    if not run_dir.is_dir():
+        alone = "; to benchmark running servers alone, create it first" if stage == "bench" else ""
+        return f"no run folder {run_dir}: {stage} reads what earlier stages wrote there (check --run-dir){alone}"
+    if not record and any(run_dir.iterdir()) and not any((run_dir / n).exists() for n in RUN_OUTPUTS):
+        return (
+            f"{run_dir} is not a run folder (no config.yaml of a stage, no {', '.join(RUN_OUTPUTS)}): nothing was "
+            "written; check --run-dir"
+        )
+    return None
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -74,7 +159,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
         metavar="SECTION.KEY=VALUE",
         help="dotted override, repeatable",
     )
-    ap.add_argument("--run-dir", required=True, help="the run folder (created if missing)")
+    ap.add_argument(
+        "--run-dir", required=True, help="the run folder (created if missing, except by the stages that read a run)"
+    )
     ap.add_argument("--debug", action="store_true", help=f"show the traceback behind an error (or set {DEBUG_ENV}=1)")
     return ap
 
@@ -185,10 +272,12 @@ def parse_cli(
     argv: list[str] | None = None,
     parser: argparse.ArgumentParser | None = None,
     record: bool = True,
+    read_side: bool | None = None,
 ):
     """Parse the three shared options (plus any the stage's parser adds), load, save.
 
-    Returns (config, run_dir, namespace). A bad config exits 2 with a one-line message. With
+    Returns (config, run_dir, namespace). A bad config exits 2 with a one-line message, and so does a run_dir that
+    run_dir_problem refuses (read_side: the stage needs a run there; None: by its name, READ_SIDE). With
     record=False the caller writes run_dir/config.yaml itself (save_resolved), e.g. on one rank only.
     """
     ap = parser or build_parser(description)
@@ -200,6 +289,8 @@ def parse_cli(
     except ConfigError as e:
         ap.exit(2, f"{ap.prog}: error: {e}\n")
     run_dir = Path(args.run_dir)
+    if problem := run_dir_problem(run_dir, stage, read_side):
+        ap.exit(2, f"{ap.prog}: error: {problem}\n")
     if record:
         from eagle3ft.runlock import holding
 

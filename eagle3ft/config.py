@@ -129,6 +129,9 @@ class SourceConfig:
     def __post_init__(self) -> None:
         positive(self, "limit", "per_category")
         non_negative(self, "skip", "weight")
+        # an epoch draws each sample `weight` times, every draw held in its order: more than 100 copies of one source
+        # per epoch is memorising it (train.epochs repeats the whole set)
+        at_most(self, 100, "weight")
 
 
 @dataclass

@@ -34,6 +34,10 @@ class ObjectiveConfig:
         positive(self, "ttt_steps", "step_decay", "lk_eta")
         non_negative(self, "loop_weight", "l2sp")
         at_most(self, 1, "loop_weight")
+        # Adam moves each weight by about lr a step, so after one step the pull 2λ(w − w0) is about 2λ·lr per weight
+        # against the loss's gradient (below 1 per weight): at λ 1e4 and the default lr 1e-4 the pull is already 2,
+        # and above it the data no longer moves the drafter (near 1e30 Adam's fp32 moments overflow and it never moves)
+        at_most(self, 1e4, "l2sp")
 
 
 @dataclass

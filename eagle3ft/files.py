@@ -143,11 +143,27 @@ def disk_full(path: str | Path):
         if e.errno not in FULL:
             raise
         raise disk_full_error(path, e) from None
-    except SafetensorError as e:  # safetensors' writer puts the OS error in its message: IoError(Os { code: 28, ...
-        code = re.search(r"\bcode: (\d+)", str(e))
-        if code is None or int(code[1]) not in FULL:
+    except SafetensorError as e:  # safetensors puts the OS error in its message, only there (no errno)
+        code = os_error_code(str(e))
+        if code not in FULL:
             raise
-        raise disk_full_error(path, OSError(int(code[1]), str(e))) from None
+        raise disk_full_error(path, OSError(code, str(e))) from None
+
+
+def os_error_code(message: str) -> int | None:
+    """The OS error number in a safetensors error message: 0.8's "I/O error: No space left on device (os error 28)",
+    or the older "IoError(Os { code: 28, kind: StorageFull, ... })"."""
+    code = re.search(r"\(os error (\d+)\)|\bcode: (\d+)", message)
+    return int(code[1] or code[2]) if code else None
+
+
+def as_umask_allows(path: str | Path) -> None:
+    """Give `path` the mode a plain open() gives a new file (0666 less the umask): safetensors 0.8 writes through a
+    temporary file of mode 0600 and renames it, so its weights would be unreadable by a group that reads the
+    config.json beside them."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def write_atomic(path: str | Path, data: bytes | str, tmp_name: str | None = None) -> None:

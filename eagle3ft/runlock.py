@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from eagle3ft.files import json_text
+from eagle3ft.files import DiskFull, disk_full, json_text
 from eagle3ft.run_dir import RunDir
 
 UNREADABLE_GRACE_S = 5.0  # an owner writes its record at once: a lock unreadable for this long has no writer
@@ -118,8 +118,12 @@ class RunLock:
                     f"{self.path.parent} is in use by {describe(owner)}; wait for it to finish (or, if it is gone, "
                     f"delete {self.path})"
                 )
-            with os.fdopen(fd, "w") as f:
-                f.write(json_text(self.owner, str(self.path)) + "\n")
+            try:
+                with disk_full(self.path), os.fdopen(fd, "w") as f:
+                    f.write(json_text(self.owner, str(self.path)) + "\n")
+            except BaseException:  # a full disk, a kill: no lock without its owner's record is left behind
+                self.path.unlink(missing_ok=True)
+                raise
             _held[self.path] = [1, self.owner]
             return self
         raise RunLocked(
@@ -196,7 +200,7 @@ def holding(run_dir: str | Path, stage: str, prog: str | None = None):
     """An entry point's body with the run folder locked; a folder in use exits 1 with one line naming its owner."""
     try:
         lock = run_lock(run_dir, stage).acquire()
-    except RunLocked as e:
+    except (RunLocked, DiskFull) as e:
         print(f"{prog or stage}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     try:

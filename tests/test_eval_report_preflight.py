@@ -42,6 +42,7 @@ def _touch(path):
 
 def test_offline_eval_needs_features_then_a_drafter(tmp_path, capsys):
     run = tmp_path / "run"
+    run.mkdir()  # an empty folder: the read-side stages do not create one (eagle3ft/cli.py)
     err = _stop(accept_len.main, run, capsys)
     assert (
         err.startswith("accept_len.py: error: no ") and "features/manifest.json: harvest first: eagle3ft harvest" in err
@@ -69,6 +70,7 @@ def test_a_run_cut_short_before_the_export_is_told_to_resume(tmp_path, capsys):
 )
 def test_bench_needs_a_drafter(tmp_path, capsys, sets):
     run = tmp_path / "run"
+    run.mkdir()  # an empty folder: the read-side stages do not create one (eagle3ft/cli.py)
     err = _stop(live.main, run, capsys, *sets)
     assert err.startswith("live.py: error: no drafter at") and "eagle3ft train --config" in err
     elsewhere = tmp_path / "nowhere"
@@ -93,6 +95,7 @@ def test_bench_checks_the_calibration_file_before_it_starts(tmp_path, capsys):
 
 def test_economics_and_report_name_the_stage_that_makes_their_input(tmp_path, capsys):
     run = tmp_path / "run"
+    run.mkdir()  # an empty folder: the read-side stages do not create one (eagle3ft/cli.py)
     assert "no drafter at" in _stop(analysis.main, run, capsys)
     assert "no drafter at" in _stop(build.main, run, capsys)
     _touch(run / "export" / "config.json")

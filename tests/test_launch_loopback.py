@@ -1,9 +1,9 @@
 """Issue 41 item 4: a one-machine launch listens on loopback only, the launcher's rendezvous store included.
 
-A real two-process CPU training, through `eagle3ft-train` and through `accelerate launch --rdzv_backend
-eagle3ft-loopback`; while it runs, the listening TCP sockets of the launcher and of every process under it are read
-from /proc. (A plain `accelerate launch` without the flag keeps torchrun's static rendezvous, whose store listens on
-every interface: accelerate 1.16 ignores a config file's rdzv_backend.)"""
+A real two-process CPU training, through `eagle3ft-train`, through `accelerate launch --rdzv_backend
+eagle3ft-loopback` and through a plain `accelerate launch --config_file configs/accelerate/cpu-2proc.yaml` (its
+mpirun_config carries the rendezvous: accelerate 1.16 ignores a config file's top-level rdzv_backend); while it runs,
+the listening TCP sockets of the launcher and of every process under it are read from /proc."""
 
 import os
 import subprocess
@@ -72,15 +72,15 @@ def _watch(cmd: list[str]) -> tuple[subprocess.CompletedProcess, dict[int, set[s
 
 
 @pytest.mark.slow  # ~20 s per launch path on a loaded 2-core machine
-@pytest.mark.parametrize("path", ["accelerate launch --rdzv_backend", "eagle3ft-train"])
+@pytest.mark.parametrize("path", ["accelerate launch --rdzv_backend", "eagle3ft-train", "plain accelerate launch"])
 def test_a_one_machine_launch_listens_on_loopback_only(tmp_path, path):
     run = tmp_path / "run"
     write_store(run, n_train=4, n_heldout=1)
     cmd = launch_cmd(run, "train.schedule.max_steps=2")
-    if path != "eagle3ft-train":
+    if path == "accelerate launch --rdzv_backend":
         i = cmd.index("--main_process_port")
         cmd[i:i] = ["--rdzv_backend", "eagle3ft-loopback"]
-    else:  # the console script, with the same accelerate config and arguments
+    elif path == "eagle3ft-train":  # the console script, with the same accelerate config and arguments
         script = Path(sys.executable).with_name("eagle3ft-train")
         cmd = [str(script), "--accelerate-config", cmd[4], *cmd[cmd.index("--config") :]]
     r, seen = _watch(cmd)

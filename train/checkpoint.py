@@ -8,8 +8,10 @@ A training checkpoint `ckpt/step-N/` is the drafter folder plus the state to res
   state.json          optimizer (class, step count, hyper-parameters per group, parameter names),
                       LR scheduler state, engine counters, the Python/NumPy RNG scalars per rank
   trainer_state.json  format, step, data position (epoch, samples of its seeded order consumed),
-                      world size, batch shape, total steps, resolved config, last metrics, and the sha256 of every
-                      other file of the folder; written last
+                      world size, batch shape, total steps, resolved config, last metrics, the identity of the data
+                      and vocabulary it was trained on (data_identity: the training shards' and d2t's sha256, which a
+                      resume checks, train/run_state.py), and the sha256 of every other file of the folder; written
+                      last
 Folders are written under a temporary name and renamed, so a reader never sees half a checkpoint; a resume checks
 every file against its sha256 (a checkpoint written before the checksums is checked for whole files only).
 """
@@ -28,7 +30,7 @@ from safetensors.torch import save_file
 
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.export import drafter_tensors, write_drafter
-from eagle3ft.files import disk_full, json_text, sha256_file
+from eagle3ft.files import as_umask_allows, disk_full, json_text, sha256_file
 from eagle3ft.run_dir import RunDir
 
 TRAINER_STATE, STATE_TENSORS, STATE_JSON = "trainer_state.json", "state.safetensors", "state.json"
@@ -160,6 +162,7 @@ def save_checkpoint(dist, module, cfg: DrafterConfig, run_dir: Path, step: int, 
             write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
             with disk_full(tmp / STATE_TENSORS):
                 save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": FORMAT})
+            as_umask_allows(tmp / STATE_TENSORS)
             with disk_full(tmp / STATE_JSON):
                 (tmp / STATE_JSON).write_text(json_text(meta, str(tmp / STATE_JSON), indent=1) + "\n")
             sums = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
@@ -224,10 +227,13 @@ def load_checkpoint(dist, path: Path, seed: int, verify: bool = True) -> tuple[d
     return st, note
 
 
-def resume_position(st: dict, path: Path, n_train: int, micro_batch_size: int, world: int) -> tuple[int, int]:
+def resume_position(
+    st: dict, path: Path, n_train: int, micro_batch_size: int, world: int, entries: str | None = None
+) -> tuple[int, int]:
     """(epoch, micro-batches per rank to skip) to continue the seeded global sample order where `st` left it.
 
-    The position is stored as samples consumed; on W processes of micro batch B, rank r reads global
+    The position is stored as samples consumed (`entries`: what the order holds instead, when it is not the samples
+    themselves: draws by the sources' weights, packed bins); on W processes of micro batch B, rank r reads global
     micro-batches r, r+W, ... of the epoch's order, so the position must split into rounds of W x B.
     """
     data = st.get("data")
@@ -235,9 +241,14 @@ def resume_position(st: dict, path: Path, n_train: int, micro_batch_size: int, w
         raise CheckpointError(
             f"{Path(path) / TRAINER_STATE}: no data position (data.epoch, data.samples_in_epoch, data.n_train)"
         )
-    if data["n_train"] != n_train:
+    if data["n_train"] != n_train and entries is None:
         raise CheckpointError(
             f"{Path(path) / TRAINER_STATE}: written for {data['n_train']} training samples, the store has {n_train}"
+        )
+    if data["n_train"] != n_train:  # the epoch's order is of draws by the sources' weights, or of packed bins
+        raise CheckpointError(
+            f"{Path(path) / TRAINER_STATE}: written for an epoch of {data['n_train']} entries, this run's has "
+            f"{n_train} ({entries}); resume with the checkpoint's store and settings, or start over with --overwrite"
         )
     epoch, done = data["epoch"], data["samples_in_epoch"]
     if done >= n_train:
@@ -269,6 +280,7 @@ def truncate_metrics(path: Path, step: int) -> int:
     if len(keep) == len(lines):
         return 0
     tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)  # a killed run's, or a link: replaced, never written through
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
     return len(lines) - len(keep)

@@ -168,6 +168,23 @@ def token_dataset(
     )
 
 
+def shards_fingerprint(shards: list[Path]) -> str:
+    """sha256 over the (file name, sha256) that each shard's store manifest records: the identity of the samples a
+    run trains on, the same for every read of one store and different after a re-harvest (train/run_state.py)."""
+    import hashlib
+    import json
+
+    manifests: dict[Path, dict] = {}
+    entries = []
+    for shard in shards:
+        folder = Path(shard).parent
+        if folder not in manifests:
+            manifest = json.loads((folder / MANIFEST).read_text())
+            manifests[folder] = {s["file"]: s.get("sha256") for s in manifest["shards"]}
+        entries.append([Path(shard).name, manifests[folder].get(Path(shard).name)])
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
+
+
 def answer_subset(dataset, per_sample: list[int], limit: int, seed: int):
     """(the samples of a fixed seeded order, taken until their answer tokens reach `limit`, in store order; their
     answer tokens). The order depends on the seed alone, so the subsets of two limits are nested."""
@@ -277,6 +294,7 @@ class TrainData:
             )
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
+        self.fingerprint = shards_fingerprint(self.dataset.shards)  # recorded in each checkpoint
         per_sample = self.dataset.loss_tokens()
         self.answer_tokens = self.all_answer_tokens = sum(per_sample)
         of_row = dict(zip(self.dataset.index, zip(names, per_sample)))  # a sample's place in its shard -> both

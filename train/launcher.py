@@ -169,6 +169,21 @@ def rendezvous_backend():
     return create_loopback_rendezvous
 
 
+def accelerate_config_problem(path: Path) -> str | None:
+    """Why `path` is no accelerate config to launch with (None: it is one): missing, unreadable, not a mapping."""
+    import yaml
+
+    if not path.is_file():
+        return f"--accelerate-config {path}: no such file (configs/accelerate/ holds cpu-2proc.yaml, 1gpu.yaml, ...)"
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return f"--accelerate-config {path}: not readable YAML ({' '.join(str(e).split())[:200]})"
+    if not isinstance(doc, dict):
+        return f"--accelerate-config {path}: not an accelerate config (a YAML mapping, found {type(doc).__name__})"
+    return None
+
+
 def launch_args(accelerate_config: Path) -> list[str]:
     """The `accelerate launch` flags for this config: on one machine, the loopback rendezvous, and port 0 for
     accelerate's own check (it would switch a port in use to torchrun's standalone mode, whose store listens on
@@ -311,5 +326,7 @@ def main(argv: list[str] | None = None) -> None:
 
         accel = "configs/accelerate/" + ("1gpu.yaml" if torch.cuda.is_available() else "cpu-2proc.yaml")
     accel = resolve_path(accel)
+    if problem := accelerate_config_problem(accel):
+        parser.exit(2, f"{parser.prog}: error: {problem}\n")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accel), *launch_args(accel)]
     os.execv(sys.executable, cmd + ["-m", "eagle3ft.train.finetune", *rest])

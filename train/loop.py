@@ -31,7 +31,7 @@ from eagle3ft.train.checkpoint import save_checkpoint, truncate_metrics
 from eagle3ft.train.data import TrainData
 from eagle3ft.train.l2sp import L2SP
 from eagle3ft.train.metrics import Meter, PhaseClock, SetupTimes, diverged, log_record, metrics_record, open_wandb
-from eagle3ft.train.run_state import Run, lr_lambda, resume
+from eagle3ft.train.run_state import Run, data_identity, lr_lambda, resume
 from eagle3ft.train.ttt import TTTObjective
 from eagle3ft.train.validate import HeldoutTracker, read_card, write_card
 
@@ -142,6 +142,7 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
     engine, optimizer, scheduler = dist.prepare(objective, optimizer, scheduler)
     took.mark("engine")
     run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock, started=started)
+    run.identity = data_identity(data, model.d2t)
     if tcfg.objective.l2sp > 0:  # w0: the masters before any step or resume, as the build gives them (train/l2sp.py)
         inner, partitions = dist.master_partitions()
         run.l2sp = L2SP(tcfg.objective.l2sp, partitions)

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -184,7 +185,11 @@ def open_wandb(cfg: Config, log_dir: Path) -> Any:
 def log_record(record: dict, metrics_file: Path, wandb_run: Any, bar: tqdm) -> None:
     """Main process: append the record to metrics.jsonl, send it to wandb, show it on the progress bar."""
     line = json_text(record, str(metrics_file)) + "\n"
-    with disk_full(metrics_file), open(metrics_file, "a") as f:  # a line cut short is dropped on resume
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)  # never through a link
+    with (
+        disk_full(metrics_file),
+        open(os.open(metrics_file, flags, 0o666), "a") as f,
+    ):  # a cut line is dropped on resume
         f.write(line)
     if wandb_run is not None:
         flat = {k: v for k, v in record.items() if not isinstance(v, list)}

@@ -10,12 +10,14 @@ What training writes (`training_outputs`): ckpt/step-N/ (through ckpt/.step-N.tm
 with the card.json train/validate.py writes, through .<name>.tmp and .<name>.old), and train/'s metrics.jsonl,
 data.json and wandb/. A run holding any of them has started: train/finetune.py continues it (`--resume auto`) or
 removes exactly those first (`--overwrite`), and refuses otherwise, so a folder never mixes the checkpoints and exports
-of two runs. `--overwrite` refuses a folder that is no run.
+of two runs. `--overwrite` refuses a folder that is no run. An export/ or export-best/ without the trainer's card (a
+drafter the user put there) is refused in every mode: training would replace it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -129,13 +131,34 @@ def stale_derived(run_dir: Path) -> list[str]:
     return [p.name for p in RunDir(run_dir).derived if p.exists()]
 
 
+def foreign_export(run_dir: Path) -> str | None:
+    """What to say when RUN/export or RUN/export-best holds something the trainer did not write (a user's drafter
+    copied there for eval, a file, a link): training replaces both, so it does not start; None otherwise."""
+    run = RunDir(run_dir)
+    for final in (run.export, run.export_best):
+        if (final.exists() or final.is_symlink()) and not _export(final):
+            return (
+                f"{final} is not an export this trainer wrote (no card.json of it), and training writes its drafter "
+                "there: move it elsewhere first (--overwrite removes only the trainer's outputs, not this)"
+            )
+    return None
+
+
 def start_refusal(run_dir: Path, resume: str | None, overwrite: bool) -> str | None:
     """Why training may not start in `run_dir` (None: it may): a started run folder needs --resume or --overwrite,
-    and --overwrite needs a run folder."""
+    --overwrite needs a run folder, and RUN/export and RUN/export-best must be the trainer's or absent."""
     if overwrite and resume is not None:
         return "--overwrite starts over, --resume (train.resume) continues: give one of them"
     if overwrite and not run_markers(run_dir):
         return not_a_run(run_dir)
+    if foreign := foreign_export(run_dir):
+        return foreign
+    metrics = RunDir(run_dir).metrics
+    if metrics.is_symlink() and not overwrite:  # --overwrite removes the link itself (remove_training_outputs)
+        return (
+            f"{metrics} is a link (to {os.readlink(metrics)}): the trainer appends its metrics there and would write "
+            "through it; put the file itself there, or remove the link"
+        )
     if not overwrite and resume is None and (found := training_outputs(run_dir)):
         return refusal(run_dir, found)
     return None

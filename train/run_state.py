@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class Run:
     heldout: HeldoutTracker | None = None
     l2sp: L2SP | None = None  # train.l2sp's penalty on this rank's master partitions
     w0_fingerprint: float | None = None  # Σ w0² over every rank (train/l2sp.py), recorded in each checkpoint
+    identity: dict = field(default_factory=dict)  # the training data's and the vocab's (data_identity), in each one
     wandb_run: Any = None
     step: int = 0
     epoch: int = 0
@@ -97,6 +99,7 @@ class Run:
             "config": to_dict(self.cfg),
             "last": self.last,
             "first_loss": self.first_loss,
+            "data_identity": self.identity,
             **(
                 {"l2sp": {"lambda": tcfg.objective.l2sp, "w0_sq": self.w0_fingerprint}} if self.l2sp is not None else {}
             ),
@@ -130,13 +133,21 @@ class Run:
 RESUME_APPLIES = (
     "optimizer.lr",
     "optimizer.weight_decay",
+    "optimizer.max_grad_norm",  # the clip DeepSpeed applies from the next step
     "schedule.warmup_steps",
     "schedule.min_lr_ratio",
     "schedule.max_steps",
     "schedule.epochs",
     "batch.micro_batch_size",
     "batch.grad_accum",
+    "objective.l2sp",  # λ of the pull toward the weights the run started from (w0 is checked: check_w0)
+    "objective.step_decay",  # the unroll steps' loss weights
+    "objective.lk_eta",
 )
+# train.* keys that change what the loss is (its kind, the unroll it sums over): a resume under another value is
+# refused, so that metrics.jsonl never logs two losses under one name; a warm start from the checkpoint in a new
+# --run-dir (drafter.init) trains it under the new one
+RESUME_REFUSES = ("objective.loss", "objective.ttt_steps", "objective.target_source")
 
 
 def apply_rates(run: Run) -> None:
@@ -163,10 +174,17 @@ def resume(run: Run) -> dict | None:
         run.dist.print(f"--resume auto: no checkpoint in {RunDir(run.run_dir).ckpt}; starting at step 0")
     if ckpt is not None:
         st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed, verify=run.cfg.train.checkpoint.resume != "auto")
+        check_objective(run, st, ckpt)
         check_w0(run, st, ckpt)
+        check_identity(run, st, ckpt)
         run.step, run.first_loss = st["step"], st.get("first_loss")
         run.epoch, run.batch_in_epoch = resume_position(
-            st, ckpt, run.data.order_len(st.get("data", {}).get("epoch", 0)), run.data.per_micro_batch, run.dist.world
+            st,
+            ckpt,
+            run.data.order_len(st.get("data", {}).get("epoch", 0)),
+            run.data.per_micro_batch,
+            run.dist.world,
+            order_entries(run.data),
         )
         run.dist.print(
             f"resumed from {ckpt} at step {run.step} (epoch {run.epoch}, {st['data']['samples_in_epoch']} samples "
@@ -191,6 +209,71 @@ def resume(run: Run) -> dict | None:
         what = ", ".join(f"{k} {new!r} (the checkpoint ran {old!r})" for k, (old, new) in changed.items())
         run.dist.print(f"resume: this config's {what} apply from step {run.step + 1}")
     return {"from": str(ckpt), "step": run.step, "changed": changed}
+
+
+def order_entries(data: TrainData) -> str | None:
+    """What an epoch's order of `data` holds when it is not one entry per training sample (None when it is)."""
+    held = []
+    if data.weights is not None:
+        held.append(f"draws of its {len(data)} training samples by harvest.sources' weights")
+    if data.lengths is not None:
+        held.append(f"packed into bins of train.pack_tokens {data.cfg.train.batch.pack_tokens}")
+    return ", ".join(held) or None
+
+
+def check_objective(run: Run, st: dict, ckpt: Path) -> None:
+    """CheckpointError naming each RESUME_REFUSES key this config changes from the checkpoint's."""
+    before, now = (st.get("config") or {}).get("train") or {}, to_dict(run.cfg.train)
+    changed = []
+    for key in RESUME_REFUSES:
+        old, new = written_value(before, key), written_value(now, key)
+        if old is not MISSING and old != new:
+            changed.append(f"train.{key} {new!r} (it ran {old!r})")
+    if changed:
+        raise CheckpointError(
+            f"{ckpt}: this config's {', '.join(changed)} would change what the loss is in the middle of the run, "
+            f"so it is not resumed: resume with the checkpoint's values, or warm-start a new --run-dir from it "
+            f"(--set drafter.init={ckpt})"
+        )
+
+
+def data_identity(data: TrainData, d2t: torch.Tensor) -> dict:
+    """What a checkpoint's weights were trained on: the training shards (TrainData.fingerprint) and the sha256 of the
+    draft vocabulary's d2t, which each lm_head row follows."""
+    return {
+        "train_shards": data.fingerprint,
+        "d2t_sha256": hashlib.sha256(d2t.cpu().to(torch.int64).numpy()).hexdigest(),
+    }
+
+
+def check_identity(run: Run, st: dict, ckpt: Path) -> None:
+    """A resume continues weights on the data and vocabulary they were trained on: CheckpointError, naming the
+    checkpoint and what changed, when the features were re-harvested since or its d2t is not this run's (a checkpoint
+    written before the identity was recorded is checked by its own d2t alone)."""
+    from safetensors import safe_open
+
+    from eagle3ft.drafter.export import WEIGHTS
+
+    d2t = run.model.d2t.cpu().to(torch.int64)
+    try:
+        with safe_open(str(ckpt / WEIGHTS), framework="pt") as f:
+            theirs = f.get_tensor("d2t").to(torch.int64) if "d2t" in f.keys() else None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{ckpt / WEIGHTS}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
+    changed = []
+    if theirs is not None and (theirs.shape != d2t.shape or not torch.equal(theirs, d2t)):
+        n = int((theirs != d2t).sum()) if theirs.shape == d2t.shape else max(d2t.numel(), theirs.numel())
+        changed.append(
+            f"{n} of {d2t.numel()} draft ids of its d2t map to other target tokens than {RunDir(run.run_dir).vocab}'s"
+        )
+    saved = st.get("data_identity") or {}
+    if saved.get("train_shards") not in (None, run.identity["train_shards"]):
+        changed.append(f"the training shards of {run.data.where} are not those it was trained on")
+    if changed:
+        raise CheckpointError(
+            f"{ckpt}: written for other data than this run now has ({'; '.join(changed)}: re-harvested since?); its "
+            "weights follow the old vocabulary, so it is not resumed: start over with --overwrite"
+        )
 
 
 def check_w0(run: Run, st: dict, ckpt: Path) -> None:

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from eagle3ft.drafter.config import LLAMA_EAGLE3, MLA_EAGLE3, DrafterConfig
 from eagle3ft.drafter.model import Eagle3Drafter, export_keys
 from eagle3ft.drafter.model_mla import mla_export_keys, new_drafter
-from eagle3ft.files import check_finite, disk_full, json_text
+from eagle3ft.files import as_umask_allows, check_finite, disk_full, json_text
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 IGNORED_KEYS = ("embed_tokens.weight",)  # filled from the target by SGLang and by `load_drafter`
@@ -226,6 +226,7 @@ def write_drafter(folder: Path, cfg: DrafterConfig, tensors: dict[str, torch.Ten
         (folder / CONFIG).write_text(json_text(cfg.to_hf_dict(), str(folder / CONFIG), indent=2) + "\n")
     with disk_full(folder / WEIGHTS):
         save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    as_umask_allows(folder / WEIGHTS)
 
 
 def export_drafter(model: Eagle3Drafter, folder: str | Path) -> Path:

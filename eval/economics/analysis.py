@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eagle3ft.cli import build_parser, command_name, parse_cli
+from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
 from eagle3ft.eval.economics.calibration import (
     CalibrationError,
     format_prediction,
@@ -26,7 +26,7 @@ from eagle3ft.eval.economics.calibration import (
 )
 from eagle3ft.eval.economics.cost_model import GOAL_SPEEDUPS, cost_model_from_summary, fmt, reach, reach_text
 from eagle3ft.eval.preflight import check_or_exit
-from eagle3ft.files import write_json
+from eagle3ft.files import DamagedFile, read_json, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.setting import Setting
@@ -230,7 +230,9 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
     summary_path = RunDir(run_dir).bench_summary
     if not summary_path.exists():
         return None, pred
-    summary = json.loads(summary_path.read_text())
+    summary = read_json(summary_path, "the benchmark summary")  # truncated: DamagedFile naming it
+    if not isinstance(summary, dict):
+        raise DamagedFile(f"{summary_path}: the benchmark summary is not a JSON object; rerun the bench")
     ec = analyse(summary, offline, cal, tok_s, target, basis, intervals, offline_loop_free(run_dir))
     mine = RunDir(run_dir.resolve()).calibration
     if ec.calibrated and (
@@ -253,22 +255,39 @@ def after_bench(run_dir: Path, cfg, log=print) -> Economics:
     return ec
 
 
+def decode_rate(text: str) -> float:
+    """--tok-s: a finite number of tokens/s above 0 (argparse's error otherwise, before anything is written)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a decode rate in tokens/s, a finite number above 0")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     prog = command_name("analysis.py")  # in errors: the command the user typed
 
     desc = "Speculation economics from a benchmark run; with bench.calibration, tok/s predicted from offline tau."
     parser = build_parser(desc)
     parser.add_argument(
-        "--tok-s", type=float, default=None, help="a decode throughput to price: the tau each setting needs for it"
+        "--tok-s",
+        type=decode_rate,
+        default=None,
+        help="a decode throughput to price: the tau each setting needs for it",
     )
     cfg, run_dir, args = parse_cli(desc, stage="economics", argv=argv, parser=parser)
     check_or_exit(prog, "economics", cfg, run_dir, args.config)
 
-    try:
-        with holding(run_dir, "economics", prog):
-            ec, pred = run(run_dir, cfg, args.tok_s)
-    except CalibrationError as e:
-        parser.exit(2, f"economics.py: error: {e}\n")
+    with holding(run_dir, "economics", prog), cli_errors(prog, log=error_log(run_dir, "economics")):
+        try:
+            ec, pred = run(run_dir, cfg, args.tok_s)  # a damaged input file: one line naming it (cli_errors)
+        except CalibrationError as e:
+            parser.exit(2, f"{prog}: error: {e}\n")
     if ec is not None:
         print(format_table(ec))
     elif pred is not None:

@@ -17,7 +17,6 @@ and by how much. Writes the figures to RUN/eval/compare.json (or --out) and prin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from eagle3ft.data.sources import heldout_sets
 from eagle3ft.data.store import FeatureStore, StoreError
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.offline.accept_len import walk_totals
-from eagle3ft.files import write_json
+from eagle3ft.files import DamagedFile, read_json, write_json
 from eagle3ft.run_dir import RunDir
 
 LEVEL = 0.9
@@ -81,9 +80,8 @@ def change(before: SetTotals, after: SetTotals, level: float = LEVEL, resamples:
     for which, k in (("tau", 0), ("tau_loop_free", 1)):
         b, a = out[which]["before"], out[which]["after"]
         rel = draws[1][k] / draws[0][k].clamp_min(1e-12) - 1
-        out[which].update(
-            {"change": a - b, "relative": a / b - 1 if b else None, "interval": torch.quantile(rel, q).tolist()}
-        )
+        interval = torch.quantile(rel, q).tolist() if n >= 2 else None  # one conversation: no spread to measure
+        out[which].update({"change": a - b, "relative": a / b - 1 if b else None, "interval": interval})
     return out
 
 
@@ -92,20 +90,28 @@ def break_even(run_dir: Path, setting: str, label: str | None = None) -> dict[st
     RUN/bench/summary.json (the drafter `label` where it was timed, else the first), and under "" the setting's
     from RUN/bench/economics.json. Empty when the run measured none."""
     out: dict[str, float] = {}
-    econ = RunDir(run_dir).economics
-    if econ.is_file():
-        for s in json.loads(econ.read_text()).get("settings", []):
-            if s.get("setting") == setting and s.get("break_even_tau"):
-                out[""] = s["break_even_tau"]
-    summary = RunDir(run_dir).bench_summary
-    if summary.is_file():
-        for name, pset in (json.loads(summary.read_text()).get("prompt_sets") or {}).items():
-            drafters = pset.get("drafters") or {}
-            for d in [drafters[label]] if label in drafters else list(drafters.values())[:1]:
-                row = next((r for r in d.get("speculative", []) if r.get("key") == setting), None)
-                cycle = row and (row.get("cycle_s_per_pass") or row.get("cycle_s"))
-                if cycle:
-                    out[name] = cycle / (pset["baseline"]["ms_per_token"] / 1e3)
+    econ, summary = RunDir(run_dir).economics, RunDir(run_dir).bench_summary
+    reading = econ  # the file a malformed entry is named in
+    try:
+        if econ.is_file():
+            for s in read_json(econ, "the economics").get("settings", []):
+                if s.get("setting") == setting and s.get("break_even_tau"):
+                    out[""] = float(s["break_even_tau"])
+        if summary.is_file():
+            reading = summary
+            for name, pset in (read_json(summary, "the benchmark summary").get("prompt_sets") or {}).items():
+                drafters = pset.get("drafters") or {}
+                for d in [drafters[label]] if label in drafters else list(drafters.values())[:1]:
+                    row = next((r for r in d.get("speculative", []) if r.get("key") == setting), None)
+                    cycle = row and (row.get("cycle_s_per_pass") or row.get("cycle_s"))
+                    if cycle:
+                        out[name] = float(cycle) / (float(pset["baseline"]["ms_per_token"]) / 1e3)
+    except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        if isinstance(e, DamagedFile):
+            raise
+        raise DamagedFile(
+            f"{reading}: not the form its stage writes ({type(e).__name__}: {e}); rerun that stage"
+        ) from None
     return out
 
 
@@ -113,8 +119,8 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:+.1f}%"
 
 
-def _interval(iv: list[float]) -> str:
-    return f"[{_pct(iv[0])}, {_pct(iv[1])}]"
+def _interval(iv: list[float] | None) -> str:
+    return "[no interval: one conversation]" if iv is None else f"[{_pct(iv[0])}, {_pct(iv[1])}]"
 
 
 def verdict_line(sets: dict[str, dict]) -> str:
@@ -122,7 +128,7 @@ def verdict_line(sets: dict[str, dict]) -> str:
     parts = {"gained": [], "lost": [], "no clear change": []}
     for name, s in sets.items():
         t = s["tau"]
-        lo, hi = t["interval"]
+        lo, hi = t["interval"] or (-1, 1)  # one conversation tells no clear change
         key = "gained" if lo > 0 else "lost" if hi < 0 else "no clear change"
         parts[key].append(f"{name} {t['change']:+.2f} τ ({_pct(t['relative'])} {_interval(t['interval'])})")
     return "verdict: " + "; ".join(f"{k} {', '.join(v)}" for k, v in parts.items() if v)
@@ -192,9 +198,15 @@ def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None)
         if after
         else DrafterFolder.of_run(run_dir, cfg.eval.checkpoint, "--after"),
     }
-    walks = drafter_walks(cfg, run_dir, folders)
+    for label, folder in folders.items():
+        if (folder.path / "trainer_state.json").is_file():
+            raise ValueError(
+                f"{label} {folder} is a training checkpoint (its state.safetensors holds the optimizer's state "
+                "beside the weights), not a drafter folder: give an export (RUN/export, RUN/export-best)"
+            )
     setting = f"{cfg.eval.steps}/1/{cfg.eval.steps + 1}"
-    costs = break_even(run_dir, setting, cfg.eval.checkpoint)
+    costs = break_even(run_dir, setting, cfg.eval.checkpoint)  # a damaged file is named before anything is measured
+    walks = drafter_walks(cfg, run_dir, folders)
     labels = (before or cfg.drafter.init, after or str(folders["--after"].path))  # as the user named them
     result = compare(walks["--before"], walks["--after"], labels, setting, costs)
     result["per_sample"] = {w.lstrip("-"): {n: t.per_sample for n, t in sets.items()} for w, sets in walks.items()}
@@ -210,9 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg, run_dir, args = parse_cli(ap.description, stage="compare", argv=argv, parser=ap)
     with cli_errors(command_name("compare.py"), StoreError, log=error_log(run_dir, "compare")):
         result = run(cfg, run_dir, args.before, args.after)
-    out = args.out or RunDir(run_dir).eval / "compare.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(out, result, indent=1, newline=True)
+        out = args.out or RunDir(run_dir).eval / "compare.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(out, result, indent=1, newline=True)  # a full disk: one line naming the file
     print(format_table(result))
 
 

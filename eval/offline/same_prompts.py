@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         "engine's own choice) or this process's copy of the target's argmax (argmax); with emitted, the argmax figures "
         "and the positions where the two differ are reported beside",
     )
-    cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser)
+    # its run folder may be new: it holds this tool's output, the answers come from --answers-from
+    cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser, read_side=False)
     with holding(run_dir, "eval", prog), cli_errors(prog, log=error_log(run_dir, "eval")):
         folder = check_run_drafter(DrafterFolder.of_run(run_dir, cfg.eval.checkpoint), RunDir(run_dir).features)
         label, src = set_labels(cfg)[0]

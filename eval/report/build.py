@@ -31,7 +31,7 @@ from eagle3ft.eval.economics.calibration import from_config, join, predict
 from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.eval.report.md import divergence_text, headline_text, markdown
 from eagle3ft.eval.report.plots import plot_accept, plot_tau, plot_tok_s, plot_train
-from eagle3ft.files import write_atomic, write_json
+from eagle3ft.files import DamagedFile, read_json, write_atomic, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.runlock import holding
 from eagle3ft.setting import Setting
@@ -39,7 +39,13 @@ from eagle3ft.train.metrics import divergence
 
 
 def _read_json(p: Path) -> dict | None:
-    return json.loads(p.read_text()) if p.exists() else None
+    """The JSON object in `p` (None when absent); DamagedFile naming it when truncated or not an object."""
+    if not p.exists():
+        return None
+    data = read_json(p, "an earlier stage's result")
+    if not isinstance(data, dict):
+        raise DamagedFile(f"{p}: not a JSON object; rerun the stage that writes it")
+    return data
 
 
 def read_metrics(p: Path) -> tuple[list[dict], list[dict]]:
