@@ -58,17 +58,17 @@ def test_a_resume_that_would_change_the_loss_is_refused_and_the_keys_it_applies_
     assert r.returncode != 0
     errors = error_lines(r)
     assert len(errors) == 1 and errors[0].startswith(
-        f"finetune: error: {ckpt}: this config's train.loss 'tv' (it ran 'ce') would change what the loss is"
+        f"finetune: error: {ckpt}: this config's train.objective.loss 'tv' (it ran 'ce') would change what the loss is"
     ), errors
     changes = ("train.max_steps=3", "train.l2sp=0.01", "train.max_grad_norm=1.0", "train.step_decay=0.5")
     r = launch(run, *STEPS, *changes, procs=1, extra=("--resume", "auto"))
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("resume: this config's"))
     for named in (
-        "train.max_steps 3 (the checkpoint ran 2)",
-        "train.max_grad_norm 1.0 (the checkpoint ran 0.5)",
-        "train.l2sp 0.01 (the checkpoint ran 0.0)",
-        "train.step_decay 0.5 (the checkpoint ran 0.8)",
+        "train.schedule.max_steps 3 (the checkpoint ran 2)",
+        "train.optimizer.max_grad_norm 1.0 (the checkpoint ran 0.5)",
+        "train.objective.l2sp 0.01 (the checkpoint ran 0.0)",
+        "train.objective.step_decay 0.5 (the checkpoint ran 0.8)",
     ):
         assert named in line, line
 
