@@ -11,7 +11,12 @@ import pytest
 from train_fixtures import REPO, launch, write_store
 
 TINY = REPO / "configs/tiny.yaml"
-STEPS = ("train.max_steps=2", "train.save_every=1", "train.ttt_steps=2", "train.warmup_steps=1")
+STEPS = (
+    "train.schedule.max_steps=2",
+    "train.checkpoint.save_every=1",
+    "train.objective.ttt_steps=2",
+    "train.schedule.warmup_steps=1",
+)
 
 
 def error_lines(r) -> list[str]:
@@ -36,7 +41,7 @@ def test_a_resume_after_a_reharvest_of_as_many_samples_is_refused_in_one_line(tr
     (run / "vocab.safetensors").unlink()
     write_store(run, n_train=8, n_heldout=2, seed=1)  # other prompts, the same sample count
     export = (run / "export" / "model.safetensors").read_bytes()
-    r = launch(run, *STEPS, "train.max_steps=4", procs=1, extra=("--resume", "auto"))
+    r = launch(run, *STEPS, "train.schedule.max_steps=4", procs=1, extra=("--resume", "auto"))
     assert r.returncode != 0
     errors = error_lines(r)
     assert len(errors) == 1, errors
@@ -54,13 +59,20 @@ def test_a_resume_that_would_change_the_loss_is_refused_and_the_keys_it_applies_
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     ckpt = run / "ckpt" / "step-2"
-    r = launch(run, *STEPS, "train.max_steps=3", "train.loss=tv", procs=1, extra=("--resume", "auto"))
+    r = launch(
+        run, *STEPS, "train.schedule.max_steps=3", "train.objective.loss=tv", procs=1, extra=("--resume", "auto")
+    )
     assert r.returncode != 0
     errors = error_lines(r)
     assert len(errors) == 1 and errors[0].startswith(
         f"finetune: error: {ckpt}: this config's train.objective.loss 'tv' (it ran 'ce') would change what the loss is"
     ), errors
-    changes = ("train.max_steps=3", "train.l2sp=0.01", "train.max_grad_norm=1.0", "train.step_decay=0.5")
+    changes = (
+        "train.schedule.max_steps=3",
+        "train.objective.l2sp=0.01",
+        "train.optimizer.max_grad_norm=1.0",
+        "train.objective.step_decay=0.5",
+    )
     r = launch(run, *STEPS, *changes, procs=1, extra=("--resume", "auto"))
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("resume: this config's"))
@@ -93,7 +105,9 @@ def tree(folder: Path) -> dict[str, bytes | None]:
 def finetune_cli(run_dir: Path, *extra: str) -> None:
     import eagle3ft.train.finetune as finetune
 
-    finetune.main(["--config", str(TINY), "--run-dir", str(run_dir), "--set", "train.wandb_mode=disabled", *extra])
+    finetune.main(
+        ["--config", str(TINY), "--run-dir", str(run_dir), "--set", "train.logging.wandb_mode=disabled", *extra]
+    )
 
 
 @pytest.fixture
@@ -392,8 +406,8 @@ def test_a_full_disk_at_the_run_lock_is_one_line_and_leaves_no_empty_lock(tmp_pa
 @pytest.mark.parametrize(
     "override,key",
     [
-        ("train.l2sp=1e30", "l2sp"),
-        ("train.l2sp=1e39", "l2sp"),
+        ("train.objective.l2sp=1e30", "l2sp"),
+        ("train.objective.l2sp=1e39", "l2sp"),
         ("harvest.sources=[{kind: sharegpt, weight: 1e300}]", "weight"),
     ],
 )
@@ -402,7 +416,7 @@ def test_a_weight_that_cannot_train_is_refused_when_the_config_loads(override, k
 
     with pytest.raises(ConfigError, match=rf"{key}.*<= "):
         load_config(TINY, [override])
-    load_config(TINY, ["train.l2sp=1e4", "harvest.sources=[{kind: sharegpt, weight: 100}]"])
+    load_config(TINY, ["train.objective.l2sp=1e4", "harvest.sources=[{kind: sharegpt, weight: 100}]"])
 
 
 def test_a_changed_source_weight_is_refused_with_the_right_counts(tmp_path):
