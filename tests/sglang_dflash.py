@@ -254,16 +254,20 @@ def sglang_draft_forward(d: dict, p: dict, input_embeds, positions, ctx_kv):
 # --------------------------------------------------------------------------- the decode cycle
 
 
-def sglang_decode(d, p, target_step, prompt_features, first_bonus, prompt_len, mask_id, embed, lm_head, cycles):
-    """DFlashWorkerV2 greedy for one request (dflash_worker_v2.py 1392-1449 prefill, 1489-1865 decode):
-    prefill materialises the prompt's features as draft KV at positions 0..P-1; each cycle drafts the block
-    [bonus, M...] at positions L..L+B-1, takes argmax(lm_head · hidden) at block positions 1..B-1, verifies the chain
-    with `target_step(block tokens, L) -> (target argmax per position (B,), features (B, K·h))`, accepts the leading
-    drafts equal to the target's argmax one position earlier, commits accept + 1 tokens, and materialises the
-    committed rows' features. Returns [(L, drafts, accept_len)] per cycle and the emitted tokens."""
-    block = int(d.get("block_size") or d["dflash_config"].get("block_size", 16))
-    ctx = sglang_context_kv(d, p, prompt_features, torch.arange(prompt_len))
-    L, bonus, cycles_out, emitted = prompt_len, first_bonus, [], [first_bonus]
+def sglang_decode(d, p, target_forward, prompt, embed, lm_head, cycles):
+    """DFlashWorkerV2 greedy for one request (dflash_worker_v2.py 1392-1449 prefill, 1489-1865 decode).
+    `target_forward(ids (T,)) -> (argmax (T,), features (T, K·h))` is the target's causal pass (a prefill, or a verify
+    of the chain after the committed tokens, recomputed here without a cache). Prefill materialises the prompt's
+    features as draft KV at positions 0..P-1 and its last argmax is the first bonus; each cycle drafts the block
+    [bonus, M...] at positions L..L+B-1, takes argmax(lm_head · hidden) at block positions 1..B-1, verifies the chain,
+    accepts the leading drafts equal to the target's argmax one position earlier, commits accept + 1 tokens and
+    materialises the committed rows' features. Returns [(L, drafts, accept_len)] per cycle and the generated tokens."""
+    dc = d.get("dflash_config") or {}
+    block, mask_id = int(dc.get("block_size", d.get("block_size", 16))), int(dc["mask_token_id"])
+    predict, feats = target_forward(prompt)
+    L, bonus = len(prompt), int(predict[-1])
+    ctx = sglang_context_kv(d, p, feats, torch.arange(L))
+    committed, cycles_out = [int(t) for t in prompt] + [bonus], []
     for _ in range(cycles):
         ids = torch.full((block,), mask_id, dtype=torch.long)
         ids[0] = bonus
@@ -271,12 +275,13 @@ def sglang_decode(d, p, target_step, prompt_features, first_bonus, prompt_len, m
         hidden = sglang_draft_forward(d, p, embed[ids], positions, ctx)
         drafts = torch.argmax(hidden[1:] @ lm_head.t(), -1)  # (B - 1,)
         candidates = torch.cat([ids[:1], drafts])
-        predict, feats = target_step(candidates, L)
+        predict, feats = target_forward(torch.cat([torch.tensor(committed[:L]), candidates]))
+        predict, feats = predict[L:], feats[L:]
         accept = int((candidates[1:] == predict[:-1]).int().cumprod(0).sum())
         commit = accept + 1
         cycles_out.append((L, drafts, accept))
-        emitted += [int(t) for t in candidates[1 : accept + 1]] + [int(predict[accept])]
+        committed += [int(t) for t in candidates[1 : accept + 1]] + [int(predict[accept])]
         new = sglang_context_kv(d, p, feats[:commit], positions[:commit])
         ctx = [(torch.cat([ck, nk]), torch.cat([cv, nv])) for (ck, cv), (nk, nv) in zip(ctx, new, strict=True)]
         L, bonus = L + commit, int(predict[accept])
-    return cycles_out, emitted
+    return cycles_out, committed[len(prompt) :]
