@@ -3,6 +3,8 @@ DFlash drafter for them: target layer j's output is transformers' hidden_states[
 
 from __future__ import annotations
 
+import json
+
 import torch
 from train_fixtures import REPO
 
@@ -16,8 +18,11 @@ MASK_ID = 16  # SmolLM2's <empty_output>: an existing id a chat answer does not 
 
 
 def tiny_target(config: str = "configs/tiny.yaml"):
-    """The seeded random tiny target of a test config, in float64 and eval mode."""
-    return build_tiny(load_config(REPO / config).target, VOCAB).double().eval()
+    """The seeded random tiny target of a test config, in float64 and eval mode (MoE experts run eagerly: the grouped
+    GEMM takes no float64)."""
+    model = build_tiny(load_config(REPO / config).target, VOCAB)
+    model.config._experts_implementation = "eager"
+    return model.double().eval()
 
 
 def tiny_dflash_config(layer_ids=(0, 1, 2), block_size: int = 4, num_layers: int = 2) -> DFlashConfig:
@@ -36,6 +41,25 @@ def tiny_dflash_config(layer_ids=(0, 1, 2), block_size: int = 4, num_layers: int
             "dflash_config": {"target_layer_ids": list(layer_ids), "mask_token_id": MASK_ID},
         }
     )
+
+
+def tiny_k2_dflash_config(block_size: int = 4) -> DFlashConfig:
+    """configs/drafters/kimi-k25-dflash.json at the tiny DeepSeek-V3's width: its 6 layers, 8:1 query to key-value
+    heads and YaRN rope (original length 16, so that these short tests reach past it), over target layers 0-2."""
+    raw = json.loads((REPO / "configs/drafters/kimi-k25-dflash.json").read_text())
+    raw.update(
+        hidden_size=64,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=96,
+        num_target_layers=4,
+        block_size=block_size,
+        vocab_size=VOCAB,
+    )
+    raw["rope_scaling"] = {**raw["rope_scaling"], "original_max_position_embeddings": 16}
+    raw["dflash_config"] = {"target_layer_ids": [0, 1, 2], "mask_token_id": MASK_ID, "block_size": block_size}
+    return DFlashConfig.from_dict(raw)
 
 
 def random_dflash(cfg: DFlashConfig, seed: int = 0, scale: float = 0.3) -> DFlashDrafter:

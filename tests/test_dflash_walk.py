@@ -3,8 +3,16 @@ perfect drafter, and against SGLang 0.5.17's decode cycle (tests/sglang_dflash.p
 
 import math
 
+import pytest
 import torch
-from dflash_fixtures import random_dflash, target_features, target_head, tiny_dflash_config, tiny_target
+from dflash_fixtures import (
+    random_dflash,
+    target_features,
+    target_head,
+    tiny_dflash_config,
+    tiny_k2_dflash_config,
+    tiny_target,
+)
 from sglang_dflash import sglang_decode, sglang_load
 
 from eagle3ft.eval.offline.dflash_walk import accepts, anchor_drafts, request_walk, walk
@@ -41,9 +49,11 @@ def greedy(target, ids: torch.Tensor, n: int) -> torch.Tensor:
     return ids
 
 
-def test_the_walk_predicts_sglangs_cycles_exactly_on_the_tiny_target():
-    target = tiny_target()
-    cfg = tiny_dflash_config(block_size=4)
+@pytest.mark.parametrize("target_config, steps", [("configs/tiny.yaml", 40), ("configs/tiny-deepseek.yaml", 12)])
+def test_the_walk_predicts_sglangs_cycles_exactly_on_the_tiny_targets(target_config, steps):
+    """The tiny Llama with a tiny drafter; the tiny DeepSeek-V3 (MLA + MoE) with the K2 drafter's layout, narrowed."""
+    target = tiny_target(target_config)
+    cfg = tiny_dflash_config(block_size=4) if "deepseek" not in target_config else tiny_k2_dflash_config(4)
     embed, head = target_head(target)
     g = torch.Generator().manual_seed(3)
     P, n = 6, 32  # 8 cycles of a 4-token block generate at most 32 tokens
@@ -55,7 +65,7 @@ def test_the_walk_predicts_sglangs_cycles_exactly_on_the_tiny_target():
     opt = torch.optim.Adam(m.parameters(), lr=3e-3)
     mask = torch.zeros(1, len(text))
     mask[0, P:] = 1
-    for _ in range(40):
+    for _ in range(steps):  # enough to accept some drafts and not all
         loss = dflash_loss(m, feats, text[None], mask, embed, head, sample_anchors(mask, 16, g)).loss
         opt.zero_grad()
         loss.backward()
