@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from sglang_dflash import sglang_context_kv, sglang_draft_forward, sglang_load, sglang_parse
 from train_fixtures import REPO
 
@@ -155,9 +156,16 @@ def test_the_leak_check_catches_a_leaky_mask(leak, monkeypatch):
 
 
 def test_config_round_trips_and_the_shipped_configs_load():
-    cfg = DFlashConfig.from_dict(tiny(rope_scaling=YARN, auto_map={"AutoModel": "x"}))
+    raw = tiny(rope_scaling=YARN, auto_map={"AutoModel": "x"}, tie_word_embeddings=True)
+    raw["dflash_config"]["future_key"] = 1
+    cfg = DFlashConfig.from_dict(raw)
     assert DFlashConfig.from_dict(cfg.to_hf_dict()) == cfg
-    assert cfg.to_hf_dict()["auto_map"] == {"AutoModel": "x"} and cfg.num_features == 3
+    out = cfg.to_hf_dict()
+    assert out["auto_map"] == {"AutoModel": "x"} and out["tie_word_embeddings"] and cfg.num_features == 3
+    assert out["dflash_config"]["future_key"] == 1
+    # a published drafter's form: block size top-level only, rope_scaling null, a sliding window that is off
+    pub = tiny(block_size=16, rope_scaling=None, use_sliding_window=False, sliding_window=None, layer_types=None)
+    assert DFlashConfig.from_dict(pub).block_size == 16
     smol = DFlashConfig.from_json(REPO / "configs/drafters/smollm2-135m-dflash.json")
     assert (smol.hidden_size, smol.num_target_layers, smol.block_size) == (576, 30, 16)
     assert smol.target_layer_ids == default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
@@ -200,6 +208,7 @@ def test_what_sglang_refuses_is_refused(case):
         {"dflash_config": {"target_layer_ids": [2, 1], "mask_token_id": 5}},
         {"dflash_config": {"target_layer_ids": [1, 1], "mask_token_id": 5}},
         {"layer_types": ["sliding_attention"] * 2, "sliding_window": 8},
+        {"layer_types": None, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
         {"attention_bias": True},
         {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
     ],
@@ -212,8 +221,6 @@ def test_what_the_model_cannot_build_or_the_harvest_cannot_order_is_refused(over
 def test_save_load_round_trip_fills_every_sglang_parameter(tmp_path):
     m = random_drafter(tiny()).float()
     save(m, tmp_path / "d")
-    from safetensors.torch import load_file
-
     weights = load_file(tmp_path / "d" / "model.safetensors")
     assert sorted(weights) == sorted(export_keys(m.config))
     assert not any("embed" in k or "lm_head" in k for k in weights)
@@ -229,3 +236,7 @@ def test_save_load_round_trip_fills_every_sglang_parameter(tmp_path):
         check_keys([k for k in weights if "layers.1.self_attn.q_norm" not in k], m.config, "t")
     with pytest.raises(ValueError, match="skipped silently.*embed_tokens"):
         check_keys([*weights, "embed_tokens.weight"], m.config, "t")
+    save_file({**weights, "embed_tokens.weight": torch.zeros(2, 64)}, tmp_path / "d" / "model.safetensors")
+    with pytest.raises(ValueError, match="skipped silently"):
+        load(tmp_path / "d")
+    assert torch.equal(load(tmp_path / "d", allow_extra=True).fc.weight, m.fc.weight)

@@ -60,14 +60,16 @@ class DFlashConfig:
     hidden_act: str = "silu"
     vocab_size: int | None = None  # the target's vocabulary, informational (SGLang checks the mask id against it)
     extra: dict[str, Any] = field(default_factory=dict)  # other config.json keys, written back unchanged
+    dflash_extra: dict[str, Any] = field(default_factory=dict)  # other dflash_config keys, written back unchanged
     path: str = field(default="DFlash config", repr=False, compare=False)
 
     _KNOWN = (
         "architectures model_type hidden_size num_attention_heads num_key_value_heads head_dim intermediate_size "
         "num_hidden_layers num_target_layers target_layer_ids block_size dflash_config rms_norm_eps rope_theta "
         "rope_scaling rope_parameters max_position_embeddings hidden_act vocab_size layer_types attention_bias "
-        "rope_is_neox_style is_neox_style is_causal tie_word_embeddings"
+        "rope_is_neox_style is_neox_style is_causal"
     ).split()
+    _DFLASH_KNOWN = ("num_target_layers", "target_layer_ids", "block_size", "mask_token_id", "mask_token")
 
     def __post_init__(self) -> None:
         self.check()
@@ -139,6 +141,7 @@ class DFlashConfig:
                 hidden_act=d.get("hidden_act", "silu"),
                 vocab_size=None if d.get("vocab_size") is None else int(d["vocab_size"]),
                 extra={k: v for k, v in d.items() if k not in cls._KNOWN},
+                dflash_extra={k: v for k, v in dc.items() if k not in cls._DFLASH_KNOWN},
                 path=path,
             )
         except KeyError as e:
@@ -170,11 +173,10 @@ class DFlashConfig:
             "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "attention_bias": False,
-            "tie_word_embeddings": False,
             "layer_types": ["full_attention"] * self.num_hidden_layers,
             "num_target_layers": self.num_target_layers,
             "block_size": self.block_size,
-            "dflash_config": {**self.extra.get("dflash_config", {}), **dc},
+            "dflash_config": {**self.dflash_extra, **dc},
         }
         if self.rope_scaling:
             d["rope_scaling"] = dict(self.rope_scaling)
@@ -247,6 +249,10 @@ def _int(v, name: str, path: str, lo: int) -> int:
 def _refuse_layout(d: dict, path: str) -> None:
     """Layouts SGLang serves that dflash_model.py does not build: sliding or causal layers, attention bias, GPT-J rope."""
     types = (d.get("text_config") or {}).get("layer_types", d.get("layer_types"))
+    if types is None and d.get("use_sliding_window") and d.get("sliding_window", 4096) is not None:
+        # transformers' Qwen3Config, which SGLang reads the file through, fills layer_types from these
+        first = int(d.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(d["num_hidden_layers"]))]
     if types is not None:
         if isinstance(types, str) or not isinstance(types, (list, tuple)):
             raise ValueError(f"{path}: layer_types must be a list of attention types")  # dflash_utils.py 313-316

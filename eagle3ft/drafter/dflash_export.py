@@ -64,13 +64,16 @@ def save(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype | None =
     return folder
 
 
-def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+def load(folder: str | Path, dtype: torch.dtype = torch.float32, allow_extra: bool = False) -> DFlashDrafter:
     """The drafter a folder holds, its key set checked as SGLang would fill it (a `model.` prefix is accepted as
-    SGLang accepts it); fc's width must match the config's K."""
+    SGLang accepts it); fc's width must match the config's K. allow_extra (a published drafter to warm-start from):
+    tensors SGLang would ignore are dropped instead of refused; a missing one is refused either way."""
     folder = Path(folder)
     cfg = DFlashConfig.from_json(folder / CONFIG)
     with safe_open(str(folder / WEIGHTS), framework="pt") as f:
         tensors = {k.removeprefix("model."): f.get_tensor(k) for k in f.keys()}
+    if allow_extra:
+        tensors = {k: v for k, v in tensors.items() if k in set(export_keys(cfg))}
     check_keys(tensors, cfg, str(folder / WEIGHTS))
     drafter = DFlashDrafter(cfg)
     want = drafter.state_dict()
