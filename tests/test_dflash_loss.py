@@ -104,3 +104,22 @@ def test_the_loss_trains_the_drafter_and_leaves_the_target_alone():
     assert first_acc < 0.2 and out.acc.min().item() == 1.0 and out.loss.item() < first - 1.0
     assert not embed.requires_grad and not head.requires_grad
     assert all(p.grad is not None for p in m.parameters())
+
+
+def test_a_batch_with_nothing_supervised_gives_a_zero_loss_with_every_gradient_and_bf16_runs():
+    cfg = tiny_dflash_config()
+    m = random_dflash(cfg).float()
+    g = torch.Generator().manual_seed(0)
+    embed, head = torch.randn(49152, 64, generator=g), torch.randn(49152, 64, generator=g)
+    tokens, mask = torch.randint(0, 49152, (2, 10), generator=g), torch.zeros(2, 10)
+    anchors = sample_anchors(mask, 4, g)
+    assert anchors.shape == (2, 0)
+    out = dflash_loss(m, torch.randn(2, 10, 192, generator=g), tokens, mask, embed, head, anchors)
+    out.loss.backward()
+    assert out.loss.item() == 0 and out.count.sum() == 0 and all(p.grad is not None for p in m.parameters())
+    mask[:, 3:] = 1
+    b = m.to(torch.bfloat16)
+    feats = torch.randn(2, 10, 192, generator=g).bfloat16()
+    out = dflash_loss(b, feats, tokens, mask, embed.bfloat16(), head.bfloat16(), sample_anchors(mask, 4, g))
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss) and out.count.sum() > 0

@@ -95,7 +95,7 @@ def dflash_loss(
     Bk = cfg.block_size
     B, nb = anchors.shape
     noise = F.embedding(noise_ids(tokens, anchors, Bk, cfg.mask_token_id), embed.detach())  # (B, nb·Bk, h)
-    hidden = drafter(features.to(noise.dtype), noise, anchors).view(B, nb, Bk, -1)  # (B, nb, Bk, h)
+    hidden = drafter(features.to(noise.dtype), noise, anchors).view(B, nb, Bk, cfg.hidden_size)  # (B, nb, Bk, h)
     weight, pos = position_weights(anchors, loss_mask, Bk, gamma)  # (B, nb, Bk)
     labels = tokens.gather(1, pos.flatten(1)).view(pos.shape)  # same position: block k predicts x[a + k]
     kept = weight > 0
@@ -104,7 +104,10 @@ def dflash_loss(
     ce = F.cross_entropy(logits, labels[kept], reduction="none")  # (P,)
     w = weight[kept].to(ce.dtype)
     weight_sum = w.sum()
-    loss = (w * ce).sum() / weight_sum if len(w) else hidden.sum() * 0.0
+    if len(w):
+        loss = (w * ce).sum() / weight_sum
+    else:  # nothing supervised in this batch: a zero loss that still gives every parameter a (zero) gradient
+        loss = sum(p.sum() for p in drafter.parameters()) * 0.0
     k_of = torch.arange(Bk, device=anchors.device).expand(B, nb, Bk)[kept] - 1  # (P,) 0..Bk-2
     hits = (logits.argmax(-1) == labels[kept]).float()
     correct = torch.zeros(Bk - 1, device=hits.device).index_add_(0, k_of, hits)
