@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from eagle3ft.drafter.dflash_model import DFlashDrafter, noise_ids
+from eagle3ft.drafter.dflash_model import DFlashDrafter, block_mask, block_positions, noise_ids
 
 
 @torch.no_grad()
@@ -41,13 +41,17 @@ def anchor_drafts(
     T, Bk = tokens.shape[0], cfg.block_size
     if not 0 <= start < T:
         raise ValueError(f"anchors start at {start}, outside the {T} tokens")
+    c = drafter.context(features[None, : T - 1].to(embed.dtype))  # (1, T-1, h): the last anchor sees < T-1
+    ctx_kv = drafter.context_kv(c, torch.arange(T - 1, device=tokens.device)[None])  # once for every chunk
     out = []
     for lo in range(start, T, chunk):
         anchors = torch.arange(lo, min(lo + chunk, T), device=tokens.device)[None]  # (1, n)
+        S = int(anchors.max())  # a block sees < its anchor only
         ids = noise_ids(tokens[None], anchors, Bk, cfg.mask_token_id)  # (1, n·Bk)
-        ctx = features[None, : int(anchors.max())].to(embed.dtype)  # a block sees < its anchor only
-        hidden = drafter(ctx, F.embedding(ids, embed), anchors).view(anchors.shape[1], Bk, -1)  # (n, Bk, h)
-        out.append((hidden[:, 1:] @ lm_head.t()).argmax(-1))  # (n, Bk - 1)
+        kv = [(k[:, :, :S], v[:, :, :S]) for k, v in ctx_kv]
+        mask = block_mask(anchors, S, Bk)  # (1, n·Bk, S + n·Bk)
+        hidden = drafter.blocks(F.embedding(ids, embed), block_positions(anchors, Bk), kv, mask)
+        out.append((hidden[0].view(-1, Bk, hidden.shape[-1])[:, 1:] @ lm_head.t()).argmax(-1))  # (n, Bk - 1)
     return torch.cat(out)
 
 
