@@ -13,7 +13,7 @@ from train_fixtures import REPO
 from eagle3ft.drafter import dflash_model
 from eagle3ft.drafter.dflash_config import DFlashConfig, default_target_layer_ids
 from eagle3ft.drafter.dflash_export import check_keys, export_keys, load, save
-from eagle3ft.drafter.dflash_model import DFlashDrafter, block_mask, draft_block, noise_ids
+from eagle3ft.drafter.dflash_model import DFlashDrafter, DraftContext, block_mask, noise_ids
 
 V = 300  # a small target vocabulary for the forward tests
 TINY = {
@@ -84,8 +84,11 @@ def test_one_cycle_gives_sglangs_hidden_states_and_draft_tokens(rope, prefix):
     with torch.no_grad():
         ours = m(feats[None], embed[ids][None], torch.tensor([[L]]))[0]
     torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-9)
-    drafts = draft_block(m, feats[None], torch.tensor([bonus]), embed, head)[0]
-    assert torch.equal(drafts, torch.argmax(ref[1:] @ head.t(), -1))
+    ctx = DraftContext(m)
+    ctx.append(feats[None, :7])  # a prompt, then a commit
+    ctx.append(feats[None, 7:])
+    drafts = ctx.draft(torch.tensor([bonus]), embed, head)[0]
+    assert ctx.length == L and torch.equal(drafts, torch.argmax(ref[1:] @ head.t(), -1))
 
 
 def test_many_anchors_in_one_forward_equal_one_sglang_cycle_per_anchor():

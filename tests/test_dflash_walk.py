@@ -15,6 +15,7 @@ from dflash_fixtures import (
 )
 from sglang_dflash import sglang_decode, sglang_load
 
+from eagle3ft.drafter.dflash_model import DraftContext
 from eagle3ft.eval.offline.dflash_walk import accepts, anchor_drafts, request_walk, walk
 from eagle3ft.train.dflash_loss import dflash_loss, sample_anchors
 
@@ -88,3 +89,23 @@ def test_the_walk_predicts_sglangs_cycles_exactly_on_the_tiny_targets(target_con
     assert w.tau == sum(a + 1 for _, _, a in cycles) / 8
     drafts = anchor_drafts(m, feats[0], text, P, embed, head)  # every anchor's block, SGLang's at the walk's
     assert all(torch.equal(drafts[L - P], sglang_drafts) for L, sglang_drafts, _ in cycles)
+    assert embedded_cycles(m, target_forward, prompt, embed, head, 8) == [(L, d.tolist(), a) for L, d, a in cycles]
+
+
+def embedded_cycles(m, target_forward, prompt, embed, head, n):
+    """The same greedy decode with DraftContext as the draft KV: [(L, drafts, accepted)] per cycle."""
+    ctx, out = DraftContext(m), []
+    predict, feats = target_forward(prompt)
+    ctx.append(feats[None])
+    committed, bonus = prompt.tolist() + [int(predict[-1])], int(predict[-1])
+    for _ in range(n):
+        L = ctx.length
+        drafts = ctx.draft(torch.tensor([bonus]), embed, head)[0]
+        chain = torch.cat([torch.tensor([bonus]), drafts])
+        predict, feats = target_forward(torch.cat([torch.tensor(committed[:L]), chain]))
+        accept = int((chain[1:] == predict[L:-1]).int().cumprod(0).sum())
+        out.append((L, drafts.tolist(), accept))
+        committed += drafts[:accept].tolist() + [int(predict[L + accept])]
+        ctx.append(feats[None, L : L + accept + 1])
+        bonus = int(predict[L + accept])
+    return out

@@ -227,23 +227,41 @@ def noise_ids(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
     return ids.flatten(1)
 
 
-@torch.no_grad()
-def draft_block(
-    drafter: DFlashDrafter,
-    features: torch.Tensor,
-    bonus: torch.Tensor,
-    embed: torch.Tensor,
-    lm_head: torch.Tensor,
-) -> torch.Tensor:
-    """One inference cycle for a batch of equal-length requests: features (B, L, K·h) of the L committed tokens,
-    bonus (B,) the token at position L; embed (V, h), lm_head (V, h) the target's -> draft tokens (B, block-1): argmax
-    of the target head at block positions 1..block-1 (position 0 is the bonus and is dropped)."""
-    cfg = drafter.config
-    if cfg.mask_token_id is None:
-        raise ValueError(f"{cfg.path}: drafting needs dflash_config.mask_token_id")
-    B, L, _ = features.shape
-    anchors = torch.full((B, 1), L, dtype=torch.long, device=features.device)
-    tokens = torch.cat([torch.zeros(B, L, dtype=torch.long, device=bonus.device), bonus[:, None]], 1)
-    ids = noise_ids(tokens, anchors, cfg.block_size, cfg.mask_token_id)  # (B, block)
-    hidden = drafter(features, F.embedding(ids, embed), anchors)  # (B, block, h)
-    return (hidden[:, 1:] @ lm_head.t()).argmax(-1)  # (B, block-1)
+class DraftContext:
+    """The committed tokens' context keys and values per draft layer (SGLang's draft KV cache) for a batch of requests
+    of equal committed length: `append` the features of newly committed tokens, `draft` a block after them."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        self.drafter = drafter
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # [(k, v) (B, nkv, L, d)] per layer
+        self.length = 0  # L, the committed tokens
+
+    @torch.no_grad()
+    def append(self, features: torch.Tensor) -> None:
+        """features (B, n, K·h) of the next n committed tokens (positions L..L+n-1): the prefill's prompt rows, or a
+        verify's first commit rows."""
+        B, n, _ = features.shape
+        positions = torch.arange(self.length, self.length + n, device=features.device).expand(B, n)
+        new = self.drafter.context_kv(self.drafter.context(features), positions)
+        if self.kv is None:
+            self.kv = new
+        else:
+            self.kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.kv, new)]
+        self.length += n
+
+    @torch.no_grad()
+    def draft(self, bonus: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        """bonus (B,) the token at position L; embed, lm_head (V, h) the target's -> draft tokens (B, block - 1): the
+        argmax of the target head at block positions 1..block-1 (position 0, the bonus, is dropped)."""
+        cfg = self.drafter.config
+        if cfg.mask_token_id is None:
+            raise ValueError(f"{cfg.path}: drafting needs dflash_config.mask_token_id")
+        if self.kv is None:
+            raise ValueError("a DFlash draft needs the prompt's features first (append)")
+        B, L = bonus.shape[0], self.length
+        anchors = torch.full((B, 1), L, dtype=torch.long, device=bonus.device)
+        ids = torch.full((B, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=bonus.device)
+        ids[:, 0] = bonus
+        mask = block_mask(anchors, L, cfg.block_size)  # all True: the block sees every committed token
+        hidden = self.drafter.blocks(F.embedding(ids, embed), block_positions(anchors, cfg.block_size), self.kv, mask)
+        return (hidden[:, 1:] @ lm_head.t()).argmax(-1)  # (B, block - 1)
