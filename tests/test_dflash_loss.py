@@ -3,6 +3,7 @@ batched loss against a loop of single-block drafts."""
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from dflash_fixtures import MASK_ID, random_dflash, target_features, target_head, tiny_dflash_config, tiny_target
@@ -123,3 +124,27 @@ def test_a_batch_with_nothing_supervised_gives_a_zero_loss_with_every_gradient_a
     out = dflash_loss(b, feats, tokens, mask, embed.bfloat16(), head.bfloat16(), sample_anchors(mask, 4, g))
     out.loss.backward()
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss) and out.count.sum() > 0
+
+
+@pytest.mark.parametrize("config", ["configs/tiny.yaml", "configs/tiny-deepseek.yaml"])
+def test_feature_j_is_the_output_of_target_layer_j(config):
+    """The harvest's numbering for DFlash: id j is what decoder layer j returns (the residual stream entering j + 1),
+    which transformers lists at hidden_states[j + 1]; on both tiny targets."""
+    target = tiny_target(config)
+    cfg = tiny_dflash_config()
+    outputs = {}
+    hooks = [
+        layer.register_forward_hook(
+            lambda mod, args, out, j=j: outputs.__setitem__(j, out[0] if isinstance(out, tuple) else out)
+        )
+        for j, layer in enumerate(target.model.layers)
+    ]
+    ids = torch.randint(100, 49000, (1, 9))
+    feats, _ = target_features(target, ids, cfg.target_layer_ids)
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    for h in hooks:
+        h.remove()
+    assert cfg.hidden_state_indices() == [1, 2, 3]
+    want = torch.cat([outputs[j] for j in cfg.target_layer_ids], -1)
+    assert torch.equal(feats, want) and torch.equal(feats, torch.cat([hs[i] for i in cfg.hidden_state_indices()], -1))

@@ -79,6 +79,12 @@ class DFlashConfig:
         """K, the number of target layers whose outputs are concatenated per token."""
         return len(self.target_layer_ids)
 
+    def hidden_state_indices(self) -> list[int]:
+        """Where each feature is in transformers' output_hidden_states (0: the embeddings): j + 1 for every id, on
+        every target. SGLang's set_dflash_layers_to_capture adds the same 1 on Llama and DeepseekV2 alike (unlike the
+        EAGLE-3 hook on DeepseekV2, eagle3ft.drafter.config.capture_points)."""
+        return [j + 1 for j in self.target_layer_ids]
+
     # -- config.json
 
     @classmethod
