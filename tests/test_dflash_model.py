@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from sglang_dflash import sglang_context_kv, sglang_draft_forward, sglang_load, sglang_parse
+from sglang_dflash import cos_sin_cache, sglang_context_kv, sglang_draft_forward, sglang_load, sglang_parse
 from train_fixtures import REPO
 
 from eagle3ft.drafter import dflash_model
 from eagle3ft.drafter.dflash_config import DFlashConfig, default_target_layer_ids
 from eagle3ft.drafter.dflash_export import check_keys, export_keys, load, save
-from eagle3ft.drafter.dflash_model import DFlashDrafter, DraftContext, block_mask, noise_ids
+from eagle3ft.drafter.dflash_model import DFlashDrafter, DraftContext, block_mask, noise_ids, rope_cos_sin
 
 V = 300  # a small target vocabulary for the forward tests
 TINY = {
@@ -243,3 +243,11 @@ def test_save_load_round_trip_fills_every_sglang_parameter(tmp_path):
     with pytest.raises(ValueError, match="skipped silently"):
         load(tmp_path / "d")
     assert torch.equal(load(tmp_path / "d", allow_extra=True).fc.weight, m.fc.weight)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-dflash", "kimi-k25-dflash"])
+def test_rope_is_sglangs_cache_bit_for_bit(name):
+    raw = json.loads((REPO / f"configs/drafters/{name}.json").read_text())
+    cos, sin = cos_sin_cache(raw, 9000)
+    ours_cos, ours_sin = rope_cos_sin(DFlashConfig.from_dict(raw), torch.arange(9000))
+    assert torch.equal(ours_cos, cos) and torch.equal(ours_sin, sin)

@@ -46,7 +46,8 @@ def rope_cos_sin(cfg: DFlashConfig, positions: torch.Tensor) -> tuple[torch.Tens
     """cos, sin (..., d/2) in float32 at integer `positions` (...), as SGLang's get_rope builds them for this
     config: RotaryEmbedding or YaRNScalingRotaryEmbedding (layers/rotary_embedding/ base.py, yarn.py)."""
     d, base = cfg.head_dim, cfg.rope_theta
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d))  # (d/2,)
+    pos_freqs = base ** (torch.arange(0, d, 2, dtype=torch.float) / d)  # (d/2,)
+    inv = 1.0 / pos_freqs
     rs, mscale = cfg.rope_scaling or {}, 1.0
     kind = rs.get("rope_type", rs.get("type", "default"))
     if kind == "yarn":
@@ -64,7 +65,7 @@ def rope_cos_sin(cfg: DFlashConfig, positions: torch.Tensor) -> tuple[torch.Tens
         keep = (1 - ((torch.arange(d // 2, dtype=torch.float) - lo) / (hi - lo)).clamp(0, 1)) * rs.get(
             "extrapolation_factor", 1
         )
-        inv = inv / factor * (1 - keep) + inv * keep
+        inv = 1.0 / (factor * pos_freqs) * (1 - keep) + inv * keep
 
         def get_mscale(s, m=1.0):
             return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
