@@ -172,10 +172,12 @@ def test_config_round_trips_and_the_shipped_configs_load():
     smol = DFlashConfig.from_json(REPO / "configs/drafters/smollm2-135m-dflash.json")
     assert (smol.hidden_size, smol.num_target_layers, smol.block_size) == (576, 30, 16)
     assert smol.target_layer_ids == default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
-    smol.check_target(576, 49152, 30)
+    smol.check_target(576, 49152, 30, context_length=8192)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        smol.check_target(576, 49152, 30, context_length=16384)
     kimi = DFlashConfig.from_json(REPO / "configs/drafters/kimi-k25-dflash.json")
     assert kimi.target_layer_ids == default_target_layer_ids(61, 6) == [1, 12, 24, 35, 47, 58]
-    kimi.check_target(7168, 163840, 61)
+    kimi.check_target(7168, 163840, 61, context_length=262144)
     for c in (smol, kimi):
         sglang_parse(c.to_hf_dict(), c.num_target_layers, c.vocab_size or 163840)
 

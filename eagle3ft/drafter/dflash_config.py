@@ -232,8 +232,16 @@ class DFlashConfig:
                 f"({vocab_size}); SGLang cannot resize the target's embedding"
             )
 
-    def check_target(self, hidden_size: int, vocab_size: int, num_layers: int) -> None:
-        """The drafter against a target: its hidden size, vocabulary and layer count."""
+    def check_target(
+        self, hidden_size: int, vocab_size: int, num_layers: int, context_length: int | None = None
+    ) -> None:
+        """The drafter against a target: its hidden size, vocabulary, layer count and (when given) context length,
+        which SGLang refuses to exceed the draft's max_position_embeddings (configs/model_config.py 771-791)."""
+        if context_length is not None and context_length > self.max_position_embeddings:
+            raise ValueError(
+                f"{self.path}: max_position_embeddings {self.max_position_embeddings} < the target's context "
+                f"{context_length}; SGLang refuses to start (SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN aside)"
+            )
         if hidden_size != self.hidden_size:
             raise ValueError(f"{self.path}: hidden_size {self.hidden_size} != the target's {hidden_size}")
         if num_layers != self.num_target_layers:
