@@ -1,4 +1,4 @@
-"""Offline τ of a DFlash drafter (eval/offline/dflash_walk.py): the live chain over anchors, checked by hand, with a
+"""Offline τ of a DFlash drafter (eagle3ft/drafter/dflash_walk.py): the live chain over anchors, checked by hand, with a
 perfect drafter, and against SGLang 0.5.17's decode cycle (tests/sglang_dflash.py) on the tiny Llama target."""
 
 import math
@@ -16,7 +16,7 @@ from dflash_fixtures import (
 from sglang_dflash import sglang_decode, sglang_load
 
 from eagle3ft.drafter.dflash_model import DraftContext
-from eagle3ft.eval.offline.dflash_walk import accepts, anchor_drafts, request_walk, walk
+from eagle3ft.drafter.dflash_walk import accepts, anchor_drafts, request_walk, walk
 from eagle3ft.train.dflash_loss import dflash_loss, sample_anchors
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from eagle3ft.drafter.dflash_model import DFlashDrafter, noise_ids
 
@@ -28,6 +29,10 @@ class DFlashLoss:
     weight_sum: torch.Tensor  # () sum of the position weights (for averaging over ranks or micro-batches)
     correct: torch.Tensor  # (Bk - 1,) argmax hits at block positions 1..Bk-1, over positions with weight > 0
     count: torch.Tensor  # (Bk - 1,) positions with weight > 0 at each block position
+    # (Bk - 1,) the chain: blocks whose drafts at 1..k-1 all hit and whose position k is supervised (chain_valid),
+    # and of those the ones that hit at k too (chain_correct); their ratio is the conditional acceptance at k
+    chain_correct: torch.Tensor | None = None
+    chain_valid: torch.Tensor | None = None
 
     @property
     def acc(self) -> torch.Tensor:
@@ -86,9 +91,12 @@ def dflash_loss(
     lm_head: torch.Tensor,
     anchors: torch.Tensor,
     gamma: float = 7.0,
+    ce_chunk: int | None = None,
 ) -> DFlashLoss:
     """features (B, T, K·h) the target's layer outputs at every position (no shift); tokens, loss_mask (B, T);
-    embed, lm_head (V, h) the target's, frozen; anchors (B, nb) from sample_anchors -> DFlashLoss."""
+    embed, lm_head (V, h) the target's, frozen; anchors (B, nb) from sample_anchors -> DFlashLoss. ce_chunk: the
+    cross-entropy over that many positions at a time, each chunk's (positions x V) logits recomputed in the backward
+    pass instead of kept (None: all at once)."""
     cfg = drafter.config
     if cfg.mask_token_id is None:
         raise ValueError(f"{cfg.path}: training needs dflash_config.mask_token_id")
@@ -99,20 +107,40 @@ def dflash_loss(
     weight, pos = position_weights(anchors, loss_mask, Bk, gamma)  # (B, nb, Bk)
     labels = tokens.gather(1, pos.flatten(1)).view(pos.shape)  # same position: block k predicts x[a + k]
     kept = weight > 0
-    logits = hidden[kept] @ lm_head.detach().t()  # (P, V): only the supervised positions
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    ce = F.cross_entropy(logits, labels[kept], reduction="none")  # (P,)
-    w = weight[kept].to(ce.dtype)
-    weight_sum = w.sum()
+    hk, yk, w = hidden[kept], labels[kept], weight[kept]  # (P, h), (P,), (P,): only the supervised positions
+    head = lm_head.detach()
+    step = ce_chunk or max(len(w), 1)
+    parts = []  # (weighted CE sum, hits) per chunk of positions; a chunk's logits are recomputed in the backward
+    for lo in range(0, len(w), step):
+        args = (hk[lo : lo + step], head, yk[lo : lo + step], w[lo : lo + step])
+        recompute = ce_chunk is not None and torch.is_grad_enabled() and hk.requires_grad
+        parts.append(checkpoint(_chunk_ce, *args, use_reentrant=False) if recompute else _chunk_ce(*args))
+    weight_sum = w.float().sum()
     if len(w):
-        loss = (w * ce).sum() / weight_sum
+        loss = sum(p[0] for p in parts) / weight_sum
     else:  # nothing supervised in this batch: a zero loss that still gives every parameter a (zero) gradient
         loss = sum(p.sum() for p in drafter.parameters()) * 0.0
     k_of = torch.arange(Bk, device=anchors.device).expand(B, nb, Bk)[kept] - 1  # (P,) 0..Bk-2
-    hits = (logits.argmax(-1) == labels[kept]).float()
+    hits = torch.cat([p[1] for p in parts]) if parts else w.new_zeros(0, dtype=torch.float)
     correct = torch.zeros(Bk - 1, device=hits.device).index_add_(0, k_of, hits)
     count = torch.zeros(Bk - 1, device=hits.device).index_add_(0, k_of, torch.ones_like(hits))
-    return DFlashLoss(loss, weight_sum.detach(), correct.detach(), count)
+    hit_all = torch.zeros(B, nb, Bk, device=hits.device)
+    hit_all[kept] = hits
+    hit_all, kept_f = hit_all[..., 1:], kept[..., 1:].float()  # (B, nb, Bk - 1)
+    before = torch.cat([torch.ones_like(hit_all[..., :1]), hit_all[..., :-1].cumprod(-1)], -1)  # all earlier hit
+    chain_valid = (before * kept_f).sum((0, 1))
+    chain_correct = (before * kept_f * hit_all).sum((0, 1))
+    return DFlashLoss(loss, weight_sum.detach(), correct.detach(), count, chain_correct.detach(), chain_valid)
+
+
+def _chunk_ce(
+    hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of weight x CE, argmax hits) of a chunk: hidden (n, h) through head (V, h), in float32 at least."""
+    logits = hidden @ head.t()  # (n, V)
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (weight.to(ce.dtype) * ce).sum(), (logits.argmax(-1) == labels).float().detach()
 
 
 def decay_weights(block_size: int, gamma: float = 7.0) -> list[float]:

@@ -75,6 +75,7 @@ class Run:
     first_loss: float | None = None  # the run's first logged loss (a resume keeps its checkpoint's)
     warned: bool = False  # the divergence warning was given
     started: float = field(default_factory=time.perf_counter)  # when setup began (the records' elapsed_s)
+    kind: str = "eagle3"  # the drafter kind (eagle3ft/drafter/folder.py's family): eagle3 or dflash
 
     @property
     def metrics_file(self) -> Path:

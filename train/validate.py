@@ -171,13 +171,13 @@ class HeldoutTracker:
     and a sharded engine gathers the weights on all of them).
     """
 
-    def __init__(self, run_dir: Path, heldout, cfg, dist, resumed: bool) -> None:
+    def __init__(self, run_dir: Path, heldout, cfg, dist, resumed: bool, depth: int | None = None) -> None:
         """heldout: (items, where, features, each item's source name) as train/data.py's TrainData.heldout gives
-        them."""
+        them. depth: the chain's length (default eval.steps; a DFlash drafter's block drafts B - 1)."""
         tcfg = cfg.train
         self.dist, self.depth, self.every, self.best_on = (
             dist,
-            cfg.eval.steps,
+            depth or cfg.eval.steps,
             tcfg.heldout.eval_every,
             tcfg.heldout.best_on,
         )
@@ -240,7 +240,8 @@ class HeldoutTracker:
 
     def keep_if_best(self, engine, drafter_config, result: HeldoutTau) -> bool:
         """Export the current weights to RUN/export-best when the latest score beats every earlier one."""
-        from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
+        from eagle3ft.drafter.export import atomic_dir
+        from eagle3ft.drafter.folder import write_folder
 
         score = self.latest_sets["heldout_score"]
         if not score > self.best_score:
@@ -249,7 +250,7 @@ class HeldoutTracker:
         state = self.dist.full_state_dict(engine)
         if self.dist.is_main:
             with atomic_dir(self.best_dir) as tmp:
-                write_drafter(tmp, drafter_config, drafter_tensors(state, prefix="drafter."))
+                write_folder(tmp, drafter_config, state, prefix="drafter.")
                 write_card(tmp, "best", result.step, result, self.depth, self.latest_sets)
         self.dist.barrier()
         return True

@@ -64,6 +64,17 @@ def save(drafter: DFlashDrafter, folder: str | Path, dtype: torch.dtype | None =
     return folder
 
 
+def write_tensors(folder: str | Path, cfg: DFlashConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """config.json and model.safetensors of `tensors` (a drafter's state, as a trainer gathers it) into `folder`,
+    the key set checked and every weight finite first (nothing written otherwise)."""
+    folder = Path(folder)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    check_keys(tensors, cfg, str(folder))
+    check_finite(tensors, str(folder))
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": "pt"})
+    write_json(folder / CONFIG, cfg.to_hf_dict(), newline=True)
+
+
 def load(folder: str | Path, dtype: torch.dtype = torch.float32, allow_extra: bool = False) -> DFlashDrafter:
     """The drafter a folder holds, its key set checked as SGLang would fill it (a `model.` prefix is accepted as
     SGLang accepts it); fc's width must match the config's K. allow_extra (a published drafter to warm-start from):

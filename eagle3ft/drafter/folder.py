@@ -22,7 +22,7 @@ import torch
 from eagle3ft.drafter import dflash_export
 from eagle3ft.drafter.config import DrafterConfig, check_drafter
 from eagle3ft.drafter.dflash_config import DFLASH, DFlashConfig
-from eagle3ft.drafter.export import CONFIG, LAYOUTS, check_weight_shapes, load_drafter
+from eagle3ft.drafter.export import CONFIG, LAYOUTS, check_weight_shapes, drafter_tensors, load_drafter, write_drafter
 from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
 from eagle3ft.files import check_finite_file, read_json
 from eagle3ft.run_dir import RunDir
@@ -76,6 +76,16 @@ def drafter_spec(section, resolve=Path) -> DrafterConfig | DFlashConfig:
                 f"{family} one: warm-start from a drafter of the kind being trained"
             )
     return spec
+
+
+def write_folder(folder: Path, spec: DrafterConfig | DFlashConfig, state: dict, prefix: str = "") -> None:
+    """A drafter's folder in SGLang's form from a (possibly wrapped) state dict, by its kind: the trainer's
+    checkpoints, export and best export."""
+    if isinstance(spec, DFlashConfig):
+        tensors = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        dflash_export.write_tensors(folder, spec, tensors)
+    else:
+        write_drafter(folder, spec, drafter_tensors(state, prefix=prefix))
 
 
 class DrafterFolder:
