@@ -33,8 +33,11 @@ def test_dflash_folder_checked_and_loaded(tmp_path):
     dflash_export.save(drafter, tmp_path / "d")
     folder = DrafterFolder(tmp_path / "d", "warm start")
     assert folder.family == "dflash"
-    identity = {"hidden_size": 64, "vocab_size": 49152, "num_layers": 4, "aux_layer_ids": [0, 1, 2]}
+    eagle3 = {"hidden_size": 64, "vocab_size": 49152, "num_layers": 4, "aux_layer_ids": [0, 1, 2]}
+    identity = {**eagle3, "capture": {"kind": "dflash", "hidden_states": [1, 2, 3]}}
     folder.check(identity, "manifest.json")
+    with pytest.raises(ValueError, match="the features were harvested for an EAGLE-3 one"):
+        folder.check(eagle3, "manifest.json")
     loaded = folder.load()
     for k, v in drafter.state_dict().items():
         assert (loaded.state_dict()[k] == v).all()

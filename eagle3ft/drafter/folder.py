@@ -152,6 +152,11 @@ class DrafterFolder:
                 c.check_target(target["hidden_size"], target["vocab_size"], target["num_layers"])
             except ValueError as e:
                 raise ValueError(f"{name}: {e}{f' ({features})' if features else ''}") from None
+            if features and (target.get("capture") or {}).get("kind") != DFLASH_KIND:
+                raise ValueError(
+                    f"{name}: a DFlash drafter, but the features were harvested for an EAGLE-3 one ({features}); "
+                    "harvest with a DFlash drafter.config"
+                )
             have = target.get("aux_layer_ids")
             if have is not None and list(have) != list(c.target_layer_ids):
                 raise ValueError(

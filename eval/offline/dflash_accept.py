@@ -116,3 +116,33 @@ def format_dflash(rep: dict) -> str:
     for r in rep["greedy"]["per_depth"]:
         lines.append(f"{r['depth']:>5} {r['a_k']:>9.3f} {r['acc_k_unconditional']:>19.3f} {r['attempts']:>9.0f}")
     return "\n".join(lines)
+
+
+@torch.no_grad()
+def dflash_walk_totals(
+    drafter: DFlashDrafter, item: dict, embed: torch.Tensor, lm_head: torch.Tensor, device="cpu"
+) -> tuple[int, int, float, float]:
+    """One sample's live chain walk as eval/offline/compare.py counts a walk: (tokens committed, cycles, loop-free
+    tokens, loop-free cycles); a cycle at anchor a commits positions a + 1 .. a + acc + 1, and its share of loop-free
+    tokens (data/loops.py) counts that share of the cycle."""
+    from eagle3ft.data.loops import answer_loops
+
+    B = drafter.config.block_size
+    dtype = next(drafter.parameters()).dtype
+    embed, lm_head = embed.to(device, dtype), lm_head.to(device, dtype)
+    ids = item["input_ids"].long().to(device)
+    feats = item["aux_hidden"].to(device, dtype)
+    loops = answer_loops(ids.tolist(), item["loss_mask"].tolist())
+    tokens = cycles = 0
+    free_tokens = free_cycles = 0.0
+    for s, e in answer_spans(item["loss_mask"]):
+        if e - 1 <= s:
+            continue
+        drafts = anchor_drafts(drafter, feats[: e - 1], ids[: e - 1], s, embed, lm_head)
+        w = walk(accepts(drafts[:, : B - 1], ids[:e], s), s, e - 1)
+        for a, acc in zip(w.anchors, w.accepted):
+            n = acc + 1
+            free = n - sum(loops[a + 1 : a + 1 + n])
+            tokens, cycles = tokens + n, cycles + 1
+            free_tokens, free_cycles = free_tokens + free, free_cycles + free / n
+    return tokens, cycles, free_tokens, free_cycles
