@@ -1,5 +1,5 @@
 """A DFlash drafter through the real entry points on configs/tiny.yaml: harvest -> train (cut short, resumed: the same
-losses as an unbroken run) -> offline τ, which equals the held-out τ training logged at its last step."""
+losses as an unbroken run) -> offline τ, which equals the held-out τ training logged at its last step -> the embedded bench -> the report."""
 
 from __future__ import annotations
 
@@ -58,5 +58,9 @@ def test_dflash_pipeline(tmp_path):
     assert "DFlash chain walk" in out and acc["kind"] == "dflash" and acc["roots"] > 0
     assert acc["headline_tau"] == pytest.approx(card["heldout_tau"])  # training's held-out τ is the same walk
     assert 1.0 <= acc["headline_tau"] <= acc["block_size"]
+    bench = ["--set", "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]", "--set", "bench.max_new_tokens=8"]
+    _run(["eval/bench/live.py", *bench, "--set", "bench.repetitions=1"], run)
+    summary = json.loads((run / "bench" / "summary.json").read_text())
+    assert summary["speculative"][0]["outputs_match_baseline"] == 1.0  # the block decoder is lossless
     _run(["eval/report/build.py"], run)
     assert "DFlash chain walk" in (run / "eval" / "report.md").read_text()

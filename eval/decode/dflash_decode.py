@@ -46,12 +46,20 @@ class DFlashDecoder:
         ctx.append(self.features(out.hidden_states))
         return int(out.logits[0, -1].argmax(-1))
 
+    def draft(self, bonus: int, ctx: DraftContext) -> torch.Tensor:
+        """The one drafter forward of a cycle -> drafts (B - 1,)."""
+        return ctx.draft(torch.tensor([bonus], device=self.device), self.embed, self.lm_head)[0]
+
+    def verify(self, chain: torch.Tensor, cache: DynamicCache):
+        """The target's causal forward over the chain (1, B), its hidden states kept for the commit's features."""
+        return self.model(input_ids=chain, past_key_values=cache, use_cache=True, output_hidden_states=True)
+
     def cycle(self, bonus: int, cache: DynamicCache, ctx: DraftContext) -> tuple[list[int], int]:
         """One draft-verify-commit cycle -> (accepted drafts, the next bonus)."""
-        drafts = ctx.draft(torch.tensor([bonus], device=self.device), self.embed, self.lm_head)[0]  # (B - 1,)
+        drafts = self.draft(bonus, ctx)  # (B - 1,)
         chain = torch.cat([torch.tensor([bonus], device=self.device), drafts])[None]  # (1, B)
         L = cache.get_seq_length()
-        out = self.model(input_ids=chain, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = self.verify(chain, cache)
         accepted, nxt = verify_greedy(out.logits[0], drafts)
         crop_target(cache, L + accepted + 1)
         ctx.append(self.features(out.hidden_states)[:, : accepted + 1])
