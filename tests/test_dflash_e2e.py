@@ -62,5 +62,6 @@ def test_dflash_pipeline(tmp_path):
     _run(["eval/bench/live.py", *bench, "--set", "bench.repetitions=1"], run)
     summary = json.loads((run / "bench" / "summary.json").read_text())
     assert summary["speculative"][0]["outputs_match_baseline"] == 1.0  # the block decoder is lossless
+    assert summary["costs"]["block"] is True  # priced as one draft forward a cycle
     _run(["eval/report/build.py"], run)
     assert "DFlash chain walk" in (run / "eval" / "report.md").read_text()

@@ -132,6 +132,7 @@ def cost_model_from_summary(summary: dict) -> CostModel:
         verify_s={int(k): v for k, v in c["verify_s"].items()},
         draft_forward_s=c.get("draft_forward_s") or 0.0,
         overhead_s=c.get("overhead_s") or 0.0,
+        block=bool(c.get("block")),
     )
 
 
