@@ -30,6 +30,12 @@ def test_dflash_speculative_command(tmp_path):
     assert "--speculative-num-steps" not in argv and "--speculative-eagle-topk" not in argv
     with pytest.raises(LaunchError, match="setting 3/1/3 must be 3/1/4"):
         build_command(cfg, "speculative", drafter=tmp_path / "export", setting=Setting(3, 1, 3))
+    dflash_cfg = load_config(
+        REPO_ROOT / "configs/smollm2-135m.yaml",
+        ["serve.model_path=/models/smol", "drafter.config=configs/drafters/smollm2-135m-dflash.json"],
+    )
+    with pytest.raises(LaunchError, match="harvest with harvest.backend hf"):
+        build_command(dflash_cfg, "harvest")
 
 
 def test_block_cycle_is_one_draft_forward():

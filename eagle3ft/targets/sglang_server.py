@@ -92,12 +92,16 @@ def _speculative_args(drafter: str | Path, s: Setting) -> list[str]:
     ]  # fmt: skip
 
 
-def _is_dflash(folder: Path) -> bool:
+def _is_dflash_config(path: Path) -> bool:
+    """Whether a drafter config.json is a DFlash drafter's (its architectures)."""
     from eagle3ft.drafter.folder import DFLASH_KIND, family_of
     from eagle3ft.files import read_json
 
-    cfg = Path(folder) / "config.json"
-    return cfg.is_file() and family_of(read_json(cfg, "the drafter config")) == DFLASH_KIND
+    return Path(path).is_file() and family_of(read_json(path, "the drafter config")) == DFLASH_KIND
+
+
+def _is_dflash(folder: Path) -> bool:
+    return _is_dflash_config(Path(folder) / "config.json")
 
 
 def _dflash_args(drafter: Path, s: Setting | None) -> list[str]:
@@ -151,6 +155,11 @@ def build_command(
         argv += ["--trust-remote-code"]
     env = dict(sv.env)
     if role == "harvest":
+        if _is_dflash_config(resolve_path(cfg.drafter.config)):
+            raise LaunchError(
+                f"role harvest for the DFlash drafter.config {cfg.drafter.config}: no DFLASH capture path is wired to "
+                "the harvest; harvest with harvest.backend hf"
+            )
         argv += ["--enable-return-hidden-states"]
         env.update(sv.harvest_env)
         if sv.harvest_capture == "eagle3":
