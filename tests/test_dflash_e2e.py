@@ -58,6 +58,10 @@ def test_dflash_pipeline(tmp_path):
     assert "DFlash chain walk" in out and acc["kind"] == "dflash" and acc["roots"] > 0
     assert acc["headline_tau"] == pytest.approx(card["heldout_tau"])  # training's held-out τ is the same walk
     assert 1.0 <= acc["headline_tau"] <= acc["block_size"]
+    _run(["train/validate.py"], run)  # the standalone held-out τ is training's too
+    assert json.loads((run / "eval" / "heldout_tau.json").read_text())["heldout_tau"] == pytest.approx(
+        acc["headline_tau"]
+    )
     bench = ["--set", "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]", "--set", "bench.max_new_tokens=8"]
     _run(["eval/bench/live.py", *bench, "--set", "bench.repetitions=1"], run)
     summary = json.loads((run / "bench" / "summary.json").read_text())

@@ -283,13 +283,25 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     store = FeatureStore(RunDir(run_dir).features)
     store.check_drafter(folder)  # before any compute
     device = pick_device(cfg.target)
-    drafter = folder.load(load_input_embedding(cfg.target)).to(device).eval()
     ckpt = folder.path
-    objective = TTTObjective(drafter, depth, tcfg.objective.step_decay)
+    if folder.family == "dflash":  # the live chain walk over blocks, as training's held-out τ
+        from eagle3ft.targets.hf import load_output_head
+        from eagle3ft.train.dflash_objective import DFlashObjective
+
+        drafter = folder.load().to(device).eval()
+        depth = drafter.config.block_size - 1
+        objective = DFlashObjective(drafter, load_input_embedding(cfg.target), load_output_head(cfg.target))
+        objective = objective.to(device)
+    else:
+        drafter = folder.load(load_input_embedding(cfg.target)).to(device).eval()
+        objective = TTTObjective(drafter, depth, tcfg.objective.step_decay)
     ds = store.dataset("heldout")
     n = len(ds) if cfg.eval.max_samples is None else min(len(ds), cfg.eval.max_samples)
     result = heldout_tau(
-        objective, heldout_batches(ds, n, 0, 1, tcfg.batch.micro_batch_size, tcfg.batch.max_len), depth, device=device
+        lambda b: objective(b, steps=depth),
+        heldout_batches(ds, n, 0, 1, tcfg.batch.micro_batch_size, tcfg.batch.max_len),
+        depth,
+        device=device,
     )
     out = RunDir(run_dir).eval
     out.mkdir(parents=True, exist_ok=True)
