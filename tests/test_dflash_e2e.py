@@ -57,6 +57,7 @@ def test_dflash_pipeline(tmp_path):
     acc = json.loads((run / "eval" / "accept_len.json").read_text())
     assert "DFlash chain walk" in out and acc["kind"] == "dflash" and acc["roots"] > 0
     assert acc["headline_tau"] == pytest.approx(card["heldout_tau"])  # training's held-out τ is the same walk
+    assert acc["spec_accept_length"] == pytest.approx(card["heldout_spec_accept_length"])
     assert 1.0 <= acc["headline_tau"] <= acc["block_size"]
     _run(["train/validate.py"], run)  # the standalone held-out τ is training's too
     assert json.loads((run / "eval" / "heldout_tau.json").read_text())["heldout_tau"] == pytest.approx(

@@ -342,7 +342,7 @@ def export(run: Run) -> None:
     if dist.is_main:
         with atomic_dir(out.export) as tmp:
             write_folder(tmp, run.model.config, state, prefix="drafter.")
-            write_card(tmp, "last", step, heldout.latest, heldout.depth, heldout.latest_sets)
+            write_card(tmp, "last", step, heldout.latest, heldout.depth, heldout.latest_sets, heldout.block)
         dist.print(f"exported the drafter to {out.export} (SGLang: --speculative-draft-model-path {out.export})")
         if heldout.latest is not None:
             best = read_card(out.export_best) or {}

@@ -119,10 +119,24 @@ def read_card(folder: Path) -> dict | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, depth: int, sets: dict | None = None):
+def write_card(
+    folder: Path,
+    which: str,
+    step: int,
+    result: HeldoutTau | None,
+    depth: int,
+    sets: dict | None = None,
+    block: bool = False,
+):
     """card.json beside config.json: which export this is ("last" or "best"), its step and held-out τ, and with
-    `sets` (HeldoutTracker.latest_sets) the τ of each held-out set and the score the best export is chosen on."""
+    `sets` (HeldoutTracker.latest_sets) the τ of each held-out set and the score the best export is chosen on. A
+    DFlash drafter's (`block`) τ is its live chain walk; beside it the requests' spec_accept_length form, answer
+    tokens / cycles (each answer's tokens are its cycles' commits)."""
     card = {"which": which, "step": step, "heldout_depth": depth}
+    if block:
+        card["heldout_kind"] = "dflash chain walk"
+        if result is not None and result.chain_valid and result.chain_valid[0]:
+            card["heldout_spec_accept_length"] = result.heldout_tokens / result.chain_valid[0]
     if result is not None:
         card.update(
             {
@@ -175,6 +189,7 @@ class HeldoutTracker:
         """heldout: (items, where, features, each item's source name) as train/data.py's TrainData.heldout gives
         them. depth: the chain's length (default eval.steps; a DFlash drafter's block drafts B - 1)."""
         tcfg = cfg.train
+        self.block = depth is not None  # a DFlash drafter's walk over blocks
         self.dist, self.depth, self.every, self.best_on = (
             dist,
             depth or cfg.eval.steps,
@@ -251,7 +266,7 @@ class HeldoutTracker:
         if self.dist.is_main:
             with atomic_dir(self.best_dir) as tmp:
                 write_folder(tmp, drafter_config, state, prefix="drafter.")
-                write_card(tmp, "best", result.step, result, self.depth, self.latest_sets)
+                write_card(tmp, "best", result.step, result, self.depth, self.latest_sets, self.block)
         self.dist.barrier()
         return True
 
