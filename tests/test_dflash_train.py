@@ -90,3 +90,32 @@ def test_eagle3_features_refused_in_one_line(tmp_path):
     assert "harvested for an eagle3 drafter" in str(e.value) and "\n" not in str(e.value)
     dflash_identity = {**identity, "capture": {"kind": "dflash", "hidden_states": [1, 2, 3]}}
     assert build_dflash(cfg, tmp_path, dflash_identity, spec).config.block_size == 4
+
+
+def test_warm_start_from_a_published_folder(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from eagle3ft.drafter import dflash_export
+    from eagle3ft.train.dflash_objective import check_dflash_run
+
+    published = random_dflash(tiny_dflash_config(block_size=4), seed=7).float()
+    folder = dflash_export.save(published, tmp_path / "published")
+    tensors = {f"model.{k}": v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    tensors["embed_tokens.weight"] = torch.zeros(8, 64)  # a tensor SGLang ignores: dropped, not refused
+    save_file(tensors, str(folder / "model.safetensors"))
+    cfg = load_config(
+        REPO_ROOT / "configs/tiny.yaml",
+        ["drafter.config=configs/drafters/tiny-dflash.json", f"drafter.init={folder}"],
+    )
+    identity = {
+        "hidden_size": 64,
+        "vocab_size": 49152,
+        "num_layers": 4,
+        "aux_layer_ids": [0, 1, 2],
+        "capture": {"kind": "dflash", "hidden_states": [1, 2, 3]},
+    }
+    model = build_dflash(cfg, tmp_path, identity, tiny_dflash_config())
+    for k, v in published.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v)
+    with pytest.raises(ValueError, match="train.pack_tokens with a DFlash drafter"):
+        check_dflash_run(load_config(REPO_ROOT / "configs/tiny.yaml", ["train.batch.pack_tokens=256"]))
