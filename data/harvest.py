@@ -41,7 +41,8 @@ from eagle3ft.data.sources import sample_id
 from eagle3ft.data.store import AUX_DTYPES, SPLITS, FeatureStore, StoreError
 from eagle3ft.data.store_writer import FeatureWriter, Sample
 from eagle3ft.data.tokens import check_tokenizer
-from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.dflash_config import DFlashConfig
+from eagle3ft.drafter.folder import drafter_spec
 from eagle3ft.drafter.vocab import build_vocab, check_vocab, save_vocab, vocab_from_drafter
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
@@ -255,10 +256,11 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     h = cfg.harvest
     run_dir = Path(run_dir)
     check_harvest_config(h)
-    spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
+    spec = drafter_spec(cfg.drafter, resolve_path)
+    dflash = isinstance(spec, DFlashConfig)  # no draft vocabulary: it drafts over the target's through its LM head
     for src in h.sources:
         check_source(src)
-    frozen = vocab_from_drafter(resolve_path(cfg.drafter.init)) if cfg.drafter.init else None
+    frozen = vocab_from_drafter(resolve_path(cfg.drafter.init)) if cfg.drafter.init and not dflash else None
     if frozen is not None:
         check_vocab(*frozen, spec.vocab_size, frozen[0].numel())  # a warm start may grow it (train/build.py)
 
@@ -285,6 +287,8 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         "num_layers": info.num_layers,
         "aux_layer_ids": list(info.aux_layer_ids),
     }
+    if dflash:  # aux_hidden holds the outputs of layers aux_layer_ids (K chunks), at these hidden_states indices
+        identity["capture"] = {"kind": "dflash", "hidden_states": spec.hidden_state_indices()}
     features_dir = RunDir(run_dir).features
     writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs), h.aux_dtype)
     if damaged := writer.drop_damaged():
@@ -341,8 +345,15 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     m = writer.manifest
     skips = Counter(prompt_skips) + Counter(m.get("chunk_skips", {}))
     writer.finish(counts, {"skips": dict(sorted(skips.items())), "prompt_skips": dict(sorted(prompt_skips.items()))})
-    d2t, t2d = frozen if frozen is not None else build_vocab(counts, spec.draft_vocab_size)
-    save_vocab(RunDir(run_dir).vocab, d2t, t2d)
+    vocab = None
+    if not dflash:
+        d2t, t2d = frozen if frozen is not None else build_vocab(counts, spec.draft_vocab_size)
+        save_vocab(RunDir(run_dir).vocab, d2t, t2d)
+        vocab = {
+            "size": int(d2t.numel()),
+            "source": "drafter.init" if frozen is not None else "token counts",
+            "loss_tokens_covered": round(float(counts[t2d].sum()) / max(int(counts.sum()), 1), 4),
+        }
 
     disk = sum((features_dir / s["file"]).stat().st_size for s in m["shards"])
     tokens = sum(m["counts"][s]["tokens"] for s in SPLITS)
@@ -363,11 +374,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
             "harvest_s": round(work_s, 2),
             "captured_tokens_per_s": round(run_stats.captured_tokens / max(work_s, 1e-9), 1),
         },
-        "draft_vocab": {
-            "size": int(d2t.numel()),
-            "source": "drafter.init" if frozen is not None else "token counts",
-            "loss_tokens_covered": round(float(counts[t2d].sum()) / max(int(counts.sum()), 1), 4),
-        },
+        "draft_vocab": vocab,  # null for a DFlash drafter (the target's vocabulary)
         "argmax_check": (
             {
                 "checked": 0,

@@ -84,7 +84,9 @@ class TargetConfig:
 class DrafterSection:
     """The run's drafter: its architecture (a config.json, read by eagle3ft/drafter/config.py) and where it starts."""
 
-    config: str = "configs/drafters/smollm2-135m.json"  # architecture, in SGLang's config.json form
+    # architecture, in SGLang's config.json form; its architectures pick the kind: ["DFlashDraftModel"] a DFlash block
+    # drafter (eagle3ft/drafter/dflash_config.py), else EAGLE-3
+    config: str = "configs/drafters/smollm2-135m.json"
     init: str | None = None  # an existing drafter folder (SGLang form) to warm-start from; None = scratch
     draft_vocab_size: int | None = None  # overrides the json's value; on a warm start, larger grows the drafter's
     fc_norm: bool | None = None  # EAGLE-3.1 per-aux-layer RMSNorm before fc; overrides the json's (scratch only)

@@ -29,9 +29,19 @@ class ObjectiveConfig:
     # L2-SP: λ of the penalty λ·Σ‖w − w0‖² over every trained tensor, w0 the weights the run started from (the warm
     # start's); 0 = off (train/l2sp.py)
     l2sp: float = 0.0
+    # a DFlash drafter's block objective (train/dflash_loss.py; the TTT keys above are EAGLE-3's): blocks sampled per
+    # sequence each step among the supervised anchors, and the position weight exp(-(k - 1) / dflash_gamma).
+    # 512 x 16 positions x the target vocabulary of logits per sequence is large: the cross-entropy runs in chunks
+    # of dflash_ce_chunk positions, each recomputed in the backward pass, so only one chunk's logits are held
+    dflash_num_anchors: int = 512
+    dflash_gamma: float = 7.0
+    dflash_ce_chunk: int = 2048
+    # B, the block size trained; None: the drafter config's block_size (what SGLang serves unless told otherwise)
+    dflash_block_size: int | None = None
 
     def __post_init__(self) -> None:
         positive(self, "ttt_steps", "step_decay", "lk_eta")
+        positive(self, "dflash_num_anchors", "dflash_gamma", "dflash_ce_chunk", "dflash_block_size")
         non_negative(self, "loop_weight", "l2sp")
         at_most(self, 1, "loop_weight")
         # Adam moves each weight by about lr a step, so after one step the pull 2λ(w − w0) is about 2λ·lr per weight

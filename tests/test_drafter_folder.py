@@ -70,11 +70,11 @@ def test_the_kind_is_the_architecture_and_an_unknown_kind_reads_but_does_not_loa
     other = tmp_path / "other"
     other.mkdir()
     raw = json.loads((folder / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**raw, "architectures": ["DFlashDraftModel"]}))
+    (other / "config.json").write_text(json.dumps({**raw, "architectures": ["Eagle3OtherForCausalLM"]}))
     (other / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     f = DrafterFolder(other, "bench.drafters.x")
-    assert f.kind == "DFlashDraftModel"
-    with pytest.raises(ValueError, match="holds a DFlashDraftModel drafter"):
+    assert f.kind == "Eagle3OtherForCausalLM" and f.family == "eagle3"
+    with pytest.raises(ValueError, match="holds a Eagle3OtherForCausalLM drafter"):
         f.load()
 
 

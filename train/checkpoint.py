@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from eagle3ft.drafter.config import DrafterConfig
-from eagle3ft.drafter.export import drafter_tensors, write_drafter
+from eagle3ft.drafter.folder import write_folder
 from eagle3ft.files import as_umask_allows, disk_full, json_text, sha256_file
 from eagle3ft.run_dir import RunDir
 
@@ -159,7 +159,7 @@ def save_checkpoint(dist, module, cfg: DrafterConfig, run_dir: Path, step: int, 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            write_drafter(tmp, cfg, drafter_tensors(state, prefix="drafter."))
+            write_folder(tmp, cfg, state, prefix="drafter.")
             with disk_full(tmp / STATE_TENSORS):
                 save_file(tensors, str(tmp / STATE_TENSORS), metadata={"format": FORMAT})
             as_umask_allows(tmp / STATE_TENSORS)

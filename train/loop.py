@@ -23,12 +23,15 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.config import Config, resolve_path
-from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
+from eagle3ft.drafter.dflash_config import DFlashConfig
+from eagle3ft.drafter.export import atomic_dir
+from eagle3ft.drafter.folder import DFLASH_KIND, EAGLE3, drafter_spec, spec_family, write_folder
 from eagle3ft.files import NonFinite, json_text, write_atomic
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
 from eagle3ft.train.checkpoint import save_checkpoint, truncate_metrics
 from eagle3ft.train.data import TrainData
+from eagle3ft.train.dflash_objective import check_dflash_run, dflash_objective
 from eagle3ft.train.l2sp import L2SP
 from eagle3ft.train.metrics import Meter, PhaseClock, SetupTimes, diverged, log_record, metrics_record, open_wandb
 from eagle3ft.train.run_state import Run, data_identity, lr_lambda, resume
@@ -104,20 +107,27 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
     took = SetupTimes(started)
     tcfg = cfg.train
     # 1. data and drafter (checked against the features' identity)
+    spec = drafter_spec(cfg.drafter, resolve_path)  # the kind, by drafter.config's architectures
+    if isinstance(spec, DFlashConfig):
+        check_dflash_run(cfg)
     data = TrainData(cfg, run_dir)
     took.mark("data")
     seed_all(cfg.seed)
-    model = build_drafter(cfg, run_dir, data.target, data.token_counts)
-    if torch.cuda.is_available() if tcfg.engine.compile is None else tcfg.engine.compile:  # null: on with CUDA
-        model.compile_blocks()
-    objective = TTTObjective(
-        model,
-        tcfg.objective.ttt_steps,
-        tcfg.objective.step_decay,
-        target_head(cfg, data, model),
-        tcfg.objective.loss,
-        tcfg.objective.lk_eta,
-    )
+    if isinstance(spec, DFlashConfig):
+        objective = dflash_objective(cfg, run_dir, data, spec)
+        model = objective.drafter
+    else:
+        model = build_drafter(cfg, run_dir, data.target, data.token_counts)
+        if torch.cuda.is_available() if tcfg.engine.compile is None else tcfg.engine.compile:  # null: on with CUDA
+            model.compile_blocks()
+        objective = TTTObjective(
+            model,
+            tcfg.objective.ttt_steps,
+            tcfg.objective.step_decay,
+            target_head(cfg, data, model),
+            tcfg.objective.loss,
+            tcfg.objective.lk_eta,
+        )
     took.mark("drafter")
 
     # 2. processes and the run lock
@@ -142,7 +152,8 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
     engine, optimizer, scheduler = dist.prepare(objective, optimizer, scheduler)
     took.mark("engine")
     run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock, started=started)
-    run.identity = data_identity(data, model.d2t)
+    run.identity = data_identity(data, getattr(model, "d2t", None))
+    run.kind = spec_family(spec)
     if tcfg.objective.l2sp > 0:  # w0: the masters before any step or resume, as the build gives them (train/l2sp.py)
         inner, partitions = dist.master_partitions()
         run.l2sp = L2SP(tcfg.objective.l2sp, partitions)
@@ -157,11 +168,12 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
     if dist.is_main:
         if on_start is not None:
             on_start(resumed)
-        if cfg.drafter.init:
+        if cfg.drafter.init and run.kind == EAGLE3:
             note = adopt_drafter_vocab(run_dir, model.d2t, model.t2d, resolve_path(cfg.drafter.init))
             if note:
                 dist.print(note)
-    run.heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed=resumed is not None)
+    depth = model.config.block_size - 1 if run.kind == DFLASH_KIND else None  # a block's chain: its B - 1 drafts
+    run.heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed is not None, depth)
     took.mark("held-out set")
 
     # 6. logs: metrics.jsonl (cut back to the resumed step), the summary line, wandb
@@ -219,7 +231,8 @@ def open_logs(run: Run, n_train: int) -> None:
 def fit(run: Run) -> None:
     """Optimizer steps until train.max_steps (or the epochs) or train.stop_after: log, held-out τ, checkpoints."""
     tcfg, dist, data, engine = run.cfg.train, run.dist, run.data, run.engine
-    meter = Meter(tcfg.objective.ttt_steps, dist.device)
+    dflash = run.kind == DFLASH_KIND
+    meter = Meter(run.model.config.block_size - 1 if dflash else tcfg.objective.ttt_steps, dist.device, dflash)
     clock = PhaseClock(dist.device)
     step_samples = []
     bar = tqdm(
@@ -230,6 +243,8 @@ def fit(run: Run) -> None:
         for micro_batch in data.epoch(dist, run.epoch, skip=run.batch_in_epoch):
             clock.mark("between")
             batch, sample_ids = micro_batch.tensors, micro_batch.sample_ids
+            if dflash:  # the anchors' draw: this micro-batch's place in the run, the same after a resume
+                batch = {**batch, "draw": torch.tensor([run.epoch, run.batch_in_epoch, dist.rank])}
             step_samples += sample_ids
             with oom_hint(), dist.accumulate(engine):
                 out = engine(batch)
@@ -255,7 +270,7 @@ def fit(run: Run) -> None:
             run.step += 1
             clock.step()
             if run.step == run.start_step + 1:  # the first step carries the warm-up: torch.compile's when on
-                warm_up = " (torch.compile included)" if run.model.blocks_compiled else ""
+                warm_up = " (torch.compile included)" if getattr(run.model, "blocks_compiled", False) else ""
                 dist.print(f"first step: {time.perf_counter() - meter.t0:.1f} s{warm_up}")
             samples = dist.gather_ints(step_samples)  # every rank's samples of this optimizer step
             step_samples = []
@@ -327,8 +342,8 @@ def export(run: Run) -> None:
     state = dist.full_state_dict(run.engine)
     if dist.is_main:
         with atomic_dir(out.export) as tmp:
-            write_drafter(tmp, run.model.config, drafter_tensors(state, prefix="drafter."))
-            write_card(tmp, "last", step, heldout.latest, heldout.depth, heldout.latest_sets)
+            write_folder(tmp, run.model.config, state, prefix="drafter.")
+            write_card(tmp, "last", step, heldout.latest, heldout.depth, heldout.latest_sets, heldout.block)
         dist.print(f"exported the drafter to {out.export} (SGLang: --speculative-draft-model-path {out.export})")
         if heldout.latest is not None:
             best = read_card(out.export_best) or {}

@@ -94,8 +94,11 @@ class Meter:
     """Sums since the last log record: per-depth loss and accuracy counts (5, K), real tokens, micro-batches,
     seconds."""
 
-    def __init__(self, ttt_steps: int, device: torch.device) -> None:
+    def __init__(self, ttt_steps: int, device: torch.device, summed: bool = False) -> None:
+        """ttt_steps: the depth (a DFlash block's B - 1); summed: the loss is the plain sum of step_loss (a DFlash
+        block's positions, each its weighted share), not the TTT unroll's step_decay**k sum."""
         self.stats = torch.zeros(5, ttt_steps, device=device)
+        self.summed = summed
         self.tokens, self.micro, self.t0 = 0, 0, time.perf_counter()
 
     def add(self, out, tokens: int) -> None:
@@ -114,7 +117,7 @@ def metrics_record(
     """The metrics of the steps since the last record, summed over the processes (a collective: every rank calls it).
 
     `started` is when setup began (perf_counter): the record's elapsed_s counts start-up, held-out τ and saves."""
-    K = tcfg.objective.ttt_steps
+    K = meter.stats.shape[1]
     s = dist.reduce_sum(meter.stats)
     n_tok = int(dist.reduce_sum(torch.tensor(float(meter.tokens), device=dist.device)))
     n_micro = int(dist.reduce_sum(torch.tensor(float(meter.micro), device=dist.device)))
@@ -125,7 +128,7 @@ def metrics_record(
     return {
         "step": step,
         "epoch": epoch,
-        "loss": sum(tcfg.objective.step_decay**k * step_loss[k] for k in range(K)),
+        "loss": sum((1.0 if meter.summed else tcfg.objective.step_decay**k) * step_loss[k] for k in range(K)),
         "step_loss": step_loss,
         "acc": acc,
         "cond_acc": cond,

@@ -77,6 +77,7 @@ class Run:
     first_loss: float | None = None  # the run's first logged loss (a resume keeps its checkpoint's)
     warned: bool = False  # the divergence warning was given
     started: float = field(default_factory=time.perf_counter)  # when setup began (the records' elapsed_s)
+    kind: str = "eagle3"  # the drafter kind (eagle3ft/drafter/folder.py's family): eagle3 or dflash
 
     @property
     def metrics_file(self) -> Path:
@@ -237,12 +238,13 @@ def check_objective(run: Run, st: dict, ckpt: Path) -> None:
         )
 
 
-def data_identity(data: TrainData, d2t: torch.Tensor) -> dict:
+def data_identity(data: TrainData, d2t: torch.Tensor | None) -> dict:
     """What a checkpoint's weights were trained on: the training shards (TrainData.fingerprint) and the sha256 of the
-    draft vocabulary's d2t, which each lm_head row follows."""
+    draft vocabulary's d2t, which each lm_head row follows (None for a drafter without one: DFlash drafts through
+    the target's own head)."""
     return {
         "train_shards": data.fingerprint,
-        "d2t_sha256": hashlib.sha256(d2t.cpu().to(torch.int64).numpy()).hexdigest(),
+        "d2t_sha256": None if d2t is None else hashlib.sha256(d2t.cpu().to(torch.int64).numpy()).hexdigest(),
     }
 
 
@@ -254,14 +256,14 @@ def check_identity(run: Run, st: dict, ckpt: Path) -> None:
 
     from eagle3ft.drafter.export import WEIGHTS
 
-    d2t = run.model.d2t.cpu().to(torch.int64)
+    d2t = run.model.d2t.cpu().to(torch.int64) if getattr(run.model, "d2t", None) is not None else None
     try:
         with safe_open(str(ckpt / WEIGHTS), framework="pt") as f:
             theirs = f.get_tensor("d2t").to(torch.int64) if "d2t" in f.keys() else None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{ckpt / WEIGHTS}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
     changed = []
-    if theirs is not None and (theirs.shape != d2t.shape or not torch.equal(theirs, d2t)):
+    if theirs is not None and d2t is not None and (theirs.shape != d2t.shape or not torch.equal(theirs, d2t)):
         n = int((theirs != d2t).sum()) if theirs.shape == d2t.shape else max(d2t.numel(), theirs.numel())
         changed.append(
             f"{n} of {d2t.numel()} draft ids of its d2t map to other target tokens than {RunDir(run.run_dir).vocab}'s"

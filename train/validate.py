@@ -119,10 +119,24 @@ def read_card(folder: Path) -> dict | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def write_card(folder: Path, which: str, step: int, result: HeldoutTau | None, depth: int, sets: dict | None = None):
+def write_card(
+    folder: Path,
+    which: str,
+    step: int,
+    result: HeldoutTau | None,
+    depth: int,
+    sets: dict | None = None,
+    block: bool = False,
+):
     """card.json beside config.json: which export this is ("last" or "best"), its step and held-out τ, and with
-    `sets` (HeldoutTracker.latest_sets) the τ of each held-out set and the score the best export is chosen on."""
+    `sets` (HeldoutTracker.latest_sets) the τ of each held-out set and the score the best export is chosen on. A
+    DFlash drafter's (`block`) τ is its live chain walk; beside it the requests' spec_accept_length form, answer
+    tokens / cycles (each answer's tokens are its cycles' commits)."""
     card = {"which": which, "step": step, "heldout_depth": depth}
+    if block:
+        card["heldout_kind"] = "dflash chain walk"
+        if result is not None and result.chain_valid and result.chain_valid[0]:
+            card["heldout_spec_accept_length"] = result.heldout_tokens / result.chain_valid[0]
     if result is not None:
         card.update(
             {
@@ -171,13 +185,14 @@ class HeldoutTracker:
     and a sharded engine gathers the weights on all of them).
     """
 
-    def __init__(self, run_dir: Path, heldout, cfg, dist, resumed: bool) -> None:
+    def __init__(self, run_dir: Path, heldout, cfg, dist, resumed: bool, depth: int | None = None) -> None:
         """heldout: (items, where, features, each item's source name) as train/data.py's TrainData.heldout gives
-        them."""
+        them. depth: the chain's length (default eval.steps; a DFlash drafter's block drafts B - 1)."""
         tcfg = cfg.train
+        self.block = depth is not None  # a DFlash drafter's walk over blocks
         self.dist, self.depth, self.every, self.best_on = (
             dist,
-            cfg.eval.steps,
+            depth or cfg.eval.steps,
             tcfg.heldout.eval_every,
             tcfg.heldout.best_on,
         )
@@ -240,7 +255,8 @@ class HeldoutTracker:
 
     def keep_if_best(self, engine, drafter_config, result: HeldoutTau) -> bool:
         """Export the current weights to RUN/export-best when the latest score beats every earlier one."""
-        from eagle3ft.drafter.export import atomic_dir, drafter_tensors, write_drafter
+        from eagle3ft.drafter.export import atomic_dir
+        from eagle3ft.drafter.folder import write_folder
 
         score = self.latest_sets["heldout_score"]
         if not score > self.best_score:
@@ -249,8 +265,8 @@ class HeldoutTracker:
         state = self.dist.full_state_dict(engine)
         if self.dist.is_main:
             with atomic_dir(self.best_dir) as tmp:
-                write_drafter(tmp, drafter_config, drafter_tensors(state, prefix="drafter."))
-                write_card(tmp, "best", result.step, result, self.depth, self.latest_sets)
+                write_folder(tmp, drafter_config, state, prefix="drafter.")
+                write_card(tmp, "best", result.step, result, self.depth, self.latest_sets, self.block)
         self.dist.barrier()
         return True
 
@@ -282,13 +298,25 @@ def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     store = FeatureStore(RunDir(run_dir).features)
     store.check_drafter(folder)  # before any compute
     device = pick_device(cfg.target)
-    drafter = folder.load(load_input_embedding(cfg.target)).to(device).eval()
     ckpt = folder.path
-    objective = TTTObjective(drafter, depth, tcfg.objective.step_decay)
+    if folder.family == "dflash":  # the live chain walk over blocks, as training's held-out τ
+        from eagle3ft.targets.hf import load_output_head
+        from eagle3ft.train.dflash_objective import DFlashObjective
+
+        drafter = folder.load().to(device).eval()
+        depth = drafter.config.block_size - 1
+        objective = DFlashObjective(drafter, load_input_embedding(cfg.target), load_output_head(cfg.target))
+        objective = objective.to(device)
+    else:
+        drafter = folder.load(load_input_embedding(cfg.target)).to(device).eval()
+        objective = TTTObjective(drafter, depth, tcfg.objective.step_decay)
     ds = store.dataset("heldout")
     n = len(ds) if cfg.eval.max_samples is None else min(len(ds), cfg.eval.max_samples)
     result = heldout_tau(
-        objective, heldout_batches(ds, n, 0, 1, tcfg.batch.micro_batch_size, tcfg.batch.max_len), depth, device=device
+        lambda b: objective(b, steps=depth),
+        heldout_batches(ds, n, 0, 1, tcfg.batch.micro_batch_size, tcfg.batch.max_len),
+        depth,
+        device=device,
     )
     out = RunDir(run_dir).eval
     out.mkdir(parents=True, exist_ok=True)

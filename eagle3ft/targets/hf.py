@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.config import TargetConfig, resolve_path
-from eagle3ft.drafter.config import capture_points
+from eagle3ft.drafter.config import capture_points as eagle3_capture_points
 from eagle3ft.targets.base import Features, Request, Result, Sampling, TargetInfo
 from eagle3ft.targets.head import topk_logprobs
 
@@ -257,7 +257,11 @@ def load_output_head(cfg: TargetConfig, files_only: bool = False) -> torch.Tenso
 class HFTarget:
     """Target protocol over a transformers causal LM: batched generate, then one capture forward."""
 
-    def __init__(self, cfg: TargetConfig, aux_layer_ids: list[int] | None, model=None, tokenizer=None):
+    def __init__(
+        self, cfg: TargetConfig, aux_layer_ids: list[int] | None, model=None, tokenizer=None, capture_points=None
+    ):
+        """`capture_points`: the hidden_states index of each id's rows when the drafter kind numbers them itself
+        (DFlash: j + 1 on every target); None: where SGLang's EAGLE-3 capture takes them on this architecture."""
         if model is None:
             model, tokenizer = load_target(cfg)
         self.model, self.tokenizer = model, tokenizer
@@ -265,7 +269,9 @@ class HFTarget:
         num_layers = c.num_hidden_layers
         ids = tuple(aux_layer_ids or ())
         # hidden_states index of each id's rows, as SGLang takes them on this architecture
-        self.capture_points = tuple(capture_points(getattr(c, "architectures", None), ids))
+        if capture_points is None:
+            capture_points = eagle3_capture_points(getattr(c, "architectures", None), ids)
+        self.capture_points = tuple(capture_points)
         if num_layers in self.capture_points:
             raise ValueError(
                 f"aux layer id {ids[self.capture_points.index(num_layers)]} (the last layer) is not supported by the "

@@ -95,6 +95,34 @@ def _speculative_args(drafter: str | Path, s: Setting) -> list[str]:
     ]  # fmt: skip
 
 
+def _is_dflash_config(path: Path) -> bool:
+    """Whether a drafter config.json is a DFlash drafter's (its architectures)."""
+    from eagle3ft.drafter.folder import DFLASH_KIND, family_of
+    from eagle3ft.files import read_json
+
+    return Path(path).is_file() and family_of(read_json(path, "the drafter config")) == DFLASH_KIND
+
+
+def _is_dflash(folder: Path) -> bool:
+    return _is_dflash_config(Path(folder) / "config.json")
+
+
+def _dflash_args(drafter: Path, s: Setting | None) -> list[str]:
+    """SGLang's DFLASH flags for a DFlash drafter folder: its block B verified per cycle (a setting, when given, must
+    be B-1/1/B); the draft attention backend follows --attention-backend (triton when serve names none, as the
+    wheel set has no FA3 and the flashinfer fallback must not be hit)."""
+    from eagle3ft.drafter.dflash_config import DFlashConfig
+
+    B = DFlashConfig.from_json(drafter / "config.json").block_size
+    if s is not None and (s.steps, s.topk, s.num_draft_tokens) != (B - 1, 1, B):
+        raise LaunchError(f"DFlash drafter {drafter} (block {B}): setting {s.key} must be {B - 1}/1/{B}")
+    return [
+        "--speculative-algorithm", "DFLASH",
+        "--speculative-draft-model-path", str(drafter),
+        "--speculative-num-draft-tokens", str(B),
+    ]  # fmt: skip
+
+
 def build_command(
     cfg: Config,
     role: str,
@@ -130,6 +158,11 @@ def build_command(
         argv += ["--trust-remote-code"]
     env = dict(sv.env)
     if role == "harvest":
+        if _is_dflash_config(resolve_path(cfg.drafter.config)):
+            raise LaunchError(
+                f"role harvest for the DFlash drafter.config {cfg.drafter.config}: no DFLASH capture path is wired to "
+                "the harvest; harvest with harvest.backend hf"
+            )
         argv += ["--enable-return-hidden-states"]
         env.update(sv.harvest_env)
         if sv.harvest_capture == "eagle3":
@@ -161,6 +194,12 @@ def build_command(
     elif role == "speculative":
         if drafter is None:
             raise LaunchError("role speculative needs the exported drafter folder")
+        if _is_dflash(resolve_path(str(drafter))):
+            block = _dflash_args(resolve_path(str(drafter)), setting)
+            argv += block if sv.attention_backend else [*block, "--attention-backend", "triton"]
+            argv += list(sv.extra_args)
+            host = "127.0.0.1" if sv.host in ("0.0.0.0", "::") else sv.host
+            return ServerCommand(argv=argv, env=env, url=f"http://{host}:{port}", role=role)
         argv += _speculative_args(
             resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else Setting())
         )

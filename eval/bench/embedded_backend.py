@@ -20,10 +20,12 @@ import torch
 
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.store import check_run_drafter
+from eagle3ft.drafter.dflash_model import DFlashDrafter
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.bench.backend import RequestResult, bench_drafters
 from eagle3ft.eval.bench.environment import base_environment
 from eagle3ft.eval.decode import chain_attention
+from eagle3ft.eval.decode.dflash_decode import DFlashDecoder
 from eagle3ft.eval.decode.speculate import Generation, PlainDecoder, SpeculativeDecoder, crop_target
 from eagle3ft.eval.offline.same_prompts import offline_tau
 from eagle3ft.run_dir import RunDir
@@ -105,6 +107,19 @@ class TimedSpeculativeDecoder(_Timed, SpeculativeDecoder):
         return self._time(self.timings.cycle_s, super().cycle, *args)
 
 
+class TimedDFlashDecoder(_Timed, DFlashDecoder):
+    """DFlashDecoder, timed: prefill, decode, and per cycle its one drafter forward, its verify and the whole."""
+
+    def draft(self, *args):
+        return self._time(self.timings.draft_forward_s, super().draft, *args)
+
+    def verify(self, *args):
+        return self._time(self.timings.verify_s, super().verify, *args)
+
+    def cycle(self, *args):
+        return self._time(self.timings.cycle_s, super().cycle, *args)
+
+
 def drafting_for(drafting: str, temperature: float) -> str:
     """bench.embedded.drafting -> the decoder's: auto is graph when greedy, eager when sampling."""
     if drafting not in ("auto", "graph", "eager"):
@@ -178,6 +193,8 @@ class EmbeddedBackend:
         return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts, first_index)]
 
     def run_speculative(self, prompts, setting, max_new_tokens, first_index=0):
+        if isinstance(self.drafter, DFlashDrafter):
+            return self._run_dflash(prompts, setting, max_new_tokens, first_index)
         if setting.topk != 1 or setting.num_draft_tokens != setting.steps + 1:
             raise ValueError(
                 f"embedded backend drafts chains only: setting {setting.key} needs topk 1 and num_draft_tokens = steps "
@@ -189,6 +206,22 @@ class EmbeddedBackend:
                 self.model, self.drafter, self.aux_layer_ids, setting.steps, self.temperature, self.eos_ids,
                 self.generator, self.drafting, self.cfg.bench.embedded.draft_graph_extend,
             )  # fmt: skip
+        dec = self._decoders[key]
+        return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts, first_index)]
+
+    def _run_dflash(self, prompts, setting, max_new_tokens, first_index=0):
+        """A DFlash drafter's block cycles (eval/decode/dflash_decode.py): the setting must be its block, B-1/1/B."""
+        B = self.drafter.config.block_size
+        if (setting.steps, setting.topk, setting.num_draft_tokens) != (B - 1, 1, B):
+            raise ValueError(
+                f"bench setting {setting.key} for the DFlash drafter {self.label}: a block cycle drafts B - 1 and "
+                f"verifies B tokens; its setting is {B - 1}/1/{B}"
+            )
+        if self.temperature > 0:
+            raise ValueError("the embedded DFlash decoder verifies greedily: bench.temperature must be 0")
+        key = (self.label, setting.steps)
+        if key not in self._decoders:
+            self._decoders[key] = TimedDFlashDecoder(self.model, self.drafter, self.eos_ids)
         dec = self._decoders[key]
         return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts, first_index)]
 
@@ -216,6 +249,8 @@ class EmbeddedBackend:
     def offline_tau(self, prompts: list[list[int]], answers: list[list[int]], settings: list[Setting]) -> dict | None:
         """The drafter's offline tau on these prompts and the plain pass's answers (eval/offline/same_prompts.py)."""
 
+        if isinstance(self.drafter, DFlashDrafter):  # same_prompts walks EAGLE-3 chains only
+            return None
         return offline_tau(self.model, self.drafter, self.aux_layer_ids, prompts, answers, settings)
 
     def environment(self) -> dict:

@@ -94,6 +94,11 @@ class SGLangBackend:
         if cfg.bench.sglang.launch or cfg.bench.sglang.same_prompts:
             folder = DrafterFolder.of_run(self.run_dir, cfg.eval.checkpoint)
             self.drafter = check_run_drafter(folder, RunDir(self.run_dir).features)
+            if cfg.bench.sglang.same_prompts and self.drafter.family == "dflash":
+                raise ValueError(
+                    "bench.sglang.same_prompts walks EAGLE-3 chains; for the DFlash drafter "
+                    f"{folder.path} set it false (its offline tau: eagle3ft eval)"
+                )
         if not cfg.bench.sglang.requests:
             raise ValueError("bench.sglang.requests is empty: name whole, stream or both")
         self.tokenizer = load_tokenizer(cfg.target)  # the served target's: the caller renders the prompts with it

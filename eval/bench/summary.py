@@ -40,7 +40,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
     base_tok_s = list(base_by_rep.values())
     base_s_per_token = statistics.median(1 / t for t in base_tok_s)
     baseline_outputs = {(r.prompt_index): r.output_ids for v in base.values() for r in v}
-    spec_rows, draft_fwd, overheads, run_verify = [], [], [], {}
+    spec_rows, draft_fwd, overheads, run_verify, blocks = [], [], [], {}, []
     for st in settings:
         sp = passes("speculative", st.key)
         if not sp:
@@ -94,8 +94,11 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
             draft_fwd += draft_s
         if verify_s:
             run_verify.setdefault(st.num_draft_tokens, []).extend(verify_s)
+        # a DFlash block cycle runs one drafter forward per verify whatever its steps (B - 1): a block setting
+        block = bool(verify_s) and st.steps > 1 and len(draft_s) == len(verify_s)
+        blocks.append(block)
         if cycle_s and verify_s and draft_s:
-            overheads.append(_median(cycle_s) - _median(verify_s) - st.steps * _median(draft_s))
+            overheads.append(_median(cycle_s) - _median(verify_s) - (1 if block else st.steps) * _median(draft_s))
     if verify_curve or run_verify:
         verify_costs = {**(verify_curve or {}), **{n: _median(v) for n, v in run_verify.items()}}
         source = "verify forwards timed inside the benchmark runs, other sizes from backend.verify_costs"
@@ -121,6 +124,7 @@ def summarize(runs: list[dict], settings: list[Setting], verify_curve: dict[int,
             "verify_s": {str(k): v for k, v in sorted(verify_costs.items())},
             "draft_forward_s": draft_forward_s,
             "overhead_s": overhead_s,
+            "block": bool(blocks) and all(blocks),  # every setting a DFlash block cycle: one draft forward a cycle
             "source": source,
         },
     }

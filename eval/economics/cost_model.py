@@ -9,6 +9,10 @@ and emits tau tokens on average (bonus included, like SGLang's spec_accept_lengt
     break-even tau     = cycle_s / baseline_s_per_token      (speculation == plain decoding)
     tau for R tok/s    = R * cycle_s
 
+A DFlash block cycle (`CostModel(block=True)`, setting B-1/1/B) drafts its B - 1 tokens in one drafter forward:
+    cycle_s(block B)   = draft_forward_s + verify_s(B) + overhead_s
+so its cost is flat in B but for the verify; it emits at most B tokens (B - 1 drafts and the bonus).
+
 Worked example (tests/test_eval_economics.py): a 29 ms cycle at tau 2.0 gives 2.0/0.029 = 69 tok/s;
 150 tok/s needs tau = 150 * 0.029 = 4.35; against a 82 tok/s baseline (12.195 ms/token) the
 break-even tau is 0.029 * 82 = 2.38 (with 12.1 ms/token it is 29/12.1 = 2.40).
@@ -34,6 +38,9 @@ class CostModel:
     verify_s: dict[int, float]
     draft_forward_s: float = 0.0
     overhead_s: float = 0.0  # per cycle: sampling, acceptance bookkeeping, cache crops
+    # a DFlash block drafter (block setting B-1/1/B): ONE drafter forward per cycle drafts the whole block, so a
+    # cycle is draft_forward_s + verify_s(B) + overhead_s whatever B is; False: EAGLE-3's chain, one forward per step
+    block: bool = False
 
     def verify_time(self, num_tokens: int) -> float:
         """Seconds for one verify of `num_tokens`; linear between measured sizes, flat beyond them."""
@@ -52,7 +59,8 @@ class CostModel:
         return (1 - w) * self.verify_s[lo] + w * self.verify_s[hi]
 
     def cycle_s(self, setting: Setting) -> float:
-        return setting.steps * self.draft_forward_s + self.verify_time(setting.num_draft_tokens) + self.overhead_s
+        forwards = 1 if self.block else setting.steps
+        return forwards * self.draft_forward_s + self.verify_time(setting.num_draft_tokens) + self.overhead_s
 
     @property
     def baseline_tok_s(self) -> float:
@@ -124,6 +132,7 @@ def cost_model_from_summary(summary: dict) -> CostModel:
         verify_s={int(k): v for k, v in c["verify_s"].items()},
         draft_forward_s=c.get("draft_forward_s") or 0.0,
         overhead_s=c.get("overhead_s") or 0.0,
+        block=bool(c.get("block")),
     )
 
 

@@ -295,6 +295,8 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     store = FeatureStore(RunDir(run_dir).features)
     store.check_drafter(folder)  # before any compute
     device = pick_device(cfg.target)
+    if folder.family == "dflash":
+        return run_dflash(cfg, run_dir, folder, store, device)
     drafter = folder.load(load_input_embedding(cfg.target)).to(device).eval()
     ds = store.dataset("heldout")
     n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
@@ -316,6 +318,38 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     return rep
 
 
+def heldout_data(cfg, run_dir: Path, samples_in_split: int) -> dict:
+    """Where the held-out split came from (accept_len.json's data)."""
+    return {
+        "features": str(RunDir(run_dir).features),
+        "split": "heldout",
+        "samples_in_split": samples_in_split,
+        "sources": [asdict(s) for s in cfg.harvest.sources if s.split in ("heldout", "auto")],
+        "heldout_fraction": cfg.harvest.heldout_fraction,
+    }
+
+
+def run_dflash(cfg, run_dir: Path, folder: DrafterFolder, store: FeatureStore, device) -> dict:
+    """A DFlash drafter's offline τ (eval/offline/dflash_accept.py): the live chain walk over the held-out answers,
+    written to eval/accept_len.json in the same form."""
+    from eagle3ft.eval.offline.dflash_accept import dflash_report
+    from eagle3ft.targets.hf import load_input_embedding, load_output_head
+
+    ec = cfg.eval
+    drafter = folder.load().to(device).eval()
+    ds = store.dataset("heldout")
+    n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
+    embed, head = load_input_embedding(cfg.target), load_output_head(cfg.target)
+    rep, per_sample = dflash_report(drafter, (ds[i] for i in range(n)), embed, head, device)
+    for setting in rep["settings"].values():
+        setting["tau_walk_interval"] = walk_interval(per_sample)
+    rep.update(checkpoint=str(folder.path), data=heldout_data(cfg, run_dir, len(ds)))
+    out = RunDir(run_dir).accept_len
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out, rep, indent=2)
+    return rep
+
+
 def main(argv: list[str] | None = None) -> None:
     prog = command_name("accept_len.py")  # in errors: the command the user typed
 
@@ -328,7 +362,13 @@ def main(argv: list[str] | None = None) -> None:
         holding(run_dir, "eval", prog),
         cli_errors(prog, StoreError, log=error_log(run_dir, "eval")),
     ):
-        print(format_report(run(cfg, run_dir)))
+        rep = run(cfg, run_dir)
+        if isinstance(rep, dict):  # a DFlash drafter's report
+            from eagle3ft.eval.offline.dflash_accept import format_dflash
+
+            print(format_dflash(rep))
+        else:
+            print(format_report(rep))
 
 
 if __name__ == "__main__":

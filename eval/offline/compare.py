@@ -28,6 +28,7 @@ from eagle3ft.data.sources import heldout_sets
 from eagle3ft.data.store import FeatureStore, StoreError
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.offline.accept_len import walk_totals
+from eagle3ft.eval.offline.dflash_accept import dflash_walk_totals
 from eagle3ft.files import DamagedFile, read_json, write_json
 from eagle3ft.run_dir import RunDir
 
@@ -52,8 +53,11 @@ class SetTotals:
         return sums[..., 0] / sums[..., 1].clamp_min(1e-12), sums[..., 2] / sums[..., 3].clamp_min(1e-12)
 
 
-def measure(drafter, items, steps: int, device) -> SetTotals:
-    """The walk of `drafter` over the held-out items at steps/1/steps+1."""
+def measure(drafter, items, steps: int, device, head=None) -> SetTotals:
+    """The walk of `drafter` over the held-out items at steps/1/steps+1; a DFlash drafter's (`head`: the target's
+    embedding and LM head) is its live chain walk over blocks (eval/offline/dflash_accept.py)."""
+    if head is not None:
+        return SetTotals([dflash_walk_totals(drafter, item, *head, device) for item in items])
 
     return SetTotals([walk_totals(drafter, item, steps, device) for item in items])
 
@@ -179,10 +183,16 @@ def drafter_walks(cfg, run_dir: Path, folders: dict[str, DrafterFolder]) -> dict
     emb = load_input_embedding(cfg.target)
     walks = {}
     for label, folder in folders.items():
+        head = None
+        if folder.family == "dflash":  # no embedding or head of its own: the target's
+            from eagle3ft.targets.hf import load_output_head
+
+            head = (emb, load_output_head(cfg.target))
         drafter = folder.load_like(emb, device)
         with torch.no_grad():
             walks[label] = {
-                name: measure(drafter, [ds[i] for i in idx], cfg.eval.steps, device) for name, idx in groups.items()
+                name: measure(drafter, [ds[i] for i in idx], cfg.eval.steps, device, head)
+                for name, idx in groups.items()
             }
     return walks
 
@@ -204,7 +214,9 @@ def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None)
                 f"{label} {folder} is a training checkpoint (its state.safetensors holds the optimizer's state "
                 "beside the weights), not a drafter folder: give an export (RUN/export, RUN/export-best)"
             )
-    setting = f"{cfg.eval.steps}/1/{cfg.eval.steps + 1}"
+    last = folders["--after"]
+    block = last.config.block_size if last.family == "dflash" else None
+    setting = f"{block - 1}/1/{block}" if block else f"{cfg.eval.steps}/1/{cfg.eval.steps + 1}"
     costs = break_even(run_dir, setting, cfg.eval.checkpoint)  # a damaged file is named before anything is measured
     walks = drafter_walks(cfg, run_dir, folders)
     labels = (before or cfg.drafter.init, after or str(folders["--after"].path))  # as the user named them
