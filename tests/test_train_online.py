@@ -187,9 +187,9 @@ def test_online_without_any_store_names_both(tmp_path):
 
 
 def test_bad_train_features_and_pack_tokens_are_refused(harvested):
-    with pytest.raises(ValueError, match="train.features: 'disk' is not one of offline, online"):
+    with pytest.raises(ValueError, match="train.data.features: 'disk' is not one of offline, online"):
         tiny_cfg("train.data.features=disk")
-    with pytest.raises(ValueError, match="train.pack_tokens must be positive"):
+    with pytest.raises(ValueError, match="train.batch.pack_tokens must be positive"):
         TrainData(tiny_cfg("train.batch.pack_tokens=0"), harvested)
 
 
