@@ -315,7 +315,7 @@ def test_compare_names_a_damaged_cost_file_before_it_measures_anything(compare_r
     monkeypatch.setattr(compare, "drafter_walks", measured)
     (compare_run / "bench" / name).write_text(text)
     line = compare_stop(compare_run, capsys, compare_run / "drafts-x", compare_run / "drafts-y")
-    assert line.startswith(f"compare: error: {compare_run / 'bench' / name}: "), line
+    assert line.startswith(f"compare.py: error: {compare_run / 'bench' / name}: "), line
 
 
 def test_compare_gives_one_conversation_no_interval_and_no_verdict_of_certainty():
@@ -334,7 +334,7 @@ def test_compare_refuses_a_training_checkpoint_as_drafter_weights(compare_run, c
     (ckpt / "state.safetensors").write_bytes(b"optimizer state")
     (ckpt / "trainer_state.json").write_text('{"step": 2}')
     line = compare_stop(compare_run, capsys, compare_run / "drafts-x", ckpt)
-    assert line.startswith(f"compare: error: --after {ckpt} is a training checkpoint"), line
+    assert line.startswith(f"compare.py: error: --after {ckpt} is a training checkpoint"), line
 
 
 def test_compare_on_a_full_disk_is_one_line_naming_its_result(compare_run, capsys, monkeypatch):
@@ -347,7 +347,7 @@ def test_compare_on_a_full_disk_is_one_line_naming_its_result(compare_run, capsy
 
     monkeypatch.setattr(compare, "write_json", full)
     line = compare_stop(compare_run, capsys, compare_run / "drafts-x", compare_run / "drafts-y")
-    assert line.startswith(f"compare: error: {compare_run / 'eval' / 'compare.json'}: no space left"), line
+    assert line.startswith(f"compare.py: error: {compare_run / 'eval' / 'compare.json'}: no space left"), line
 
 
 # --------------------------------------------------------------------------- a full disk
