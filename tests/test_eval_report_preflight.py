@@ -116,6 +116,7 @@ def test_a_stage_run_as_eagle3ft_names_that_command_in_its_errors(tmp_path, monk
     from eagle3ft.commands import main
 
     monkeypatch.setattr("sys.argv", ["eagle3ft"])
+    (tmp_path / "run").mkdir()  # an empty folder: the read-side stages do not create one (eagle3ft/cli.py)
     with pytest.raises(SystemExit) as e:
         main(["bench", "--config", CONFIG, "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()

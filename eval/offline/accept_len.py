@@ -33,6 +33,7 @@ from eagle3ft.eval.offline.acceptance import (
     cycle_walk_rows,
     tree_accept,
 )
+from eagle3ft.eval.offline.dflash_accept import dflash_report, format_dflash
 from eagle3ft.eval.preflight import check_or_exit
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
@@ -332,8 +333,7 @@ def heldout_data(cfg, run_dir: Path, samples_in_split: int) -> dict:
 def run_dflash(cfg, run_dir: Path, folder: DrafterFolder, store: FeatureStore, device) -> dict:
     """A DFlash drafter's offline τ (eval/offline/dflash_accept.py): the live chain walk over the held-out answers,
     written to eval/accept_len.json in the same form."""
-    from eagle3ft.eval.offline.dflash_accept import dflash_report
-    from eagle3ft.targets.hf import load_input_embedding, load_output_head
+    from eagle3ft.targets.hf import load_input_embedding, load_output_head  # transformers: off the --help path
 
     ec = cfg.eval
     drafter = folder.load().to(device).eval()
@@ -364,8 +364,6 @@ def main(argv: list[str] | None = None) -> None:
     ):
         rep = run(cfg, run_dir)
         if isinstance(rep, dict):  # a DFlash drafter's report
-            from eagle3ft.eval.offline.dflash_accept import format_dflash
-
             print(format_dflash(rep))
         else:
             print(format_report(rep))

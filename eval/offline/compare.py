@@ -185,7 +185,7 @@ def drafter_walks(cfg, run_dir: Path, folders: dict[str, DrafterFolder]) -> dict
     for label, folder in folders.items():
         head = None
         if folder.family == "dflash":  # no embedding or head of its own: the target's
-            from eagle3ft.targets.hf import load_output_head
+            from eagle3ft.targets.hf import load_output_head  # transformers: off the --help path
 
             head = (emb, load_output_head(cfg.target))
         drafter = folder.load_like(emb, device)
@@ -211,7 +211,7 @@ def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None)
     for label, folder in folders.items():
         if (folder.path / "trainer_state.json").is_file():
             raise ValueError(
-                f"{label} {folder} is a training checkpoint (its state.safetensors holds the optimizer's state "
+                f"{label} {folder.path} is a training checkpoint (its state.safetensors holds the optimizer's state "
                 "beside the weights), not a drafter folder: give an export (RUN/export, RUN/export-best)"
             )
     last = folders["--after"]

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from eagle3ft.data.loops import answer_loops
 from eagle3ft.drafter.dflash_model import DFlashDrafter
 from eagle3ft.drafter.dflash_walk import accepts, anchor_drafts, walk
 from eagle3ft.train.dflash_objective import answer_spans, walk_counts
@@ -125,8 +126,6 @@ def dflash_walk_totals(
     """One sample's live chain walk as eval/offline/compare.py counts a walk: (tokens committed, cycles, loop-free
     tokens, loop-free cycles); a cycle at anchor a commits positions a + 1 .. a + acc + 1, and its share of loop-free
     tokens (data/loops.py) counts that share of the cycle."""
-    from eagle3ft.data.loops import answer_loops
-
     B = drafter.config.block_size
     dtype = next(drafter.parameters()).dtype
     embed, lm_head = embed.to(device, dtype), lm_head.to(device, dtype)
