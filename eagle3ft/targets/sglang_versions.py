@@ -4,7 +4,7 @@ Every server command the product builds passes ``check_args`` for ``serve.sglang
 flag that version refuses stops the launch with one line naming the version and the flag. What each version takes,
 read from its wheel (``pip download --no-deps sglang==V``):
 
-- **Flags**: ``sglang_cli/V.json``, every option string of that version's ``ServerArgs.add_cli_args`` with the number
+- **Flags**: ``sglang-cli/V.json``, every option string of that version's ``ServerArgs.add_cli_args`` with the number
   of values and the choices it takes (recorded by benchmarks/sglang_cli_options.py from the real parser).
   ``check_args`` matches as argparse does: an exact option, else a unique prefix, else "ambiguous option". So
   ``--cuda-graph-max-bs``, a deprecated alias in 0.5.17 (``srt/server_args.py:8315-8321``), is ambiguous in 0.5.23
@@ -86,7 +86,7 @@ def nearest(version: tuple[int, ...]) -> Version | None:
 
 @cache
 def _options(name: str) -> dict[str, dict]:
-    return json.loads((Path(__file__).parent / "sglang_cli" / f"{name}.json").read_text())["options"]
+    return json.loads((Path(__file__).parent / "sglang-cli" / f"{name}.json").read_text())["options"]
 
 
 _NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
