@@ -29,6 +29,18 @@ def read_json(path: str | Path, what: str):
         raise DamagedFile(f"{path}: {what} is not valid JSON ({e}); the file is truncated or damaged") from None
 
 
+def read_json_object(path: str | Path, what: str) -> dict:
+    """The JSON object in `path` (a config.json): FileNotFoundError when there is no such file, DamagedFile when it is
+    not valid JSON, ValueError when it holds something else than an object; each names `what` and the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{what} not found: {p}")
+    raw = read_json(p, f"the {what}")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{p}: the {what} is not a JSON object")
+    return raw
+
+
 def safetensors_keys(path: str | Path, what: str) -> list[str]:
     """The tensor names of a safetensors file; DamagedFile naming the file when its header or length is wrong."""
     try:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from eagle3ft.drafter.vocab import check_vocab
-from eagle3ft.files import read_json
+from eagle3ft.files import read_json_object
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # On a Llama target SGLang's aux id i is the output of decoder layer i; vLLM's id j is the hidden state entering
@@ -109,13 +109,7 @@ class DrafterConfig:
     @classmethod
     def from_json(cls, path: str | Path, draft_vocab_size: int | None = None) -> "DrafterConfig":
         """The one reader of a drafter's config.json; draft_vocab_size, when given, overrides the file's."""
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"drafter config not found: {p}")
-        raw = read_json(p, "the drafter config")
-        if not isinstance(raw, dict):
-            raise ValueError(f"{p}: the drafter config is not a JSON object")
-        return cls.from_dict(raw, draft_vocab_size, str(p))
+        return cls.from_dict(read_json_object(path, "drafter config"), draft_vocab_size, str(path))
 
     @classmethod
     def from_dict(cls, d: dict, draft_vocab_size: int | None = None, path: str = "drafter config") -> "DrafterConfig":

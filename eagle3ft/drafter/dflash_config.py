@@ -19,7 +19,7 @@ from numbers import Integral
 from pathlib import Path
 from typing import Any
 
-from eagle3ft.files import read_json
+from eagle3ft.files import read_json_object
 
 DFLASH = "DFlashDraftModel"  # SGLang's models/dflash.py EntryClass (the generic one; Laguna's is another layout)
 ROPE_TYPES = ("default", "yarn")  # dflash_model.rope_cos_sin builds these as SGLang does
@@ -89,13 +89,7 @@ class DFlashConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "DFlashConfig":
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"DFlash config not found: {p}")
-        raw = read_json(p, "the DFlash config")
-        if not isinstance(raw, dict):
-            raise ValueError(f"{p}: the DFlash config is not a JSON object")
-        return cls.from_dict(raw, str(p))
+        return cls.from_dict(read_json_object(path, "DFlash config"), str(path))
 
     @classmethod
     def from_dict(cls, d: dict, path: str = "DFlash config") -> "DFlashConfig":

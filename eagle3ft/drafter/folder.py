@@ -24,7 +24,7 @@ from eagle3ft.drafter.config import DrafterConfig, check_drafter
 from eagle3ft.drafter.dflash_config import DFLASH, DFlashConfig
 from eagle3ft.drafter.export import CONFIG, LAYOUTS, check_weight_shapes, drafter_tensors, load_drafter, write_drafter
 from eagle3ft.drafter.vocab import check_vocab, vocab_from_drafter
-from eagle3ft.files import check_finite_file, read_json
+from eagle3ft.files import check_finite_file, read_json, read_json_object
 from eagle3ft.run_dir import RunDir
 
 EAGLE3, DFLASH_KIND = "eagle3", "dflash"
@@ -39,15 +39,10 @@ def family_of(raw: dict) -> str:
 
 def read_spec(path: str | Path, draft_vocab_size: int | None = None) -> DrafterConfig | DFlashConfig:
     """An architecture json (or a folder's config.json) of either kind, by its architectures."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"drafter config not found: {p}")
-    raw = read_json(p, "the drafter config")
-    if not isinstance(raw, dict):
-        raise ValueError(f"{p}: the drafter config is not a JSON object")
+    raw = read_json_object(path, "drafter config")
     if family_of(raw) == DFLASH_KIND:
-        return DFlashConfig.from_dict(raw, str(p))
-    return DrafterConfig.from_json(p, draft_vocab_size)
+        return DFlashConfig.from_dict(raw, str(path))
+    return DrafterConfig.from_dict(raw, draft_vocab_size, str(path))
 
 
 def spec_family(spec: DrafterConfig | DFlashConfig) -> str:
