@@ -195,6 +195,7 @@ def test_eagle3ft_bench_runs_the_concurrency_sweep(doubles, tmp_path, capsys, mo
     sets = BENCH + [f"bench.sglang.baseline_url={base.url}", f"bench.sglang.speculative_url={spec.url}"]
     sets += ["bench.concurrency=[1,2]", "bench.repetitions=1"]
     run = tmp_path / "run"
+    run.mkdir()  # servers benched alone: the read-side stages do not create a run folder (eagle3ft/cli.py)
     with pytest.raises(SystemExit) as e:
         main(
             ["bench", "--config", str(REPO_ROOT / "configs/tiny.yaml"), "--run-dir", str(run)]
