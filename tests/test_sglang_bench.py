@@ -326,3 +326,11 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         f"baseline-{port}.log",
         f"speculative-3-1-4-{port + 1}.log",
     ]
+
+
+def test_the_bench_takes_its_http_timeout_from_its_own_section(tmp_path):
+    """bench.sglang.timeout_s, not the harvest client's timeout (which the bench read before it had its own)."""
+    sets = BENCH + ["bench.sglang.timeout_s=7", "harvest.sglang.timeout_s=99"]
+    backend = SGLangBackend(load_config(REPO_ROOT / "configs/tiny.yaml", sets), tmp_path)
+    assert backend.timeout_s == 7.0
+    backend.close()

@@ -103,7 +103,7 @@ class SGLangBackend:
             raise ValueError("bench.sglang.requests is empty: name whole, stream or both")
         self.tokenizer = load_tokenizer(cfg.target)  # the served target's: the caller renders the prompts with it
         self.eos_ids = list(ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids)
-        self.timeout_s = float(cfg.harvest.sglang.timeout_s)
+        self.timeout_s = float(cfg.bench.sglang.timeout_s)
         self.launched: dict[str, SGLangServer] = {}  # key -> server, least recently used first
         self._ports: dict[str, int] = {}
         self.infos: dict[str, dict] = {}
