@@ -92,9 +92,9 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
         ],
     )
     backend = SGLangBackend(cfg, tmp_path)
-    sets = load_prompt_sets(cfg, backend.tokenizer)
+    sets = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)
     prompts = sets[0].prompts
-    summary = schedule.run(cfg, tmp_path, backend, sets, log=lambda *_: None)
+    summary = schedule.run(cfg.eval, cfg.bench, tmp_path, backend, sets, log=lambda *_: None)
     after_bench(tmp_path, cfg, log=lambda *_: None)
 
     # offline tau on the plain server's own answers: what eval/offline/same_prompts.py gives for those tokens in-process
@@ -259,7 +259,14 @@ def test_sampled_bench_records_the_servers_verify_settings(tiny, doubles, tmp_pa
         ]
         cfg = load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + sets)
         backend = SGLangBackend(cfg, tmp_path)
-        schedule.run(cfg, tmp_path, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *_: None)
+        schedule.run(
+            cfg.eval,
+            cfg.bench,
+            tmp_path,
+            backend,
+            load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer),
+            log=lambda *_: None,
+        )
         backend.close()
     finally:
         spec.stop()
@@ -307,7 +314,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         SGLangBackend(cfg, tmp_path)  # one server at a time, interleaved per prompt
     cfg.bench.interleave = "pass"
     backend = SGLangBackend(cfg, tmp_path)
-    prompt = load_prompt_sets(cfg, backend.tokenizer)[0].prompts[:1]
+    prompt = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)[0].prompts[:1]
     (b,) = backend.run_baseline(prompt, 8)
     baseline = backend.launched["baseline"]
     (r,) = backend.run_speculative(prompt, Setting(3, 1, 4), 8)

@@ -145,7 +145,8 @@ class EmbeddedBackend:
             torch.set_num_threads(cfg.bench.embedded.threads)
         if folders is None:
             folders = {
-                k: check_run_drafter(f, RunDir(run_dir).features) for k, f in bench_drafters(cfg, run_dir).items()
+                k: check_run_drafter(f, RunDir(run_dir).features)
+                for k, f in bench_drafters(cfg.eval, cfg.bench, run_dir).items()
             }
         self.model, self.tokenizer = load_target(cfg.target)
         chain_attention.use(self.model, cfg.bench.embedded.attention)

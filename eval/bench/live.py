@@ -51,8 +51,8 @@ def run(cfg, run_dir: Path, log=print) -> dict:
     Returns the bench's summary."""
     backend = make_backend(cfg, run_dir)
     try:
-        sets = load_prompt_sets(cfg, backend.tokenizer)
-        summary = schedule.run(cfg, run_dir, backend, sets, log)
+        sets = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)
+        summary = schedule.run(cfg.eval, cfg.bench, run_dir, backend, sets, log)
         after_bench(run_dir, cfg, log)
         if isinstance(backend, SGLangBackend):
             run_concurrency(cfg, run_dir, backend, sets[0].prompts, log)

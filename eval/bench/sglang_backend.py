@@ -336,7 +336,7 @@ class SGLangBackend:
             return None
         from eagle3ft.eval.offline.same_prompts import checkpoint_offline_tau  # loads transformers: only when asked
 
-        return checkpoint_offline_tau(self.cfg, self.drafter, prompts, answers, settings)
+        return checkpoint_offline_tau(self.cfg.target, self.cfg.eval, self.drafter, prompts, answers, settings)
 
     def environment(self) -> dict:
         servers = {}

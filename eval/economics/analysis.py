@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
+from eagle3ft.config import Config
 from eagle3ft.eval.economics.calibration import (
     CalibrationError,
     format_prediction,
@@ -220,11 +221,11 @@ def offline_loop_free(run_dir: Path) -> dict[str, float]:
     return {k: v["tau_walk_loop_free"] for k, v in settings.items() if v.get("tau_walk_loop_free")}
 
 
-def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
+def run(run_dir: Path, cfg: Config | None = None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
     """economics.json (+ calibration.json) from this run's summary, and the prediction when bench.calibration is set."""
     run_dir = Path(run_dir)
     offline, basis, intervals = read_offline_tau(RunDir(run_dir).accept_len)
-    cal = from_config(cfg)
+    cal = from_config(cfg.bench if cfg is not None else None)
     target = cfg.target.name if cfg is not None else None
     pred = write_prediction(run_dir, cal, offline, basis, intervals) if cal else None
     summary_path = RunDir(run_dir).bench_summary
@@ -247,7 +248,7 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
     return ec, pred
 
 
-def after_bench(run_dir: Path, cfg, log=print) -> Economics:
+def after_bench(run_dir: Path, cfg: Config, log=print) -> Economics:
     """A finished bench's economics.json and calibration.json (and the prediction with bench.calibration), its table
     logged: what a bench's entry point runs once the bench is done."""
     ec, _ = run(run_dir, cfg)
