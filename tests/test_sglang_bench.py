@@ -177,7 +177,7 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
     econ = json.loads((tmp_path / "bench/economics.json").read_text())
     assert econ and summary["costs"]["verify_s"]["4"] > 0  # cycle time measured from the server per setting
 
-    conc = run_concurrency(cfg, tmp_path, backend, prompts, log=lambda *_: None)
+    conc = run_concurrency(cfg.bench, tmp_path, backend, prompts, log=lambda *_: None)
     level = conc["levels"]["2"]
     assert level["baseline"]["tok_s"]["median"] > 0 and level["3/1/4"]["tau"] == pytest.approx(
         sum(len(g.tokens) for g in gens) / sum(g.verify_count for g in gens)
