@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3ft.config import Config, resolve_path
+from eagle3ft.config import Config, TargetConfig, resolve_path
+from eagle3ft.config_train import ObjectiveConfig
 from eagle3ft.data.store import StoreError
 from eagle3ft.drafter.config import DrafterConfig, capture_points, check_drafter
 from eagle3ft.drafter.folder import DrafterFolder
@@ -148,9 +149,11 @@ def adopt_drafter_vocab(run_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, fol
     )
 
 
-def target_head(cfg: Config, data: TrainData, model: Eagle3Drafter) -> torch.Tensor | None:
+def target_head(
+    objective: ObjectiveConfig, target: TargetConfig, data: TrainData, model: Eagle3Drafter
+) -> torch.Tensor | None:
     """The target lm_head rows of the draft vocab when p comes from last_hidden, else None."""
-    source = cfg.train.objective.target_source
+    source = objective.target_source
     if source not in ("auto", "topk", "last_hidden"):
         raise ValueError(f"train.target_source '{source}' is not one of auto, topk, last_hidden")
     has = data.has_last_hidden
@@ -163,4 +166,4 @@ def target_head(cfg: Config, data: TrainData, model: Eagle3Drafter) -> torch.Ten
     from eagle3ft.targets.hf import load_output_head
 
     ids = torch.arange(model.config.draft_vocab_size) + model.d2t
-    return load_output_head(cfg.target)[ids].float()
+    return load_output_head(target)[ids].float()
