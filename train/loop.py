@@ -117,7 +117,7 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
         objective = dflash_objective(cfg, run_dir, data, spec)
         model = objective.drafter
     else:
-        model = build_drafter(cfg, run_dir, data.target, data.token_counts)
+        model = build_drafter(cfg.drafter, cfg.target, run_dir, data.target, data.token_counts)
         if torch.cuda.is_available() if tcfg.engine.compile is None else tcfg.engine.compile:  # null: on with CUDA
             model.compile_blocks()
         objective = TTTObjective(
