@@ -95,7 +95,7 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
     sets = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)
     prompts = sets[0].prompts
     summary = schedule.run(cfg.eval, cfg.bench, tmp_path, backend, sets, log=lambda *_: None)
-    after_bench(tmp_path, cfg, log=lambda *_: None)
+    after_bench(tmp_path, cfg.bench, cfg.target, log=lambda *_: None)
 
     # offline tau on the plain server's own answers: what eval/offline/same_prompts.py gives for those tokens in-process
     answers = [r["output_ids"] for r in runs_of(tmp_path) if r["mode"] == "baseline" and r["repetition"] == 0]

@@ -15,6 +15,7 @@ drafters and prompt sets in the same interleaved run.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from eagle3ft.cli import cli_errors, command_name, error_log, parse_cli
 from eagle3ft.config import Config
@@ -46,7 +47,7 @@ def make_backend(cfg: Config, run_dir: Path) -> BenchBackend:
     raise ValueError(f"bench.backend {cfg.bench.backend!r}: expected embedded or sglang")
 
 
-def run(cfg: Config, run_dir: Path, log=print) -> dict:
+def run(cfg: Config, run_dir: Path, log: Callable[[str], None] = print) -> dict:
     """The benchmark on the configured backend, then the run's economics, then (SGLang) the bench.concurrency levels
     above 1 on the first prompt set (RUN/bench/concurrency.json); the backend closed (servers stopped) at the end.
     Returns the bench's summary."""
@@ -54,7 +55,7 @@ def run(cfg: Config, run_dir: Path, log=print) -> dict:
     try:
         sets = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)
         summary = schedule.run(cfg.eval, cfg.bench, run_dir, backend, sets, log)
-        after_bench(run_dir, cfg, log)
+        after_bench(run_dir, cfg.bench, cfg.target, log)
         if isinstance(backend, SGLangBackend):
             run_concurrency(cfg.bench, run_dir, backend, sets[0].prompts, log)
     finally:

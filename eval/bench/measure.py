@@ -7,13 +7,14 @@ eval/report/demo_summary.py's `offline` and `measure` run it; its `headline` rea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from eagle3ft.config import BenchConfig, Config, EvalConfig, HarvestConfig
 from eagle3ft.data.render import load_prompt_sets
 from eagle3ft.data.sources import heldout_sets
-from eagle3ft.data.store import FeatureStore
+from eagle3ft.data.store import FeatureDataset, FeatureStore
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.bench import schedule
 from eagle3ft.eval.bench.backend import bench_drafters
@@ -42,7 +43,9 @@ def offline_by_source(drafter, ds, groups: dict[str, list[int]], steps: int, dev
     return out
 
 
-def check_drafters(harvest: HarvestConfig, run_dir: Path, folders: dict[str, DrafterFolder]):
+def check_drafters(
+    harvest: HarvestConfig, run_dir: Path, folders: dict[str, DrafterFolder]
+) -> tuple[FeatureDataset, dict[str, list[int]]]:
     """Every folder against the run's features, before anything is loaded; returns (the held-out dataset, its sample
     indices per source)."""
     store = FeatureStore(RunDir(run_dir).features)
@@ -52,7 +55,13 @@ def check_drafters(harvest: HarvestConfig, run_dir: Path, folders: dict[str, Dra
 
 
 def offline_all(
-    ev: EvalConfig, run_dir: Path, drafters: dict, folders: dict[str, DrafterFolder], held, device, log=print
+    ev: EvalConfig,
+    run_dir: Path,
+    drafters: dict,
+    folders: dict[str, DrafterFolder],
+    held: tuple[FeatureDataset, dict[str, list[int]]],
+    device: torch.device,
+    log: Callable[[str], None] = print,
 ) -> dict[str, dict]:
     """Offline tau per held-out source for each loaded drafter; writes RUN/demo/offline-<label>.json. `held` is
     check_drafters' (dataset, sample indices per source)."""
@@ -86,7 +95,9 @@ def _pick(ev: EvalConfig, bench: BenchConfig, only: list[str] | None) -> list[st
     return [k for k in labels if not only or k in only]
 
 
-def run_offline(cfg: Config, run_dir: Path, only: list[str] | None = None, log=print) -> dict[str, dict]:
+def run_offline(
+    cfg: Config, run_dir: Path, only: list[str] | None = None, log: Callable[[str], None] = print
+) -> dict[str, dict]:
     """Offline tau per held-out source for each drafter (or those in `only`), in the target's dtype."""
 
     folders = bench_drafters(cfg.eval, cfg.bench, run_dir, _pick(cfg.eval, cfg.bench, only))
@@ -97,7 +108,7 @@ def run_offline(cfg: Config, run_dir: Path, only: list[str] | None = None, log=p
     return offline_all(cfg.eval, run_dir, drafters, folders, held, device, log)
 
 
-def run_measure(cfg: Config, run_dir: Path, log=print) -> dict:
+def run_measure(cfg: Config, run_dir: Path, log: Callable[[str], None] = print) -> dict:
     """One process, one target load: every drafter's offline tau per held-out set, then the live bench (plain
     against eval.checkpoint and bench.drafters, interleaved, every prompt set) with the drafters the bench loaded, then
     the bench's economics."""
@@ -109,6 +120,6 @@ def run_measure(cfg: Config, run_dir: Path, log=print) -> dict:
     offline_all(cfg.eval, run_dir, backend.drafters, folders, held, backend.device, log)
     sets = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)
     summary = schedule.run(cfg.eval, cfg.bench, run_dir, backend, sets, log)
-    after_bench(run_dir, cfg, log)
+    after_bench(run_dir, cfg.bench, cfg.target, log)
     log(format_summary(summary))
     return summary
