@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from eagle3ft.config import BenchConfig, TargetConfig
+from eagle3ft.config import BenchConfig, SourceConfig, TargetConfig
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import collect
 
@@ -19,7 +19,7 @@ class PromptSet:
     prompts: list[list[int]]  # token ids, generation prompt included
 
 
-def load_prompts(target: TargetConfig, tokenizer, source) -> list[list[int]]:
+def load_prompts(target: TargetConfig, tokenizer, source: SourceConfig) -> list[list[int]]:
     """First user turn of each conversation of `source` (a SourceConfig), chat-templated into token ids."""
     convs = collect([source], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
     chat = ChatFormat(tokenizer, target.chat_template)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -25,7 +26,11 @@ from eagle3ft.train.data import TrainData
 
 
 def build_drafter(
-    drafter: DrafterSection, target_cfg: TargetConfig, run_dir: Path, target: dict, token_counts=None
+    drafter: DrafterSection,
+    target_cfg: TargetConfig,
+    run_dir: Path,
+    target: dict,
+    token_counts: Callable[[int], torch.Tensor] | None = None,
 ) -> Eagle3Drafter:
     """`_build_drafter`'s drafter, whose export names for vLLM the layers SGLang captures on this target."""
     from eagle3ft.targets.hf import target_architectures
@@ -38,7 +43,11 @@ def build_drafter(
 
 
 def _build_drafter(
-    drafter: DrafterSection, target_cfg: TargetConfig, run_dir: Path, target: dict, token_counts=None
+    drafter: DrafterSection,
+    target_cfg: TargetConfig,
+    run_dir: Path,
+    target: dict,
+    token_counts: Callable[[int], torch.Tensor] | None = None,
 ) -> Eagle3Drafter:
     """Scratch (architecture json + the run's vocab) or warm start (a drafter folder, its own d2t/t2d).
 

@@ -27,6 +27,7 @@ from eagle3ft.drafter.dflash_config import DFlashConfig
 from eagle3ft.drafter.dflash_model import DFlashDrafter
 from eagle3ft.drafter.dflash_walk import accepts, anchor_drafts, walk
 from eagle3ft.drafter.folder import DFLASH_KIND, DrafterFolder
+from eagle3ft.train.data import TrainData
 from eagle3ft.train.dflash_loss import dflash_loss, sample_anchors
 
 
@@ -192,7 +193,7 @@ def check_dflash_run(train: TrainConfig) -> None:
         )
 
 
-def dflash_objective(cfg: Config, run_dir: Path, data, spec: DFlashConfig) -> DFlashObjective:
+def dflash_objective(cfg: Config, run_dir: Path, data: TrainData, spec: DFlashConfig) -> DFlashObjective:
     """The drafter built or warm-started (build_dflash) and its objective over the target's frozen embedding and
     LM head."""
     from eagle3ft.targets.hf import load_input_embedding, load_output_head

@@ -28,6 +28,7 @@ from eagle3ft.data.store import FeatureStore, collate
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.train.dist import Dist
 
 
 @dataclass
@@ -188,7 +189,14 @@ class HeldoutTracker:
     """
 
     def __init__(
-        self, run_dir: Path, heldout, train: TrainConfig, ev: EvalConfig, dist, resumed: bool, depth: int | None = None
+        self,
+        run_dir: Path,
+        heldout: tuple,
+        train: TrainConfig,
+        ev: EvalConfig,
+        dist: Dist,
+        resumed: bool,
+        depth: int | None = None,
     ) -> None:
         """heldout: (items, where, features, each item's source name) as train/data.py's TrainData.heldout gives
         them. depth: the chain's length (default eval.steps; a DFlash drafter's block drafts B - 1)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from eagle3ft.config import BenchConfig, EvalConfig
 from eagle3ft.data.render import PromptSet
@@ -62,7 +63,12 @@ class _Arms:
 
 
 def run(
-    ev: EvalConfig, bench: BenchConfig, run_dir: Path, backend: BenchBackend, sets: list[PromptSet], log=print
+    ev: EvalConfig,
+    bench: BenchConfig,
+    run_dir: Path,
+    backend: BenchBackend,
+    sets: list[PromptSet],
+    log: Callable[[str], None] = print,
 ) -> dict:
     """The benchmark on `backend` over the caller's prompt sets (the first is the summary's top level): warm-up,
     interleaved repetitions into RUN/bench/runs.jsonl, then RUN/bench/summary.json, which it returns."""
@@ -88,7 +94,9 @@ def run(
     return summary
 
 
-def _repetitions(bench: BenchConfig, run_dir: Path, arms: _Arms, sets: list[PromptSet], log) -> list[dict]:
+def _repetitions(
+    bench: BenchConfig, run_dir: Path, arms: _Arms, sets: list[PromptSet], log: Callable[[str], None]
+) -> list[dict]:
     """The timed repetitions, every arm per prompt (bench.interleave prompt) or per pass; each request a row of
     RUN/bench/runs.jsonl, written as it comes and renamed into place at the end."""
     bc, paths = bench, RunDir(run_dir)

@@ -42,6 +42,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import requests
 
@@ -366,7 +367,11 @@ class SGLangBackend:
 
 
 def run_concurrency(
-    bench: BenchConfig, run_dir: Path, backend: SGLangBackend, prompts: list[list[int]], log=print
+    bench: BenchConfig,
+    run_dir: Path,
+    backend: SGLangBackend,
+    prompts: list[list[int]],
+    log: Callable[[str], None] = print,
 ) -> dict | None:
     """bench.concurrency levels above 1: baseline and every setting interleaved per repetition."""
     levels = sorted({c for c in bench.concurrency if c > 1})

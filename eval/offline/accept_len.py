@@ -338,7 +338,7 @@ def run_dflash(
     run_dir: Path,
     folder: DrafterFolder,
     store: FeatureStore,
-    device,
+    device: torch.device,
 ) -> dict:
     """A DFlash drafter's offline τ (eval/offline/dflash_accept.py): the live chain walk over the held-out answers,
     written to eval/accept_len.json in the same form."""
