@@ -151,13 +151,19 @@ def read_as(data: dict, overrides: list[str], merged: dict, old: str, new: str) 
     takes `old`'s value in `merged` (the plain data about to be built), with a one-line notice: a key that a stage once
     read from another section's place."""
 
+    given: dict = {}
+    for o in overrides:
+        apply_override(given, o)
+
     def written(key: str) -> bool:
-        node: Any = data
-        for p in key.split("."):
-            if not isinstance(node, dict) or p not in node:
-                return any(o.partition("=")[0].strip() == key for o in overrides)
-            node = node[p]
-        return True
+        def holds(node: Any) -> bool:
+            for p in key.split("."):
+                if not isinstance(node, dict) or p not in node:
+                    return False
+                node = node[p]
+            return True
+
+        return holds(data) or holds(given)
 
     if written(old) and not written(new):
         *path, last = old.split(".")

@@ -301,6 +301,7 @@ def test_the_sglang_bench_timeout_is_its_own_key_and_the_harvest_one_is_still_re
     for path, sets in [
         (write(tmp_path, "harvest:\n  sglang: {timeout_s: 1800}\n"), []),
         (None, ["harvest.sglang.timeout_s=1800"]),
+        (None, ["harvest.sglang={timeout_s: 1800}"]),
     ]:
         cfg = load_config(path, sets)
         assert (cfg.harvest.sglang.timeout_s, cfg.bench.sglang.timeout_s) == (1800.0, 1800.0)
