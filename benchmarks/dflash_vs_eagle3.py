@@ -54,7 +54,7 @@ def walks(config: str, run: Path, sets: list[str]) -> dict[str, dict]:
     cfg = load_config(REPO / config, sets)
     folder = DrafterFolder.of_run(run, cfg.eval.checkpoint)
     out = {}
-    for name, totals in drafter_walks(cfg, run, {"x": folder})["x"].items():
+    for name, totals in drafter_walks(cfg.eval, cfg.target, cfg.harvest, run, {"x": folder})["x"].items():
         tau, free = SetTotals.taus(totals.sums())
         out[name] = {"tau": float(tau), "tau_loop_free": float(free), "tokens": int(totals.sums()[0])}
     B = folder.config.block_size if folder.family == "dflash" else None

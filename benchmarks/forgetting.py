@@ -150,7 +150,7 @@ def compare_arms(out: Path, arms: tuple[str, ...]) -> dict:
     folders = {"shipped": REPO / SHIPPED, **{arm: out / arm / "export" for arm in arms}}
     todo = {k: v for k, v in folders.items() if not (cache / f"{k}.json").is_file()}
     if todo:
-        for label, walk in compare.drafter_walks(cfg, out / "data", todo).items():
+        for label, walk in compare.drafter_walks(cfg.eval, cfg.target, cfg.harvest, out / "data", todo).items():
             (cache / f"{label}.json").write_text(json.dumps({n: t.per_sample for n, t in walk.items()}) + "\n")
     walks = {
         k: {n: compare.SetTotals(v) for n, v in json.loads((cache / f"{k}.json").read_text()).items()} for k in folders

@@ -51,7 +51,7 @@ def dataset(args) -> None:
 
     cfg = load_config(args.config, args.set)
     tok = load_tokenizer(cfg.target)
-    ours = load_prompts(cfg, tok, cfg.bench.prompts)
+    ours = load_prompts(cfg.target, tok, cfg.bench.prompts)
     texts = [tok.decode(ids) for ids in ours]
     same = sum(tok(t)["input_ids"] == ids for t, ids in zip(texts, ours))  # as the server tokenizes a text prompt
     with open(args.out, "w") as f:
@@ -256,7 +256,7 @@ def prompts(a) -> None:
 
     cfg = load_config(a.config, a.set)
     tok = load_tokenizer(cfg.target)
-    ids = load_prompts(cfg, tok, cfg.bench.prompts)[: a.num_prompts or None]
+    ids = load_prompts(cfg.target, tok, cfg.bench.prompts)[: a.num_prompts or None]
     texts = [tok.decode(p) for p in ids]
     if any(tok(t)["input_ids"] != p for t, p in zip(texts, ids)):
         raise SystemExit("outside_client.py: error: a text prompt would tokenize to other ids than the bench sends")

@@ -172,7 +172,7 @@ def main() -> None:
         from eagle3ft.train.data import OnlineTarget
 
         cfg = load_config(REPO / a.config, [f"harvest.topk={a.topk}"])
-        online = OnlineTarget(cfg).to(dev)
+        online = OnlineTarget(cfg.target, cfg.drafter, cfg.harvest).to(dev)
         token_batches = [{k: b[k] for k in ("input_ids", "attention_mask", "position_ids")} for b in layouts["packed"]]
         online.features({k: v.to(dev) for k, v in token_batches[0].items()}, dev)  # warm-up
         times = []

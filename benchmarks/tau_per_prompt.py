@@ -90,8 +90,8 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     st = Setting.parse(args.setting)
     model, tok = load_target(cfg.target)
-    label, src = set_labels(cfg)[0]
-    prompts = load_prompts(cfg, tok, src)
+    label, src = set_labels(cfg.bench)[0]
+    prompts = load_prompts(cfg.target, tok, src)
     plain, _ = bench_answers(args.run, label, len(prompts))
     own, _ = bench_answers(args.run, label, len(prompts), st.key)
     runs = [json.loads(line) for line in (args.run / "bench" / "runs.jsonl").read_text().splitlines() if line.strip()]

@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from eagle3ft.cli import run_stage, save_resolved
-from eagle3ft.config import Config, HarvestConfig, resolve_path, to_dict
+from eagle3ft.config import Config, HarvestConfig, TargetConfig, resolve_path, to_dict
 from eagle3ft.data.aux_rows import row_checker
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.checks import HarvestRefused, argmax_check, check_argmax_rate, check_aux_rows
@@ -193,15 +193,15 @@ NOT_FINGERPRINTED = (
 )
 
 
-def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
+def fingerprint(harvest: HarvestConfig, target: TargetConfig, seed: int, convs: list[Conversation]) -> str:
     """What must match for a rerun to resume this harvest: the sample order and how samples are made."""
-    h = cfg.harvest
+    h = harvest
     what = {
         "keys": [(c.key, c.split) for c in convs],
         "harvest": {k: v for k, v in to_dict(h).items() if k not in NOT_FINGERPRINTED},
         "sources": source_identity(h.sources),
-        "chat_template": cfg.target.chat_template,
-        "seed": cfg.seed,
+        "chat_template": target.chat_template,
+        "seed": seed,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
@@ -268,7 +268,7 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     for src in h.sources:
         if src.kind == "tokens":  # its ids are taken as they are: they must be this tokenizer's
             check_tokenizer(check_source(src), chat.tokenizer)
-    target = open_target(cfg, spec)
+    target = open_target(cfg.target, cfg.harvest, spec)
     info = target.info
 
     def prompt_fits(messages: list[dict]) -> str | None:
@@ -290,7 +290,9 @@ def run_harvest(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     if dflash:  # aux_hidden holds the outputs of layers aux_layer_ids (K chunks), at these hidden_states indices
         identity["capture"] = {"kind": "dflash", "hidden_states": spec.hidden_state_indices()}
     features_dir = RunDir(run_dir).features
-    writer = FeatureWriter(features_dir, identity, h.topk, h.store_last_hidden, fingerprint(cfg, convs), h.aux_dtype)
+    writer = FeatureWriter(
+        features_dir, identity, h.topk, h.store_last_hidden, fingerprint(h, cfg.target, cfg.seed, convs), h.aux_dtype
+    )
     if damaged := writer.drop_damaged():
         print(
             f"harvest: {features_dir}: {len(damaged)} committed shard(s) damaged or missing "

@@ -35,7 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eagle3ft.cli import run_stage
-from eagle3ft.config import Config, to_dict
+from eagle3ft.config import Config, HarvestConfig, TargetConfig, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.contamination import HeldoutGrams, words
 from eagle3ft.data.regen_backends import Gen, RegenError, open_backend
@@ -94,14 +94,14 @@ class PromptFilter:
         self.near.add(" ".join(words(t)))
 
 
-def fingerprint(cfg: Config) -> str:
-    m = to_dict(cfg.harvest.magpie)
+def fingerprint(harvest: HarvestConfig, target: TargetConfig) -> str:
+    m = to_dict(harvest.magpie)
     what = {
         "magpie": {k: v for k, v in m.items() if k not in ("count", "max_draws", "chunk")},
         "chunk": m["chunk"],
-        "target": cfg.target.name,
-        "chat_template": cfg.target.chat_template,
-        "backend": cfg.harvest.backend,
+        "target": target.name,
+        "chat_template": target.chat_template,
+        "backend": harvest.backend,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
@@ -145,10 +145,10 @@ def run_magpie(cfg: Config, run_dir: str | Path) -> dict:
         getattr(tokenizer, "additional_special_tokens", [])
     )
     flt = PromptFilter(m, HeldoutGrams(m.heldout), specials)
-    state = _resume(out, state_path, fingerprint(cfg), flt)
+    state = _resume(out, state_path, fingerprint(cfg.harvest, cfg.target), flt)
     filtered = Counter(state["filtered"])
     max_draws = m.max_draws or 20 * m.count
-    backend = open_backend(cfg, Sampling(temperature=m.temperature, top_p=m.top_p), chat.stop_ids)
+    backend = open_backend(cfg.target, cfg.harvest, Sampling(temperature=m.temperature, top_p=m.top_p), chat.stop_ids)
     with tqdm(total=m.count, initial=state["kept"], unit="prompt", desc="magpie", file=sys.stderr) as bar:
         while state["kept"] < m.count and state["draws"] < max_draws:
             first = state["draws"]

@@ -68,7 +68,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from eagle3ft.cli import run_stage, save_resolved
-from eagle3ft.config import Config, to_dict
+from eagle3ft.config import Config, HarvestConfig, TargetConfig, to_dict
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.harvest import check_harvest_config, conversations
 from eagle3ft.data.prompts import Conversation, check_source, source_identity
@@ -90,9 +90,9 @@ def longest_first(convs: list[Conversation]) -> list[Conversation]:
     return sorted(convs, key=lambda c: -sum(m["role"] == "user" for m in c.messages))
 
 
-def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
+def fingerprint(harvest: HarvestConfig, target: TargetConfig, seed: int, convs: list[Conversation]) -> str:
     """What must match for a rerun to resume: the conversation order and how answers are made."""
-    h = to_dict(cfg.harvest)
+    h = to_dict(harvest)
     gen_keys = (
         "sources",
         "max_turns",
@@ -107,9 +107,9 @@ def fingerprint(cfg: Config, convs: list[Conversation]) -> str:
     )
     what = {
         "keys": [(c.key, c.split) for c in convs],
-        "harvest": {k: h[k] if k != "sources" else source_identity(cfg.harvest.sources) for k in gen_keys},
-        "chat_template": cfg.target.chat_template,
-        "seed": cfg.seed,
+        "harvest": {k: h[k] if k != "sources" else source_identity(harvest.sources) for k in gen_keys},
+        "chat_template": target.chat_template,
+        "seed": seed,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 
@@ -167,7 +167,7 @@ def run_regen(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         "stop_ids": list(chat.stop_ids),
     }
     convs = longest_first(convs)
-    writer = TokenWriter(RunDir(run_dir).tokens, identity, fingerprint(cfg, convs))
+    writer = TokenWriter(RunDir(run_dir).tokens, identity, fingerprint(cfg.harvest, cfg.target, cfg.seed, convs))
     if record:
         save_resolved(cfg, run_dir, "regen")
     chunks = []
@@ -180,7 +180,7 @@ def run_regen(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
     todo = [(s, i, m) for s, i, m in chunks if i not in writer.done(s)]
 
     sampling = Sampling(temperature=h.temperature, top_p=h.top_p)
-    backend = open_backend(cfg, sampling, chat.stop_ids)
+    backend = open_backend(cfg.target, cfg.harvest, sampling, chat.stop_ids)
     t_work = time.time()
     done_before = len(convs) - sum(len(m) for _, _, m in todo)
     with tqdm(
@@ -192,7 +192,7 @@ def run_regen(cfg: Config, run_dir: str | Path, record: bool = False) -> dict:
         dynamic_ncols=True,
         mininterval=1.0,
     ) as bar:
-        regen = Regenerator(cfg, chat, backend, writer, bar)
+        regen = Regenerator(cfg.harvest, cfg.seed, chat, backend, writer, bar)
         with stop_on_signals(regen):
             regen.run(todo)
     work_s = time.time() - t_work

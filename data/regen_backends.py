@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from eagle3ft.config import Config
+from eagle3ft.config import HarvestConfig, TargetConfig
 from eagle3ft.targets.base import Request, Sampling
 
 
@@ -122,14 +122,14 @@ class SGLangBackend:
 class HFBackend:
     """The embedded transformers target: one worker, batches of harvest.batch_size."""
 
-    def __init__(self, cfg: Config, sampling: Sampling, stop_ids: list[int]):
+    def __init__(self, target: TargetConfig, harvest: HarvestConfig, sampling: Sampling, stop_ids: list[int]):
         from eagle3ft.targets.hf import HFTarget, load_target
 
-        model, tokenizer = load_target(cfg.target)
-        self.target = HFTarget(cfg.target, None, model=model, tokenizer=tokenizer)
+        model, tokenizer = load_target(target)
+        self.target = HFTarget(target, None, model=model, tokenizer=tokenizer)
         self.slots = ["embedded"]
         self.servers, self.slot_server = 1, [0]
-        self.batch = cfg.harvest.batch_size
+        self.batch = harvest.batch_size
         self.sampling, self.stop_ids = sampling, tuple(stop_ids)
         self.trimmed = 0
 
@@ -144,9 +144,9 @@ class HFBackend:
         ]
 
 
-def open_backend(cfg: Config, sampling: Sampling, stop_ids: list[int]):
-    if cfg.harvest.backend == "sglang":
-        return SGLangBackend(cfg.harvest.sglang, sampling, stop_ids)
-    if cfg.harvest.backend == "hf":
-        return HFBackend(cfg, sampling, stop_ids)
-    raise ValueError(f"harvest.backend {cfg.harvest.backend!r}: expected hf or sglang")
+def open_backend(target: TargetConfig, harvest: HarvestConfig, sampling: Sampling, stop_ids: list[int]):
+    if harvest.backend == "sglang":
+        return SGLangBackend(harvest.sglang, sampling, stop_ids)
+    if harvest.backend == "hf":
+        return HFBackend(target, harvest, sampling, stop_ids)
+    raise ValueError(f"harvest.backend {harvest.backend!r}: expected hf or sglang")

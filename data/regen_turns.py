@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from eagle3ft.config import Config
+from eagle3ft.config import HarvestConfig
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.harvest import request_seed
 from eagle3ft.data.prompts import Conversation
-from eagle3ft.data.regen_backends import Answer, Gen, RegenError
+from eagle3ft.data.regen_backends import Answer, Gen, HFBackend, RegenError, SGLangBackend
 from eagle3ft.data.sources import sample_id
 from eagle3ft.data.tokens import TokenSample, TokenWriter
 
@@ -106,10 +106,18 @@ class Regenerator:
     `request_stop(reason)` (a signal handler calls it) or ``harvest.max_seconds`` ends the run early (module
     docstring)."""
 
-    def __init__(self, cfg: Config, chat: ChatFormat, backend, writer: TokenWriter, bar: tqdm):
+    def __init__(
+        self,
+        harvest: HarvestConfig,
+        seed: int,
+        chat: ChatFormat,
+        backend: HFBackend | SGLangBackend,
+        writer: TokenWriter,
+        bar: tqdm,
+    ):
         self.h, self.seed, self.chat, self.backend, self.writer, self.bar = (
-            cfg.harvest,
-            cfg.seed,
+            harvest,
+            seed,
             chat,
             backend,
             writer,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from eagle3ft.config import BenchConfig, SourceConfig, TargetConfig
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.prompts import collect
 
@@ -18,10 +19,10 @@ class PromptSet:
     prompts: list[list[int]]  # token ids, generation prompt included
 
 
-def load_prompts(cfg, tokenizer, source) -> list[list[int]]:
+def load_prompts(target: TargetConfig, tokenizer, source: SourceConfig) -> list[list[int]]:
     """First user turn of each conversation of `source` (a SourceConfig), chat-templated into token ids."""
     convs = collect([source], max_turns=1, regenerate=True, heldout_fraction=0.0, dedupe=True, skips=Counter())
-    chat = ChatFormat(tokenizer, cfg.target.chat_template)
+    chat = ChatFormat(tokenizer, target.chat_template)
     out = []
     for c in convs:
         first_user = next(i for i, m in enumerate(c.messages) if m["role"] == "user")
@@ -32,11 +33,11 @@ def load_prompts(cfg, tokenizer, source) -> list[list[int]]:
     return out
 
 
-def set_labels(cfg) -> list[tuple[str, object]]:
+def set_labels(bench: BenchConfig) -> list[tuple[str, object]]:
     """(label, source) of `bench.prompts`, then of each `bench.more_prompts`, labelled by kind (a repeated kind
     numbered)."""
     out: list[tuple[str, object]] = []
-    for src in [cfg.bench.prompts, *cfg.bench.more_prompts]:
+    for src in [bench.prompts, *bench.more_prompts]:
         label, n = src.kind, 2
         while label in dict(out):
             label, n = f"{src.kind}-{n}", n + 1
@@ -44,6 +45,6 @@ def set_labels(cfg) -> list[tuple[str, object]]:
     return out
 
 
-def load_prompt_sets(cfg, tokenizer) -> list[PromptSet]:
+def load_prompt_sets(target: TargetConfig, bench: BenchConfig, tokenizer) -> list[PromptSet]:
     """Every prompt set of the config, `bench.prompts` first, rendered with `tokenizer` (the target's)."""
-    return [PromptSet(label, src, load_prompts(cfg, tokenizer, src)) for label, src in set_labels(cfg)]
+    return [PromptSet(label, src, load_prompts(target, tokenizer, src)) for label, src in set_labels(bench)]

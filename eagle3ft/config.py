@@ -31,6 +31,7 @@ from eagle3ft.config_build import (
     non_negative,
     parse_yaml,
     positive,
+    read_as,
 )
 from eagle3ft.config_train import TrainConfig
 from eagle3ft.setting import Setting
@@ -281,6 +282,12 @@ class SGLangBenchConfig:
     speculative_url: str | None = None  # an already-running EAGLE3 server
     speculative_urls: list[str] = field(default_factory=list)  # more of them; a setting runs where it is served
     launch: bool = False  # start/stop the servers with launch/ recipes (from `serve`)
+    # one /generate request's read timeout (and the concurrency sweep's); earlier configs set it as
+    # harvest.sglang.timeout_s, which is still read for it when this is not written (load_config, with a notice)
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        positive(self, "timeout_s")
 
 
 @dataclass
@@ -415,8 +422,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: the top level must be a mapping")
     merged = to_dict(coerce(Config, data, ""))
-    for o in overrides or []:
-        apply_override(merged, _canonical_override(o))
+    overrides = [_canonical_override(o) for o in overrides or []]
+    for o in overrides:
+        apply_override(merged, o)
+    # the SGLang bench read its HTTP timeout from the harvest's client section before it had its own key
+    read_as(data, overrides, merged, "harvest.sglang.timeout_s", "bench.sglang.timeout_s")
     return coerce(Config, merged, "")
 
 

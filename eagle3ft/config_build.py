@@ -146,6 +146,38 @@ def flat_notice(written: list[str], meant: list[str]) -> None:
     print(f"config: read {pairs} (the flat spelling still works; the grouped one is the code's path)", file=sys.stderr)
 
 
+def read_as(data: dict, overrides: list[str], merged: dict, old: str, new: str) -> None:
+    """Where the file `data` or an `overrides` assignment writes the dotted key `old` and neither writes `new`, `new`
+    takes `old`'s value in `merged` (the plain data about to be built), with a one-line notice: a key that a stage once
+    read from another section's place."""
+
+    given: dict = {}
+    for o in overrides:
+        apply_override(given, o)
+
+    def written(key: str) -> bool:
+        def holds(node: Any) -> bool:
+            for p in key.split("."):
+                if not isinstance(node, dict) or p not in node:
+                    return False
+                node = node[p]
+            return True
+
+        return holds(data) or holds(given)
+
+    if written(old) and not written(new):
+        *path, last = old.split(".")
+        value = merged
+        for p in [*path, last]:
+            value = value[p]
+        node = merged
+        *path, last = new.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+        print(f"config: read {old} as {new} too ({new} is its own key; set it to silence this)", file=sys.stderr)
+
+
 def _coerce_grouped(tp: Any, value: dict, where: str) -> Any:
     """A GROUPED section (eagle3ft/config_train.py): each field a group written as a mapping (`train.optimizer.lr`),
     as the code reads it; a group's field written flat at the section's level (`train.lr`) is an alias for it, read

@@ -21,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from eagle3ft.config import resolve_path
+from eagle3ft.config import BenchConfig, Config, EvalConfig, resolve_path
 from eagle3ft.run_dir import RunDir
 
 DRAFTER_FILES = ("config.json", "model.safetensors")
@@ -61,20 +61,20 @@ def missing_drafter(checkpoint: Path, run_dir: Path, config: str) -> str | None:
     return f"{what}: {state}: {train_command(config, run_dir)}"
 
 
-def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
+def check(stage: str, ev: EvalConfig, bench: BenchConfig, run_dir: Path, config: str) -> str | None:
     """None when `stage` has its inputs in `run_dir`, else one line naming what is missing and how to make it."""
     if stage not in STAGES:
         raise ValueError(f"preflight stage {stage!r}: expected one of {STAGES}")
     run_dir = Path(run_dir)
-    drafter = lambda: missing_drafter(RunDir(run_dir).drafter(cfg.eval.checkpoint), run_dir, config)  # noqa: E731
+    drafter = lambda: missing_drafter(RunDir(run_dir).drafter(ev.checkpoint), run_dir, config)  # noqa: E731
     run = RunDir(run_dir)
     features, offline, summary, metrics = run.features_manifest, run.accept_len, run.bench_summary, run.metrics
     if stage == "eval":
         if not features.is_file():
             return f"no {features}: harvest first: {stage_command('harvest', config, run_dir)}"
         return drafter()
-    calibrations = [("bench.calibration", cfg.bench.calibration)] if cfg.bench.calibration else []
-    calibrations += [("bench.calibration_pool", p) for p in cfg.bench.calibration_pool]
+    calibrations = [("bench.calibration", bench.calibration)] if bench.calibration else []
+    calibrations += [("bench.calibration_pool", p) for p in bench.calibration_pool]
     for key, path in calibrations:
         if stage in ("bench", "economics") and not resolve_path(path).is_file():
             return (
@@ -82,11 +82,11 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
                 "RUN/bench/calibration.json"
             )
     if stage == "bench":  # running SGLang servers given by URL hold their drafter: nothing to check here
-        return None if cfg.bench.backend == "sglang" and not cfg.bench.sglang.launch else drafter()
+        return None if bench.backend == "sglang" and not bench.sglang.launch else drafter()
     if stage == "economics":
-        if summary.is_file() or (cfg.bench.calibration and offline.is_file()):
+        if summary.is_file() or (bench.calibration and offline.is_file()):
             return None
-        need, script = (offline, "eval") if cfg.bench.calibration else (summary, "bench")
+        need, script = (offline, "eval") if bench.calibration else (summary, "bench")
         return drafter() or f"no {need}: run {stage_command(script, config, run_dir)}"
     if metrics.is_file() or offline.is_file() or summary.is_file():
         return None
@@ -96,9 +96,9 @@ def check(stage: str, cfg, run_dir: Path, config: str) -> str | None:
     )
 
 
-def check_or_exit(prog: str, stage: str, cfg, run_dir: Path, config: str) -> None:
+def check_or_exit(prog: str, stage: str, cfg: Config, run_dir: Path, config: str) -> None:
     """Exit 2 with `<prog>: error: <what is missing>: <command>` when `stage` lacks an input."""
-    problem = check(stage, cfg, run_dir, config)
+    problem = check(stage, cfg.eval, cfg.bench, run_dir, config)
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         raise SystemExit(2)

@@ -134,5 +134,12 @@ def tiny_config_bench(tmp_path: Path, label: str, sets: list[str]) -> tuple[dict
     (run / "export").symlink_to(tmp_path / "export")
     cfg = load_config("configs/tiny.yaml", sets)
     backend = live.make_backend(cfg, run)
-    summary = schedule.run(cfg, run, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *a: None)
+    summary = schedule.run(
+        cfg.eval,
+        cfg.bench,
+        run,
+        backend,
+        load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer),
+        log=lambda *a: None,
+    )
     return summary, [json.loads(x) for x in (run / "bench" / "runs.jsonl").read_text().splitlines()]

@@ -291,3 +291,24 @@ def test_flat_train_keys_are_aliases_read_with_a_one_line_notice(tmp_path, capsy
     assert load_config(None, ["train.lr=4e-4"]) == load_config(None, ["train.optimizer.lr=4e-4"])
     with pytest.raises(ConfigError, match=r"^train\.lr and train\.optimizer\.lr are both set"):
         load_config(write(tmp_path, "train:\n  lr: 1.0e-3\n  optimizer: {lr: 2.0e-3}\n"), [])
+
+
+def test_the_sglang_bench_timeout_is_its_own_key_and_the_harvest_one_is_still_read_for_it(tmp_path, capsys):
+    """bench.sglang.timeout_s is the bench's; a config that set only harvest.sglang.timeout_s (which the bench read
+    before) gives the bench that value too, with one notice; written beside it, the bench's own key wins."""
+    assert load_config(None, ["bench.sglang.timeout_s=30"]).harvest.sglang.timeout_s == 600.0
+    assert capsys.readouterr().err == ""
+    for path, sets in [
+        (write(tmp_path, "harvest:\n  sglang: {timeout_s: 1800}\n"), []),
+        (None, ["harvest.sglang.timeout_s=1800"]),
+        (None, ["harvest.sglang={timeout_s: 1800}"]),
+    ]:
+        cfg = load_config(path, sets)
+        assert (cfg.harvest.sglang.timeout_s, cfg.bench.sglang.timeout_s) == (1800.0, 1800.0)
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and "read harvest.sglang.timeout_s as bench.sglang.timeout_s" in err[0], err
+    cfg = load_config(write(tmp_path, "harvest:\n  sglang: {timeout_s: 1800}\n"), ["bench.sglang.timeout_s=20"])
+    assert (cfg.harvest.sglang.timeout_s, cfg.bench.sglang.timeout_s) == (1800.0, 20.0)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match=r"^bench\.sglang\.timeout_s must be positive"):
+        load_config(None, ["bench.sglang.timeout_s=0"])

@@ -49,12 +49,12 @@ def test_dflash_harvest_captures_its_layers_by_its_numbering(tmp_path):
 def test_dflash_numbering_on_deepseek_is_outputs_not_eagle3s():
     cfg = load_config(REPO_ROOT / "configs" / "tiny-deepseek.yaml", [f"drafter.config={DFLASH_JSON}"])
     spec = DFlashConfig.from_json(REPO_ROOT / DFLASH_JSON)
-    target = open_target(cfg, spec)
+    target = open_target(cfg.target, cfg.harvest, spec)
     assert target.capture_points == (1, 2, 3)  # EAGLE-3's hook on DeepseekV2 would take [0, 1, 2] as given
 
 
 def test_sglang_harvest_refused_in_one_line():
     cfg = dflash_cfg("harvest.backend=sglang")
     with pytest.raises(ValueError) as e:
-        open_target(cfg, DFlashConfig.from_json(REPO_ROOT / DFLASH_JSON))
+        open_target(cfg.target, cfg.harvest, DFlashConfig.from_json(REPO_ROOT / DFLASH_JSON))
     assert "use harvest.backend hf" in str(e.value) and "\n" not in str(e.value)

@@ -86,10 +86,10 @@ def test_eagle3_features_refused_in_one_line(tmp_path):
     spec = dataclasses.replace(tiny_dflash_config(), block_size=4)
     identity = {"hidden_size": 64, "vocab_size": 49152, "num_layers": 4, "aux_layer_ids": [0, 1, 2]}
     with pytest.raises(ValueError) as e:
-        build_dflash(cfg, tmp_path, identity, spec)
+        build_dflash(cfg.drafter, cfg.train.objective, tmp_path, identity, spec)
     assert "harvested for an eagle3 drafter" in str(e.value) and "\n" not in str(e.value)
     dflash_identity = {**identity, "capture": {"kind": "dflash", "hidden_states": [1, 2, 3]}}
-    assert build_dflash(cfg, tmp_path, dflash_identity, spec).config.block_size == 4
+    assert build_dflash(cfg.drafter, cfg.train.objective, tmp_path, dflash_identity, spec).config.block_size == 4
 
 
 def test_warm_start_from_a_published_folder(tmp_path):
@@ -114,8 +114,8 @@ def test_warm_start_from_a_published_folder(tmp_path):
         "aux_layer_ids": [0, 1, 2],
         "capture": {"kind": "dflash", "hidden_states": [1, 2, 3]},
     }
-    model = build_dflash(cfg, tmp_path, identity, tiny_dflash_config())
+    model = build_dflash(cfg.drafter, cfg.train.objective, tmp_path, identity, tiny_dflash_config())
     for k, v in published.state_dict().items():
         assert torch.equal(model.state_dict()[k], v)
     with pytest.raises(ValueError, match="train.pack_tokens with a DFlash drafter"):
-        check_dflash_run(load_config(REPO_ROOT / "configs/tiny.yaml", ["train.batch.pack_tokens=256"]))
+        check_dflash_run(load_config(REPO_ROOT / "configs/tiny.yaml", ["train.batch.pack_tokens=256"]).train)

@@ -37,7 +37,14 @@ def bench_run(tmp_path_factory):
         ],
     )
     backend = live.make_backend(cfg, run)
-    summary = schedule.run(cfg, run, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *a: None)
+    summary = schedule.run(
+        cfg.eval,
+        cfg.bench,
+        run,
+        backend,
+        load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer),
+        log=lambda *a: None,
+    )
     return run, cfg, backend, summary
 
 
@@ -180,7 +187,14 @@ def test_several_drafters_and_prompt_sets_in_one_interleaved_run(tmp_path):
         ],
     )
     backend = live.make_backend(cfg, tmp_path)
-    s = schedule.run(cfg, tmp_path, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *a: None)
+    s = schedule.run(
+        cfg.eval,
+        cfg.bench,
+        tmp_path,
+        backend,
+        load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer),
+        log=lambda *a: None,
+    )
     rows = [json.loads(x) for x in (tmp_path / "bench" / "runs.jsonl").read_text().splitlines()]
     sets = ["mtbench", "humaneval", "mtbench-2"]
     assert [(r["repetition"], r["prompts"], r["drafter"]) for r in rows] == [

@@ -321,7 +321,7 @@ def test_a_pool_averages_each_settings_cycle_in_plain_steps_by_prompts_and_price
     cfg = load_config(
         "configs/tiny.yaml", [f"bench.calibration={latest}", f"bench.calibration_pool=[{early1}, {early2}]"]
     )
-    cal = from_config(cfg)
+    cal = from_config(cfg.bench)
     steps = (2.4 * 40 + 2.6 * 16 + 2.8 * 16) / 72
     row = cal["settings"]["3/1/4"]
     assert row["cycle_plain_steps"] == pytest.approx(steps) and row["cycle_s"] == pytest.approx(steps * 0.010)
@@ -337,7 +337,7 @@ def test_a_pool_averages_each_settings_cycle_in_plain_steps_by_prompts_and_price
     text = format_prediction(predict(cal, {"3/1/4": 3.0}))
     assert f"cycles in plain steps pooled with {early1}, {early2}" in text
     # with no pool, bench.calibration alone, as before
-    alone = from_config(load_config("configs/tiny.yaml", [f"bench.calibration={latest}"]))
+    alone = from_config(load_config("configs/tiny.yaml", [f"bench.calibration={latest}"]).bench)
     assert alone["settings"]["3/1/4"]["cycle_s"] == 0.028 and "pool" not in alone
 
     # through eval/economics/analysis.py: the prediction says which runs it pooled
@@ -365,9 +365,9 @@ def test_a_pool_of_another_backend_target_or_answer_length_is_refused_by_name(tm
     for bad, what in ((sgl, "backend 'sglang'"), (other, "target 'k2'")):
         cfg = load_config("configs/tiny.yaml", [f"bench.calibration={latest}", f"bench.calibration_pool=[{bad}]"])
         with pytest.raises(CalibrationError, match=f"{bad}: {what}, where bench.calibration {latest} has"):
-            from_config(cfg)
+            from_config(cfg.bench)
     with pytest.raises(CalibrationError, match="bench.calibration_pool needs bench.calibration"):
-        from_config(load_config("configs/tiny.yaml", [f"bench.calibration_pool=[{latest}]"]))
+        from_config(load_config("configs/tiny.yaml", [f"bench.calibration_pool=[{latest}]"]).bench)
     run_b = tmp_path / "b"
     (run_b / "eval").mkdir(parents=True)
     (run_b / "eval" / "accept_len.json").write_text(json.dumps({"settings": {"3/1/4": {"tau": 3.0}}}))
@@ -400,7 +400,7 @@ def test_a_pooled_run_whose_servers_ran_other_args_is_named_in_the_predictions_w
     cfg = load_config(
         "configs/tiny.yaml", [f"bench.calibration={latest}", f"bench.calibration_pool=[{same}, {other}, {old}]"]
     )
-    cal = from_config(cfg)
+    cal = from_config(cfg.bench)
     # the drafter's path and each server's memory share are per run; the prefill graphs are a cost
     assert cal["pool_warnings"] == [
         f"{other}: its baseline server differs from bench.calibration's in cuda_graph_backend_prefill"

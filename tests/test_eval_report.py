@@ -194,14 +194,14 @@ def test_calibrated_prediction_before_and_after_the_bench(tmp_path):
     cfg = load_config("configs/tiny.yaml", [f"bench.calibration={a / 'bench' / 'calibration.json'}"])
     b = tmp_path / "b"
     _write(b / "eval" / "accept_len.json", accept_len_doc(accepts=(120, 14, 2)))
-    rep = build(b, cfg)
+    rep = build(b, cfg.eval, cfg.bench)
     assert (
         rep["verdict"].startswith("Predicted (no live benchmark yet): offline τ") and f"costs of {a}" in rep["verdict"]
     )
     md = (b / "eval" / "report.md").read_text()
     assert "no bench/summary.json: no measured costs" in md and "Predicted from offline τ alone" in md
     _write(b / "bench" / "summary.json", summary_doc(rows=(("3/1/4", 1.9, 20.0, 0.092),)))
-    rep = build(b, cfg)
+    rep = build(b, cfg.eval, cfg.bench)
     (row,) = [r for r in rep["economics"]["calibrated"]["rows"] if r["setting"] == "3/1/4"]
     tau = rep["accept_len"]["settings"]["3/1/4"]["tau"]
     assert row["predicted_tok_s"] == pytest.approx(tau / 0.0897) and row["error_pct"] == pytest.approx(

@@ -80,9 +80,9 @@ def test_bench_needs_a_drafter(tmp_path, capsys, sets):
 
 def test_running_sglang_servers_need_no_local_drafter(tmp_path):
     cfg = load_config(CONFIG, ["bench.backend=sglang", "bench.sglang.speculative_url=http://127.0.0.1:1"])
-    assert preflight.check("bench", cfg, tmp_path, CONFIG) is None
+    assert preflight.check("bench", cfg.eval, cfg.bench, tmp_path, CONFIG) is None
     cfg.bench.sglang.launch = True  # the launcher starts the EAGLE3 servers with eval.checkpoint
-    assert "no drafter at" in preflight.check("bench", cfg, tmp_path, CONFIG)
+    assert "no drafter at" in preflight.check("bench", cfg.eval, cfg.bench, tmp_path, CONFIG)
 
 
 def test_bench_checks_the_calibration_file_before_it_starts(tmp_path, capsys):

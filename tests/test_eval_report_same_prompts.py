@@ -111,7 +111,9 @@ class _Backend:
 
 def _bench(cfg, run_dir, backend, log):
     """The bench's schedule on `backend` over the config's prompt sets, rendered with its tokenizer."""
-    return schedule.run(cfg, run_dir, backend, load_prompt_sets(cfg, backend.tokenizer), log=log)
+    return schedule.run(
+        cfg.eval, cfg.bench, run_dir, backend, load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer), log=log
+    )
 
 
 def test_the_bench_scores_the_first_plain_pass_answers_offline(tmp_path):

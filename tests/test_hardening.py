@@ -190,16 +190,17 @@ def test_scratch_training_refuses_an_inconsistent_run_vocab(run, monkeypatch):
     t2d[int(torch.nonzero(~t2d)[0])] = True  # one more marked than d2t maps
     save_vocab(run / "vocab.safetensors", d2t, t2d)
     no_compute(monkeypatch)
+    cfg = load_config(TINY)
     with pytest.raises(
         ValueError,
         match=r"vocab\.safetensors: draft vocabulary: d2t and t2d disagree: t2d marks 513 target ids, d2t maps 512",
     ):
-        build_drafter(load_config(TINY), run, TINY_TARGET)
+        build_drafter(cfg.drafter, cfg.target, run, TINY_TARGET)
     (run / "vocab.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
     with pytest.raises(
         ValueError, match=r"vocab\.safetensors: the draft vocabulary is not a readable safetensors file"
     ):
-        build_drafter(load_config(TINY), run, TINY_TARGET)
+        build_drafter(cfg.drafter, cfg.target, run, TINY_TARGET)
 
 
 def test_warm_start_rewrites_the_run_vocab_with_the_drafters(run):

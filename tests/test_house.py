@@ -10,7 +10,10 @@
 - no record citation (the section sign, or a records title in parentheses), machine name or date in product code or
   shipped configs: a fact is said with its reason where it is used;
 - in eval, a project import inside a function keeps torch or transformers off a --help path, and says so in a comment
-  on its line; at most 20 of them.
+  on its line; at most 20 of them;
+- a function below a stage's entry takes the config sections it uses, typed: only the functions named in
+  WHOLE_CONFIG (entries and dispatch points that read several sections) take the whole config, annotated `Config`;
+  a parameter named `cfg` is always annotated.
 
 Every import counts: at the top of a file, inside a function, and `importlib.import_module("eagle3ft....")`.
 """
@@ -27,6 +30,38 @@ EVAL_JOBS = ("decode", "offline", "economics", "bench", "report")  # from the gr
 MAX_LINES = 450
 SECTION = "\u00a7"  # the section sign, spelled by its code point so this file holds no citation of its own
 LAB_NOTE = re.compile(SECTION + r"|\(records[,:] \"|\bH[12]00\b|\b20\d\d-[01]\d-[0-3]\d\b")
+# the functions that take the whole config (annotated `Config`): a stage's entry, or a dispatch point reading several
+# sections; every other function takes the sections it uses
+WHOLE_CONFIG = frozenset(
+    {
+        # entries: a stage's run (and the worker a harvest starts), the resolved config written whole
+        "data/harvest.py:run_harvest",
+        "data/harvest.py:main.work",
+        "data/magpie.py:run_magpie",
+        "data/regen.py:run_regen",
+        "data/regen.py:main.work",
+        "eagle3ft/cli.py:save_resolved",
+        "train/loop.py:run_training",
+        "train/loop.py:setup",
+        "train/metrics.py:open_wandb",  # the run's whole config, logged
+        "train/validate.py:run",
+        "eval/offline/accept_len.py:run",
+        "eval/offline/compare.py:run",
+        "eval/bench/live.py:run",
+        "eval/bench/measure.py:run_offline",
+        "eval/bench/measure.py:run_measure",
+        "eval/report/demo_summary.py:run_headline",
+        "eval/preflight.py:check_or_exit",  # every stage's preflight
+        # dispatch: a backend or server built from the target, drafter, stage and serve sections, or the seed
+        "eagle3ft/targets/sglang_server.py:build_command",
+        "eagle3ft/targets/sglang_server.py:server_for",
+        "eval/bench/live.py:make_backend",
+        "eval/bench/embedded_backend.py:EmbeddedBackend.__init__",
+        "eval/bench/sglang_backend.py:SGLangBackend.__init__",
+        "train/data.py:TrainData.__init__",
+        "train/dflash_objective.py:dflash_objective",
+    }
+)
 
 
 def package_dirs(root: Path) -> dict[str, str]:
@@ -181,6 +216,32 @@ def unexplained_local_imports(root: Path, under: str = "eagle3ft.eval") -> tuple
     return count, sorted(bare)
 
 
+def whole_config_functions(root: Path) -> tuple[list[str], list[str]]:
+    """(product functions taking the whole config: a parameter annotated `Config`, or one named `cfg` with no
+    annotation; those of them whose `cfg` has no annotation), each as `file:Class.function`."""
+    whole, untyped = [], []
+
+    def visit(node: ast.AST, where: str, prefix: str) -> None:
+        for n in ast.iter_child_nodes(node):
+            if isinstance(n, ast.ClassDef):
+                visit(n, where, f"{prefix}{n.name}.")
+            elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = n.args
+                for p in a.posonlyargs + a.args + a.kwonlyargs:
+                    ann = ast.unparse(p.annotation).strip("'\"") if p.annotation else None
+                    if "Config" in (ann or "").replace(" ", "").split("|") or (p.arg == "cfg" and ann is None):
+                        whole.append(f"{where}:{prefix}{n.name}")
+                        if ann is None:
+                            untyped.append(f"{where}:{prefix}{n.name}")
+                visit(n, where, f"{prefix}{n.name}.")
+            else:
+                visit(n, where, prefix)
+
+    for f in modules(root).values():
+        visit(ast.parse(f.read_text()), str(f.relative_to(root)), "")
+    return sorted(whole), sorted(untyped)
+
+
 # --------------------------------------------------------------------------- this repository
 
 
@@ -204,6 +265,13 @@ def test_no_product_file_over_450_lines():
 
 def test_no_record_citation_machine_name_or_date_in_product_code_or_shipped_configs():
     assert lab_notes(REPO) == []
+
+
+def test_functions_below_a_stage_entry_take_the_sections_they_use_typed():
+    whole, untyped = whole_config_functions(REPO)
+    assert untyped == [], "a parameter named cfg is annotated with what it is"
+    assert sorted(set(whole) - WHOLE_CONFIG) == [], "take the config sections used, typed, or list it in WHOLE_CONFIG"
+    assert len(whole) <= len(WHOLE_CONFIG) == 24
 
 
 def test_evals_imports_inside_functions_are_few_and_each_says_why():
@@ -244,3 +312,22 @@ def test_each_rule_names_what_breaks_it(tmp_path):
     assert long_files(tmp_path) == [f"data/other.py: {MAX_LINES + 1} lines"]
     assert [n.split(":")[0] for n in lab_notes(tmp_path)] == ["eval/report/summary.py", "configs/c.yaml"]
     assert unexplained_local_imports(tmp_path) == (2, ["eval/offline/compare.py:2"])
+
+
+def test_the_whole_config_rule_names_what_breaks_it(tmp_path):
+    """A function taking the whole config is named, typed or not (also as `Config | None`, or in a class); one taking
+    sections, or a `cfg` that is another config, is not."""
+    (tmp_path / "pyproject.toml").write_text('[tool.setuptools.package-dir]\n"eagle3ft" = "eagle3ft"\n')
+    (tmp_path / "eagle3ft").mkdir()
+    (tmp_path / "eagle3ft" / "__init__.py").write_text("")
+    (tmp_path / "eagle3ft" / "stage.py").write_text(
+        "def entry(cfg: Config, run_dir): ...\n"
+        "def below(cfg, n: int): ...\n"
+        "class B:\n    def __init__(self, c: 'Config | None' = None): ...\n"
+        "def narrow(bench: BenchConfig, serve: ServeConfig): ...\n"
+        "def drafter(cfg: DrafterConfig): ...\n"
+    )
+    assert whole_config_functions(tmp_path) == (
+        ["eagle3ft/stage.py:B.__init__", "eagle3ft/stage.py:below", "eagle3ft/stage.py:entry"],
+        ["eagle3ft/stage.py:below"],
+    )

@@ -92,10 +92,10 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
         ],
     )
     backend = SGLangBackend(cfg, tmp_path)
-    sets = load_prompt_sets(cfg, backend.tokenizer)
+    sets = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)
     prompts = sets[0].prompts
-    summary = schedule.run(cfg, tmp_path, backend, sets, log=lambda *_: None)
-    after_bench(tmp_path, cfg, log=lambda *_: None)
+    summary = schedule.run(cfg.eval, cfg.bench, tmp_path, backend, sets, log=lambda *_: None)
+    after_bench(tmp_path, cfg.bench, cfg.target, log=lambda *_: None)
 
     # offline tau on the plain server's own answers: what eval/offline/same_prompts.py gives for those tokens in-process
     answers = [r["output_ids"] for r in runs_of(tmp_path) if r["mode"] == "baseline" and r["repetition"] == 0]
@@ -177,7 +177,7 @@ def test_bench_through_sglang_doubles(tiny, doubles, tmp_path, monkeypatch, caps
     econ = json.loads((tmp_path / "bench/economics.json").read_text())
     assert econ and summary["costs"]["verify_s"]["4"] > 0  # cycle time measured from the server per setting
 
-    conc = run_concurrency(cfg, tmp_path, backend, prompts, log=lambda *_: None)
+    conc = run_concurrency(cfg.bench, tmp_path, backend, prompts, log=lambda *_: None)
     level = conc["levels"]["2"]
     assert level["baseline"]["tok_s"]["median"] > 0 and level["3/1/4"]["tau"] == pytest.approx(
         sum(len(g.tokens) for g in gens) / sum(g.verify_count for g in gens)
@@ -259,7 +259,14 @@ def test_sampled_bench_records_the_servers_verify_settings(tiny, doubles, tmp_pa
         ]
         cfg = load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + sets)
         backend = SGLangBackend(cfg, tmp_path)
-        schedule.run(cfg, tmp_path, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *_: None)
+        schedule.run(
+            cfg.eval,
+            cfg.bench,
+            tmp_path,
+            backend,
+            load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer),
+            log=lambda *_: None,
+        )
         backend.close()
     finally:
         spec.stop()
@@ -307,7 +314,7 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         SGLangBackend(cfg, tmp_path)  # one server at a time, interleaved per prompt
     cfg.bench.interleave = "pass"
     backend = SGLangBackend(cfg, tmp_path)
-    prompt = load_prompt_sets(cfg, backend.tokenizer)[0].prompts[:1]
+    prompt = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)[0].prompts[:1]
     (b,) = backend.run_baseline(prompt, 8)
     baseline = backend.launched["baseline"]
     (r,) = backend.run_speculative(prompt, Setting(3, 1, 4), 8)
@@ -326,3 +333,11 @@ def test_bench_launches_and_stops_its_servers(tiny, tmp_path):
         f"baseline-{port}.log",
         f"speculative-3-1-4-{port + 1}.log",
     ]
+
+
+def test_the_bench_takes_its_http_timeout_from_its_own_section(tmp_path):
+    """bench.sglang.timeout_s, not the harvest client's timeout (which the bench read before it had its own)."""
+    sets = BENCH + ["bench.sglang.timeout_s=7", "harvest.sglang.timeout_s=99"]
+    backend = SGLangBackend(load_config(REPO_ROOT / "configs/tiny.yaml", sets), tmp_path)
+    assert backend.timeout_s == 7.0
+    backend.close()

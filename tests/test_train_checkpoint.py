@@ -137,7 +137,7 @@ def test_warm_start_refuses_a_drafter_that_disagrees_with_the_features(tmp_path,
     (tmp_path / "k2" / "config.json").write_text(json.dumps(k2_like_config(**over)))
     cfg = load_config(REPO / "configs/tiny.yaml", [f"drafter.init={tmp_path / 'k2'}"])
     with pytest.raises(ValueError, match=message):
-        build_drafter(cfg, tmp_path, TINY_TARGET)
+        build_drafter(cfg.drafter, cfg.target, tmp_path, TINY_TARGET)
 
 
 def test_atomic_dir_keeps_the_old_folder_on_failure(tmp_path):

@@ -101,7 +101,9 @@ def reference(run: Path, lam: float, world: int = 2) -> tuple[dict[str, torch.Te
     data = TrainData(cfg, run)
     seed_all(cfg.seed)
     obj = TTTObjective(
-        build_drafter(cfg, run, data.target, data.token_counts), tcfg.objective.ttt_steps, tcfg.objective.step_decay
+        build_drafter(cfg.drafter, cfg.target, run, data.target, data.token_counts),
+        tcfg.objective.ttt_steps,
+        tcfg.objective.step_decay,
     )
     params = [p for p in obj.parameters() if p.requires_grad]
     w0 = [p.detach().clone() for p in params]

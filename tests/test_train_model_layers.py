@@ -347,4 +347,4 @@ def test_a_warm_start_cannot_shrink_and_grows_only_with_the_datas_counts(tmp_pat
         REPO / "configs/tiny.yaml", [f"drafter.init={tmp_path / 'k2'}", f"drafter.draft_vocab_size={size}"]
     )
     with pytest.raises(ValueError, match=message):
-        build_drafter(cfg, tmp_path, TINY_TARGET)  # no token counts given
+        build_drafter(cfg.drafter, cfg.target, tmp_path, TINY_TARGET)  # no token counts given

@@ -333,7 +333,7 @@ def test_online_heldout_tau_equals_the_offline_one(harvested):
         ds, _, features, _ = data.heldout(torch.device("cpu"))
         assert len(ds) == 2 and (features is None) == (mode == "offline")
         torch.manual_seed(0)
-        objective = TTTObjective(build_drafter(cfg, harvested, data.target), 3, 0.8)
+        objective = TTTObjective(build_drafter(cfg.drafter, cfg.target, harvested, data.target), 3, 0.8)
         results.append(heldout_tau(objective, heldout_batches(ds, 8, 0, 1, 2, None), 3, features=features))
     off, on = results
     assert on.heldout_tokens == off.heldout_tokens > 0 and sum(off.chain_valid) > 0

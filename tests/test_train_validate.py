@@ -182,7 +182,7 @@ def test_warm_start_keeps_its_layout(tmp_path):
     export_drafter(m, tmp_path / "init")
     cfg = load_config(REPO / "configs/tiny.yaml", [f"drafter.init={tmp_path / 'init'}", "drafter.norm_output=true"])
     with pytest.raises(ValueError, match="drafter.norm_output True != warm-start drafter's False"):
-        build_drafter(cfg, tmp_path, TINY_TARGET)
+        build_drafter(cfg.drafter, cfg.target, tmp_path, TINY_TARGET)
 
 
 def test_heldout_sets_are_the_first_samples_of_each_source():

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from eagle3ft.config import Config, resolve_path
+from eagle3ft.config import DrafterSection, TargetConfig, resolve_path
+from eagle3ft.config_train import ObjectiveConfig
 from eagle3ft.data.store import StoreError
 from eagle3ft.drafter.config import DrafterConfig, capture_points, check_drafter
 from eagle3ft.drafter.folder import DrafterFolder
@@ -23,56 +25,68 @@ from eagle3ft.run_dir import RunDir
 from eagle3ft.train.data import TrainData
 
 
-def build_drafter(cfg: Config, run_dir: Path, target: dict, token_counts=None) -> Eagle3Drafter:
+def build_drafter(
+    drafter: DrafterSection,
+    target_cfg: TargetConfig,
+    run_dir: Path,
+    target: dict,
+    token_counts: Callable[[int], torch.Tensor] | None = None,
+) -> Eagle3Drafter:
     """`_build_drafter`'s drafter, whose export names for vLLM the layers SGLang captures on this target."""
     from eagle3ft.targets.hf import target_architectures
 
-    model = _build_drafter(cfg, run_dir, target, token_counts)
+    model = _build_drafter(drafter, target_cfg, run_dir, target, token_counts)
     spec = model.config
     if spec.aux_layer_ids is not None:
-        spec.vllm_aux_layer_ids = capture_points(target_architectures(cfg.target), spec.aux_layer_ids)
+        spec.vllm_aux_layer_ids = capture_points(target_architectures(target_cfg), spec.aux_layer_ids)
     return model
 
 
-def _build_drafter(cfg: Config, run_dir: Path, target: dict, token_counts=None) -> Eagle3Drafter:
+def _build_drafter(
+    drafter: DrafterSection,
+    target_cfg: TargetConfig,
+    run_dir: Path,
+    target: dict,
+    token_counts: Callable[[int], torch.Tensor] | None = None,
+) -> Eagle3Drafter:
     """Scratch (architecture json + the run's vocab) or warm start (a drafter folder, its own d2t/t2d).
 
-    `target` is the features' identity; check_drafter refuses a drafter that disagrees with it before any compute.
+    `target` is the features' identity (`target_cfg` the config's target section); check_drafter refuses a drafter that disagrees with it before any compute.
     A warm start grows by drafter.num_hidden_layers and drafter.draft_vocab_size past the drafter's own; the added
     draft tokens are the most frequent answer tokens of `token_counts(vocab_size)` (TrainData.token_counts).
     """
     from eagle3ft.targets.hf import load_input_embedding
 
     features = str(RunDir(run_dir).features_manifest)
-    if cfg.drafter.init:
-        init = DrafterFolder(resolve_path(cfg.drafter.init), "warm start").check(target, features)
+    if drafter.init:
+        init = DrafterFolder(resolve_path(drafter.init), "warm start").check(target, features)
         folder, spec = init.path, init.config
-        if (cfg.drafter.draft_vocab_size or spec.draft_vocab_size) < spec.draft_vocab_size:
+        if (drafter.draft_vocab_size or spec.draft_vocab_size) < spec.draft_vocab_size:
             raise ValueError(
-                f"drafter.draft_vocab_size {cfg.drafter.draft_vocab_size} < the warm-start drafter's "
+                f"drafter.draft_vocab_size {drafter.draft_vocab_size} < the warm-start drafter's "
                 f"{spec.draft_vocab_size} (its vocab is kept, and can only grow)"
             )
         layout = spec.check_supported()
         for flag in ("fc_norm", "norm_output"):  # EAGLE-3.1 options change what the trained weights mean
-            if getattr(cfg.drafter, flag) not in (None, getattr(layout, flag)):
+            if getattr(drafter, flag) not in (None, getattr(layout, flag)):
                 raise ValueError(
-                    f"drafter.{flag} {getattr(cfg.drafter, flag)} != warm-start drafter's {getattr(layout, flag)} "
+                    f"drafter.{flag} {getattr(drafter, flag)} != warm-start drafter's {getattr(layout, flag)} "
                     f"({folder}/config.json; its layout is kept)"
                 )
-        model = init.load(load_input_embedding(cfg.target)).float()
-        model = grow_drafter(model, cfg.drafter.num_hidden_layers, folder)
-        size = cfg.drafter.draft_vocab_size
+        model = init.load(load_input_embedding(target_cfg)).float()
+        model = grow_drafter(model, drafter.num_hidden_layers, folder)
+        size = drafter.draft_vocab_size
         if size is None or size == model.config.draft_vocab_size:
             return model
         if token_counts is None:
             raise ValueError(f"growing {folder}'s draft vocab to {size} needs the training data's token counts")
         return grow_drafter_vocab(model, size, token_counts(model.config.vocab_size))
     keys = ("fc_norm", "norm_output", "num_hidden_layers")
-    overrides = {k: getattr(cfg.drafter, k) for k in keys if getattr(cfg.drafter, k) is not None}
-    if cfg.drafter.draft_vocab_size:
-        overrides["draft_vocab_size"] = cfg.drafter.draft_vocab_size
-    dcfg = dataclasses.replace(DrafterConfig.from_json(resolve_path(cfg.drafter.config)), **overrides)
-    check_drafter(dcfg, target, str(cfg.drafter.config), features)
+    overrides = {k: getattr(drafter, k) for k in keys if getattr(drafter, k) is not None}
+    if drafter.draft_vocab_size:
+        overrides["draft_vocab_size"] = drafter.draft_vocab_size
+    dcfg = dataclasses.replace(DrafterConfig.from_json(resolve_path(drafter.config)), **overrides)
+    check_drafter(dcfg, target, str(drafter.config), features)
     vocab_file = RunDir(run_dir).vocab
     if not vocab_file.is_file():
         raise FileNotFoundError(
@@ -82,7 +96,7 @@ def _build_drafter(cfg: Config, run_dir: Path, target: dict, token_counts=None) 
     check_drafter(dcfg, target, str(vocab_file), features, d2t, t2d)
     model = new_drafter(dcfg)
     with torch.no_grad():
-        model.embed_tokens.weight.copy_(load_input_embedding(cfg.target))
+        model.embed_tokens.weight.copy_(load_input_embedding(target_cfg))
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
     return model
@@ -148,9 +162,11 @@ def adopt_drafter_vocab(run_dir: Path, d2t: torch.Tensor, t2d: torch.Tensor, fol
     )
 
 
-def target_head(cfg: Config, data: TrainData, model: Eagle3Drafter) -> torch.Tensor | None:
+def target_head(
+    objective: ObjectiveConfig, target: TargetConfig, data: TrainData, model: Eagle3Drafter
+) -> torch.Tensor | None:
     """The target lm_head rows of the draft vocab when p comes from last_hidden, else None."""
-    source = cfg.train.objective.target_source
+    source = objective.target_source
     if source not in ("auto", "topk", "last_hidden"):
         raise ValueError(f"train.target_source '{source}' is not one of auto, topk, last_hidden")
     has = data.has_last_hidden
@@ -163,4 +179,4 @@ def target_head(cfg: Config, data: TrainData, model: Eagle3Drafter) -> torch.Ten
     from eagle3ft.targets.hf import load_output_head
 
     ids = torch.arange(model.config.draft_vocab_size) + model.d2t
-    return load_output_head(cfg.target)[ids].float()
+    return load_output_head(target)[ids].float()

@@ -34,7 +34,7 @@ from typing import Iterator
 
 import torch
 
-from eagle3ft.config import Config, resolve_path
+from eagle3ft.config import Config, DrafterSection, HarvestConfig, TargetConfig, resolve_path
 from eagle3ft.data.prompts import source_name
 from eagle3ft.data.sources import sample_sources
 from eagle3ft.data.store import MANIFEST, FeatureStore, StoreError, collate, dequantize_aux, quantize_aux
@@ -53,21 +53,19 @@ TOKEN_KEYS = ("input_ids", "loss_mask")
 class OnlineTarget:
     """The target beside the drafter: a prefill of each micro-batch's samples gives the feature store's keys."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, target: TargetConfig, drafter: DrafterSection, harvest: HarvestConfig) -> None:
         from eagle3ft.targets.base import Sampling
         from eagle3ft.targets.hf import HFTarget, load_target
 
-        dtype = (
-            cfg.target.dtype if cfg.target.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
-        )
-        self.cfg = dataclasses.replace(cfg.target, device="cpu", dtype=dtype)  # moved to the rank's device by `to`
+        dtype = target.dtype if target.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
+        self.cfg = dataclasses.replace(target, device="cpu", dtype=dtype)  # moved to the rank's device by `to`
         model, tokenizer = load_target(self.cfg)
         c = model.config
-        spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
+        spec = DrafterConfig.from_json(resolve_path(drafter.config), drafter.draft_vocab_size)
         self.aux_layer_ids = spec.check_target(c.hidden_size, c.vocab_size, c.num_hidden_layers)
         self.target = HFTarget(self.cfg, self.aux_layer_ids, model=model, tokenizer=tokenizer)
-        self.sampling = Sampling(topk=cfg.harvest.topk, last_hidden=cfg.harvest.store_last_hidden)
-        self.aux_fp8 = cfg.harvest.aux_dtype == "fp8"  # the aux states as an fp8 store would give them back
+        self.sampling = Sampling(topk=harvest.topk, last_hidden=harvest.store_last_hidden)
+        self.aux_fp8 = harvest.aux_dtype == "fp8"  # the aux states as an fp8 store would give them back
         self.spans: list = []  # per prefill: (start, end) timestamps (train/metrics.py), read by take_seconds
         info = self.target.info
         self.identity = {
@@ -207,15 +205,15 @@ def answer_token_counts(dataset, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
+def ensure_vocab(drafter: DrafterSection, run_dir: Path, dataset, where: str) -> None:
     """Online training's draft vocabulary: the top loss-masked tokens of the samples it trains on.
 
     RUN/vocab.safetensors is (re)written when it is missing or differs, e.g. when a harvest of held-out
     prompts alone wrote one from an empty train split. A warm start keeps the drafter's own vocab.
     """
-    if cfg.drafter.init:
+    if drafter.init:
         return
-    spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config), cfg.drafter.draft_vocab_size)
+    spec = DrafterConfig.from_json(resolve_path(drafter.config), drafter.draft_vocab_size)
     d2t, t2d = build_vocab(answer_token_counts(dataset, spec.vocab_size), spec.draft_vocab_size)
     path = RunDir(run_dir).vocab
     if path.is_file():
@@ -230,19 +228,19 @@ def ensure_vocab(cfg: Config, run_dir: Path, dataset, where: str) -> None:
         )
 
 
-def weighted(cfg: Config) -> bool:
+def weighted(harvest: HarvestConfig) -> bool:
     """Whether a source of harvest.sources weighs other than 1 in training."""
-    return any(s.weight != 1 for s in cfg.harvest.sources)
+    return any(s.weight != 1 for s in harvest.sources)
 
 
 def source_weights(
-    cfg: Config, names: list[str | None], answer_tokens: list[int], where: str
+    harvest: HarvestConfig, names: list[str | None], answer_tokens: list[int], where: str
 ) -> tuple[list[float] | None, dict]:
     """(each training sample's weight, None when every source weighs 1; per source: samples, answer tokens, weight
     and its share of the answer tokens an epoch draws). A sample weighs as the source of harvest.sources it was
     recorded under (data/prompts.py source_name); one of no source there weighs 1. A source that weighs other than 1
     must have samples, or its weight would be silently lost."""
-    weight_of = {source_name(s): s.weight for s in cfg.harvest.sources}
+    weight_of = {source_name(s): s.weight for s in harvest.sources}
     mix: dict[str, dict] = {}
     for name, n in zip(names, answer_tokens):
         m = mix.setdefault(name or "unrecorded", {"samples": 0, "answer_tokens": 0, "weight": weight_of.get(name, 1.0)})
@@ -251,7 +249,7 @@ def source_weights(
     drawn = sum(m["answer_tokens"] * m["weight"] for m in mix.values())
     for m in mix.values():
         m["share"] = m["answer_tokens"] * m["weight"] / drawn if drawn > 0 else 0.0
-    if not weighted(cfg):
+    if not weighted(harvest):
         return None, mix
     lost = [n for n, w in weight_of.items() if w != 1 and n not in mix]
     if lost:
@@ -284,7 +282,7 @@ class TrainData:
         if tcfg.data.features == "offline":
             self.dataset, self.where = self.store.dataset("train"), str(self.store.dir)
             self.target, self.has_last_hidden = self.store.target, self.store.manifest.get("has_last_hidden", False)
-            if weighted(cfg):  # a store harvested before the sources were recorded: found from the sample ids
+            if weighted(cfg.harvest):  # a store harvested before the sources were recorded: found from the sample ids
                 names = sample_sources(self.store, cfg.harvest, "train")
             else:
                 names = self.store.sources("train")
@@ -304,10 +302,10 @@ class TrainData:
             )
         kept = [of_row[row] for row in self.dataset.index]
         self.sources = [name for name, _ in kept]  # per training sample, its source (None where none is recorded)
-        self.weights, self.mix = source_weights(cfg, self.sources, [n for _, n in kept], self.where)
+        self.weights, self.mix = source_weights(cfg.harvest, self.sources, [n for _, n in kept], self.where)
         if tcfg.data.features == "online":
-            ensure_vocab(cfg, run_dir, self.dataset, self.where)
-            self.online = OnlineTarget(cfg)
+            ensure_vocab(cfg.drafter, run_dir, self.dataset, self.where)
+            self.online = OnlineTarget(cfg.target, cfg.drafter, cfg.harvest)
             self.target, self.has_last_hidden = self.online.identity, cfg.harvest.store_last_hidden
         self.counted = self.dataset  # the samples trained on, before any weighting wraps them
         self.loop_tokens = None  # answer tokens that train.loop_weight weights (None: every token weighs 1)

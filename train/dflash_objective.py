@@ -21,10 +21,13 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.config import Config, DrafterSection
+from eagle3ft.config_train import ObjectiveConfig, TrainConfig
 from eagle3ft.drafter.dflash_config import DFlashConfig
 from eagle3ft.drafter.dflash_model import DFlashDrafter
 from eagle3ft.drafter.dflash_walk import accepts, anchor_drafts, walk
 from eagle3ft.drafter.folder import DFLASH_KIND, DrafterFolder
+from eagle3ft.train.data import TrainData
 from eagle3ft.train.dflash_loss import dflash_loss, sample_anchors
 
 
@@ -136,7 +139,9 @@ class DFlashObjective(torch.nn.Module):
         return DFlashOutput(zero.sum(), zero, c, v, c, v)
 
 
-def build_dflash(cfg, run_dir: Path, target: dict, spec: DFlashConfig) -> DFlashDrafter:
+def build_dflash(
+    drafter: DrafterSection, objective: ObjectiveConfig, run_dir: Path, target: dict, spec: DFlashConfig
+) -> DFlashDrafter:
     """Scratch (the architecture json) or warm start (a DFlash folder, extras SGLang ignores dropped), checked
     against the features' identity before any compute: the target's sizes, the captured layers and that the store
     was harvested for a DFlash drafter (its capture numbering)."""
@@ -148,11 +153,11 @@ def build_dflash(cfg, run_dir: Path, target: dict, spec: DFlashConfig) -> DFlash
     if capture != DFLASH_KIND:
         raise ValueError(
             f"{features}: the features were harvested for an {capture} drafter; a DFlash drafter needs its own "
-            f"harvest (drafter.config {cfg.drafter.config} at harvest time)"
+            f"harvest (drafter.config {drafter.config} at harvest time)"
         )
-    block = cfg.train.objective.dflash_block_size
-    if cfg.drafter.init:
-        folder = DrafterFolder(resolve_path(cfg.drafter.init), "warm start").require(DFLASH_KIND, "drafter.config")
+    block = objective.dflash_block_size
+    if drafter.init:
+        folder = DrafterFolder(resolve_path(drafter.init), "warm start").require(DFLASH_KIND, "drafter.config")
         model = folder.check(target, features).load().float()
         if list(model.config.target_layer_ids) != list(spec.target_layer_ids):
             raise ValueError(
@@ -163,7 +168,7 @@ def build_dflash(cfg, run_dir: Path, target: dict, spec: DFlashConfig) -> DFlash
         spec.check_target(target["hidden_size"], target["vocab_size"], target["num_layers"])
         if list(target.get("aux_layer_ids", [])) != list(spec.target_layer_ids):
             raise ValueError(
-                f"{cfg.drafter.config}: target_layer_ids {spec.target_layer_ids} != the features' captured layers "
+                f"{drafter.config}: target_layer_ids {spec.target_layer_ids} != the features' captured layers "
                 f"{target.get('aux_layer_ids')} ({features})"
             )
         model = DFlashDrafter(spec).float()
@@ -174,10 +179,10 @@ def build_dflash(cfg, run_dir: Path, target: dict, spec: DFlashConfig) -> DFlash
     return model
 
 
-def check_dflash_run(cfg) -> None:
+def check_dflash_run(train: TrainConfig) -> None:
     """What a DFlash run refuses before it loads anything (one line each): packed rows (a block would see another
     sample's features through the context) and online features (the online target captures EAGLE-3's layers)."""
-    tcfg = cfg.train
+    tcfg = train
     if tcfg.batch.pack_tokens:
         raise ValueError(
             "train.pack_tokens with a DFlash drafter: packed samples would share one context; leave it null"
@@ -188,12 +193,12 @@ def check_dflash_run(cfg) -> None:
         )
 
 
-def dflash_objective(cfg, run_dir: Path, data, spec: DFlashConfig) -> DFlashObjective:
+def dflash_objective(cfg: Config, run_dir: Path, data: TrainData, spec: DFlashConfig) -> DFlashObjective:
     """The drafter built or warm-started (build_dflash) and its objective over the target's frozen embedding and
     LM head."""
     from eagle3ft.targets.hf import load_input_embedding, load_output_head
 
     obj = cfg.train.objective
-    model = build_dflash(cfg, run_dir, data.target, spec)
+    model = build_dflash(cfg.drafter, obj, run_dir, data.target, spec)
     embed, head = load_input_embedding(cfg.target).float(), load_output_head(cfg.target).float()
     return DFlashObjective(model, embed, head, obj.dflash_num_anchors, obj.dflash_gamma, cfg.seed, obj.dflash_ce_chunk)

@@ -109,7 +109,7 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
     # 1. data and drafter (checked against the features' identity)
     spec = drafter_spec(cfg.drafter, resolve_path)  # the kind, by drafter.config's architectures
     if isinstance(spec, DFlashConfig):
-        check_dflash_run(cfg)
+        check_dflash_run(cfg.train)
     data = TrainData(cfg, run_dir)
     took.mark("data")
     seed_all(cfg.seed)
@@ -117,14 +117,14 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
         objective = dflash_objective(cfg, run_dir, data, spec)
         model = objective.drafter
     else:
-        model = build_drafter(cfg, run_dir, data.target, data.token_counts)
+        model = build_drafter(cfg.drafter, cfg.target, run_dir, data.target, data.token_counts)
         if torch.cuda.is_available() if tcfg.engine.compile is None else tcfg.engine.compile:  # null: on with CUDA
             model.compile_blocks()
         objective = TTTObjective(
             model,
             tcfg.objective.ttt_steps,
             tcfg.objective.step_decay,
-            target_head(cfg, data, model),
+            target_head(cfg.train.objective, cfg.target, data, model),
             tcfg.objective.loss,
             tcfg.objective.lk_eta,
         )
@@ -173,7 +173,9 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
             if note:
                 dist.print(note)
     depth = model.config.block_size - 1 if run.kind == DFLASH_KIND else None  # a block's chain: its B - 1 drafts
-    run.heldout = HeldoutTracker(run_dir, data.heldout(dist.device), cfg, dist, resumed is not None, depth)
+    run.heldout = HeldoutTracker(
+        run_dir, data.heldout(dist.device), cfg.train, cfg.eval, dist, resumed is not None, depth
+    )
     took.mark("held-out set")
 
     # 6. logs: metrics.jsonl (cut back to the resumed step), the summary line, wandb

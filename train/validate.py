@@ -22,10 +22,13 @@ from typing import Callable, Iterable
 
 import torch
 
+from eagle3ft.config import Config, EvalConfig
+from eagle3ft.config_train import TrainConfig
 from eagle3ft.data.store import FeatureStore, collate
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
+from eagle3ft.train.dist import Dist
 
 
 @dataclass
@@ -185,14 +188,23 @@ class HeldoutTracker:
     and a sharded engine gathers the weights on all of them).
     """
 
-    def __init__(self, run_dir: Path, heldout, cfg, dist, resumed: bool, depth: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        heldout: tuple,
+        train: TrainConfig,
+        ev: EvalConfig,
+        dist: Dist,
+        resumed: bool,
+        depth: int | None = None,
+    ) -> None:
         """heldout: (items, where, features, each item's source name) as train/data.py's TrainData.heldout gives
         them. depth: the chain's length (default eval.steps; a DFlash drafter's block drafts B - 1)."""
-        tcfg = cfg.train
+        tcfg = train
         self.block = depth is not None  # a DFlash drafter's walk over blocks
         self.dist, self.depth, self.every, self.best_on = (
             dist,
-            depth or cfg.eval.steps,
+            depth or ev.steps,
             tcfg.heldout.eval_every,
             tcfg.heldout.best_on,
         )
@@ -287,7 +299,7 @@ class HeldoutTracker:
 # --------------------------------------------------------------------------- standalone
 
 
-def run(cfg, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
+def run(cfg: Config, run_dir: Path, checkpoint: str | None = None) -> HeldoutTau:
     """Held-out τ of an exported drafter (default eval.checkpoint) as training computes it, on one device;
     writes RUN/eval/heldout_tau.json. Its counts are eval/offline/accept_len.py's greedy chain counts on greedy data."""
     from eagle3ft.targets.hf import load_input_embedding, pick_device

@@ -36,7 +36,7 @@ from pathlib import Path
 import requests
 
 from eagle3ft.cli import build_parser, parse_cli
-from eagle3ft.config import Config, resolve_path
+from eagle3ft.config import BenchConfig, Config, HarvestConfig, ServeConfig, resolve_path
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -204,7 +204,7 @@ def build_command(
             resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else Setting())
         )
     argv += list(sv.extra_args)
-    running = _running_wanted(cfg, role)
+    running = _running_wanted(cfg.serve, cfg.harvest, cfg.bench, role)
     try:
         given = sglang_versions.check_args(sv.sglang_version, sglang_versions.server_args_after(sv.launch_cmd, argv))
         if running > sglang_versions.EAGLE3_RUNNING_DEFAULT and "max_running_requests" not in given:
@@ -215,12 +215,12 @@ def build_command(
     return ServerCommand(argv=argv, env=env, url=f"http://{host}:{port}", role=role)
 
 
-def _running_wanted(cfg: Config, role: str) -> int:
+def _running_wanted(serve: ServeConfig, harvest: HarvestConfig, bench: BenchConfig, role: str) -> int:
     """Requests the role's client keeps in flight on one EAGLE3 server (0 on a server without a draft)."""
-    if role == "harvest" and cfg.serve.harvest_capture == "eagle3":
-        return int(cfg.harvest.sglang.concurrency)
+    if role == "harvest" and serve.harvest_capture == "eagle3":
+        return int(harvest.sglang.concurrency)
     if role == "speculative":
-        return max(cfg.bench.concurrency, default=1)
+        return max(bench.concurrency, default=1)
     return 0
 
 

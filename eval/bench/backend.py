@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from eagle3ft.config import resolve_path
+from eagle3ft.config import BenchConfig, EvalConfig, resolve_path
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.setting import Setting
 
@@ -77,13 +77,15 @@ class BenchBackend(Protocol):
     def environment(self) -> dict: ...
 
 
-def bench_drafters(cfg, run_dir: Path, labels: list[str] | None = None) -> dict[str, DrafterFolder]:
+def bench_drafters(
+    ev: EvalConfig, bench: BenchConfig, run_dir: Path, labels: list[str] | None = None
+) -> dict[str, DrafterFolder]:
     """label -> drafter folder, each read once: eval.checkpoint (relative to the run, labelled as written) and
     bench.drafters (relative to the repository); with `labels`, only those."""
     folders = {}
-    for label in labels if labels is not None else [cfg.eval.checkpoint, *cfg.bench.drafters]:
-        if label == cfg.eval.checkpoint:
-            folders[label] = DrafterFolder.of_run(run_dir, cfg.eval.checkpoint)
+    for label in labels if labels is not None else [ev.checkpoint, *bench.drafters]:
+        if label == ev.checkpoint:
+            folders[label] = DrafterFolder.of_run(run_dir, ev.checkpoint)
         else:
-            folders[label] = DrafterFolder(resolve_path(cfg.bench.drafters[label]), f"bench.drafters.{label}")
+            folders[label] = DrafterFolder(resolve_path(bench.drafters[label]), f"bench.drafters.{label}")
     return folders

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.config import Config
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.store import check_run_drafter
 from eagle3ft.drafter.dflash_model import DFlashDrafter
@@ -136,7 +137,7 @@ class EmbeddedBackend:
 
     name = "embedded"
 
-    def __init__(self, cfg, run_dir: Path, folders: dict[str, DrafterFolder] | None = None):
+    def __init__(self, cfg: Config, run_dir: Path, folders: dict[str, DrafterFolder] | None = None):
         """`folders`: bench_drafters' folders, already checked; None reads and checks them here (against the run's
         features when there are any), all before the target loads."""
 
@@ -145,7 +146,8 @@ class EmbeddedBackend:
             torch.set_num_threads(cfg.bench.embedded.threads)
         if folders is None:
             folders = {
-                k: check_run_drafter(f, RunDir(run_dir).features) for k, f in bench_drafters(cfg, run_dir).items()
+                k: check_run_drafter(f, RunDir(run_dir).features)
+                for k, f in bench_drafters(cfg.eval, cfg.bench, run_dir).items()
             }
         self.model, self.tokenizer = load_target(cfg.target)
         chain_attention.use(self.model, cfg.bench.embedded.attention)

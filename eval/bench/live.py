@@ -15,8 +15,10 @@ drafters and prompt sets in the same interleaved run.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from eagle3ft.cli import cli_errors, command_name, error_log, parse_cli
+from eagle3ft.config import Config
 from eagle3ft.data.render import load_prompt_sets
 from eagle3ft.data.store import StoreError
 from eagle3ft.eval.bench import schedule
@@ -30,7 +32,7 @@ from eagle3ft.runlock import holding
 from eagle3ft.targets.sglang_http import SGLangError
 
 
-def make_backend(cfg, run_dir: Path) -> BenchBackend:
+def make_backend(cfg: Config, run_dir: Path) -> BenchBackend:
     if cfg.bench.backend == "embedded":
         if any(c > 1 for c in cfg.bench.concurrency):
             raise ValueError(
@@ -45,17 +47,17 @@ def make_backend(cfg, run_dir: Path) -> BenchBackend:
     raise ValueError(f"bench.backend {cfg.bench.backend!r}: expected embedded or sglang")
 
 
-def run(cfg, run_dir: Path, log=print) -> dict:
+def run(cfg: Config, run_dir: Path, log: Callable[[str], None] = print) -> dict:
     """The benchmark on the configured backend, then the run's economics, then (SGLang) the bench.concurrency levels
     above 1 on the first prompt set (RUN/bench/concurrency.json); the backend closed (servers stopped) at the end.
     Returns the bench's summary."""
     backend = make_backend(cfg, run_dir)
     try:
-        sets = load_prompt_sets(cfg, backend.tokenizer)
-        summary = schedule.run(cfg, run_dir, backend, sets, log)
-        after_bench(run_dir, cfg, log)
+        sets = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)
+        summary = schedule.run(cfg.eval, cfg.bench, run_dir, backend, sets, log)
+        after_bench(run_dir, cfg.bench, cfg.target, log)
         if isinstance(backend, SGLangBackend):
-            run_concurrency(cfg, run_dir, backend, sets[0].prompts, log)
+            run_concurrency(cfg.bench, run_dir, backend, sets[0].prompts, log)
     finally:
         if hasattr(backend, "close"):
             backend.close()

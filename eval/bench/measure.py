@@ -7,12 +7,14 @@ eval/report/demo_summary.py's `offline` and `measure` run it; its `headline` rea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from eagle3ft.config import BenchConfig, Config, EvalConfig, HarvestConfig
 from eagle3ft.data.render import load_prompt_sets
 from eagle3ft.data.sources import heldout_sets
-from eagle3ft.data.store import FeatureStore
+from eagle3ft.data.store import FeatureDataset, FeatureStore
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.bench import schedule
 from eagle3ft.eval.bench.backend import bench_drafters
@@ -41,17 +43,25 @@ def offline_by_source(drafter, ds, groups: dict[str, list[int]], steps: int, dev
     return out
 
 
-def check_drafters(cfg, run_dir: Path, folders: dict[str, DrafterFolder]):
+def check_drafters(
+    harvest: HarvestConfig, run_dir: Path, folders: dict[str, DrafterFolder]
+) -> tuple[FeatureDataset, dict[str, list[int]]]:
     """Every folder against the run's features, before anything is loaded; returns (the held-out dataset, its sample
     indices per source)."""
     store = FeatureStore(RunDir(run_dir).features)
     for folder in folders.values():
         store.check_drafter(folder)
-    return store.dataset("heldout"), heldout_sets(store, cfg.harvest)
+    return store.dataset("heldout"), heldout_sets(store, harvest)
 
 
 def offline_all(
-    cfg, run_dir: Path, drafters: dict, folders: dict[str, DrafterFolder], held, device, log=print
+    ev: EvalConfig,
+    run_dir: Path,
+    drafters: dict,
+    folders: dict[str, DrafterFolder],
+    held: tuple[FeatureDataset, dict[str, list[int]]],
+    device: torch.device,
+    log: Callable[[str], None] = print,
 ) -> dict[str, dict]:
     """Offline tau per held-out source for each loaded drafter; writes RUN/demo/offline-<label>.json. `held` is
     check_drafters' (dataset, sample indices per source)."""
@@ -61,8 +71,8 @@ def offline_all(
     results = {}
     for label, drafter in drafters.items():
         with torch.no_grad():
-            sets = offline_by_source(drafter, ds, groups, cfg.eval.steps, device)
-        res = {"label": label, "checkpoint": str(folders[label].path), "depth": cfg.eval.steps, "sets": sets}
+            sets = offline_by_source(drafter, ds, groups, ev.steps, device)
+        res = {"label": label, "checkpoint": str(folders[label].path), "depth": ev.steps, "sets": sets}
         write_json(out_dir / f"offline-{label}.json", res, indent=2, newline=True)
         results[label] = res
         for kind, s in sets.items():
@@ -74,9 +84,9 @@ def offline_all(
     return results
 
 
-def _pick(cfg, only: list[str] | None) -> list[str]:
+def _pick(ev: EvalConfig, bench: BenchConfig, only: list[str] | None) -> list[str]:
     """The drafters' labels (eval.checkpoint, then bench.drafters), or those in `only`."""
-    labels = [cfg.eval.checkpoint, *cfg.bench.drafters]
+    labels = [ev.checkpoint, *bench.drafters]
     unknown = sorted(set(only or []) - set(labels))
     if unknown:
         raise ValueError(
@@ -85,28 +95,31 @@ def _pick(cfg, only: list[str] | None) -> list[str]:
     return [k for k in labels if not only or k in only]
 
 
-def run_offline(cfg, run_dir: Path, only: list[str] | None = None, log=print) -> dict[str, dict]:
+def run_offline(
+    cfg: Config, run_dir: Path, only: list[str] | None = None, log: Callable[[str], None] = print
+) -> dict[str, dict]:
     """Offline tau per held-out source for each drafter (or those in `only`), in the target's dtype."""
 
-    folders = bench_drafters(cfg, run_dir, _pick(cfg, only))
-    held = check_drafters(cfg, run_dir, folders)
+    folders = bench_drafters(cfg.eval, cfg.bench, run_dir, _pick(cfg.eval, cfg.bench, only))
+    held = check_drafters(cfg.harvest, run_dir, folders)
     device = pick_device(cfg.target)
     emb = load_input_embedding(cfg.target)
     drafters = {k: f.load_like(emb, device) for k, f in folders.items()}
-    return offline_all(cfg, run_dir, drafters, folders, held, device, log)
+    return offline_all(cfg.eval, run_dir, drafters, folders, held, device, log)
 
 
-def run_measure(cfg, run_dir: Path, log=print) -> dict:
+def run_measure(cfg: Config, run_dir: Path, log: Callable[[str], None] = print) -> dict:
     """One process, one target load: every drafter's offline tau per held-out set, then the live bench (plain
     against eval.checkpoint and bench.drafters, interleaved, every prompt set) with the drafters the bench loaded, then
     the bench's economics."""
     if cfg.bench.backend != "embedded":
         raise ValueError(f"bench.backend {cfg.bench.backend!r}: the demo measures with the embedded backend")
-    folders = bench_drafters(cfg, run_dir)
-    held = check_drafters(cfg, run_dir, folders)
+    folders = bench_drafters(cfg.eval, cfg.bench, run_dir)
+    held = check_drafters(cfg.harvest, run_dir, folders)
     backend = EmbeddedBackend(cfg, run_dir, folders)
-    offline_all(cfg, run_dir, backend.drafters, folders, held, backend.device, log)
-    summary = schedule.run(cfg, run_dir, backend, load_prompt_sets(cfg, backend.tokenizer), log)
-    after_bench(run_dir, cfg, log)
+    offline_all(cfg.eval, run_dir, backend.drafters, folders, held, backend.device, log)
+    sets = load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer)
+    summary = schedule.run(cfg.eval, cfg.bench, run_dir, backend, sets, log)
+    after_bench(run_dir, cfg.bench, cfg.target, log)
     log(format_summary(summary))
     return summary

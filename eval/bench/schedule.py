@@ -21,7 +21,9 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
+from eagle3ft.config import BenchConfig, EvalConfig
 from eagle3ft.data.render import PromptSet
 from eagle3ft.eval.bench.backend import BenchBackend, RequestResult
 from eagle3ft.eval.bench.summary import pass_tok_s, summarize
@@ -31,22 +33,22 @@ from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
 
 
-def drafter_labels(cfg) -> list[str]:
+def drafter_labels(ev: EvalConfig, bench: BenchConfig) -> list[str]:
     """`eval.checkpoint` as written (the summary's top level), then the labels of `bench.drafters`."""
-    labels = [cfg.eval.checkpoint, *cfg.bench.drafters]
+    labels = [ev.checkpoint, *bench.drafters]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"bench.drafters: a label repeats or equals eval.checkpoint {cfg.eval.checkpoint!r}: {labels}")
+        raise ValueError(f"bench.drafters: a label repeats or equals eval.checkpoint {ev.checkpoint!r}: {labels}")
     return labels
 
 
 class _Arms:
     """The arms of one run, the baseline first: (drafter label, setting), (None, None) for plain decoding."""
 
-    def __init__(self, cfg, backend: BenchBackend):
-        self.labels = drafter_labels(cfg)
+    def __init__(self, ev: EvalConfig, bench: BenchConfig, backend: BenchBackend):
+        self.labels = drafter_labels(ev, bench)
         if len(self.labels) > 1 and not hasattr(backend, "use_drafter"):
             raise ValueError(f"bench.drafters: the {backend.name} backend benches one drafter (eval.checkpoint)")
-        self.backend, self.settings = backend, cfg.bench.settings
+        self.backend, self.settings = backend, bench.settings
         self.all = [(None, None)] + [(d, s) for d in self.labels for s in self.settings]
 
     def use(self, drafter: str) -> None:
@@ -60,15 +62,22 @@ class _Arms:
         return self.backend.run_speculative(prompts, s, max_new_tokens, first_index=first)
 
 
-def run(cfg, run_dir: Path, backend: BenchBackend, sets: list[PromptSet], log=print) -> dict:
+def run(
+    ev: EvalConfig,
+    bench: BenchConfig,
+    run_dir: Path,
+    backend: BenchBackend,
+    sets: list[PromptSet],
+    log: Callable[[str], None] = print,
+) -> dict:
     """The benchmark on `backend` over the caller's prompt sets (the first is the summary's top level): warm-up,
     interleaved repetitions into RUN/bench/runs.jsonl, then RUN/bench/summary.json, which it returns."""
-    bc = cfg.bench
+    bc = bench
     if bc.warmup not in ("all", "first"):
         raise ValueError(f"bench.warmup {bc.warmup!r}: expected all (every prompt once per arm) or first")
     if bc.interleave not in ("prompt", "pass"):
         raise ValueError(f"bench.interleave {bc.interleave!r}: expected prompt (every arm per prompt) or pass")
-    arms = _Arms(cfg, backend)
+    arms = _Arms(ev, bench, backend)
     RunDir(run_dir).bench.mkdir(parents=True, exist_ok=True)
     log(
         f"bench: {backend.name}, {' + '.join(f'{len(p.prompts)} {p.label}' for p in sets)} prompts, "
@@ -79,16 +88,18 @@ def run(cfg, run_dir: Path, backend: BenchBackend, sets: list[PromptSet], log=pr
     warm = [p for ps in sets for p in ps.prompts] if bc.warmup == "all" else sets[0].prompts[:1]
     for d, s in arms.all:
         arms.run(d, s, warm, bc.max_new_tokens)
-    runs = _repetitions(cfg, run_dir, arms, sets, log)
-    summary = _summary(cfg, backend, arms, sets, runs)
+    runs = _repetitions(bench, run_dir, arms, sets, log)
+    summary = _summary(ev, bench, backend, arms, sets, runs)
     write_json(RunDir(run_dir).bench_summary, summary, indent=2)
     return summary
 
 
-def _repetitions(cfg, run_dir: Path, arms: _Arms, sets: list[PromptSet], log) -> list[dict]:
+def _repetitions(
+    bench: BenchConfig, run_dir: Path, arms: _Arms, sets: list[PromptSet], log: Callable[[str], None]
+) -> list[dict]:
     """The timed repetitions, every arm per prompt (bench.interleave prompt) or per pass; each request a row of
     RUN/bench/runs.jsonl, written as it comes and renamed into place at the end."""
-    bc, paths = cfg.bench, RunDir(run_dir)
+    bc, paths = bench, RunDir(run_dir)
     tmp = paths.bench / "runs.jsonl.tmp"
     runs: list[dict] = []
     tmp.unlink(missing_ok=True)
@@ -119,10 +130,12 @@ def _repetitions(cfg, run_dir: Path, arms: _Arms, sets: list[PromptSet], log) ->
     return runs
 
 
-def _summary(cfg, backend: BenchBackend, arms: _Arms, sets: list[PromptSet], runs: list[dict]) -> dict:
+def _summary(
+    ev: EvalConfig, bench: BenchConfig, backend: BenchBackend, arms: _Arms, sets: list[PromptSet], runs: list[dict]
+) -> dict:
     """summary.json: per prompt set its baseline and per drafter its rows, costs and offline tau on the same prompts;
     the top level is eval.checkpoint on the first set."""
-    bc, settings = cfg.bench, cfg.bench.settings
+    bc, settings = bench, bench.settings
     curve = None
     if hasattr(backend, "verify_costs"):
         sizes = sorted({1, *range(2, max(s.num_draft_tokens for s in settings) + 3)})
@@ -140,7 +153,7 @@ def _summary(cfg, backend: BenchBackend, arms: _Arms, sets: list[PromptSet], run
             rows = [r for r in runs if r["prompts"] == ps.label and r["drafter"] in (None, d)]
             s = summarize(rows, settings, curve)
             drafters[d] = {
-                "checkpoint": cfg.eval.checkpoint if d == arms.labels[0] else bc.drafters[d],
+                "checkpoint": ev.checkpoint if d == arms.labels[0] else bc.drafters[d],
                 "speculative": s["speculative"],
                 "costs": s["costs"],
                 "offline_same_prompts": same.get(d),

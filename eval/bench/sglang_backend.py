@@ -42,9 +42,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import requests
 
+from eagle3ft.config import BenchConfig, Config
 from eagle3ft.data.chat import ChatFormat
 from eagle3ft.data.store import check_run_drafter
 from eagle3ft.drafter.folder import DrafterFolder
@@ -78,7 +80,7 @@ def _exit_on_sigterm(signum, frame):
 class SGLangBackend:
     name = "sglang"
 
-    def __init__(self, cfg, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path):
         from eagle3ft.targets.hf import load_tokenizer  # transformers: off this module's --help path
 
         self.cfg, self.run_dir = cfg, Path(run_dir)
@@ -103,7 +105,7 @@ class SGLangBackend:
             raise ValueError("bench.sglang.requests is empty: name whole, stream or both")
         self.tokenizer = load_tokenizer(cfg.target)  # the served target's: the caller renders the prompts with it
         self.eos_ids = list(ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids)
-        self.timeout_s = float(cfg.harvest.sglang.timeout_s)
+        self.timeout_s = float(cfg.bench.sglang.timeout_s)
         self.launched: dict[str, SGLangServer] = {}  # key -> server, least recently used first
         self._ports: dict[str, int] = {}
         self.infos: dict[str, dict] = {}
@@ -336,7 +338,7 @@ class SGLangBackend:
             return None
         from eagle3ft.eval.offline.same_prompts import checkpoint_offline_tau  # loads transformers: only when asked
 
-        return checkpoint_offline_tau(self.cfg, self.drafter, prompts, answers, settings)
+        return checkpoint_offline_tau(self.cfg.target, self.cfg.eval, self.drafter, prompts, answers, settings)
 
     def environment(self) -> dict:
         servers = {}
@@ -364,18 +366,24 @@ class SGLangBackend:
         }
 
 
-def run_concurrency(cfg, run_dir: Path, backend: SGLangBackend, prompts: list[list[int]], log=print) -> dict | None:
+def run_concurrency(
+    bench: BenchConfig,
+    run_dir: Path,
+    backend: SGLangBackend,
+    prompts: list[list[int]],
+    log: Callable[[str], None] = print,
+) -> dict | None:
     """bench.concurrency levels above 1: baseline and every setting interleaved per repetition."""
-    levels = sorted({c for c in cfg.bench.concurrency if c > 1})
+    levels = sorted({c for c in bench.concurrency if c > 1})
     if not levels:
         return None
     out: dict = {"levels": {}}
     for c in levels:
         rows: dict[str, list[dict]] = {}
-        for rep in range(cfg.bench.repetitions):
-            for s in [None, *cfg.bench.settings]:
+        for rep in range(bench.repetitions):
+            for s in [None, *bench.settings]:
                 key = "baseline" if s is None else s.key
-                r = backend.throughput(s, prompts, cfg.bench.max_new_tokens, c)
+                r = backend.throughput(s, prompts, bench.max_new_tokens, c)
                 rows.setdefault(key, []).append(r)
                 log(f"  concurrency {c} rep {rep} {key:<11} {r['tok_s']:8.1f} tok/s")
         base = statistics.median(r["tok_s"] for r in rows["baseline"])

@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
+from eagle3ft.config import BenchConfig, TargetConfig
 from eagle3ft.eval.economics.calibration import (
     CalibrationError,
     format_prediction,
@@ -220,12 +222,14 @@ def offline_loop_free(run_dir: Path) -> dict[str, float]:
     return {k: v["tau_walk_loop_free"] for k, v in settings.items() if v.get("tau_walk_loop_free")}
 
 
-def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics | None, dict | None]:
+def run(
+    run_dir: Path, bench: BenchConfig | None = None, target: TargetConfig | None = None, tok_s: float | None = None
+) -> tuple[Economics | None, dict | None]:
     """economics.json (+ calibration.json) from this run's summary, and the prediction when bench.calibration is set."""
     run_dir = Path(run_dir)
     offline, basis, intervals = read_offline_tau(RunDir(run_dir).accept_len)
-    cal = from_config(cfg)
-    target = cfg.target.name if cfg is not None else None
+    cal = from_config(bench)
+    name = target.name if target is not None else None
     pred = write_prediction(run_dir, cal, offline, basis, intervals) if cal else None
     summary_path = RunDir(run_dir).bench_summary
     if not summary_path.exists():
@@ -233,7 +237,7 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
     summary = read_json(summary_path, "the benchmark summary")  # truncated: DamagedFile naming it
     if not isinstance(summary, dict):
         raise DamagedFile(f"{summary_path}: the benchmark summary is not a JSON object; rerun the bench")
-    ec = analyse(summary, offline, cal, tok_s, target, basis, intervals, offline_loop_free(run_dir))
+    ec = analyse(summary, offline, cal, tok_s, name, basis, intervals, offline_loop_free(run_dir))
     mine = RunDir(run_dir.resolve()).calibration
     if ec.calibrated and (
         Path(cal["source_run"]).resolve() == run_dir.resolve()
@@ -243,14 +247,16 @@ def run(run_dir: Path, cfg=None, tok_s: float | None = None) -> tuple[Economics 
             "the calibration comes from this very run: its prediction restates the measurement"
         )
     write_json(RunDir(run_dir).economics, ec.to_dict(), indent=2)
-    write_calibration(run_dir, summary, target)
+    write_calibration(run_dir, summary, name)
     return ec, pred
 
 
-def after_bench(run_dir: Path, cfg, log=print) -> Economics:
+def after_bench(
+    run_dir: Path, bench: BenchConfig, target: TargetConfig, log: Callable[[str], None] = print
+) -> Economics:
     """A finished bench's economics.json and calibration.json (and the prediction with bench.calibration), its table
     logged: what a bench's entry point runs once the bench is done."""
-    ec, _ = run(run_dir, cfg)
+    ec, _ = run(run_dir, bench, target)
     log(format_table(ec))
     return ec
 
@@ -285,7 +291,8 @@ def main(argv: list[str] | None = None) -> None:
 
     with holding(run_dir, "economics", prog), cli_errors(prog, log=error_log(run_dir, "economics")):
         try:
-            ec, pred = run(run_dir, cfg, args.tok_s)  # a damaged input file: one line naming it (cli_errors)
+            # a damaged input file: one line naming it (cli_errors)
+            ec, pred = run(run_dir, cfg.bench, cfg.target, args.tok_s)
         except CalibrationError as e:
             parser.exit(2, f"{prog}: error: {e}\n")
     if ec is not None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eagle3ft.config import resolve_path
+from eagle3ft.config import BenchConfig, resolve_path
 from eagle3ft.eval.economics.cost_model import cost_model_from_summary, fmt, max_tau
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
@@ -150,16 +150,16 @@ def pool(latest: dict, earlier: list[dict]) -> dict:
     return {**latest, "settings": settings, "pool": [c["path"] for c in earlier], "pool_warnings": warnings}
 
 
-def from_config(cfg) -> dict | None:
+def from_config(bench: BenchConfig | None) -> dict | None:
     """bench.calibration, pooled with bench.calibration_pool's files; None without bench.calibration."""
-    if cfg is None:
+    if bench is None:
         return None
-    if cfg.bench.calibration_pool and not cfg.bench.calibration:
+    if bench.calibration_pool and not bench.calibration:
         raise CalibrationError("bench.calibration_pool needs bench.calibration: the run whose plain step prices it")
-    if not cfg.bench.calibration:
+    if not bench.calibration:
         return None
-    latest = load_calibration(resolve_path(cfg.bench.calibration))
-    return pool(latest, [load_calibration(resolve_path(p)) for p in cfg.bench.calibration_pool])
+    latest = load_calibration(resolve_path(bench.calibration))
+    return pool(latest, [load_calibration(resolve_path(p)) for p in bench.calibration_pool])
 
 
 def predict(

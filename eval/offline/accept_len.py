@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.cli import cli_errors, command_name, error_log, parse_cli
+from eagle3ft.config import Config, EvalConfig, HarvestConfig, TargetConfig
 from eagle3ft.data.loops import answer_loops as loop_of_answers
 from eagle3ft.data.store import FeatureStore, StoreError
 from eagle3ft.drafter.folder import DrafterFolder
@@ -287,7 +288,7 @@ def format_report(rep: AcceptReport) -> str:
     return "\n".join(lines)
 
 
-def run(cfg, run_dir: Path) -> AcceptReport:
+def run(cfg: Config, run_dir: Path) -> AcceptReport:
     """Load the exported drafter and the held-out features of `run_dir`, evaluate, write eval/accept_len.json."""
     from eagle3ft.targets.hf import load_input_embedding, pick_device  # transformers: off the --help path
 
@@ -297,7 +298,7 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     store.check_drafter(folder)  # before any compute
     device = pick_device(cfg.target)
     if folder.family == "dflash":
-        return run_dflash(cfg, run_dir, folder, store, device)
+        return run_dflash(cfg.eval, cfg.target, cfg.harvest, run_dir, folder, store, device)
     drafter = folder.load(load_input_embedding(cfg.target)).to(device).eval()
     ds = store.dataset("heldout")
     n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
@@ -319,31 +320,39 @@ def run(cfg, run_dir: Path) -> AcceptReport:
     return rep
 
 
-def heldout_data(cfg, run_dir: Path, samples_in_split: int) -> dict:
+def heldout_data(harvest: HarvestConfig, run_dir: Path, samples_in_split: int) -> dict:
     """Where the held-out split came from (accept_len.json's data)."""
     return {
         "features": str(RunDir(run_dir).features),
         "split": "heldout",
         "samples_in_split": samples_in_split,
-        "sources": [asdict(s) for s in cfg.harvest.sources if s.split in ("heldout", "auto")],
-        "heldout_fraction": cfg.harvest.heldout_fraction,
+        "sources": [asdict(s) for s in harvest.sources if s.split in ("heldout", "auto")],
+        "heldout_fraction": harvest.heldout_fraction,
     }
 
 
-def run_dflash(cfg, run_dir: Path, folder: DrafterFolder, store: FeatureStore, device) -> dict:
+def run_dflash(
+    ev: EvalConfig,
+    target: TargetConfig,
+    harvest: HarvestConfig,
+    run_dir: Path,
+    folder: DrafterFolder,
+    store: FeatureStore,
+    device: torch.device,
+) -> dict:
     """A DFlash drafter's offline τ (eval/offline/dflash_accept.py): the live chain walk over the held-out answers,
     written to eval/accept_len.json in the same form."""
     from eagle3ft.targets.hf import load_input_embedding, load_output_head  # transformers: off the --help path
 
-    ec = cfg.eval
+    ec = ev
     drafter = folder.load().to(device).eval()
     ds = store.dataset("heldout")
     n = len(ds) if ec.max_samples is None else min(len(ds), ec.max_samples)
-    embed, head = load_input_embedding(cfg.target), load_output_head(cfg.target)
+    embed, head = load_input_embedding(target), load_output_head(target)
     rep, per_sample = dflash_report(drafter, (ds[i] for i in range(n)), embed, head, device)
     for setting in rep["settings"].values():
         setting["tau_walk_interval"] = walk_interval(per_sample)
-    rep.update(checkpoint=str(folder.path), data=heldout_data(cfg, run_dir, len(ds)))
+    rep.update(checkpoint=str(folder.path), data=heldout_data(harvest, run_dir, len(ds)))
     out = RunDir(run_dir).accept_len
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, rep, indent=2)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
-from eagle3ft.config import resolve_path
+from eagle3ft.config import Config, EvalConfig, HarvestConfig, TargetConfig, resolve_path
 from eagle3ft.data.sources import heldout_sets
 from eagle3ft.data.store import FeatureStore, StoreError
 from eagle3ft.drafter.folder import DrafterFolder
@@ -169,7 +169,9 @@ def compare(
     return {"before": labels[0], "after": labels[1], "setting": setting, "sets": sets, "verdict": verdict_line(sets)}
 
 
-def drafter_walks(cfg, run_dir: Path, folders: dict[str, DrafterFolder]) -> dict[str, dict[str, SetTotals]]:
+def drafter_walks(
+    ev: EvalConfig, target: TargetConfig, harvest: HarvestConfig, run_dir: Path, folders: dict[str, DrafterFolder]
+) -> dict[str, dict[str, SetTotals]]:
     """label -> held-out set -> the walk of that drafter folder on RUN's held-out features, each drafter in the
     target's dtype (every folder is checked against the features before any is loaded)."""
     from eagle3ft.targets.hf import load_input_embedding, pick_device  # transformers: off the --help path
@@ -178,26 +180,25 @@ def drafter_walks(cfg, run_dir: Path, folders: dict[str, DrafterFolder]) -> dict
     for folder in folders.values():
         store.check_drafter(folder)
     ds = store.dataset("heldout")
-    groups = heldout_sets(store, cfg.harvest)
-    device = pick_device(cfg.target)
-    emb = load_input_embedding(cfg.target)
+    groups = heldout_sets(store, harvest)
+    device = pick_device(target)
+    emb = load_input_embedding(target)
     walks = {}
     for label, folder in folders.items():
         head = None
         if folder.family == "dflash":  # no embedding or head of its own: the target's
             from eagle3ft.targets.hf import load_output_head  # transformers: off the --help path
 
-            head = (emb, load_output_head(cfg.target))
+            head = (emb, load_output_head(target))
         drafter = folder.load_like(emb, device)
         with torch.no_grad():
             walks[label] = {
-                name: measure(drafter, [ds[i] for i in idx], cfg.eval.steps, device, head)
-                for name, idx in groups.items()
+                name: measure(drafter, [ds[i] for i in idx], ev.steps, device, head) for name, idx in groups.items()
             }
     return walks
 
 
-def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None) -> dict:
+def run(cfg: Config, run_dir: Path, before: str | None = None, after: str | None = None) -> dict:
     """Both drafters' walks on every held-out set of RUN; the comparison (with each conversation's counts)."""
 
     if before is None and not cfg.drafter.init:
@@ -218,7 +219,7 @@ def run(cfg, run_dir: Path, before: str | None = None, after: str | None = None)
     block = last.config.block_size if last.family == "dflash" else None
     setting = f"{block - 1}/1/{block}" if block else f"{cfg.eval.steps}/1/{cfg.eval.steps + 1}"
     costs = break_even(run_dir, setting, cfg.eval.checkpoint)  # a damaged file is named before anything is measured
-    walks = drafter_walks(cfg, run_dir, folders)
+    walks = drafter_walks(cfg.eval, cfg.target, cfg.harvest, run_dir, folders)
     labels = (before or cfg.drafter.init, after or str(folders["--after"].path))  # as the user named them
     result = compare(walks["--before"], walks["--after"], labels, setting, costs)
     result["per_sample"] = {w.lstrip("-"): {n: t.per_sample for n, t in sets.items()} for w, sets in walks.items()}

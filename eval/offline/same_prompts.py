@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
+from eagle3ft.config import EvalConfig, TargetConfig
 from eagle3ft.data.render import load_prompts, set_labels
 from eagle3ft.data.store import check_run_drafter
 from eagle3ft.drafter.folder import DrafterFolder
@@ -129,7 +130,8 @@ def offline_tau(
 
 
 def checkpoint_offline_tau(
-    cfg,
+    target: TargetConfig,
+    ev: EvalConfig,
     folder: DrafterFolder,
     prompts: list[list[int]],
     answers: list[list[int]],
@@ -137,22 +139,20 @@ def checkpoint_offline_tau(
     keep: list[bool] | None = None,
     emitted: bool = False,
 ) -> dict | None:
-    """offline_tau of the drafter `folder` (eval.checkpoint, checked already), on a copy of `cfg.target` loaded here:
+    """offline_tau of the drafter `folder` (eval.checkpoint, checked already), on a copy of `target` loaded here:
     what a bench backend without the target in this process (SGLang) uses. With `keep`, also on the answers it marks,
     as `rep["kept"]` (None when it marks none). With `emitted`, scored against the answers' own tokens, and against
     this copy's argmax too as `rep["argmax"]`: the gap between the two is what the engines' disagreement costs."""
 
-    model, _ = load_target(cfg.target)
+    model, _ = load_target(target)
     drafter, aux_ids = folder.on_target(model)
-    rep = offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context, emitted)
+    rep = offline_tau(model, drafter, aux_ids, prompts, answers, settings, ev.tree_context, emitted)
     if rep is not None and keep is not None:
         idx = [i for i, k in enumerate(keep) if k]
         sub = [prompts[i] for i in idx], [answers[i] for i in idx]
-        rep["kept"] = (
-            offline_tau(model, drafter, aux_ids, *sub, settings, cfg.eval.tree_context, emitted) if idx else None
-        )
+        rep["kept"] = offline_tau(model, drafter, aux_ids, *sub, settings, ev.tree_context, emitted) if idx else None
     if rep is not None and emitted:
-        rep["argmax"] = offline_tau(model, drafter, aux_ids, prompts, answers, settings, cfg.eval.tree_context)
+        rep["argmax"] = offline_tau(model, drafter, aux_ids, prompts, answers, settings, ev.tree_context)
     return rep
 
 
@@ -200,13 +200,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg, run_dir, args = parse_cli(desc, stage="eval", argv=argv, parser=parser, read_side=False)
     with holding(run_dir, "eval", prog), cli_errors(prog, log=error_log(run_dir, "eval")):
         folder = check_run_drafter(DrafterFolder.of_run(run_dir, cfg.eval.checkpoint), RunDir(run_dir).features)
-        label, src = set_labels(cfg)[0]
-        prompts = load_prompts(cfg, load_tokenizer(cfg.target), src)
+        label, src = set_labels(cfg.bench)[0]
+        prompts = load_prompts(cfg.target, load_tokenizer(cfg.target), src)
         source = Path(args.answers_from)
         answers, finished = bench_answers(source, label, len(prompts), args.answers_of)
         # also on the answers that finished: a cap cut none of them, so no loop ran them long
         emitted = args.score == "emitted"
-        rep = checkpoint_offline_tau(cfg, folder, prompts, answers, cfg.bench.settings, keep=finished, emitted=emitted)
+        rep = checkpoint_offline_tau(
+            cfg.target, cfg.eval, folder, prompts, answers, cfg.bench.settings, keep=finished, emitted=emitted
+        )
         if rep is None:
             raise ValueError("bench.settings is empty: nothing to evaluate")
         done, argmax = rep.pop("kept"), rep.pop("argmax", None)

@@ -25,6 +25,7 @@ import statistics
 from pathlib import Path
 
 from eagle3ft.cli import cli_errors, command_name, error_log, parse_cli
+from eagle3ft.config import BenchConfig, EvalConfig
 from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.eval.economics.analysis import analyse, read_offline_tau
 from eagle3ft.eval.economics.calibration import from_config, join, predict
@@ -134,11 +135,11 @@ def step_time(metrics: list[dict]) -> dict | None:
     }
 
 
-def check_drafters(run_dir: Path, cfg, acc: dict | None) -> None:
+def check_drafters(run_dir: Path, ev: EvalConfig | None, acc: dict | None) -> None:
     """NonFinite (one line, nothing written) when a drafter the report speaks for holds a NaN or inf weight:
     eval.checkpoint, and the drafter eval/accept_len.json was measured on."""
 
-    folders = {"eval.checkpoint": RunDir(run_dir).drafter(cfg.eval.checkpoint)} if cfg is not None else {}
+    folders = {"eval.checkpoint": RunDir(run_dir).drafter(ev.checkpoint)} if ev is not None else {}
     if acc and acc.get("checkpoint"):
         folders["eval/accept_len.json's checkpoint"] = Path(acc["checkpoint"])
     for where, folder in folders.items():
@@ -146,11 +147,12 @@ def check_drafters(run_dir: Path, cfg, acc: dict | None) -> None:
             DrafterFolder(folder, where).check_finite()
 
 
-def build(run_dir: Path, cfg=None) -> dict:
-    """report.json, report.md and the plots of `run_dir`; `cfg` supplies bench.calibration when set."""
+def build(run_dir: Path, ev: EvalConfig | None = None, bench: BenchConfig | None = None) -> dict:
+    """report.json, report.md and the plots of `run_dir`; `ev` names the drafter checked, `bench` supplies
+    bench.calibration when set."""
     run = RunDir(run_dir)
     acc = _read_json(run.accept_len)
-    check_drafters(run_dir, cfg, acc)
+    check_drafters(run_dir, ev, acc)
     out = run.eval
     out.mkdir(parents=True, exist_ok=True)
     metrics, heldout = read_metrics(run.metrics)
@@ -164,7 +166,7 @@ def build(run_dir: Path, cfg=None) -> dict:
         acc = {**acc, "card": _read_json(Path(acc["checkpoint"]) / "card.json")}
     summary = _read_json(run.bench_summary)
     offline, basis, intervals = read_offline_tau(run.accept_len)
-    cal = from_config(cfg)
+    cal = from_config(bench)
     prediction = _read_json(run.prediction)
     econ = analyse(summary, offline, cal, tau_basis=basis, intervals=intervals).to_dict() if summary else None
     if econ and not econ["calibrated"] and prediction:
@@ -242,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     check_or_exit(prog, "report", cfg, run_dir, args.config)
 
     with holding(run_dir, "report", prog), cli_errors(prog, log=error_log(run_dir, "report")):
-        rep = build(run_dir, cfg)
+        rep = build(run_dir, cfg.eval, cfg.bench)
     print(f"report: {RunDir(run_dir).report_md}")
     print(headline_text(rep["headline"]))
     if warning := divergence_text(rep["train"]["diverged"]):

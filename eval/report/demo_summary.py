@@ -30,6 +30,8 @@ import json
 from pathlib import Path
 
 from eagle3ft.cli import build_parser, cli_errors, command_name, error_log, parse_cli
+from eagle3ft.config import BenchConfig, Config
+from eagle3ft.config_train import TrainConfig
 from eagle3ft.data.store import StoreError
 from eagle3ft.eval.bench.measure import run_measure, run_offline
 from eagle3ft.eval.preflight import check_or_exit
@@ -72,17 +74,17 @@ def _training(run_dir: Path) -> dict:
     return out
 
 
-def build(cfg, run_dir: Path, before: str, after: str) -> dict:
+def build(bench: BenchConfig, train: TrainConfig, run_dir: Path, before: str, after: str) -> dict:
     """The before/after table as data: per prompt set (domain first) offline tau, live tau, tok/s and break-even."""
     summary_path = RunDir(run_dir).bench_summary
-    bench = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    measured = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     offline = {}
     for label in (before, after):
         p = RunDir(run_dir).demo / f"offline-{label}.json"
         offline[label] = json.loads(p.read_text()) if p.is_file() else None
-    domain = cfg.bench.prompts.kind
-    setting = cfg.bench.settings[-1].key  # the deepest benchmarked setting
-    seen = {k for o in offline.values() if o for k in o["sets"]} | set((bench or {}).get("prompt_sets", {}))
+    domain = bench.prompts.kind
+    setting = bench.settings[-1].key  # the deepest benchmarked setting
+    seen = {k for o in offline.values() if o for k in o["sets"]} | set((measured or {}).get("prompt_sets", {}))
     kinds = [domain] + sorted(seen - {domain})
     sets = []
     for kind in kinds:
@@ -97,12 +99,12 @@ def build(cfg, run_dir: Path, before: str, after: str) -> dict:
                 "before": off[before]["settings"].get(setting) if off[before] else None,
                 "after": off[after]["settings"].get(setting) if off[after] else None,
             }
-        pset = (bench or {}).get("prompt_sets", {}).get(kind)
+        pset = (measured or {}).get("prompt_sets", {}).get(kind)
         if pset:
             base = pset["baseline"]
             live = {"prompts": pset["count"], "prompt_tokens": sum(pset["tokens"]), "plain_tok_s": base["tok_s_median"]}
             live["plain_ms_per_token"] = base["ms_per_token"]
-            live["max_new_tokens"], live["repetitions"] = bench["max_new_tokens"], bench["repetitions"]
+            live["max_new_tokens"], live["repetitions"] = measured["max_new_tokens"], measured["repetitions"]
             for which, label in (("before", before), ("after", after)):
                 d = pset["drafters"].get(label)
                 r = next((x for x in (d or {}).get("speculative", []) if x["key"] == setting), None)
@@ -128,9 +130,9 @@ def build(cfg, run_dir: Path, before: str, after: str) -> dict:
         "after": after,
         "setting": setting,
         "domain": domain,
-        "training": {**_training(run_dir), "l2sp": cfg.train.objective.l2sp},
+        "training": {**_training(run_dir), "l2sp": train.objective.l2sp},
         "sets": sets,
-        "environment": (bench or {}).get("environment"),
+        "environment": (measured or {}).get("environment"),
     }
 
 
@@ -192,11 +194,11 @@ def format_headline(h: dict) -> str:
     return "\n".join(lines)
 
 
-def run_headline(cfg, run_dir: Path, before: str | None = None, after: str | None = None) -> dict:
+def run_headline(cfg: Config, run_dir: Path, before: str | None = None, after: str | None = None) -> dict:
     labels = [cfg.eval.checkpoint, *cfg.bench.drafters]
     before = before or (labels[1] if len(labels) > 1 else labels[0])
     after = after or cfg.eval.checkpoint
-    h = build(cfg, run_dir, before, after)
+    h = build(cfg.bench, cfg.train, run_dir, before, after)
     text = format_headline(h)
     out = RunDir(run_dir).demo
     out.mkdir(parents=True, exist_ok=True)
