@@ -9,7 +9,8 @@ Three roles, one command builder:
   as the harvest sends (an EAGLE3 server caps them at 48 unless told); ``aux_flag`` passes
   ``serve.aux_capture_args`` plus the ids unchanged (SGLang 0.5.23, no draft model).
 - ``baseline``: plain serving, for the live benchmark.
-- ``speculative``: EAGLE3 with the exported drafter and one steps/topk/draft-tokens setting.
+- ``speculative``: EAGLE3 with the exported drafter and one steps/topk/draft-tokens setting, or DFLASH with a DFlash
+  drafter folder and its block.
 
     python -m eagle3ft.targets.sglang_server --config CFG --run-dir RUN --role speculative \
         --drafter RUN/export --setting 3/1/4 [--port 30001] [--print] [-- COMMAND ...]
@@ -197,12 +198,10 @@ def build_command(
         if _is_dflash(resolve_path(str(drafter))):
             block = _dflash_args(resolve_path(str(drafter)), setting)
             argv += block if sv.attention_backend else [*block, "--attention-backend", "triton"]
-            argv += list(sv.extra_args)
-            host = "127.0.0.1" if sv.host in ("0.0.0.0", "::") else sv.host
-            return ServerCommand(argv=argv, env=env, url=f"http://{host}:{port}", role=role)
-        argv += _speculative_args(
-            resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else Setting())
-        )
+        else:
+            argv += _speculative_args(
+                resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else Setting())
+            )
     argv += list(sv.extra_args)
     running = _running_wanted(cfg, role)
     try:
@@ -216,7 +215,7 @@ def build_command(
 
 
 def _running_wanted(cfg: Config, role: str) -> int:
-    """Requests the role's client keeps in flight on one EAGLE3 server (0 on a server without a draft)."""
+    """Requests the role's client keeps in flight on one EAGLE3 or DFLASH server (0 on a server without a draft)."""
     if role == "harvest" and cfg.serve.harvest_capture == "eagle3":
         return int(cfg.harvest.sglang.concurrency)
     if role == "speculative":

@@ -1,0 +1,153 @@
+"""The live bench's sglang backend with a DFlash drafter, end to end on loopback: the protocol double plays a DFLASH
+server as SGLang 0.5.17 reports one (tests/sglang_double_rules.py dflash_server_args), given by URL or launched from
+the exported drafter through the product's own DFLASH command; greedy and sampled."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+from dflash_fixtures import random_dflash, tiny_dflash_config
+from free_ports import free_ports
+from sglang_double import DoubleEngine, SGLangDouble
+
+from eagle3ft.config import REPO_ROOT, load_config
+from eagle3ft.data.render import load_prompt_sets
+from eagle3ft.drafter import dflash_export
+from eagle3ft.eval.bench import schedule
+from eagle3ft.eval.bench.sglang_backend import SGLangBackend
+from eagle3ft.eval.decode.dflash_decode import DFlashDecoder
+from eagle3ft.setting import Setting
+from eagle3ft.targets.hf import load_target
+from eagle3ft.targets.sglang_http import SGLangError
+
+BENCH = [
+    "bench.backend=sglang",
+    "bench.prompts={kind: mtbench, limit: 2}",
+    "bench.max_new_tokens=12",
+    "bench.repetitions=2",
+    "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}]",  # the drafter's block B = 4
+]
+DOUBLE = Path(__file__).parent / "sglang_double.py"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = load_config(REPO_ROOT / "configs/tiny.yaml")
+    model, tok = load_target(cfg.target)
+    drafter = random_dflash(tiny_dflash_config(block_size=4), seed=3).to(next(model.parameters()).dtype).eval()
+    return cfg, model, tok, drafter
+
+
+def spec_double(model, tok, drafter, version="0.5.17") -> SGLangDouble:
+    engine = DoubleEngine(model, tok, drafter=drafter, spec_num_draft_tokens=drafter.config.block_size)
+    return SGLangDouble(engine, version=version).start()
+
+
+def test_dflash_double_answers_as_a_dflash_server(tiny):
+    _, model, tok, drafter = tiny
+    with spec_double(model, tok, drafter) as spec:
+        info = requests.get(spec.url + "/server_info", timeout=30).json()
+        assert (info["speculative_algorithm"], info["speculative_num_steps"], info["speculative_eagle_topk"]) == (
+            "DFLASH",
+            1,
+            1,
+        )
+        assert info["speculative_num_draft_tokens"] == 4 and info["max_running_requests"] == 48
+        r = requests.post(spec.url + "/generate", json={"input_ids": [100, 200], "return_logprob": True}, timeout=60)
+        assert r.status_code == 400 and "DFLASH speculative decoding does not support return_logprob" in r.text
+        body = requests.post(
+            spec.url + "/generate",
+            json={"input_ids": [100, 200, 300], "sampling_params": {"max_new_tokens": 10, "temperature": 0}},
+            timeout=60,
+        ).json()
+        meta = body["meta_info"]
+        g = DFlashDecoder(model, drafter).generate([100, 200, 300], 10)
+        assert body["output_ids"] == g.tokens and meta["spec_verify_ct"] == g.verify_count
+        assert meta["spec_num_proposed_drafts"] == g.verify_count * 3  # verify_ct x (B - 1)
+        assert meta["spec_accept_length"] == pytest.approx(len(g.tokens) / g.verify_count)
+        hist = meta["spec_correct_drafts_histogram"]  # cycles by drafts accepted, as the scheduler counts
+        assert sum(hist) == g.verify_count and sum(i * n for i, n in enumerate(hist)) == meta["spec_num_correct_drafts"]
+
+
+def test_bench_through_a_dflash_double(tiny, tmp_path):
+    _, model, tok, drafter = tiny
+    base = SGLangDouble(DoubleEngine(model, tok), version="0.5.17").start()
+    spec = spec_double(model, tok, drafter)
+    try:
+        sets = [f"bench.sglang.baseline_url={base.url}", f"bench.sglang.speculative_url={spec.url}"]
+        cfg = load_config(REPO_ROOT / "configs/tiny.yaml", BENCH + sets)
+        backend = SGLangBackend(cfg, tmp_path)
+        with pytest.raises(SGLangError, match=f"{spec.url} serves DFLASH 1/1/4"):
+            backend.url(Setting(2, 1, 3))
+        sets_ = load_prompt_sets(cfg, backend.tokenizer)
+        summary = schedule.run(cfg, tmp_path, backend, sets_, log=lambda *_: None)
+        backend.close()
+    finally:
+        base.stop()
+        spec.stop()
+    dec = DFlashDecoder(model, drafter, backend.eos_ids)
+    gens = [dec.generate(p, cfg.bench.max_new_tokens) for p in sets_[0].prompts]
+    (row,) = summary["speculative"]
+    assert row["setting"] == {"steps": 3, "topk": 1, "num_draft_tokens": 4} and row["outputs_match_baseline"] == 1.0
+    assert row["verify_count"] == cfg.bench.repetitions * sum(g.verify_count for g in gens)
+    assert row["tau"] == pytest.approx(sum(sum(g.accept_lengths) for g in gens) / sum(g.verify_count for g in gens))
+    env = summary["environment"]
+    assert env["servers"]["3/1/4"]["speculative_algorithm"] == "DFLASH"
+    assert env["sglang_tau"]["3/1/4"]["server_avg_spec_accept_length"][-1] == pytest.approx(
+        spec.engine.spec_tokens / spec.engine.spec_verifies
+    )
+    assert env["speculative_sampling"] == {}  # greedy
+
+
+@pytest.mark.slow
+def test_sampled_bench_launches_a_dflash_server_and_records_its_verify(tiny, tmp_path):
+    """bench.sglang.launch with a DFlash drafter in eval.checkpoint: the product's DFLASH command starts the double,
+    which runs the block decoder with SGLang's sampled verify; the summary keeps the rule and thresholds it reported and
+    that its log shows no greedy fallback."""
+    _, model, tok, drafter = tiny
+    dflash_export.save(drafter.float(), tmp_path / "export")
+    port = free_ports(2)
+    cfg = load_config(
+        REPO_ROOT / "configs/tiny.yaml",
+        BENCH
+        + [
+            "bench.temperature=0.7",
+            "bench.repetitions=1",
+            "bench.interleave=pass",
+            "bench.sglang.launch=true",
+            f"eval.checkpoint={tmp_path / 'export'}",
+            f"serve.python={sys.executable}",
+            f"serve.launch_cmd=[{DOUBLE}]",
+            f"serve.model_path={tmp_path / 'model'}",
+            f"serve.port={port}",
+            "serve.max_servers=1",
+            "serve.startup_timeout_s=120",
+            f"serve.env={{SGLANG_DOUBLE_CONFIG: {REPO_ROOT / 'configs/tiny.yaml'}}}",
+        ],
+    )
+    backend = SGLangBackend(cfg, tmp_path)
+    summary = schedule.run(cfg, tmp_path, backend, load_prompt_sets(cfg, backend.tokenizer), log=lambda *_: None)
+    env = backend.environment()
+    backend.close()
+    assert "--speculative-algorithm DFLASH" in env["launched"]["3/1/4"]
+    assert "--attention-backend triton" in env["launched"]["3/1/4"]
+    assert env["servers"]["3/1/4"]["speculative_num_draft_tokens"] == 4
+    assert summary["temperature"] == 0.7
+    assert summary["environment"]["speculative_sampling"] == {
+        "3/1/4": {
+            "verify": "target_only",
+            "speculative_accept_threshold_single": 1.0,
+            "speculative_accept_threshold_acc": 1.0,
+            "greedy_fallback": False,
+        }
+    }
+    (row,) = summary["speculative"]
+    assert row["verify_count"] > 0 and row["tau"] >= 1.0
+    requests_log = [json.loads(x) for x in (tmp_path / "bench/sglang_requests.jsonl").read_text().splitlines()]
+    assert all(
+        r["spec_num_proposed_drafts"] == 3 * r["spec_verify_ct"] for r in requests_log if r["setting"] != "baseline"
+    )
