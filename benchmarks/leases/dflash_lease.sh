@@ -17,7 +17,7 @@
 #           export at its block B-1/1/B (:30102, --attention-backend triton), SGLang 0.5.17
 #   bench   the three interleaved per prompt on the everyday set (data/sets/everyday-v1.jsonl, held out), REPS (3)
 #           repetitions, at T=0 and T=0.7 (TEMPS), eval/bench/sglang_backend.py; each summary keeps tau, tok/s and
-#           the sampled-verify settings per server; cycle cost in plain steps = tau x plain tok/s / its tok/s
+#           the sampled-verify settings per server, and per setting its cycle in plain steps (cycle_plain_steps)
 # Each step that finishes writes $L/done.<step>; `run` skips the steps done, so a second `start` on the same machine
 # goes on where the first stopped. Across leases: `wait` packs $L and the DFlash export (in 15 MiB pieces) into $OUT;
 # carry them back and `resume DIR` puts the export in place and marks regen, layers, harvest and train done.
