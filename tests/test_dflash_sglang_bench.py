@@ -4,6 +4,7 @@ the exported drafter through the product's own DFLASH command; greedy and sample
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import requests
 from dflash_fixtures import random_dflash, tiny_dflash_config
 from free_ports import free_ports
 from sglang_double import DoubleEngine, SGLangDouble
+from sglang_double_rules import dflash_server_args
 
 from eagle3ft.config import REPO_ROOT, load_config
 from eagle3ft.data.render import load_prompt_sets
@@ -151,3 +153,33 @@ def test_sampled_bench_launches_a_dflash_server_and_records_its_verify(tiny, tmp
     assert all(
         r["spec_num_proposed_drafts"] == 3 * r["spec_verify_ct"] for r in requests_log if r["setting"] != "baseline"
     )
+
+
+def test_dflash_launch_resolves_as_0_5_17s_hook():
+    """The double's DFLASH launch (tests/sglang_double_rules.py) as 0.5.17's _handle_dflash resolves it."""
+    args = argparse.Namespace(
+        speculative_num_draft_tokens=8,
+        speculative_dflash_block_size=16,
+        speculative_draft_attention_backend=None,
+        attention_backend="triton",
+        max_running_requests=None,
+        speculative_accept_threshold_single=1.0,
+        speculative_accept_threshold_acc=0.5,
+    )
+    with pytest.raises(ValueError, match="For DFLASH they must match"):
+        dflash_server_args(args, 16)
+    args.speculative_num_draft_tokens = None
+    got = dflash_server_args(args, 4)  # the alias wins over the drafter's block
+    assert got["speculative_num_draft_tokens"] == 16 and got["speculative_draft_attention_backend"] == "triton"
+    assert (got["speculative_num_steps"], got["speculative_eagle_topk"], got["max_running_requests"]) == (1, 1, 48)
+    assert got["speculative_accept_threshold_acc"] == 0.5
+    args.speculative_dflash_block_size = None
+    for target, draft in (
+        (None, "flashinfer"),
+        ("fa3", "fa3"),
+        ("torch_native", "flashinfer"),
+        ("trtllm_mha", "flashinfer"),
+    ):
+        args.attention_backend = target
+        assert dflash_server_args(args, 4)["speculative_draft_attention_backend"] == draft, target
+    assert dflash_server_args(args, 4)["speculative_num_draft_tokens"] == 4  # neither flag: the drafter's block_size
