@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 from dflash_fixtures import random_dflash, tiny_dflash_config
 from free_ports import free_ports
 from sglang_double import DoubleEngine, SGLangDouble
@@ -183,3 +184,63 @@ def test_dflash_launch_resolves_as_0_5_17s_hook():
         args.attention_backend = target
         assert dflash_server_args(args, 4)["speculative_draft_attention_backend"] == draft, target
     assert dflash_server_args(args, 4)["speculative_num_draft_tokens"] == 4  # neither flag: the drafter's block_size
+
+
+@pytest.mark.slow
+def test_plain_eagle3_and_dflash_servers_benched_together(tiny, tmp_path, capsys, monkeypatch):
+    """The lease plan's bench (benchmarks/leases/dflash_lease.sh): `eagle3ft bench` with a plain server, an EAGLE3 one
+    and a DFLASH one given by URL, both settings interleaved per prompt, the DFlash export as eval.checkpoint; the
+    summary prices each setting by its own measured cycle."""
+    from eagle3ft.commands import main
+    from eagle3ft.drafter.config import DrafterConfig
+    from eagle3ft.drafter.model import Eagle3Drafter
+
+    _, model, tok, _ = tiny
+    dflash = random_dflash(tiny_dflash_config(block_size=5), seed=3).to(next(model.parameters()).dtype).eval()
+    dflash_export.save(dflash.float(), tmp_path / "dflash")
+    torch.manual_seed(0)
+    eagle = Eagle3Drafter(DrafterConfig.from_json(REPO_ROOT / "configs/drafters/tiny.json")).eval()
+    with torch.no_grad():
+        eagle.embed_tokens.weight.copy_(model.get_input_embeddings().weight)
+    base = SGLangDouble(DoubleEngine(model, tok), version="0.5.17").start()
+    e3 = SGLangDouble(DoubleEngine(model, tok, drafter=eagle, spec_steps=3, spec_num_draft_tokens=4)).start()
+    df = spec_double(model, tok, dflash)
+    monkeypatch.setattr(sys, "argv", ["eagle3ft"])
+    run = tmp_path / "run"
+    run.mkdir()
+    sets = [
+        "bench.backend=sglang",
+        "bench.prompts={kind: mtbench, limit: 2}",
+        "bench.max_new_tokens=10",
+        "bench.repetitions=2",
+        "bench.interleave=prompt",
+        "bench.temperature=0.7",
+        "bench.settings=[{steps: 3, topk: 1, num_draft_tokens: 4}, {steps: 4, topk: 1, num_draft_tokens: 5}]",
+        f"bench.sglang.baseline_url={base.url}",
+        f"bench.sglang.speculative_urls=[{e3.url}, {df.url}]",
+        "bench.sglang.same_prompts=false",
+        f"eval.checkpoint={tmp_path / 'dflash'}",
+        f"drafter.config={tmp_path / 'dflash' / 'config.json'}",
+    ]
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(
+                ["bench", "--config", str(REPO_ROOT / "configs/tiny.yaml"), "--run-dir", str(run)]
+                + sum((["--set", x] for x in sets), [])
+            )
+    finally:
+        for d in (base, e3, df):
+            d.stop()
+    assert e.value.code in (0, None), capsys.readouterr().err[-3000:]
+    summary = json.loads((run / "bench/summary.json").read_text())
+    rows = {r["key"]: r for r in summary["speculative"]}
+    assert set(rows) == {"3/1/4", "4/1/5"} and all(
+        r["verify_count"] > 0 and r["cycle_plain_steps"] for r in rows.values()
+    )
+    env = summary["environment"]
+    assert env["servers"]["3/1/4"]["speculative_algorithm"] == "EAGLE3"
+    assert env["servers"]["4/1/5"]["speculative_algorithm"] == "DFLASH"
+    assert env["speculative_sampling"]["4/1/5"]["verify"] == "target_only"
+    assert env["speculative_sampling"]["3/1/4"]["speculative_use_rejection_sampling"] is False
+    assert set(summary["costs"]["verify_s"]) == {"4", "5"}  # each setting's own cycle
+    assert (run / "bench/economics.json").is_file()
