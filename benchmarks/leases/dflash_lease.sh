@@ -28,9 +28,13 @@
 #   bash benchmarks/leases/dflash_lease.sh start           there: install, convert the target, the steps (setsid)
 #   bash benchmarks/leases/dflash_lease.sh wait SECS       there: until done or SECS; $L and the export into $OUT
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), STEPS (regen layers harvest train
-# serve bench), SEEDS (0 1), REGEN_T (0.8), REGEN_S (360), NEW (512 new tokens a turn), LAYERS (64), AUX_DTYPE (fp8),
-# TRAIN_S (1800), TRAIN_STEPS (0: epochs decide), LR (6e-4), EAGLE (3/1/4), REPS (3), TEMPS (0 0.7), PER_CAT (the
-# everyday set's prompts per category; empty: all 120), CONVS and MTB_LIMIT (conversations kept; empty: all). On a CPU, the steps that need no SGLang run on the tiny
+# serve bench), SEEDS (0 1), REGEN_T (0.8), REGEN_S (120: one server answered 33.6 k tokens/s at 256 in flight, shared
+# GUIDE.md, so two seeds on two servers should pass 10 M if they do not slow each other; regen-<seed>.json counts them), NEW (512 new tokens a turn), LAYERS (32), AUX_DTYPE (fp8), TRAIN_S (600; held-out tau every
+# train.eval_every steps writes export-best, so a run the timeout stops still has an export), TRAIN_STEPS (unset:
+# epochs decide), LR (6e-4), EAGLE (3/1/4), REPS (3), TEMPS (0 0.7), PER_CAT (5 of the everyday set's prompts per
+# category, 60), CONVS and MTB_LIMIT (conversations kept; unset: all).
+# Two leases of 30 min: the first for install, regen, layers, harvest and train (~28 min at these defaults), the
+# second (after `resume`) for serve and bench (~15 min: 60 prompts x 512 tokens, 3 arms x 3 repetitions x 2 T). On a CPU, the steps that need no SGLang run on the tiny
 # target with CONFIG, DFLASH, REGEN_BACKEND=hf, DEVICE=cpu, ACCEL and MODEL unset (tests/test_dflash_lease_plan.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,7 +53,7 @@ TGT=(--set "target.device=$DEVICE" --set train.wandb_mode=disabled --set "serve.
                         --set target.dtype=bfloat16 --set "serve.model_path=$MODEL")
 GRAPHS="--cuda-graph-max-bs-decode, '8', --cuda-graph-backend-prefill, disabled"
 SOURCES="[{kind: file, path: $C/sharegpt-conversations.jsonl, name: sharegpt${CONVS:+, limit: $CONVS}}, {kind: mtbench, path: $C/mtbench-questions.jsonl, split: heldout${MTB_LIMIT:+, limit: $MTB_LIMIT}}]"
-EVERYDAY="{kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout${PER_CAT:+, per_category: $PER_CAT}}"
+EVERYDAY="{kind: file, path: $PWD/data/sets/everyday-v1.jsonl, split: heldout, per_category: ${PER_CAT:-5}}"
 stores() { local s out=""; for s in ${SEEDS:-0 1}; do out+="${out:+, }{kind: tokens, path: $S/regen$s/tokens}"; done; echo "[$out]"; }
 
 server() {  # server PORT MEMF ROLE [args...]: one server in the background, its pid in $L/pid.PORT
@@ -90,10 +94,10 @@ regen() {
     urls="[http://127.0.0.1:30103, http://127.0.0.1:30104]"
   fi
   for seed in ${SEEDS:-0 1}; do
-    say "regen seed $seed: ShareGPT conversations at T=${REGEN_T:-0.8}, ${REGEN_S:-360} s at most"
-    timeout -k 30 $((${REGEN_S:-360} + 300)) $PY data/regen.py --config "$CONFIG" --run-dir "$S/regen$seed" "${TGT[@]}" \
+    say "regen seed $seed: ShareGPT conversations at T=${REGEN_T:-0.8}, ${REGEN_S:-120} s at most"
+    timeout -k 30 $((${REGEN_S:-120} + 300)) $PY data/regen.py --config "$CONFIG" --run-dir "$S/regen$seed" "${TGT[@]}" \
       --set "harvest.backend=${REGEN_BACKEND:-sglang}" --set "harvest.sglang.urls=$urls" --set harvest.sglang.concurrency=128 \
-      --set harvest.sglang.prompts_per_request=8 --set "harvest.max_seconds=${REGEN_S:-360}" --set "seed=$seed" \
+      --set harvest.sglang.prompts_per_request=8 --set "harvest.max_seconds=${REGEN_S:-120}" --set "seed=$seed" \
       --set "harvest.temperature=${REGEN_T:-0.8}" --set "harvest.max_new_tokens=${NEW:-512}" --set harvest.max_total_tokens=4096 \
       --set harvest.max_turns=1000 --set harvest.heldout_fraction=0.02 --set "harvest.sources=$SOURCES" \
       > "$L/regen-$seed.json" 2> "$L/regen-$seed.log"
@@ -107,7 +111,8 @@ layers() {  # SGLang's capture of the DFlash layers against the embedded capture
   server 30101 0.3 harvest --set "drafter.config=$DFLASH" --set "serve.harvest_draft=$CAPTURE" \
     --set "serve.extra_args=[--skip-tokenizer-init, --speculative-draft-load-format, dummy, $GRAPHS]"
   up 30101 || { down; return 1; }
-  local src="[{kind: tokens, path: $S/regen${SEEDS%% *}/tokens, limit: ${LAYERS:-64}}]" b
+  local seeds=${SEEDS:-0 1} b
+  local src="[{kind: tokens, path: $S/regen${seeds%% *}/tokens, limit: ${LAYERS:-32}}]"
   for b in sglang hf; do
     $PY data/harvest.py --config "$CONFIG" --run-dir "$S/lay-$b" "${TGT[@]}" --set "drafter.config=$DFLASH" \
       --set "harvest.backend=$b" --set "harvest.sglang.urls=[http://127.0.0.1:30101]" --set "harvest.sources=$src" \
@@ -129,12 +134,12 @@ harvest() {  # every regenerated conversation's DFlash features by the embedded 
   return $rc
 }
 train() {  # the DFlash drafter from scratch on $S/feat
-  say "train: $DFLASH on $S/feat, ${TRAIN_S:-1800} s at most"
+  say "train: $DFLASH on $S/feat, ${TRAIN_S:-600} s at most"
   mkdir -p "$S/dflash" && ln -sfn "$S/feat/features" "$S/dflash/features"
   local max=()
   [[ -n ${TRAIN_STEPS:-} ]] && max=(--set "train.max_steps=$TRAIN_STEPS" --set "train.save_every=$TRAIN_STEPS"
                                    --set "train.eval_every=$(( (TRAIN_STEPS + 1) / 2 ))")
-  timeout "${TRAIN_S:-1800}" accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" ${NPROC:+--num_processes "$NPROC"} \
+  timeout "${TRAIN_S:-600}" accelerate launch --config_file "${ACCEL:-configs/accelerate/1gpu.yaml}" ${NPROC:+--num_processes "$NPROC"} \
     --main_process_port "${PORT:-29621}" train/finetune.py --config "$CONFIG" --run-dir "$S/dflash" "${TGT[@]}" \
     --set "drafter.config=$DFLASH" --set drafter.init=null --set "train.lr=${LR:-6e-4}" --set train.keep_checkpoints=1 \
     --set train.log_every=10 "${max[@]}" > "$L/train-dflash.log" 2>&1
