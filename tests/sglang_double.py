@@ -3,7 +3,8 @@
 SGLang cannot serve on CPU, so the client and the bench are tested against this:
 a loopback HTTP server that answers the endpoints they call with the JSON shapes
 SGLang returns, computed with a transformers model (and, for an EAGLE3 server,
-the embedded speculative decoder of eval/decode/speculate.py). The shapes mirror
+the embedded speculative decoder of eval/decode/speculate.py; for a DFLASH server, the embedded block decoder of
+eval/decode/dflash_decode.py with SGLang's target-only sampled verify). The shapes mirror
 /work/shared/sglang-h200/README.md (measured on SGLang 0.5.17) and SGLang's
 sources (http_server.py, tokenizer_manager.py, scheduler output processing). The model side is
 tests/sglang_double_engine.py, each version's rules tests/sglang_double_rules.py; this file is the HTTP side
@@ -54,6 +55,13 @@ and the command line:
   events are paced by the embedded decoder's measured step times, so decode tok/s seen by a
   client is the embedded decoder's.
 
+A DFLASH server (``--speculative-algorithm DFLASH``, a DFlash drafter folder): /server_info reports what 0.5.17's
+launch hook resolves (tests/sglang_double_rules.py dflash_server_args: steps and topk 1, num_draft_tokens the block,
+the draft attention backend, the accept thresholds); meta_info carries the same spec fields as EAGLE3's (the scheduler
+counts both alike: managers/scheduler_components/batch_result_processor.py:683-690, proposed = verify_ct x (B - 1));
+``return_logprob`` and ``return_hidden_states`` are refused with 400 as 0.5.17 aborts them (speculative/dflash_utils.py
+validate_dflash_request, the overlap schedule on).
+
 What it does not mirror is refused with a 400 naming it (streamed hidden states or logprobs,
 tree drafting), never made up.
 Faults for the retry tests are queued in-process: ``double.faults.append("500")``.
@@ -87,7 +95,15 @@ from pathlib import Path
 # folder off sys.path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_double_engine import BadRequest, DoubleEngine  # noqa: E402
-from sglang_double_rules import AUX_CAPTURE_FROM, REMOVED_IN_0_5_23, SAMPLING, VERSIONS, aux_capture, vt  # noqa: E402
+from sglang_double_rules import (  # noqa: E402
+    AUX_CAPTURE_FROM,
+    REMOVED_IN_0_5_23,
+    SAMPLING,
+    VERSIONS,
+    aux_capture,
+    dflash_server_args,
+    vt,
+)
 
 NO_TOKENIZER = (  # SGLang 0.5.17 srt/managers/tokenizer_manager.py, a text prompt on a --skip-tokenizer-init server
     "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please provide input_ids or "
@@ -131,7 +147,7 @@ class SGLangDouble:
             "host": "127.0.0.1",
             "port": port,
             "enable_return_hidden_states": True,
-            "speculative_algorithm": "EAGLE3" if engine.speculative else None,
+            "speculative_algorithm": engine.algorithm,
             "speculative_draft_model_path": None,
             "speculative_num_steps": engine.spec[0] if engine.speculative else None,
             "speculative_eagle_topk": engine.spec[1] if engine.speculative else None,
@@ -379,9 +395,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--enable-return-hidden-states", action="store_true")
     ap.add_argument("--speculative-algorithm")
     ap.add_argument("--speculative-draft-model-path")
-    ap.add_argument("--speculative-num-steps", type=int, default=3)
-    ap.add_argument("--speculative-eagle-topk", type=int, default=1)
-    ap.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    ap.add_argument("--speculative-num-steps", type=int)
+    ap.add_argument("--speculative-eagle-topk", type=int)
+    ap.add_argument("--speculative-num-draft-tokens", type=int)
+    ap.add_argument("--speculative-dflash-block-size", type=int)
+    ap.add_argument("--speculative-draft-attention-backend")
+    ap.add_argument("--speculative-accept-threshold-single", type=float, default=1.0)
+    ap.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0)
     if aux:
         ap.add_argument("--enable-return-aux-hidden-states", action="store_true")
         ap.add_argument("--return-aux-hidden-state-layer-ids", type=int, nargs="+")
@@ -408,23 +428,35 @@ def main(argv: list[str] | None = None) -> None:
         else Config(target=TargetConfig(kind="hf", path=args.model_path, device="cpu", dtype="float32"))
     )
     model, tok = load_target(cfg.target)
-    drafter = None
-    if args.speculative_algorithm and aux_ids is None:
-        if args.speculative_algorithm != "EAGLE3" or not args.speculative_draft_model_path:
-            ap.error("the double mirrors --speculative-algorithm EAGLE3 with --speculative-draft-model-path")
-        from eagle3ft.drafter.export import load_drafter
-        from eagle3ft.targets.hf import load_input_embedding
-
-        drafter = load_drafter(args.speculative_draft_model_path, load_input_embedding(cfg.target)).eval()
-    engine = DoubleEngine(
-        model,
-        tok,
-        aux_ids,
-        drafter,
-        args.speculative_num_steps,
-        args.speculative_eagle_topk,
+    drafter, spec_args = None, {}
+    steps, topk, ndt = (
+        args.speculative_num_steps or 3,
+        args.speculative_eagle_topk or 1,
         args.speculative_num_draft_tokens,
     )
+    if args.speculative_algorithm and aux_ids is None:
+        if args.speculative_algorithm not in ("EAGLE3", "DFLASH") or not args.speculative_draft_model_path:
+            ap.error("the double mirrors --speculative-algorithm EAGLE3 or DFLASH with --speculative-draft-model-path")
+        if args.speculative_algorithm == "DFLASH":
+            from eagle3ft.drafter import dflash_export
+
+            dtype = next(model.parameters()).dtype  # the drafter runs in the served target's dtype
+            drafter = dflash_export.load(args.speculative_draft_model_path, dtype).eval()
+            try:
+                spec_args = dflash_server_args(args, drafter.config.block_size)
+            except ValueError as e:
+                ap.error(str(e))
+            steps, topk, ndt = 1, 1, spec_args["speculative_num_draft_tokens"]
+        else:
+            from eagle3ft.drafter.export import load_drafter
+            from eagle3ft.targets.hf import load_input_embedding
+
+            drafter = load_drafter(args.speculative_draft_model_path, load_input_embedding(cfg.target)).eval()
+            if (args.speculative_accept_threshold_single, args.speculative_accept_threshold_acc) != (1.0, 1.0):
+                ap.error("the double mirrors EAGLE3's sampled verify at accept thresholds 1 only")
+    engine = DoubleEngine(model, tok, aux_ids, drafter, steps, topk, ndt or 4)
+    if spec_args:
+        engine.thresholds = (args.speculative_accept_threshold_single, args.speculative_accept_threshold_acc)
     names = {
         "model_path": args.model_path,
         "tokenizer_path": args.tokenizer_path or args.model_path,
@@ -435,6 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.max_running_requests is not None:
         names["max_running_requests"] = args.max_running_requests
+    names.update(spec_args)
     double = SGLangDouble(engine, args.double_version, names, port=args.port)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=double.httpd.shutdown, daemon=True).start())
     print(f"double serving {double.url} (SGLang {args.double_version})", flush=True)

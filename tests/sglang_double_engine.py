@@ -10,7 +10,19 @@ from typing import Any
 
 import torch
 
+from eagle3ft.drafter.dflash_model import DFlashDrafter
 from eagle3ft.eval.decode.speculate import aux_from_hidden_states
+
+
+def model_eos(model, tokenizer) -> set[int]:
+    """The tokenizer's and the generation config's end-of-sequence ids: where the server stops unless ignore_eos."""
+    eos = tokenizer.eos_token_id
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return {
+        int(e)
+        for e in ([eos] if eos is not None else [])
+        + (list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else [])
+    }
 
 
 def _bf16_rows(x: torch.Tensor) -> list:
@@ -38,6 +50,18 @@ class DoubleEngine:
     ):
         self.model, self.tokenizer = model, tokenizer
         self.drafter = drafter
+        self.thresholds = (1.0, 1.0)  # --speculative-accept-threshold-single/acc, read by the DFLASH sampled verify
+        if isinstance(drafter, DFlashDrafter):  # DFLASH: one block of B a cycle, reported as 1/1/B
+            block = drafter.config.block_size
+            if spec_num_draft_tokens != block:
+                raise ValueError(
+                    f"the double mirrors a DFLASH server at its drafter's block {block}, got num_draft_tokens "
+                    f"{spec_num_draft_tokens}"
+                )
+            self.aux_layer_ids, self.spec = None, (1, 1, block)
+            self.lock, self.spec_tokens, self.spec_verifies = threading.Lock(), 0, 0
+            self.model_eos = model_eos(model, tokenizer)
+            return
         self.aux_layer_ids = (
             list(drafter.config.aux_layer_ids)
             if drafter is not None
@@ -52,13 +76,7 @@ class DoubleEngine:
             if self.aux_layer_ids is None:
                 raise ValueError("the draft model's config names no eagle_aux_hidden_state_layer_ids")
         self.spec = (spec_steps, spec_topk, spec_num_draft_tokens)
-        eos = tokenizer.eos_token_id
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        self.model_eos = {
-            int(e)
-            for e in ([eos] if eos is not None else [])
-            + (list(gen_eos) if isinstance(gen_eos, (list, tuple)) else [gen_eos] if gen_eos is not None else [])
-        }
+        self.model_eos = model_eos(model, tokenizer)
         self.lock = threading.Lock()
         self.spec_tokens = 0
         self.spec_verifies = 0
@@ -67,8 +85,19 @@ class DoubleEngine:
     def speculative(self) -> bool:
         return self.drafter is not None
 
+    @property
+    def algorithm(self) -> str | None:
+        """SGLang's speculative_algorithm for this engine's draft (None: plain)."""
+        if self.drafter is None:
+            return None
+        return "DFLASH" if isinstance(self.drafter, DFlashDrafter) else "EAGLE3"
+
     def _generate(self, ids: list[int], sp: dict):
-        from eagle3ft.eval.bench.embedded_backend import TimedPlainDecoder, TimedSpeculativeDecoder
+        from eagle3ft.eval.bench.embedded_backend import (
+            TimedDFlashDecoder,
+            TimedPlainDecoder,
+            TimedSpeculativeDecoder,
+        )
 
         max_new = int(sp.get("max_new_tokens", 128))
         temperature = float(sp.get("temperature", 1.0))
@@ -81,6 +110,10 @@ class DoubleEngine:
         if self.drafter is None:
             g, timings = TimedPlainDecoder(self.model, stops, temperature, gen).timed_generate(ids, max_new)
             return g.tokens, None, timings
+        if self.algorithm == "DFLASH":
+            dec = TimedDFlashDecoder(self.model, self.drafter, stops, temperature, gen, *self.thresholds)
+            g, timings = dec.timed_generate(ids, max_new)
+            return g.tokens, g, timings
         steps = self.spec[0]
         dec = TimedSpeculativeDecoder(self.model, self.drafter, self.aux_layer_ids, steps, temperature, stops, gen)
         g, timings = dec.timed_generate(ids, max_new)
@@ -108,6 +141,11 @@ class DoubleEngine:
         """(the answer, its stream timeline): chunks of (seconds after the previous chunk, new tokens),
         replaying the embedded decoder's measured decode (per verify cycle, or per token when plain)."""
         t0 = time.time()
+        if self.algorithm == "DFLASH":  # SGLang 0.5.17 aborts these with 400 (speculative/dflash_utils.py:843-850)
+            if req.get("return_logprob"):
+                raise BadRequest("DFLASH speculative decoding does not support return_logprob yet.")
+            if req.get("return_hidden_states"):  # refused under the overlap schedule, SGLang's default
+                raise BadRequest("DFLASH speculative decoding does not support return_hidden_states yet.")
         if req.get("stream") and (req.get("return_hidden_states") or req.get("return_logprob")):
             raise BadRequest("the double does not mirror streamed hidden states or logprobs")
         ids = req.get("input_ids")

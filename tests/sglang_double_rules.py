@@ -1,7 +1,9 @@
 """The launch rules and answers of each SGLang version that the protocol double (tests/sglang_double.py) plays, read
 from each version's wheel: 0.5.23's aux-capture launch check (srt/arg_groups/validation_hook.py:697-754), the three
 meta_info keys it removed (0.5.17 srt/managers/tokenizer_manager.py:2795-2810), and the sampled-verification
-settings each reports in /server_info at their defaults (0.5.23 srt/arg_groups/fields/spec.py:109-124)."""
+settings each reports in /server_info at their defaults (0.5.23 srt/arg_groups/fields/spec.py:109-124), and how a
+DFLASH server resolves its launch (0.5.17 srt/arg_groups/speculative_hook.py _handle_dflash and
+_resolve_dflash_draft_attention_backend)."""
 
 from __future__ import annotations
 
@@ -53,3 +55,35 @@ def aux_capture(ap: argparse.ArgumentParser, args) -> list[int] | None:
         ap.error("the double captures the layers named by --return-aux-hidden-state-layer-ids only")
     args.speculative_algorithm = None
     return list(ids)
+
+
+DFLASH_DRAFT_BACKENDS = ("flashinfer", "fa3", "fa4", "triton", "trtllm_mha", "ascend")
+
+
+def dflash_server_args(args, block_size: int) -> dict:
+    """What a DFLASH server reports in /server_info after its launch hook (0.5.17 speculative_hook.py:147-267): steps
+    and topk forced to 1, num_draft_tokens = the block (--speculative-dflash-block-size, which must agree with
+    --speculative-num-draft-tokens, else the drafter config's block_size), the draft attention backend resolved (the
+    named one, else the target's, else flashinfer on CUDA; trtllm_mha only for all-sliding or causal drafts, which the
+    double's bidirectional drafters are not), max_running_requests 48 unless given."""
+    given, alias = args.speculative_num_draft_tokens, args.speculative_dflash_block_size
+    if alias is not None and given is not None and given != alias:
+        raise ValueError(
+            "Both --speculative-num-draft-tokens and --speculative-dflash-block-size are set but they differ. For "
+            f"DFLASH they must match. speculative_num_draft_tokens={given}, speculative_dflash_block_size={alias}."
+        )
+    draft = args.speculative_draft_attention_backend or args.attention_backend
+    if draft not in DFLASH_DRAFT_BACKENDS or draft == "trtllm_mha":
+        draft = "flashinfer"
+    return {
+        "speculative_algorithm": "DFLASH",
+        "speculative_num_steps": 1,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": alias or given or block_size,
+        "speculative_dflash_block_size": alias,
+        "speculative_draft_attention_backend": draft,
+        "attention_backend": args.attention_backend,
+        "max_running_requests": 48 if args.max_running_requests is None else args.max_running_requests,
+        "speculative_accept_threshold_single": args.speculative_accept_threshold_single,
+        "speculative_accept_threshold_acc": args.speculative_accept_threshold_acc,
+    }

@@ -34,8 +34,36 @@ def test_dflash_speculative_command(tmp_path):
         REPO_ROOT / "configs/smollm2-135m.yaml",
         ["serve.model_path=/models/smol", "drafter.config=configs/drafters/smollm2-135m-dflash.json"],
     )
-    with pytest.raises(LaunchError, match="harvest with harvest.backend hf"):
-        build_command(dflash_cfg, "harvest")
+    with pytest.raises(LaunchError, match=r"loaded with --speculative-draft-load-format dummy"):
+        build_command(dflash_cfg, "harvest")  # no capture draft named: drafter.init is no EAGLE-3 folder
+    capture = "configs/drafters/smollm2-135m-dflash-capture"
+    argv = build_command(
+        dataclasses.replace(dflash_cfg, serve=dataclasses.replace(dflash_cfg.serve, harvest_draft=capture)), "harvest"
+    ).argv
+    assert flag(argv, "--speculative-algorithm") == "EAGLE3" and flag(argv, "--speculative-draft-model-path").endswith(
+        capture
+    )
+    with pytest.raises(LaunchError, match=r"captures layers \[1, 8, 14, 20, 27\], drafter.config .* needs \[0, 1, 2\]"):
+        tiny = load_config(
+            REPO_ROOT / "configs/tiny.yaml",
+            [
+                "serve.model_path=/models/tiny",
+                "drafter.config=configs/drafters/tiny-dflash.json",
+                f"serve.harvest_draft={capture}",
+            ],
+        )
+        build_command(tiny, "harvest")
+    aux = load_config(
+        REPO_ROOT / "configs/tiny.yaml",
+        [
+            "serve.model_path=/models/tiny",
+            "drafter.config=configs/drafters/tiny-dflash.json",
+            "serve.harvest_capture=aux_flag",
+            "serve.sglang_version=0.5.23",
+        ],
+    )
+    argv = build_command(aux, "harvest").argv
+    assert argv[argv.index("--return-aux-hidden-state-layer-ids") + 1 :][:3] == ["0", "1", "2"]
 
 
 def test_block_cycle_is_one_draft_forward():

@@ -2,6 +2,8 @@
 
     python -m eagle3ft.train.estimate --drafter configs/drafters/kimi-k2.json --gpus 8 --seq 2048 --micro-batch 1
 
+A DFlash drafter config (architectures DFlashDraftModel) is estimated by train/dflash_estimate.py instead.
+
 Model states follow the ZeRO paper's accounting for bf16 training with AdamW: bf16 weights (2 B),
 bf16 gradients (2 B), fp32 master weights + two moments (12 B) per trainable parameter; the frozen embedding has
 weights only. ZeRO-2 partitions gradients and optimizer states over the GPUs and replicates the weights; ZeRO-3
@@ -25,8 +27,9 @@ import torch
 
 from eagle3ft.config import resolve_path
 from eagle3ft.drafter.config import DrafterConfig
+from eagle3ft.drafter.folder import DFLASH_KIND, family_of
 from eagle3ft.drafter.model_mla import new_drafter
-from eagle3ft.files import json_text
+from eagle3ft.files import json_text, read_json
 from eagle3ft.train.losses import HEAD_CHUNK_BYTES
 
 GIB = 2**30
@@ -149,7 +152,8 @@ def report(e: Estimate) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> Estimate:
+def main(argv: list[str] | None = None):
+    """The estimate of the drafter config's kind (an EAGLE-3 Estimate, or a DFlash one), printed."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drafter", default="configs/drafters/kimi-k2.json", help="drafter config.json (SGLang form)")
     ap.add_argument("--gpus", type=int, default=8)
@@ -158,7 +162,20 @@ def main(argv: list[str] | None = None) -> Estimate:
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--eager", action="store_true", help="train.compile off (the default on CUDA is on)")
     ap.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    ap.add_argument("--anchors", type=int, default=512, help="DFlash: blocks per row (dflash_num_anchors)")
+    ap.add_argument("--ce-chunk", type=int, default=2048, help="DFlash: cross-entropy positions at a time, 0: all")
+    ap.add_argument("--tied-head", action="store_true", help="DFlash: the target ties its LM head to its embedding")
     a = ap.parse_args(argv)
+    path = resolve_path(a.drafter)
+    if family_of(read_json(path, "the drafter config")) == DFLASH_KIND:  # its own accounting: train/dflash_estimate.py
+        from eagle3ft.drafter.dflash_config import DFlashConfig
+        from eagle3ft.train import dflash_estimate
+
+        d = dflash_estimate.estimate(
+            DFlashConfig.from_json(path), a.gpus, a.seq, a.micro_batch, a.anchors, None, a.ce_chunk or None, a.tied_head
+        )
+        print(json_text(asdict(d), "estimate", indent=1) if a.json else dflash_estimate.report(d))
+        return d
     e = estimate(
         DrafterConfig.from_json(resolve_path(a.drafter)),
         a.gpus,

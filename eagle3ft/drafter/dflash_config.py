@@ -85,6 +85,25 @@ class DFlashConfig:
         EAGLE-3 hook on DeepseekV2, eagle3ft.drafter.config.capture_points)."""
         return [j + 1 for j in self.target_layer_ids]
 
+    def eagle3_capture_ids(self, target_architectures: list[str] | None) -> list[int] | None:
+        """The ids that make SGLang's EAGLE3 capture (an EAGLE3 server's draft config, or 0.5.23's aux capture with
+        the EAGLE3 convention) take this drafter's features on this target, or None where no list does. A Llama's
+        EAGLE3 hook adds 1 to every id as the DFlash hook does, so the ids carry over; a DeepseekV2's adds 1 only when
+        the first id is 1 and else captures layer inputs, so [1, ...] carries over, ids from 2 up shift by one, and
+        a list starting at layer 0's output cannot be asked for (models/llama.py:885-909, deepseek_v2.py:3134-3161)."""
+        from eagle3ft.drafter.config import capture_points
+
+        want = self.hidden_state_indices()
+        for ids in (list(self.target_layer_ids), [j + 1 for j in self.target_layer_ids]):
+            if capture_points(target_architectures, ids) == want:
+                return ids
+        return None
+
+    def eagle3_capture_ids_on_any_target(self) -> list[int] | None:
+        """eagle3_capture_ids where it is the same list on a Llama and a DeepseekV2 (ids starting at 1), else None."""
+        llama, deepseek = self.eagle3_capture_ids(None), self.eagle3_capture_ids(["DeepseekV3ForCausalLM"])
+        return llama if llama == deepseek else None
+
     # -- config.json
 
     @classmethod

@@ -14,7 +14,8 @@ and the answer's ``meta_info`` holds
   generated token that was fed back (the last generated token never is). On a
   plain server the rows are the final-norm output (H); on an EAGLE3 server, or a
   server started with aux capture (SGLang >= 0.5.23), they are the aux layers
-  concatenated (3H).
+  concatenated (3H; K·H for a DFlash drafter's K layers, asked for in EAGLE-3's
+  numbering: DFlashConfig.eagle3_capture_ids).
 - ``input_top_logprobs``: per prompt token, K ``[logprob, id, null]`` for the
   distribution that predicted it (the first entry is null);
   ``output_top_logprobs``: the same for every generated token.
@@ -50,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3ft.config import TargetConfig
 from eagle3ft.targets.base import Features, Request, Result, Sampling, TargetInfo
 from eagle3ft.targets.sglang_http import (
     AUX_CAPTURE_MIN_VERSION,
@@ -94,6 +96,23 @@ class CallStats:
         self.bytes += st["bytes"]
         self.seconds += st["seconds"]
         self.tokens += tokens
+
+
+def target_architectures(target_cfg: TargetConfig) -> list[str] | None:
+    """The served model's ``architectures`` (which decide how SGLang numbers captured layers): the tiny test target's,
+    else the model folder's config.json; SGLangError when there is no folder to read."""
+    if target_cfg.kind == "tiny":
+        from eagle3ft.targets.hf import load_tokenizer, tiny_config
+
+        return tiny_config(target_cfg, len(load_tokenizer(target_cfg))).architectures
+    from eagle3ft.config import resolve_path
+
+    cfg_file = resolve_path(target_cfg.path) / "config.json" if target_cfg.path else None
+    if cfg_file is None or not cfg_file.is_file():
+        raise SGLangError(
+            f"the target's architectures are unknown here: set target.path to its folder (got {cfg_file})"
+        )
+    return json.loads(cfg_file.read_text()).get("architectures")
 
 
 def target_identity(target_cfg, client_cfg) -> tuple[int, int, int]:
@@ -197,7 +216,7 @@ class SGLangTarget:
         payload: dict[str, Any] = {"input_ids": ids, "sampling_params": sampling_params(max_new, sampling, stop_ids)}
         width = None
         if capture:
-            width = 3 * self.info.hidden_size
+            width = len(self.info.aux_layer_ids) * self.info.hidden_size  # 3 for EAGLE-3, K for DFlash
             payload.update(
                 return_hidden_states=True, return_logprob=True, logprob_start_len=0, top_logprobs_num=int(sampling.topk)
             )

@@ -9,7 +9,8 @@ Three roles, one command builder:
   as the harvest sends (an EAGLE3 server caps them at 48 unless told); ``aux_flag`` passes
   ``serve.aux_capture_args`` plus the ids unchanged (SGLang 0.5.23, no draft model).
 - ``baseline``: plain serving, for the live benchmark.
-- ``speculative``: EAGLE3 with the exported drafter and one steps/topk/draft-tokens setting.
+- ``speculative``: EAGLE3 with the exported drafter and one steps/topk/draft-tokens setting, or DFLASH with a DFlash
+  drafter folder and its block.
 
     python -m eagle3ft.targets.sglang_server --config CFG --run-dir RUN --role speculative \
         --drafter RUN/export --setting 3/1/4 [--port 30001] [--print] [-- COMMAND ...]
@@ -36,7 +37,7 @@ from pathlib import Path
 import requests
 
 from eagle3ft.cli import build_parser, parse_cli
-from eagle3ft.config import BenchConfig, Config, HarvestConfig, ServeConfig, resolve_path
+from eagle3ft.config import BenchConfig, Config, DrafterSection, HarvestConfig, ServeConfig, TargetConfig, resolve_path
 from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.run_dir import RunDir
 from eagle3ft.setting import Setting
@@ -123,6 +124,27 @@ def _dflash_args(drafter: Path, s: Setting | None) -> list[str]:
     ]  # fmt: skip
 
 
+def _harvest_capture_ids(serve: ServeConfig, target: TargetConfig, drafter: DrafterSection) -> list[int]:
+    """A DFlash drafter.config's layers in EAGLE-3's numbering on the served model (eagle3ft.targets.DFlashCapture):
+    what the harvest server's EAGLE3 capture must be asked for; the architectures, where they matter, from
+    serve.model_path's config.json, else the target's."""
+    from eagle3ft.drafter.dflash_config import DFlashConfig
+    from eagle3ft.files import read_json
+    from eagle3ft.targets import DFlashCapture
+    from eagle3ft.targets.sglang import target_architectures
+
+    def architectures():
+        served = resolve_path(serve.model_path) / "config.json"
+        if served.is_file():
+            return read_json(served, "the served model's config").get("architectures")
+        return target_architectures(target)
+
+    try:
+        return DFlashCapture(DFlashConfig.from_json(resolve_path(drafter.config)), architectures).ids
+    except ValueError as e:
+        raise LaunchError(f"role harvest: {e}") from None
+
+
 def build_command(
     cfg: Config,
     role: str,
@@ -158,22 +180,23 @@ def build_command(
         argv += ["--trust-remote-code"]
     env = dict(sv.env)
     if role == "harvest":
-        if _is_dflash_config(resolve_path(cfg.drafter.config)):
-            raise LaunchError(
-                f"role harvest for the DFlash drafter.config {cfg.drafter.config}: no DFLASH capture path is wired to "
-                "the harvest; harvest with harvest.backend hf"
-            )
+        dflash = _is_dflash_config(resolve_path(cfg.drafter.config))
+        want = (
+            _harvest_capture_ids(cfg.serve, cfg.target, cfg.drafter)
+            if dflash
+            else DrafterConfig.from_json(resolve_path(cfg.drafter.config)).aux_layer_ids
+        )
         argv += ["--enable-return-hidden-states"]
         env.update(sv.harvest_env)
         if sv.harvest_capture == "eagle3":
-            draft = drafter or sv.harvest_draft or cfg.drafter.init
+            draft = drafter or sv.harvest_draft or (None if dflash else cfg.drafter.init)
             if not draft:
                 raise LaunchError(
                     "harvest_capture eagle3 needs a draft model folder: serve.harvest_draft or drafter.init (SGLang "
-                    "reads the aux layer ids from its config.json)"
+                    "reads the aux layer ids from its config.json; for a DFlash drafter, an EAGLE-3 config.json naming "
+                    f"{want}, loaded with --speculative-draft-load-format dummy)"
                 )
             draft = resolve_path(str(draft))
-            want = DrafterConfig.from_json(resolve_path(cfg.drafter.config)).aux_layer_ids
             have = drafter_aux_ids(draft)
             if want is not None and list(want) != have:
                 raise LaunchError(
@@ -182,13 +205,12 @@ def build_command(
                 )
             argv += _speculative_args(draft, sv.harvest_setting)
         elif sv.harvest_capture == "aux_flag":
-            spec = DrafterConfig.from_json(resolve_path(cfg.drafter.config))
-            if spec.aux_layer_ids is None:
+            if want is None:
                 raise LaunchError(
                     f"{cfg.drafter.config} names no eagle_aux_hidden_state_layer_ids to pass to "
                     f"{sv.aux_capture_args[-1]}"
                 )
-            argv += list(sv.aux_capture_args) + [str(i) for i in spec.aux_layer_ids]
+            argv += list(sv.aux_capture_args) + [str(i) for i in want]
         else:
             raise LaunchError(f"serve.harvest_capture {sv.harvest_capture!r}: eagle3 or aux_flag")
     elif role == "speculative":
@@ -197,12 +219,10 @@ def build_command(
         if _is_dflash(resolve_path(str(drafter))):
             block = _dflash_args(resolve_path(str(drafter)), setting)
             argv += block if sv.attention_backend else [*block, "--attention-backend", "triton"]
-            argv += list(sv.extra_args)
-            host = "127.0.0.1" if sv.host in ("0.0.0.0", "::") else sv.host
-            return ServerCommand(argv=argv, env=env, url=f"http://{host}:{port}", role=role)
-        argv += _speculative_args(
-            resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else Setting())
-        )
+        else:
+            argv += _speculative_args(
+                resolve_path(str(drafter)), setting or (cfg.bench.settings[0] if cfg.bench.settings else Setting())
+            )
     argv += list(sv.extra_args)
     running = _running_wanted(cfg.serve, cfg.harvest, cfg.bench, role)
     try:
@@ -216,7 +236,7 @@ def build_command(
 
 
 def _running_wanted(serve: ServeConfig, harvest: HarvestConfig, bench: BenchConfig, role: str) -> int:
-    """Requests the role's client keeps in flight on one EAGLE3 server (0 on a server without a draft)."""
+    """Requests the role's client keeps in flight on one EAGLE3 or DFLASH server (0 on a server without a draft)."""
     if role == "harvest" and serve.harvest_capture == "eagle3":
         return int(harvest.sglang.concurrency)
     if role == "speculative":

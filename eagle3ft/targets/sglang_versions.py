@@ -191,5 +191,10 @@ def correct_drafts_histogram(meta: dict) -> list[int] | None:
 
 
 def sampling_settings(raw_server_info: dict) -> dict:
-    """The settings that move τ in sampled verification, as a server reports them (None: not reported)."""
+    """The settings that move τ in sampled verification, as a server reports them (None: not reported). A DFLASH
+    server verifies target-only (its draft a point mass: 0.5.17 ``srt/speculative/dflash_utils.py``
+    ``compute_dflash_sampling_correct_drafts_and_bonus``), reading only the two accept thresholds; rejection sampling is
+    EAGLE/EAGLE3's alone (``srt/arg_groups/speculative_hook.py:609-620``)."""
+    if raw_server_info.get("speculative_algorithm") == "DFLASH":
+        return {"verify": "target_only", **{k: raw_server_info.get(k) for k in SAMPLING_KEYS[:2]}}
     return {k: raw_server_info.get(k) for k in SAMPLING_KEYS}

@@ -219,11 +219,11 @@ class EmbeddedBackend:
                 f"bench setting {setting.key} for the DFlash drafter {self.label}: a block cycle drafts B - 1 and "
                 f"verifies B tokens; its setting is {B - 1}/1/{B}"
             )
-        if self.temperature > 0:
-            raise ValueError("the embedded DFlash decoder verifies greedily: bench.temperature must be 0")
         key = (self.label, setting.steps)
         if key not in self._decoders:
-            self._decoders[key] = TimedDFlashDecoder(self.model, self.drafter, self.eos_ids)
+            self._decoders[key] = TimedDFlashDecoder(
+                self.model, self.drafter, self.eos_ids, self.temperature, self.generator
+            )
         dec = self._decoders[key]
         return [self._result(i, *dec.timed_generate(p, max_new_tokens)) for i, p in enumerate(prompts, first_index)]
 

@@ -1,4 +1,5 @@
-"""The `sglang` backend of the live benchmark (eval/bench/schedule.py): live SGLang servers, baseline against EAGLE3.
+"""The `sglang` backend of the live benchmark (eval/bench/schedule.py): live SGLang servers, baseline against EAGLE3 or
+DFLASH (a DFlash drafter in eval.checkpoint: its one setting B-1/1/B, served with --speculative-algorithm DFLASH).
 
 Servers come from the config: ``bench.sglang.baseline_url`` / ``bench.sglang.speculative_url`` and
 ``bench.sglang.speculative_urls`` (already running; each speculative one serves the one setting it was started with,
@@ -73,6 +74,16 @@ SERVER_ARGS_KEPT = (
 )  # fmt: skip
 
 
+DFLASH_GREEDY_FALLBACK = "DFLASH non-greedy verification is unavailable on this build/device"
+
+
+def read_log(path: Path) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -107,6 +118,7 @@ class SGLangBackend:
         self.eos_ids = list(ChatFormat(self.tokenizer, cfg.target.chat_template).stop_ids)
         self.timeout_s = float(cfg.bench.sglang.timeout_s)
         self.launched: dict[str, SGLangServer] = {}  # key -> server, least recently used first
+        self.server_logs: dict[str, Path] = {}  # key -> the log of every server launched for it
         self._ports: dict[str, int] = {}
         self.infos: dict[str, dict] = {}
         self._given: dict[str, tuple[str, dict, str]] | None = None  # _given_speculative, once
@@ -159,8 +171,8 @@ class SGLangBackend:
 
     def _given_speculative(self) -> dict[str, tuple[str, dict, str]]:
         """bench.sglang.speculative_url and bench.sglang.speculative_urls by what each serves, read from /server_info once: an EAGLE3
-        server under its setting key ("3/1/4"), anything else under its algorithm and numbers -> (url, server info,
-        what it serves)."""
+        server under its setting key ("3/1/4"), a DFLASH one under its block's ("15/1/16"), anything else under its
+        algorithm and numbers -> (url, server info, what it serves)."""
         if self._given is None:
             bc = self.cfg.bench
             self._given = {}
@@ -172,8 +184,12 @@ class SGLangBackend:
                 have = "/".join(
                     str(raw.get(f"speculative_{k}")) for k in ("num_steps", "eagle_topk", "num_draft_tokens")
                 )
-                what = f"{raw.get('speculative_algorithm')} {have}"
-                self._given[have if raw.get("speculative_algorithm") == "EAGLE3" else what] = (url, raw, what)
+                algorithm = raw.get("speculative_algorithm")
+                what = f"{algorithm} {have}"
+                if algorithm == "DFLASH":  # reports steps 1; its setting here is the block's, B-1/1/B
+                    B = int(raw["speculative_num_draft_tokens"])
+                    have = f"{B - 1}/1/{B}"
+                self._given[have if algorithm in ("EAGLE3", "DFLASH") else what] = (url, raw, what)
         return self._given
 
     def _info(self, key: str, url: str):
@@ -202,6 +218,7 @@ class SGLangBackend:
             server.stop()
             raise
         self.launched[key] = server
+        self.server_logs[key] = server.log_file
         self._info(key, server.url)
         return server.url
 
@@ -340,6 +357,16 @@ class SGLangBackend:
 
         return checkpoint_offline_tau(self.cfg.target, self.cfg.eval, self.drafter, prompts, answers, settings)
 
+    def _sampling(self, key: str, raw: dict) -> dict:
+        """A speculative server's sampled-verify settings; for a DFLASH server this bench launched, also whether its
+        log says it verified greedily instead (0.5.17 does so, with one warning, where sgl_kernel's sampling ops are
+        missing: speculative/dflash_worker_v2.py _validate_phase1_sampling_support); null for a server given by URL."""
+        out = sampling_settings(raw)
+        if raw.get("speculative_algorithm") == "DFLASH":
+            log = self.server_logs.get(key)
+            out["greedy_fallback"] = None if log is None else DFLASH_GREEDY_FALLBACK in read_log(log)
+        return out
+
     def environment(self) -> dict:
         servers = {}
         for key, raw in self.infos.items():
@@ -351,9 +378,9 @@ class SGLangBackend:
                 "server_avg_spec_accept_length": self.server_tau.get(key),
                 "request_spec_accept_length_mean": statistics.mean(req) if req else None,
             }
-        sampled = {}  # at T > 0 the verify rule's settings move tau: each EAGLE3 server's, None where unreported
+        sampled = {}  # at T > 0 the verify rule's settings move tau: each speculative server's, None where unreported
         if self.cfg.bench.temperature > 0:
-            sampled = {k: sampling_settings(raw) for k, raw in self.infos.items() if raw.get("speculative_algorithm")}
+            sampled = {k: self._sampling(k, raw) for k, raw in self.infos.items() if raw.get("speculative_algorithm")}
         return {
             **base_environment(),
             "backend": self.name,
