@@ -133,7 +133,14 @@ def test_sampled_bench_launches_a_dflash_server_and_records_its_verify(tiny, tmp
         ],
     )
     backend = SGLangBackend(cfg, tmp_path)
-    summary = schedule.run(cfg.eval, cfg.bench, tmp_path, backend, load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer), log=lambda *_: None)
+    summary = schedule.run(
+        cfg.eval,
+        cfg.bench,
+        tmp_path,
+        backend,
+        load_prompt_sets(cfg.target, cfg.bench, backend.tokenizer),
+        log=lambda *_: None,
+    )
     env = backend.environment()
     backend.close()
     assert "--speculative-algorithm DFLASH" in env["launched"]["3/1/4"]
