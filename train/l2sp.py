@@ -16,7 +16,7 @@ loaded; `fingerprint` (Σ w0², over every rank) is recorded in each checkpoint 
 λ that sets itself (`train.l2sp: auto`, `SelfSetLambda`): the run trains its first steps without the pull, then sets
 λ so that the penalty at the end of a plain run would equal the loss that run gains (`self_set_lambda`). Two facts
 make that computable from the first steps alone:
-- The loss gained: the micro-batches of the window's first half are kept (at most PROBE micro-batches per rank),
+- The loss gained: the micro-batches of the window's first half are kept (at most PROBE = 8 micro-batches per rank),
   each with the loss it had when it was trained on; at the window's end they are run again, without a gradient. The
   difference is paired on the same samples, so the sample-to-sample spread of the training loss (a factor of two
   between steps of one sample each) cancels out of it. Their first losses are at weights close to w0: by the law
@@ -113,7 +113,7 @@ def self_set_lambda(gain: float, drift: float, lr_window: float, lr_total: float
     )
 
 
-PROBE = 16  # micro-batches kept per rank, on the host
+PROBE = 8  # micro-batches kept per rank, on the host
 
 
 class SelfSetLambda:
