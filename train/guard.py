@@ -116,6 +116,10 @@ class Guard:
             )
 
     @property
+    def choice(self) -> dict | None:
+        return choose(self.history, self.bound) if self.history else None
+
+    @property
     def needs_start(self) -> bool:
         return not self.history
 

@@ -252,6 +252,9 @@ def settle_lambda(run: Run) -> None:
 def fit(run: Run) -> None:
     """Optimizer steps until train.max_steps (or the epochs) or train.stop_after: log, held-out τ, checkpoints."""
     tcfg, dist, data, engine = run.cfg.train, run.dist, run.data, run.engine
+    if run.heldout.guard is not None and run.heldout.guard.needs_start:  # the guard's reference and first candidate
+        start = run.heldout.run(engine, run.model.config, run.step)
+        dist.print(f"guard: the start's general τ {start['guard_sets']['general']:.4f}")
     dflash = run.kind == DFLASH_KIND
     meter = Meter(run.model.config.block_size - 1 if dflash else tcfg.objective.ttt_steps, dist.device, dflash)
     clock = PhaseClock(dist.device)
@@ -260,10 +263,6 @@ def fit(run: Run) -> None:
         total=run.total, initial=run.step, desc="train", unit="step", disable=not dist.is_main, dynamic_ncols=True
     )  # ETA from the step rate
     stop = run.step >= run.total
-    guard = run.heldout.guard
-    if guard is not None and guard.needs_start:  # the start's τ: the guard's reference, and its first candidate
-        start = run.heldout.run(engine, run.model.config, run.step)
-        dist.print(f"guard: the start's general τ {start['guard_sets']['general']:.4f} ({run.heldout.choice['why']})")
     while not stop:
         for micro_batch in data.epoch(dist, run.epoch, skip=run.batch_in_epoch):
             clock.mark("between")

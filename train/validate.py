@@ -232,7 +232,7 @@ class HeldoutTracker:
             if self.guard_sets
             else None
         )
-        self.choice: dict | None = None  # the guard's latest choice
+        self.choice = self.guard.choice if self.guard is not None else None  # the guard's latest choice
         self.enabled = any(self.sets.values()) or self.guard is not None
         card = read_card(self.best_dir) if resumed else None
         self.best_score = (card.get("heldout_score", card.get("heldout_tau")) if card else None) or -math.inf
