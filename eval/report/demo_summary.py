@@ -71,7 +71,10 @@ def _training(run_dir: Path) -> dict:
         out["l2sp_self_set"] = json.loads(l2sp.read_text())
     data = metrics.parent / "data.json"
     if data.is_file():
-        out["sources"] = json.loads(data.read_text()).get("sources")  # each source's weight and share of the draws
+        trained = json.loads(data.read_text())
+        out["sources"] = trained.get("sources")  # each source's weight and share of the draws
+        if "samples" in trained:  # what was trained on: without the samples the guard set aside
+            out["train_split"] = {"samples": trained["samples"], "loss_tokens": trained.get("answer_tokens")}
     return out
 
 
