@@ -204,6 +204,7 @@ def test_a_warm_start_sets_lambda_itself_and_exports_the_guards_choice(start, tm
     assert rec["lambda"] == lam > 0 and rec["why"] == why and f"λ {lam:.4g} from steps 1-2" in r.stdout
     rows = metrics(run)
     assert [x["l2sp_lambda"] for x in rows] == [0.0] + [lam] * 7  # set at the end of step 2, before its record
+    assert [x["step"] for x in rows if "l2sp_self_set" in x] == [2] and rows[1]["l2sp_self_set"] == rec
     state = json.loads((run / "ckpt" / "step-8" / "trainer_state.json").read_text())
     assert state["l2sp"]["lambda"] == lam and state["l2sp"]["auto"] == rec
     guard = json.loads((run / "train" / "guard.json").read_text())

@@ -312,6 +312,8 @@ def fit(run: Run) -> None:
                     run.last["l2sp_sq"] = float(dist.reduce_sum(run.l2sp.sq.to(dist.device)))
                     run.last["l2sp"] = run.l2sp.lam * run.last["l2sp_sq"]
                     run.last["l2sp_lambda"] = run.l2sp.lam
+                    if run.self_set is not None and (run.self_set.record or {}).get("step") == run.step:
+                        run.last["l2sp_self_set"] = run.self_set.record  # the step λ was set: its value and why
                 if data.online is not None:  # this rank's share of the step that the target's prefill takes
                     run.last["online_prefill_s"] = data.online.take_seconds()
                     run.last["online_share"] = run.last["online_prefill_s"] / (
