@@ -62,7 +62,7 @@ def choose(history: list[dict], bound: float) -> dict:
     floor = (1 - bound) * start[GENERAL]
     kept = [h for h in history if h[GENERAL] >= floor]
     best = max(kept, key=lambda h: h[DOMAIN])  # the first of equals: the earliest
-    trained = [h for h in history[1:]]
+    trained = history[1:]
     kept_trained = [h for h in kept if h is not start]
     base = {
         "step": best["step"],
