@@ -12,7 +12,11 @@ On SmolLM2-135M-Instruct and the shipped drafter (configs/smollm2-135m.yaml), on
   seed: plain (the domain alone: the replay weighs 0), l2sp (train.l2sp), replay (the replay's weight draws a third
   of each epoch's answer tokens from it), both. λ comes from the plain fine-tune alone (`l2sp_lambda`), the replay
   weight from the store's answer tokens (`replay_weight`); OUT/params.json keeps both. Each arm's export is its
-  last step: choosing a step on the held-out sets would tune on them;
+  last step: choosing a step on the held-out sets would tune on them. Two more arms need no plain run first:
+  auto (the replay, and λ set by the run itself: train.l2sp auto) and guard (auto, plus train.guard: 24 replay
+  conversations and 16 training problems set aside as validation splits, the export the best step on the
+  problems among those whose τ on the conversations stays within 1% of the start's; the replay's weight then
+  draws a third from the 72 replay conversations left);
 - compare (OUT/<arm>/compare.json): eval/offline/compare.py, the shipped drafter against each arm's export on every
   held-out set: τ on all tokens and on the loop-free ones, the change and its 90% interval over the conversations;
   then the τ table per set and arm, and each arm against the goal (OUT/table.md, OUT/table.json), printed.
@@ -32,10 +36,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = REPO / "configs" / "smollm2-135m.yaml"
 SHIPPED = "drafters/smollm2-135m"
-ARMS = ("plain", "l2sp", "replay", "both")
-REPLAY = "replay"
 REPLAY_SHARE = 1 / 3  # of the answer tokens an epoch draws, in the replay arms
 DOMAIN = "humaneval"
+REPLAY = "replay"
+ARMS = ("plain", "l2sp", "replay", "both", "auto", "guard")
+GUARD = [  # the guard arm's validation splits, drawn out of the training sources (train/guard.py)
+    f"train.guard.general_from={REPLAY}",
+    "train.guard.general_samples=24",
+    f"train.guard.domain_from={DOMAIN}",
+    "train.guard.domain_samples=16",
+    "train.heldout.eval_every=16",
+    "train.heldout.eval_samples=8",  # the held-out sets are logged, not chosen on: a few of each is enough
+]
 
 
 def sources(replay_weight: float) -> str:
@@ -87,15 +99,23 @@ def harvest(out: Path) -> None:
     run(cmd + sets([sources(1.0), *HARVEST]))
 
 
-def replay_weight(out: Path) -> float:
-    """The replay source's weight that draws REPLAY_SHARE of an epoch's answer tokens from it (the domain at 1)."""
+def replay_weight(out: Path, guarded: bool = False) -> float:
+    """The replay source's weight that draws REPLAY_SHARE of an epoch's answer tokens from it (the domain at 1); with
+    `guarded`, of the samples the guard's validation splits leave to training."""
+    from eagle3ft.config import load_config
     from eagle3ft.data.store import FeatureStore
+    from eagle3ft.train.guard import validation_indices
 
     store = FeatureStore(out / "data" / "features", verify=False)
     ds, names = store.dataset("train", keys=("loss_mask",)), store.sources("train")
+    drawn: set[int] = set()
+    if guarded:
+        cfg = load_config(CONFIG, GUARD)
+        drawn = {i for idx in validation_indices(cfg.train.guard, names, cfg.seed).values() for i in idx}
     tokens = {REPLAY: 0, "other": 0}
-    for n, t in zip(names, ds.loss_tokens()):
-        tokens[REPLAY if n == REPLAY else "other"] += t
+    for i, (n, t) in enumerate(zip(names, ds.loss_tokens())):
+        if i not in drawn:
+            tokens[REPLAY if n == REPLAY else "other"] += t
     return REPLAY_SHARE / (1 - REPLAY_SHARE) * tokens["other"] / tokens[REPLAY]
 
 
@@ -116,13 +136,24 @@ def l2sp_lambda(out: Path) -> float:
 
 def arm_overrides(out: Path, arm: str) -> list[str]:
     params = json.loads((out / "params.json").read_text()) if (out / "params.json").is_file() else {}
-    if arm in ("replay", "both") and "replay_weight" not in params:
+    if arm in ("replay", "both", "auto") and "replay_weight" not in params:
         params["replay_weight"] = replay_weight(out)
+    if arm == "guard" and "replay_weight_guarded" not in params:
+        params["replay_weight_guarded"] = replay_weight(out, guarded=True)
     if arm in ("l2sp", "both") and "l2sp" not in params:
         params["l2sp"] = l2sp_lambda(out)
     (out / "params.json").write_text(json.dumps(params, indent=1) + "\n")
-    weight = params["replay_weight"] if arm in ("replay", "both") else 0.0  # plain and l2sp: the domain alone
-    extra = [f"train.l2sp={params['l2sp']}"] if arm in ("l2sp", "both") else []
+    weight = {"replay": 1, "both": 1, "auto": 1}.get(arm, 0) * params.get("replay_weight", 0.0)
+    if arm == "guard":
+        weight = params["replay_weight_guarded"]
+    extra = {
+        "l2sp": [f"train.l2sp={params.get('l2sp')}"],
+        "both": [f"train.l2sp={params.get('l2sp')}"],
+        "plain": ["train.l2sp=0"],
+        "replay": ["train.l2sp=0"],
+        "auto": ["train.l2sp=auto"],
+        "guard": ["train.l2sp=auto", *GUARD],
+    }[arm]
     return [sources(weight), *HARVEST, *TRAIN, *extra]
 
 

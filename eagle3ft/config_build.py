@@ -78,6 +78,14 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
         else:
             raise ConfigError(f"{where}: a value is required (got nothing/null; only optional keys may be empty)")
     tp = _strip_optional(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):  # e.g. float | Literal["auto"]: the first that fits
+        errors = []
+        for member in typing.get_args(tp):
+            try:
+                return coerce(member, value, where)
+            except ConfigError as e:
+                errors.append(str(e).removeprefix(f"{where}: "))
+        raise ConfigError(f"{where}: {value!r} is none of: {'; '.join(errors)}")
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value

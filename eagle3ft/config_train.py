@@ -27,8 +27,9 @@ class ObjectiveConfig:
     # in the same answer): 1 as every token, 0 cut (loss_mask 0), between a weighted mean over the positions
     loop_weight: float = 1.0
     # L2-SP: λ of the penalty λ·Σ‖w − w0‖² over every trained tensor, w0 the weights the run started from (the warm
-    # start's); 0 = off (train/l2sp.py)
-    l2sp: float = 0.0
+    # start's); 0 = off; auto: set by the run itself after its first steps when it warm-starts (drafter.init), off
+    # from scratch (train/l2sp.py `self_set_lambda`; the value and its reason go to RUN/train/l2sp.json)
+    l2sp: float | Literal["auto"] = 0.0
     # a DFlash drafter's block objective (train/dflash_loss.py; the TTT keys above are EAGLE-3's): blocks sampled per
     # sequence each step among the supervised anchors, and the position weight exp(-(k - 1) / dflash_gamma).
     # 512 x 16 positions x the target vocabulary of logits per sequence is large: the cross-entropy runs in chunks
@@ -42,11 +43,14 @@ class ObjectiveConfig:
     def __post_init__(self) -> None:
         positive(self, "ttt_steps", "step_decay", "lk_eta")
         positive(self, "dflash_num_anchors", "dflash_gamma", "dflash_ce_chunk", "dflash_block_size")
-        non_negative(self, "loop_weight", "l2sp")
+        non_negative(self, "loop_weight")
         at_most(self, 1, "loop_weight")
+        if self.l2sp == "auto":
+            return
         # Adam moves each weight by about lr a step, so after one step the pull 2λ(w − w0) is about 2λ·lr per weight
         # against the loss's gradient (below 1 per weight): at λ 1e4 and the default lr 1e-4 the pull is already 2,
         # and above it the data no longer moves the drafter (near 1e30 Adam's fp32 moments overflow and it never moves)
+        non_negative(self, "l2sp")
         at_most(self, 1e4, "l2sp")
 
 
@@ -148,6 +152,29 @@ class HeldoutConfig:
 
 
 @dataclass
+class GuardConfig:
+    """The guard on what the drafter already knew (train/guard.py): validation splits drawn out of the training
+    sources, never from a held-out set, and the export chosen on them. Off while general_from is null."""
+
+    # the training source (its name in harvest.sources) whose seeded general_samples conversations form the general
+    # validation split, e.g. the replay of general conversations; they are not trained on
+    general_from: str | None = None
+    general_samples: int = 8
+    # the export is the best step on the domain among those whose general τ stays >= (1 - general_bound) x the
+    # start's (the start itself is one of them); none better than the start: the start is exported, and says so
+    general_bound: float = 0.01
+    # the training source whose seeded domain_samples conversations form the domain's validation split, on which
+    # the steps are ranked; null: train.heldout's score (best_on), which makes the held-out sets a choice's input
+    domain_from: str | None = None
+    domain_samples: int = 8
+
+    def __post_init__(self) -> None:
+        positive(self, "general_samples", "domain_samples")
+        non_negative(self, "general_bound")
+        at_most(self, 1, "general_bound")
+
+
+@dataclass
 class LoggingConfig:
     """RUN/train/metrics.jsonl and wandb (train/metrics.py)."""
 
@@ -183,6 +210,7 @@ class TrainConfig:
     data: TrainDataConfig = field(default_factory=TrainDataConfig)  # train.features, more_tokens, ...
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # train.save_every, resume, ...
     heldout: HeldoutConfig = field(default_factory=HeldoutConfig)  # train.eval_every, best_on, ...
+    guard: GuardConfig = field(default_factory=GuardConfig)  # train.general_from, general_bound, domain_from, ...
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # train.log_every, wandb_*
     engine: EngineConfig = field(default_factory=EngineConfig)  # train.deepspeed, precision, compile
 

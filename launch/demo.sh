@@ -7,12 +7,16 @@
 # Stages: harvest (the target regenerates the answers of HumanEval problems: a training part, and a held-out
 # part of other problems, plus MT-Bench questions and everyday prompts held out as the general sets, plus ShareGPT
 # conversations replayed beside the domain in training, none sharing an 8-gram with a held-out set) -> warm-started
-# fine-tune (accelerate, 2 processes; L2-SP toward the shipped weights, the replay a third of the conversations)
+# fine-tune (accelerate, 2 processes; L2-SP toward the shipped weights with a λ the run sets itself, the replay a
+# third of the training conversations, and the guard: conversations of the replay and of the domain's training
+# part set aside, on which the export is chosen: the best on the domain among the steps that keep the general τ
+# within 1% of the start's)
 # -> measure, in one process with one target load: both drafters' offline tau per held-out set, then one live
 # bench, plain, shipped and fine-tuned interleaved on the HumanEval and MT-Bench prompts -> report -> headline ->
 # verdict (eagle3ft compare: per held-out set, tau before -> after with its interval). The recipe is the one
-# benchmarks/forgetting.py found best of plain, L2-SP, replay and both; DEMO_L2SP=0 and DEMO_REPLAY_WEIGHT=0 give
-# the plain fine-tune. Small sizes come from --set overrides on configs/smollm2-135m.yaml, whose drafter.init and
+# benchmarks/forgetting.py found best of plain, L2-SP, replay and both, with λ set by the run and the guard; no
+# choice reads a held-out set. DEMO_L2SP=0 DEMO_REPLAY_WEIGHT=0 DEMO_GUARD= give the plain fine-tune. Small
+# sizes come from --set overrides on configs/smollm2-135m.yaml, whose drafter.init and
 # bench.drafters name the shipped drafter. Rerunning resumes: the harvest keeps its finished shards, training
 # resumes from its newest checkpoint (and is skipped once the drafter is exported), and each measuring stage
 # is skipped when its output is newer than the drafter it measured.
@@ -25,11 +29,14 @@ RUN=${1:-runs/demo}
 CONFIG=${DEMO_CONFIG:-configs/smollm2-135m.yaml}
 SHIPPED=${DEMO_SHIPPED:-drafters/smollm2-135m}
 # The fine-tune keeps the rest with the recipe benchmarks/forgetting.py found best: L2-SP toward the shipped weights
-# (its λ, from that benchmark's plain fine-tune alone) and general conversations replayed as a third of the training
-# conversations (12 beside 24)
+# (λ set by the run from its first steps: train/l2sp.py) and general conversations replayed as a third of the
+# training conversations (12 beside 24); the guard sets 12 other replay conversations and 6 other training problems
+# aside (train/guard.py). The rate 1e-4 and an evaluation every 8 steps were chosen on the guard's own validation
+# splits, never on a held-out set: at 3e-4 no step kept the general validation τ within 1% of the start's
+GUARD=${DEMO_GUARD-replay} # the training source the guard's general validation split is drawn from; empty: no guard
 SETS=(
   --set drafter.init="$SHIPPED"
-  --set "harvest.sources=[{kind: humaneval, limit: 6, split: heldout}, {kind: humaneval, limit: 24, split: train}, {kind: mtbench, limit: 4, split: heldout}, {kind: file, path: data/sets/everyday-v1.jsonl, limit: 6, split: heldout, name: everyday}, {kind: sharegpt, limit: 12, split: train, name: replay, exclude_heldout: true, weight: ${DEMO_REPLAY_WEIGHT:-1}}]"
+  --set "harvest.sources=[{kind: humaneval, limit: 6, split: heldout}, {kind: humaneval, limit: 30, split: train}, {kind: mtbench, limit: 4, split: heldout}, {kind: file, path: data/sets/everyday-v1.jsonl, limit: 6, split: heldout, name: everyday}, {kind: sharegpt, limit: 24, split: train, name: replay, exclude_heldout: true, weight: ${DEMO_REPLAY_WEIGHT:-1}}]"
   --set harvest.max_turns=1
   --set harvest.max_prompt_tokens=320
   --set harvest.max_total_tokens=448
@@ -38,12 +45,16 @@ SETS=(
   --set harvest.shard_samples=24
   --set train.schedule.max_steps=${DEMO_TRAIN_STEPS:-64}
   --set train.objective.ttt_steps=3
-  --set train.optimizer.lr=${DEMO_TRAIN_LR:-3e-4}
-  --set train.objective.l2sp=${DEMO_L2SP:-4e-3}
+  --set train.optimizer.lr=${DEMO_TRAIN_LR:-1e-4}
+  --set train.objective.l2sp=${DEMO_L2SP:-auto}
+  --set "train.guard.general_from=${GUARD}"
+  --set train.guard.general_samples=12
+  --set "train.guard.domain_from=${GUARD:+humaneval}"
+  --set train.guard.domain_samples=6
   --set train.schedule.warmup_steps=4
   --set train.checkpoint.save_every=32
   --set train.batch.max_len=448
-  --set train.heldout.eval_every=0
+  --set train.heldout.eval_every=8
   --set train.logging.wandb_mode=disabled
   --set eval.steps=3
   --set eval.num_draft_tokens=4

@@ -42,6 +42,7 @@ from eagle3ft.drafter.config import DrafterConfig
 from eagle3ft.drafter.vocab import build_vocab, load_vocab, save_vocab
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.batching import EpochOrder, LoopWeighted, collate_packed, epoch_order, pack_bins, sample_spans
+from eagle3ft.train.guard import validation_indices
 from eagle3ft.train.metrics import elapsed, timestamp
 
 TOKEN_KEYS = ("input_ids", "loss_mask")
@@ -293,6 +294,13 @@ class TrainData:
         if len(self.dataset) == 0:
             raise StoreError(f"{self.where}: no training samples (the train split is empty)")
         self.fingerprint = shards_fingerprint(self.dataset.shards)  # recorded in each checkpoint
+        # train.guard: its validation splits leave the training samples before anything is drawn from them
+        drawn = validation_indices(tcfg.guard, names, cfg.seed)
+        self.validation = {k: self.dataset.subset(idx) for k, idx in drawn.items()}
+        if drawn:
+            taken = {i for idx in drawn.values() for i in idx}
+            keep = [i for i in range(len(self.dataset)) if i not in taken]
+            self.dataset, names = self.dataset.subset(keep), [names[i] for i in keep]
         per_sample = self.dataset.loss_tokens()
         self.answer_tokens = self.all_answer_tokens = sum(per_sample)
         of_row = dict(zip(self.dataset.index, zip(names, per_sample)))  # a sample's place in its shard -> both

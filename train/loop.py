@@ -26,13 +26,13 @@ from eagle3ft.config import Config, resolve_path
 from eagle3ft.drafter.dflash_config import DFlashConfig
 from eagle3ft.drafter.export import atomic_dir
 from eagle3ft.drafter.folder import DFLASH_KIND, EAGLE3, drafter_spec, spec_family, write_folder
-from eagle3ft.files import NonFinite, json_text, write_atomic
+from eagle3ft.files import NonFinite, json_text, write_atomic, write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.build import adopt_drafter_vocab, build_drafter, target_head
 from eagle3ft.train.checkpoint import save_checkpoint, truncate_metrics
 from eagle3ft.train.data import TrainData
 from eagle3ft.train.dflash_objective import check_dflash_run, dflash_objective
-from eagle3ft.train.l2sp import L2SP
+from eagle3ft.train.l2sp import L2SP, SelfSetLambda, write_record
 from eagle3ft.train.metrics import Meter, PhaseClock, SetupTimes, diverged, log_record, metrics_record, open_wandb
 from eagle3ft.train.run_state import Run, data_identity, lr_lambda, resume
 from eagle3ft.train.ttt import TTTObjective
@@ -154,9 +154,12 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
     run = Run(cfg, run_dir, dist, data, model, engine, optimizer, scheduler, total, lock, started=started)
     run.identity = data_identity(data, getattr(model, "d2t", None))
     run.kind = spec_family(spec)
-    if tcfg.objective.l2sp > 0:  # w0: the masters before any step or resume, as the build gives them (train/l2sp.py)
+    lam = tcfg.objective.l2sp
+    if lam == "auto" and cfg.drafter.init:  # set by the run itself after its first steps (train/l2sp.py)
+        run.self_set = SelfSetLambda(total, tcfg.schedule.warmup_steps, lambda s: tcfg.optimizer.lr * run.lr_at(s))
+    if run.self_set is not None or (lam != "auto" and lam > 0):  # w0: the masters before any step or resume
         inner, partitions = dist.master_partitions()
-        run.l2sp = L2SP(tcfg.objective.l2sp, partitions)
+        run.l2sp = L2SP(0.0 if run.self_set is not None else lam, partitions)
         run.l2sp.attach(inner)
         run.w0_fingerprint = float(dist.reduce_sum(run.l2sp.local_w0_sq().to(dist.device)))
 
@@ -174,7 +177,15 @@ def setup(cfg: Config, run_dir: Path, on_start: Callable[[dict | None], None] | 
                 dist.print(note)
     depth = model.config.block_size - 1 if run.kind == DFLASH_KIND else None  # a block's chain: its B - 1 drafts
     run.heldout = HeldoutTracker(
-        run_dir, data.heldout(dist.device), cfg.train, cfg.eval, dist, resumed is not None, depth
+        run_dir,
+        data.heldout(dist.device),
+        cfg.train,
+        cfg.eval,
+        dist,
+        resumed is not None,
+        depth,
+        data.validation,
+        run.step,
     )
     took.mark("held-out set")
 
@@ -202,8 +213,7 @@ def open_logs(run: Run, n_train: int) -> None:
         f"drafter: {n_train / 1e6:.1f}M trainable parameters, {start}; {len(data)} training samples, "
         f"{data.answer_tokens:,} answer tokens{subset}{loops} "
         f"({tcfg.data.features}{f', packed in {tcfg.batch.pack_tokens}-token rows' if tcfg.batch.pack_tokens else ''}); "
-        f"{run.total} optimizer steps"
-        + (f"; L2-SP toward the starting weights, λ {tcfg.objective.l2sp:g}" if tcfg.objective.l2sp > 0 else "")
+        f"{run.total} optimizer steps" + l2sp_note(run)
     )
     if data.weights is not None:
         dist.print(
@@ -230,9 +240,29 @@ def open_logs(run: Run, n_train: int) -> None:
     run.wandb_run = open_wandb(cfg, log_dir)
 
 
+def l2sp_note(run: Run) -> str:
+    if run.l2sp is None:
+        return ""
+    if run.self_set is None or run.self_set.record is not None:
+        return f"; L2-SP toward the starting weights, λ {run.l2sp.lam:g}"
+    return f"; L2-SP toward the starting weights, λ set by the run after step {run.self_set.window} (train.l2sp auto)"
+
+
+def settle_lambda(run: Run) -> None:
+    """train.l2sp auto, at the calibration window's end: λ from the run's own first steps, said and recorded."""
+    dist = run.dist
+    rec = run.self_set.settle(run.engine, run.l2sp, dist.reduce_sum, dist.device, run.step)
+    if dist.is_main:
+        write_record(run.metrics_file.parent / "l2sp.json", rec)
+    dist.print(f"train.l2sp auto: λ {rec['lambda']:.4g} from steps 1-{run.step} ({rec['why']})")
+
+
 def fit(run: Run) -> None:
     """Optimizer steps until train.max_steps (or the epochs) or train.stop_after: log, held-out τ, checkpoints."""
     tcfg, dist, data, engine = run.cfg.train, run.dist, run.data, run.engine
+    if run.heldout.guard is not None and run.heldout.guard.needs_start:  # the guard's reference and first candidate
+        start = run.heldout.run(engine, run.model.config, run.step)
+        dist.print(f"guard: the start's general τ {start['guard_sets']['general']:.4f}")
     dflash = run.kind == DFLASH_KIND
     meter = Meter(run.model.config.block_size - 1 if dflash else tcfg.objective.ttt_steps, dist.device, dflash)
     clock = PhaseClock(dist.device)
@@ -251,6 +281,8 @@ def fit(run: Run) -> None:
             with oom_hint(), dist.accumulate(engine):
                 out = engine(batch)
                 clock.mark("forward")
+                if run.self_set is not None:
+                    run.self_set.take(run.step, batch, out.loss)
                 if dist.any(not bool(torch.isfinite(out.loss))):
                     bad = dist.gather_ints(sample_ids if not torch.isfinite(out.loss) else [])
                     raise NonFiniteLoss(
@@ -271,6 +303,9 @@ def fit(run: Run) -> None:
                 run.l2sp.end_step()
             run.step += 1
             clock.step()
+            if run.self_set is not None and run.self_set.due(run.step):
+                settle_lambda(run)
+                clock.pause()
             if run.step == run.start_step + 1:  # the first step carries the warm-up: torch.compile's when on
                 warm_up = " (torch.compile included)" if getattr(run.model, "blocks_compiled", False) else ""
                 dist.print(f"first step: {time.perf_counter() - meter.t0:.1f} s{warm_up}")
@@ -283,7 +318,10 @@ def fit(run: Run) -> None:
                 run.last["phase_s"] = clock.take()  # this rank's seconds per step in each phase
                 if run.l2sp is not None:  # Σ‖w − w0‖² before this step's update, and the penalty λ times it
                     run.last["l2sp_sq"] = float(dist.reduce_sum(run.l2sp.sq.to(dist.device)))
-                    run.last["l2sp"] = tcfg.objective.l2sp * run.last["l2sp_sq"]
+                    run.last["l2sp"] = run.l2sp.lam * run.last["l2sp_sq"]
+                    run.last["l2sp_lambda"] = run.l2sp.lam
+                    if run.self_set is not None and (run.self_set.record or {}).get("step") == run.step:
+                        run.last["l2sp_self_set"] = run.self_set.record  # the step λ was set: its value and why
                 if data.online is not None:  # this rank's share of the step that the target's prefill takes
                     run.last["online_prefill_s"] = data.online.take_seconds()
                     run.last["online_share"] = run.last["online_prefill_s"] / (
@@ -337,9 +375,13 @@ def warn_if_diverging(run: Run) -> None:
 
 
 def export(run: Run) -> None:
-    """run_dir/export: the last step's drafter in SGLang's form, when the run reached its end (once)."""
+    """run_dir/export: the last step's drafter in SGLang's form, when the run reached its end (once); with the guard,
+    the step it chose (RUN/export-best, written when it was chosen)."""
     out, dist, heldout, step = RunDir(run.run_dir), run.dist, run.heldout, run.step
     if not (step >= run.total and (step > run.start_step or not out.export.exists())):
+        return
+    if heldout.guard is not None:
+        export_guarded(run)
         return
     state = dist.full_state_dict(run.engine)
     if dist.is_main:
@@ -357,4 +399,23 @@ def export(run: Run) -> None:
                 f"held-out τ (depth {heldout.depth}): last step {step} {heldout.latest.heldout_tau:.3f}{per_set}; "
                 f"best step {best.get('step')} {best.get('heldout_tau', float('nan')):.3f}{on} in {out.export_best}"
             )
+    dist.barrier()
+
+
+def export_guarded(run: Run) -> None:
+    """RUN/export: the guard's choice (train/guard.py), copied from RUN/export-best; its card says which step, why,
+    and the bound."""
+    import shutil
+
+    out, dist, choice = RunDir(run.run_dir), run.dist, run.heldout.choice
+    if dist.is_main:
+        card = read_card(out.export_best) or {}
+        if card.get("step") != choice["step"]:
+            raise RuntimeError(f"{out.export_best} holds step {card.get('step')}, the guard chose {choice['step']}")
+        with atomic_dir(out.export) as tmp:
+            for f in out.export_best.iterdir():
+                shutil.copy2(f, tmp / f.name)
+            write_json(tmp / "card.json", {**card, "which": "guarded", "guard": choice}, indent=2, newline=True)
+        what = "the start (drafter.init)" if choice["kept_start"] else f"step {choice['step']}"
+        dist.print(f"guard: exported {what} to {out.export}: {choice['why']}")
     dist.barrier()

@@ -29,8 +29,8 @@ from eagle3ft.run_dir import RunDir
 from eagle3ft.train.checkpoint import TRAINER_STATE, step_dirs
 from eagle3ft.train.validate import CARD
 
-TRAIN_LOGS = ("metrics.jsonl", "data.json", "wandb")  # what training writes into RUN/train
-CARD_KINDS = ("last", "best")  # card.json's "which" in RUN/export and RUN/export-best
+TRAIN_LOGS = ("metrics.jsonl", "data.json", "wandb", "l2sp.json", "guard.json")  # what training writes into RUN/train
+CARD_KINDS = ("last", "best", "guarded")  # card.json's "which" in RUN/export and RUN/export-best
 
 
 def _json_object(path: Path) -> dict | None:

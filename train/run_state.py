@@ -24,7 +24,7 @@ from eagle3ft.train.checkpoint import (
     resume_position,
 )
 from eagle3ft.train.data import TrainData
-from eagle3ft.train.l2sp import L2SP
+from eagle3ft.train.l2sp import L2SP, SelfSetLambda
 from eagle3ft.train.metrics import diverged
 from eagle3ft.train.validate import HeldoutTracker
 
@@ -66,6 +66,7 @@ class Run:
     lock: Any  # the run folder's lock (dist.lock_run), released at the end
     heldout: HeldoutTracker | None = None
     l2sp: L2SP | None = None  # train.l2sp's penalty on this rank's master partitions
+    self_set: SelfSetLambda | None = None  # train.l2sp auto: the calibration window, then its record
     w0_fingerprint: float | None = None  # Σ w0² over every rank (train/l2sp.py), recorded in each checkpoint
     identity: dict = field(default_factory=dict)  # the training data's and the vocab's (data_identity), in each one
     wandb_run: Any = None
@@ -78,6 +79,10 @@ class Run:
     warned: bool = False  # the divergence warning was given
     started: float = field(default_factory=time.perf_counter)  # when setup began (the records' elapsed_s)
     kind: str = "eagle3"  # the drafter kind (eagle3ft/drafter/folder.py's family): eagle3 or dflash
+
+    def lr_at(self, step: int) -> float:
+        """The schedule's factor on train.lr at 0-based optimizer step `step`."""
+        return lr_lambda(self.cfg.train, self.total)(step)
 
     @property
     def metrics_file(self) -> Path:
@@ -102,7 +107,15 @@ class Run:
             "first_loss": self.first_loss,
             "data_identity": self.identity,
             **(
-                {"l2sp": {"lambda": tcfg.objective.l2sp, "w0_sq": self.w0_fingerprint}} if self.l2sp is not None else {}
+                {
+                    "l2sp": {
+                        "lambda": self.l2sp.lam,
+                        "w0_sq": self.w0_fingerprint,
+                        **({"auto": self.self_set.record} if self.self_set is not None else {}),
+                    }
+                }
+                if self.l2sp is not None
+                else {}
             ),
         }
 
@@ -177,6 +190,10 @@ def resume(run: Run) -> dict | None:
         st, rng_note = load_checkpoint(run.dist, ckpt, run.cfg.seed, verify=run.cfg.train.checkpoint.resume != "auto")
         check_objective(run, st, ckpt)
         check_w0(run, st, ckpt)
+        if run.self_set is not None and (
+            note := run.self_set.restore((st.get("l2sp") or {}).get("auto"), run.l2sp, st["step"])
+        ):
+            run.dist.print(note)
         check_identity(run, st, ckpt)
         run.step, run.first_loss = st["step"], st.get("first_loss")
         run.epoch, run.batch_in_epoch = resume_position(

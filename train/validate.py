@@ -29,6 +29,7 @@ from eagle3ft.drafter.folder import DrafterFolder
 from eagle3ft.files import write_json
 from eagle3ft.run_dir import RunDir
 from eagle3ft.train.dist import Dist
+from eagle3ft.train.guard import DOMAIN, GENERAL, Guard
 
 
 @dataclass
@@ -197,9 +198,12 @@ class HeldoutTracker:
         dist: Dist,
         resumed: bool,
         depth: int | None = None,
+        validation: dict | None = None,
+        resumed_step: int | None = None,
     ) -> None:
         """heldout: (items, where, features, each item's source name) as train/data.py's TrainData.heldout gives
-        them. depth: the chain's length (default eval.steps; a DFlash drafter's block drafts B - 1)."""
+        them. depth: the chain's length (default eval.steps; a DFlash drafter's block drafts B - 1). validation:
+        train.guard's splits (TrainData.validation), which choose RUN/export-best and RUN/export (train/guard.py)."""
         tcfg = train
         self.block = depth is not None  # a DFlash drafter's walk over blocks
         self.dist, self.depth, self.every, self.best_on = (
@@ -223,7 +227,17 @@ class HeldoutTracker:
             )
             for name, idx in groups.items()
         }
-        self.enabled = any(self.sets.values())
+        self.guard_sets = {
+            name: heldout_batches(ds, len(ds), dist.rank, dist.world, tcfg.batch.micro_batch_size, tcfg.batch.max_len)
+            for name, ds in (validation or {}).items()
+        }
+        self.guard = (
+            Guard(tcfg.guard, RunDir(run_dir).metrics.parent / "guard.json", resumed_step if resumed else None)
+            if self.guard_sets
+            else None
+        )
+        self.choice = self.guard.choice if self.guard is not None else None  # the guard's latest choice
+        self.enabled = any(self.sets.values()) or self.guard is not None
         card = read_card(self.best_dir) if resumed else None
         self.best_score = (card.get("heldout_score", card.get("heldout_tau")) if card else None) or -math.inf
         self.latest: HeldoutTau | None = None
@@ -238,20 +252,21 @@ class HeldoutTracker:
     def due(self, step: int, total: int) -> bool:
         return self.enabled and (step >= total or (self.every > 0 and step % self.every == 0))
 
+    def _tau(self, engine, batches, step: int) -> HeldoutTau:
+        return heldout_tau(
+            lambda b: engine(b, steps=self.depth),
+            batches,
+            self.depth,
+            step,
+            self.dist.reduce_sum,
+            self.dist.device,
+            self.features,
+        )
+
     def evaluate(self, engine, step: int) -> HeldoutTau:
-        """τ of each held-out set and over all of them (`latest`, `latest_sets`)."""
-        per_set = {
-            name: heldout_tau(
-                lambda b: engine(b, steps=self.depth),
-                batches,
-                self.depth,
-                step,
-                self.dist.reduce_sum,
-                self.dist.device,
-                self.features,
-            )
-            for name, batches in self.sets.items()
-        }
+        """τ of each held-out set and over all of them (`latest`, `latest_sets`); with the guard, τ of its
+        validation splits and its choice (`choice`)."""
+        per_set = {name: self._tau(engine, batches, step) for name, batches in self.sets.items()}
         correct = [sum(r.chain_correct[k] for r in per_set.values()) for k in range(self.depth)]
         valid = [sum(r.chain_valid[k] for r in per_set.values()) for k in range(self.depth)]
         tau, cond = tau_from_counts(correct, valid)
@@ -263,6 +278,13 @@ class HeldoutTracker:
         else:
             score = tau
         self.latest_sets = {"heldout_sets": sets, "heldout_score": score, "best_on": dict(self.best_on)}
+        if self.guard is not None:
+            guard = {name: self._tau(engine, b, step).heldout_tau for name, b in self.guard_sets.items()}
+            domain = guard.get(DOMAIN, score)
+            self.choice = self.guard.observe(step, guard[GENERAL], domain)
+            if self.dist.is_main:
+                self.guard.write(self.choice)
+            self.latest_sets["guard_sets"] = guard
         return self.latest
 
     def keep_if_best(self, engine, drafter_config, result: HeldoutTau) -> bool:
@@ -271,7 +293,11 @@ class HeldoutTracker:
         from eagle3ft.drafter.folder import write_folder
 
         score = self.latest_sets["heldout_score"]
-        if not score > self.best_score:
+        if self.guard is not None:  # the guard's choice, not the held-out score, picks the best
+            if self.choice["step"] != result.step:
+                return False
+            self.latest_sets["guard"] = self.choice
+        elif not score > self.best_score:
             return False
         self.best_score = score
         state = self.dist.full_state_dict(engine)
@@ -293,6 +319,11 @@ class HeldoutTracker:
             "heldout_score": self.latest_sets["heldout_score"],
             "heldout_best": best,
             "heldout_best_score": self.best_score,
+            **(
+                {"guard_sets": self.latest_sets["guard_sets"], "guard_choice": self.choice["step"]}
+                if self.guard is not None
+                else {}
+            ),
         }
 
 

@@ -68,9 +68,15 @@ def _training(run_dir: Path) -> dict:
     card = RunDir(run_dir).export / "card.json"
     if card.is_file():
         out["export_card"] = json.loads(card.read_text())
+    l2sp = metrics.parent / "l2sp.json"  # train.l2sp auto: the λ the run set, and why
+    if l2sp.is_file():
+        out["l2sp_self_set"] = json.loads(l2sp.read_text())
     data = metrics.parent / "data.json"
     if data.is_file():
-        out["sources"] = json.loads(data.read_text()).get("sources")  # each source's weight and share of the draws
+        trained = json.loads(data.read_text())
+        out["sources"] = trained.get("sources")  # each source's weight and share of the draws
+        if "samples" in trained:  # what was trained on: without the samples the guard set aside
+            out["train_split"] = {"samples": trained["samples"], "loss_tokens": trained.get("answer_tokens")}
     return out
 
 
@@ -147,12 +153,22 @@ def format_headline(h: dict) -> str:
         f"tokens), setting {h['setting']} (steps/topk/draft tokens)"
     ]
     mix = t.get("sources") or {}
-    recipe = [f"L2-SP toward the {h['before']} weights (λ {t['l2sp']:g})"] if t.get("l2sp") else []
+    auto = t.get("l2sp_self_set")
+    if auto:
+        recipe = [
+            f"L2-SP toward the {h['before']} weights (λ {auto['lambda']:.3g}, set by the run after step {auto['step']})"
+        ]
+    else:
+        recipe = (
+            [f"L2-SP toward the {h['before']} weights (λ {t['l2sp']:g})"] if t.get("l2sp") not in (0, "auto") else []
+        )
     if len(mix) > 1:
         shares = ", ".join(f"{n} {m['share']:.0%}" for n, m in mix.items())
         recipe.append(f"answer tokens drawn per source: {shares}")
     if recipe:
         lines.append("recipe: " + "; ".join(recipe))
+    if card.get("guard"):
+        lines.append(f"export chosen by the guard: {card['guard']['why']}")
     for s in h["sets"]:
         lines.append(f"{s['role']} ({s['kind']}):")
         off = s.get("offline")

@@ -131,11 +131,11 @@ def _md_train(r: dict) -> list[str]:
             if "heldout_tau" in card
             else ""
         )
-        role = (
-            "the last step, what SGLang is pointed at by default"
-            if card.get("which") == "last"
-            else "the best step by held-out τ"
-        )
+        role = {
+            "last": "the last step, what SGLang is pointed at by default",
+            "guarded": "the guard's choice, what SGLang is pointed at by default: "
+            + (card.get("guard") or {}).get("why", ""),
+        }.get(card.get("which"), "the best step by held-out τ")
         L += [f"- `{name}/`: {role}: step {card.get('step')}{tau}."]
     if r["train"].get("exports"):
         L.append("")
