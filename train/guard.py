@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from eagle3ft.config_train import GuardConfig
+
 GENERAL, DOMAIN = "general", "domain"  # the validation splits' names in the records
 
 
@@ -39,7 +41,7 @@ def draw(names: list[str | None], source: str, n: int, seed: int, key: str) -> l
     return sorted(of_source[i] for i in order[:n])
 
 
-def validation_indices(gcfg, names: list[str | None], seed: int) -> dict[str, list[int]]:
+def validation_indices(gcfg: GuardConfig, names: list[str | None], seed: int) -> dict[str, list[int]]:
     """{general: indices, domain: indices} of the training samples set aside (empty when the guard is off)."""
     if gcfg.general_from is None:
         return {}
@@ -103,7 +105,7 @@ def choose(history: list[dict], bound: float) -> dict:
 class Guard:
     """The evaluations' history (start first) and the choice, kept in RUN/train/guard.json by the main process."""
 
-    def __init__(self, gcfg, path: Path, resumed_step: int | None) -> None:
+    def __init__(self, gcfg: GuardConfig, path: Path, resumed_step: int | None) -> None:
         self.bound, self.domain_from, self.path = gcfg.general_bound, gcfg.domain_from, path
         self.history: list[dict] = []
         if resumed_step is not None and path.is_file():
