@@ -27,6 +27,9 @@
 #                                                 (SGLang and DeepSpeed wheels, SmolLM2's ChatML tokenizer as a
 #                                                 folder standing in for K2's, ShareGPT first turns, MT-Bench);
 #                                                 LITE=1: all but SGLang, one piece, for STEPS="weights embedded train"
+#                                                 PIECE=29m: 4 pieces, two per call, where the calls' tree leaves
+#                                                 out benchmarks/results and the shipped drafter's weights (neither
+#                                                 is read there; ~3 MiB left): the stashes take two calls, not three
 #   bash benchmarks/leases/live_speedup.sh stash .carry/k2/N   there, one call per piece (carry that folder)
 #   bash benchmarks/leases/k2_rehearsal.sh start         there: install, then the steps in the background (setsid); in the
 #                                                 call of the last piece's stash, with `wait 530` after it (600 s)
