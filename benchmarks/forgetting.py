@@ -173,13 +173,16 @@ def compare_arms(out: Path, arms: tuple[str, ...]) -> dict:
     """Every arm's export against the shipped drafter on every held-out set (eval/offline/compare.py), the shipped drafter's
     walk measured once; each drafter's walk kept in OUT/walks/<label>.json."""
     from eagle3ft.config import load_config
+    from eagle3ft.drafter.folder import DrafterFolder
     from eagle3ft.eval.offline import compare
 
     cfg = load_config(CONFIG, [sources(1.0), *HARVEST, *TRAIN])
     cache = out / "walks"
     cache.mkdir(exist_ok=True)
     folders = {"shipped": REPO / SHIPPED, **{arm: out / arm / "export" for arm in arms}}
-    todo = {k: v for k, v in folders.items() if not (cache / f"{k}.json").is_file()}
+    todo = {  # the drafters whose walk is not kept yet, each opened once
+        k: DrafterFolder(v, f"{k}'s export") for k, v in folders.items() if not (cache / f"{k}.json").is_file()
+    }
     if todo:
         for label, walk in compare.drafter_walks(cfg.eval, cfg.target, cfg.harvest, out / "data", todo).items():
             (cache / f"{label}.json").write_text(json.dumps({n: t.per_sample for n, t in walk.items()}) + "\n")

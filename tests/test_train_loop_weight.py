@@ -142,7 +142,7 @@ def test_data_summary_gives_the_loop_tokens_and_their_share(run, tmp_path, capsy
     data = TrainData(cfg("train.objective.loop_weight=0.5"), run)
     log = tmp_path / "train" / "metrics.jsonl"
     fake = SimpleNamespace(
-        cfg=data.cfg, dist=SimpleNamespace(print=print), metrics_file=log, step=0, data=data, total=1
+        cfg=data.cfg, dist=SimpleNamespace(print=print), metrics_file=log, step=0, data=data, total=1, l2sp=None
     )
     open_logs(fake, 1000)
     summary = json.loads((tmp_path / "train" / "data.json").read_text())
