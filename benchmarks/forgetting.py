@@ -1,6 +1,6 @@
 """Does a fine-tune on one domain cost the drafter what it knew, and do L2-SP and a replay mix keep it?
 
-    python benchmarks/forgetting.py all --out runs/forgetting        # harvest, four fine-tunes, the verdicts, table
+    python benchmarks/forgetting.py all --out runs/forgetting        # harvest, six fine-tunes, the verdicts, table
     python benchmarks/forgetting.py harvest|train|compare --out runs/forgetting [--arms plain,both]
 
 On SmolLM2-135M-Instruct and the shipped drafter (configs/smollm2-135m.yaml), on the CPU:
