@@ -195,7 +195,7 @@ def test_dflash_launch_resolves_as_0_5_17s_hook():
 
 @pytest.mark.slow
 def test_plain_eagle3_and_dflash_servers_benched_together(tiny, tmp_path, capsys, monkeypatch):
-    """The lease plan's bench (benchmarks/leases/dflash_lease.sh): `eagle3ft bench` with a plain server, an EAGLE3 one
+    """The lease plan's bench (benchmarks/leases/dflash_vs_eagle3_live.sh): `eagle3ft bench` with a plain server, an EAGLE3 one
     and a DFLASH one given by URL, both settings interleaved per prompt, the DFlash export as eval.checkpoint; the
     summary prices each setting by its own measured cycle."""
     from eagle3ft.commands import main

@@ -24,9 +24,9 @@
 # Usage, from this machine (device calls back to back):
 #   bash benchmarks/leases/live_speedup.sh pack            here, once: the wheels, the GGUF, ShareGPT, MT-Bench
 #   bash benchmarks/leases/live_speedup.sh stash DIR       there: one call per carried piece
-#   bash benchmarks/leases/dflash_lease.sh resume DIR      there, a second lease only: the first lease's $OUT files
-#   bash benchmarks/leases/dflash_lease.sh start           there: install, convert the target, the steps (setsid)
-#   bash benchmarks/leases/dflash_lease.sh wait SECS       there: until done or SECS; $L and the export into $OUT
+#   bash benchmarks/leases/dflash_vs_eagle3_live.sh resume DIR      there, a second lease only: the first lease's $OUT files
+#   bash benchmarks/leases/dflash_vs_eagle3_live.sh start           there: install, convert the target, the steps (setsid)
+#   bash benchmarks/leases/dflash_vs_eagle3_live.sh wait SECS       there: until done or SECS; $L and the export into $OUT
 # Env: C (/tmp/c), L (/tmp/L), S (/tmp/S), MODEL (/tmp/smol-hf), SGL_DIR (/tmp/sgl), STEPS (regen layers harvest train
 # serve bench), SEEDS (0 1), REGEN_T (0.8), REGEN_S (120: one server answered 33.6 k tokens/s at 256 in flight, shared
 # GUIDE.md, so two seeds on two servers should pass 10 M if they do not slow each other; regen-<seed>.json counts them), NEW (512 new tokens a turn), LAYERS (32), AUX_DTYPE (fp8), TRAIN_S (600; held-out tau every
@@ -35,7 +35,7 @@
 # category, 60), CONVS and MTB_LIMIT (conversations kept; unset: all).
 # Two leases of 30 min: the first for install, regen, layers, harvest and train (~28 min at these defaults), the
 # second (after `resume`) for serve and bench (~15 min: 60 prompts x 512 tokens, 3 arms x 3 repetitions x 2 T). On a CPU, the steps that need no SGLang run on the tiny
-# target with CONFIG, DFLASH, REGEN_BACKEND=hf, DEVICE=cpu, ACCEL and MODEL unset (tests/test_dflash_lease_plan.py).
+# target with CONFIG, DFLASH, REGEN_BACKEND=hf, DEVICE=cpu, ACCEL and MODEL unset (tests/test_dflash_vs_eagle3_live_plan.py).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 C=${C:-/tmp/c} L=${L:-/tmp/L} S=${S:-/tmp/S} MODEL=${MODEL-/tmp/smol-hf} SGL_DIR=${SGL_DIR:-/tmp/sgl} PY=${PY:-python3}
@@ -195,7 +195,7 @@ case ${1:-} in
     [[ -f $MODEL/config.json ]] || $PY benchmarks/sglang_target.py export-hf --config "$CONFIG" \
       --set "target.path=/tmp/lspack/SmolLM2-135M-Instruct.Q4_1.gguf" --out "$MODEL" || exit 1
     tree=/tmp/tree-dflash-$$ && mkdir -p "$tree" && tar --exclude=./.carry --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$tree"
-    (cd "$tree" && PYTHONPATH=$PYTHONPATH setsid nohup bash benchmarks/leases/dflash_lease.sh run >> "$L/log" 2>&1 < /dev/null &)
+    (cd "$tree" && PYTHONPATH=$PYTHONPATH setsid nohup bash benchmarks/leases/dflash_vs_eagle3_live.sh run >> "$L/log" 2>&1 < /dev/null &)
     echo "started from $tree" ;;
   run) mkdir -p "$L" "$S"; rm -f "$L/.done"; say "steps: $STEPS"; run; say done; touch "$L/.done" ;;
   wait)

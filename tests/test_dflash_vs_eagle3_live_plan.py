@@ -1,4 +1,4 @@
-"""benchmarks/leases/dflash_lease.sh, the DFlash lease plan, on the CPU where it needs no SGLang: its regen (through
+"""benchmarks/leases/dflash_vs_eagle3_live.sh, the DFlash lease plan, on the CPU where it needs no SGLang: its regen (through
 the embedded backend instead of the plain servers), harvest and train steps on the tiny target with the tiny DFlash
 drafter, through the plan's own command lines; a rerun skips the steps done, and a second lease resumes from what
 `wait` packed."""
@@ -20,7 +20,7 @@ from eagle3ft.drafter import dflash_export
 sys.path.insert(0, str(Path(__file__).parent))
 from free_ports import free_ports  # noqa: E402
 
-PLAN = "benchmarks/leases/dflash_lease.sh"
+PLAN = "benchmarks/leases/dflash_vs_eagle3_live.sh"
 
 
 def plan(env: dict, *args: str) -> subprocess.CompletedProcess:
